@@ -1,0 +1,80 @@
+"""The per-source index file: its name, Arrow schema and metadata, and how to read it.
+
+One Parquet file per source, ``<source dir>/_index.parquet`` (the leading underscore keeps
+Parquet dataset readers from mistaking it for data), one row per sample. The data plane plans
+from these files alone; it never opens a payload.
+
+Columns:
+- ``shard``: shard path relative to the source directory;
+- ``key``: the sample's key;
+- ``offset``, ``size``: for tar shards the byte range that holds all of the sample's members,
+  headers included (a contiguous slice of the tar); for Parquet the row group and the row
+  within it; for JSONL the byte range of the line;
+- ``members``: tar only, each member's name and the byte range of its data;
+- cost features: ``text_tokens`` (non-media tokens, ``<eos>`` included), ``image_patches``
+  (patches per image), ``video_patches`` (t·h·w patches per clip), ``audio_frames`` (log-mel
+  frames per clip), ``llm_tokens`` (the whole sequence after media expansion);
+- ``error``: null for a good sample; for a corrupt one, why (the sample is kept in the index,
+  marked, so that audits can account for it, and planners skip it).
+
+File metadata (key ``omniscale``, JSON): index version, source format, the media geometry and
+tokenizer fingerprint the features were computed with, and one fingerprint per shard so that a
+re-index skips unchanged shards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dataplane.errors import UserError
+
+INDEX_FILENAME = "_index.parquet"
+INDEX_VERSION = 1
+METADATA_KEY = b"omniscale"
+
+MEMBER_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
+
+INDEX_SCHEMA = pa.schema([
+    ("shard", pa.string()),
+    ("key", pa.string()),
+    ("offset", pa.int64()),
+    ("size", pa.int64()),
+    ("members", pa.list_(MEMBER_TYPE)),
+    ("text_tokens", pa.int32()),
+    ("image_patches", pa.list_(pa.int32())),
+    ("video_patches", pa.list_(pa.int32())),
+    ("audio_frames", pa.list_(pa.int32())),
+    ("llm_tokens", pa.int32()),
+    ("error", pa.string()),
+])
+
+
+def index_path(source_dir: str | Path) -> Path:
+    return Path(source_dir) / INDEX_FILENAME
+
+
+def read_index(source_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """The source's index table; a UserError naming the directory if there is none."""
+    path = index_path(source_dir)
+    if not path.is_file():
+        raise UserError(f"{source_dir}: no index ({INDEX_FILENAME}); run `omniscale data index "
+                        f"{source_dir}` first")
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"{path}: unreadable index ({e}); delete it and re-index") from None
+
+
+def read_index_metadata(source_dir: str | Path) -> dict:
+    """The index's ``omniscale`` metadata, or {} when there is no readable index."""
+    path = index_path(source_dir)
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (FileNotFoundError, pa.ArrowInvalid, OSError):
+        return {}
+    raw = meta.get(METADATA_KEY)
+    return json.loads(raw) if raw else {}

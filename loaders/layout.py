@@ -1,0 +1,68 @@
+"""How a sample is laid out in a source, and how it becomes one LLM sequence.
+
+WebDataset convention: the members of one sample share a key (the member name up to its first
+dot) and are contiguous in the tar. The rest of the name says what the member is:
+
+- ``KEY.txt``: the sample's text (UTF-8). Media markers ``<image>``, ``<video>``, ``<audio>`` in
+  it say where each media item goes (interleaved documents);
+- ``KEY.json``: metadata (labels for evaluation, provenance) -- never tokenized;
+- media: ``KEY.jpg`` / ``KEY.png`` / ``KEY.mp4`` / ``KEY.wav`` / ``KEY.flac`` …, or
+  ``KEY.N.ext`` for several items, taken in order of ``N``.
+
+Parquet and JSONL sources hold text only: a ``text`` field and an optional ``key``.
+
+The LLM sequence of a sample is: a placeholder block for every media item the text does not
+mark (caption samples: media first, then the caption), the text with every marker expanded to
+the media item's placeholder block, then ``<eos>``. Hence the index's cost features:
+``text_tokens`` = non-media tokens including ``<eos>``, and
+``llm_tokens`` = ``text_tokens`` + the placeholder tokens of every media item.
+"""
+
+from __future__ import annotations
+
+import re
+
+PAD, EOS = "<pad>", "<eos>"
+IMAGE, VIDEO, AUDIO = "<image>", "<video>", "<audio>"
+SPECIAL_TOKENS = [PAD, EOS, IMAGE, VIDEO, AUDIO]
+MARKER_OF = {"image": IMAGE, "video": VIDEO, "audio": AUDIO}
+
+IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif"})
+VIDEO_EXTS = frozenset({"mp4", "webm", "mkv", "avi", "mov"})
+AUDIO_EXTS = frozenset({"wav", "flac", "ogg", "mp3"})
+TEXT_EXTS = frozenset({"txt"})
+META_EXTS = frozenset({"json"})
+
+FORMATS = ("webdataset", "parquet", "jsonl")
+TEMPLATES = ("text", "image_caption", "video_caption", "audio_caption", "interleaved")
+
+_NUMBERED = re.compile(r"^(\d+)\.(.+)$")
+
+
+def split_member_name(name: str) -> tuple[str, str]:
+    """``dir/key.0.jpg`` -> (``dir/key``, ``0.jpg``): key up to the basename's first dot."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return name, ""
+    return name[:dot], name[dot + 1:]
+
+
+def member_kind(suffix: str) -> str | None:
+    """``image``, ``video``, ``audio``, ``text``, ``meta``, or None for a member we ignore."""
+    ext = suffix.rsplit(".", 1)[-1].lower()
+    for kind, exts in (("image", IMAGE_EXTS), ("video", VIDEO_EXTS), ("audio", AUDIO_EXTS),
+                       ("text", TEXT_EXTS), ("meta", META_EXTS)):
+        if ext in exts:
+            return kind
+    return None
+
+
+def media_order(suffix: str) -> tuple[int, str]:
+    """Sort key that puts ``2.jpg`` before ``10.jpg`` and an unnumbered item first."""
+    m = _NUMBERED.match(suffix)
+    return (int(m.group(1)), suffix) if m else (-1, suffix)
+
+
+def count_markers(text: str) -> dict[str, int]:
+    return {kind: text.count(marker) for kind, marker in MARKER_OF.items()}

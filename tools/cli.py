@@ -1,0 +1,99 @@
+"""The ``omniscale`` command line.
+
+Every subcommand turns a :class:`dataplane.errors.UserError` into one line on stderr and a
+non-zero exit; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dataplane.errors import UserError
+
+EXIT_USER_ERROR = 2
+EXIT_CORRUPT = 3  # index written, but some members were corrupt and are marked in it
+
+
+def _data_demo(args: argparse.Namespace) -> int:
+    from tools.demo import generate
+
+    generate(Path(args.out), scale=args.scale, seed=args.seed, workers=args.workers)
+    return 0
+
+
+def _data_index(args: argparse.Namespace) -> int:
+    from loaders.index import index_paths
+
+    reports = index_paths([Path(p) for p in args.paths], tokenizer=args.tokenizer,
+                          workers=args.workers, force=args.force)
+    corrupt = sum(r.corrupt for r in reports)
+    for report in reports:
+        for line in report.errors:
+            print(line, file=sys.stderr)
+    if corrupt and not args.allow_corrupt:
+        print(f"omniscale: {corrupt} corrupt member(s) marked in the index and skipped "
+              "(--allow-corrupt exits 0)", file=sys.stderr)
+        return EXIT_CORRUPT
+    return 0
+
+
+def _data_inspect(args: argparse.Namespace) -> int:
+    from tools.mix_report import inspect_spec
+
+    steps = [int(s) for s in args.steps.split(",")] if args.steps else None
+    inspect_spec(Path(args.spec), plot=Path(args.plot) if args.plot else None, steps=steps)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omniscale", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    data = commands.add_parser("data", help="demo data, source indexes, mixing specs")
+    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+
+    demo = data_commands.add_parser("demo", help="generate the demo omni dataset")
+    demo.add_argument("out", help="output directory")
+    demo.add_argument("--scale", choices=("tiny", "small", "medium"), default="tiny")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    demo.set_defaults(func=_data_demo)
+
+    index = data_commands.add_parser(
+        "index", help="write each source's Parquet index (cost features from headers only)")
+    index.add_argument("paths", nargs="+", metavar="PATH",
+                       help="a mixing spec (indexes all its sources) or a source directory")
+    index.add_argument("--tokenizer", type=Path, default=None,
+                       help="tokenizer.json (default: the spec's, or the nearest one above "
+                            "the source directory)")
+    index.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    index.add_argument("--force", action="store_true", help="re-index unchanged shards too")
+    index.add_argument("--allow-corrupt", action="store_true",
+                       help="exit 0 even when corrupt members were found (they stay marked)")
+    index.set_defaults(func=_data_index)
+
+    inspect = data_commands.add_parser(
+        "inspect", help="per-source counts, length percentiles and the schedule's weights")
+    inspect.add_argument("spec", help="mixing spec (YAML)")
+    inspect.add_argument("--plot", metavar="FILE.png", help="draw length histograms and schedule")
+    inspect.add_argument("--steps", help="comma-separated steps (or tokens) to show weights at")
+    inspect.set_defaults(func=_data_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"omniscale: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("omniscale: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
