@@ -1,0 +1,3 @@
+"""Compute-aware planning: cost model, packing, rank assignment, grouped reordering.
+
+Pure array code (numpy, numba): no I/O, no torch."""

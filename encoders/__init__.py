@@ -1,0 +1,1 @@
+"""Vision (image, video) and audio encoders and their projectors: plain nn.Modules."""

@@ -1,0 +1,1 @@
+"""Fused ops: a torch reference per op plus Triton / flash-attn versions, one registry."""

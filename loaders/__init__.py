@@ -1,0 +1,1 @@
+"""Trainer-side data path: source formats, the source index, decoders, packed batches."""

@@ -1,0 +1,1 @@
+"""Parallelism applied from outside: named mesh, apply_* functions, collectives, checkpoints."""

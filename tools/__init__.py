@@ -1,0 +1,1 @@
+"""The omniscale CLI, demo data, trainer entry, benchmarks and reports."""
