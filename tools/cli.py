@@ -42,7 +42,12 @@ def _data_index(args: argparse.Namespace) -> int:
 def _data_inspect(args: argparse.Namespace) -> int:
     from tools.mix_report import inspect_spec
 
-    steps = [int(s) for s in args.steps.split(",")] if args.steps else None
+    steps = None
+    if args.steps:
+        try:
+            steps = [float(s) for s in args.steps.split(",")]
+        except ValueError:
+            raise UserError(f"--steps: expected comma-separated numbers, got {args.steps!r}") from None
     inspect_spec(Path(args.spec), plot=Path(args.plot) if args.plot else None, steps=steps)
     return 0
 
