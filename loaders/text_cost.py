@@ -1,0 +1,75 @@
+"""Text token counts for the index, with the dataset's own tokenizer.
+
+``text_tokens`` (see ``loaders.layout``) counts every token of the sequence that is not a media
+placeholder, ``<eos>`` included: the text's tokens, minus the media markers (each becomes a
+placeholder block accounted with its media item), plus one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from dataplane.errors import UserError
+from loaders.layout import EOS, MARKER_OF
+
+TOKENIZER_FILENAME = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class TokenCounter:
+    """A loaded tokenizer and the ids of its media markers."""
+
+    tokenizer: object  # tokenizers.Tokenizer
+    marker_ids: frozenset[int]
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TokenCounter":
+        """Load ``tokenizer.json``; a UserError when it is unreadable or lacks the markers.
+
+        The markers must be single tokens, or the count of non-media tokens would depend on
+        how the tokenizer happens to split ``<image>``.
+        """
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 -- the tokenizers library raises bare Exceptions
+            raise UserError(f"{path}: not a readable tokenizer ({' '.join(str(e).split())})"
+                            ) from None
+        ids = {}
+        for token in (EOS, *MARKER_OF.values()):
+            ids[token] = tokenizer.token_to_id(token)
+            if ids[token] is None:
+                raise UserError(f"{path}: has no token {token!r} (the tokenizer must define "
+                                "loaders.layout.SPECIAL_TOKENS as special tokens)")
+        return cls(tokenizer, frozenset(ids[m] for m in MARKER_OF.values()))
+
+    def text_tokens(self, text: str) -> int:
+        return self.text_tokens_batch([text])[0]
+
+    def text_tokens_batch(self, texts: list[str]) -> list[int]:
+        """Non-media tokens of each text, ``<eos>`` included."""
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [len(e.ids) - sum(i in self.marker_ids for i in e.ids) + 1 for e in encodings]
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """sha256 of the tokenizer file: features are stale when it changes, whatever its mtime."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def find_tokenizer(source_dir: str | Path) -> Path:
+    """The nearest ``tokenizer.json`` in the source directory or one of its parents."""
+    start = Path(source_dir).resolve()
+    for directory in (start, *start.parents):
+        candidate = directory / TOKENIZER_FILENAME
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"{source_dir}: no {TOKENIZER_FILENAME} in it or its parents; pass "
+                    "--tokenizer")
