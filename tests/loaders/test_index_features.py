@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import io
 import json
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from decode_oracle import assert_row_matches_full_decode, text_tokens_of
 from index_fixtures import (audio_bytes, caption_members, image_bytes, video_bytes,
                             write_jsonl, write_tar, write_tokenizer)
 
-from loaders.geometry import (MediaGeometry, audio_tokens, image_grid, video_frame_indices,
-                              video_grid, vision_tokens)
+from loaders.geometry import MediaGeometry
 from loaders.index import index_source
 from loaders.index_schema import read_index
-from loaders.layout import MARKER_OF, media_order, member_kind
 
 # Small audio_max_seconds so that one clip is truncated.
 GEOMETRY = MediaGeometry(audio_max_seconds=2.0)
@@ -49,73 +46,14 @@ def omni(tmp_path_factory):
     return source, tokenizer, report
 
 
-def full_decode_features(kind: str, data: bytes, g: MediaGeometry) -> tuple[int, int]:
-    """(feature, LLM tokens) of one media item measured by decoding all of it."""
-    if kind == "image":
-        from PIL import Image
-
-        image = Image.open(io.BytesIO(data))
-        image.load()
-        grid = image_grid(image.height, image.width, g)
-        return int(np.prod(grid)), vision_tokens(grid, g)
-    if kind == "video":
-        import decord
-
-        reader = decord.VideoReader(io.BytesIO(data))
-        n, fps = len(reader), reader.get_avg_fps()
-        height, width = reader[0].shape[:2]
-        grid = video_grid(n, fps, height, width, g)
-        frames = reader.get_batch(video_frame_indices(n, fps, g)).shape[0]
-        assert frames == grid[0] * g.temporal_patch_size
-        return int(np.prod(grid)), vision_tokens(grid, g)
-    import soundfile
-    import torch
-    import torchaudio
-
-    wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    wave = torch.from_numpy(wave.T.copy()).mean(0)
-    wave = torchaudio.functional.resample(wave, rate, g.audio_sample_rate)
-    wave = wave[:int(g.audio_max_seconds * g.audio_sample_rate)]
-    mel = torchaudio.transforms.MelSpectrogram(sample_rate=g.audio_sample_rate, n_fft=400,
-                                               hop_length=160, n_mels=g.n_mels)(wave)
-    return mel.shape[-1], audio_tokens(mel.shape[-1])
-
-
-def text_tokens_of(tokenizer_path, text: str) -> int:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    markers = {tokenizer.token_to_id(m) for m in MARKER_OF.values()}
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
-    return len(ids) - sum(i in markers for i in ids) + 1
-
-
 def test_features_equal_full_decode(omni):
     source, tokenizer, report = omni
     assert (report.corrupt, report.errors, report.samples) == (0, [], 11)
     rows = read_index(source).to_pylist()
     seen_kinds = set()
     for row in rows:
-        data = (source / row["shard"]).read_bytes()
-        expected = {"image": [], "video": [], "audio": []}
-        llm_media, text = 0, ""
-        for member in sorted(row["members"], key=lambda m: media_order(m["name"].split(".", 1)[1])):
-            kind = member_kind(member["name"].split(".", 1)[1])
-            payload = data[member["offset"]:member["offset"] + member["size"]]
-            if kind == "text":
-                text = payload.decode()
-            elif kind in expected:
-                feature, tokens = full_decode_features(kind, payload, GEOMETRY)
-                expected[kind].append(feature)
-                llm_media += tokens
-                seen_kinds.add(kind)
-        assert row["error"] is None
-        assert row["image_patches"] == expected["image"], row["key"]
-        assert row["video_patches"] == expected["video"], row["key"]
-        assert row["audio_frames"] == expected["audio"], row["key"]
-        assert row["text_tokens"] == text_tokens_of(tokenizer, text), row["key"]
-        assert row["llm_tokens"] == row["text_tokens"] + llm_media, row["key"]
-    assert seen_kinds == {"image", "video", "audio"}
+        seen_kinds |= assert_row_matches_full_decode(source, row, tokenizer, GEOMETRY)
+    assert seen_kinds == {"image", "video", "audio", "text", "meta"}
     by_key = {r["key"]: r for r in rows}
     assert by_key["aud_c"]["audio_frames"] == [2 * 16000 // 160 + 1]  # truncated to 2 s
     assert len(by_key["inter"]["image_patches"]) == len(by_key["inter"]["video_patches"]) == 1
