@@ -154,9 +154,9 @@ def index_source(source_dir: str | Path, fmt: str, tokenizer_path: str | Path,
         shard_meta[shard] = {**fingerprints[shard], "problems": problems}
         errors = table.column("error").drop_null().to_pylist()
         report.errors += [f"{shown(source_dir / shard)}: {e}" for e in (*errors, *problems)]
-    table = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
-    _write_atomically(table, {**settings, "shards": shard_meta}, index_path(source_dir))
-    report.samples = table.num_rows
+    samples = _write_atomically(list(zip(shards, tables)), {**settings, "shards": shard_meta},
+                                index_path(source_dir))
+    report.samples = samples
     report.corrupt = len(report.errors)
     report.seconds = time.perf_counter() - started
     if progress:
@@ -255,13 +255,29 @@ def _run(source_dir: Path, fmt: str, tokenizer_path: str, geometry: MediaGeometr
     return results
 
 
-def _write_atomically(table: pa.Table, metadata: dict, path: Path) -> None:
-    """Readers see the old index or the new one, never a half-written file."""
-    table = table.cast(INDEX_SCHEMA).replace_schema_metadata(
-        {METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+def _write_atomically(shard_tables: list[tuple[str, pa.Table]], metadata: dict,
+                      path: Path) -> int:
+    """Write one row group per shard; readers see the old index or the new one, never a
+    half-written file. Returns the number of rows.
+
+    A row group per shard lets the data plane read just the shard it has open
+    (:func:`loaders.index_schema.read_shard`) instead of holding every source's whole index.
+    """
+    rows, group = 0, 0
+    for shard, table in shard_tables:
+        metadata["shards"][shard]["row_group"] = group if table.num_rows else None
+        metadata["shards"][shard]["rows"] = table.num_rows
+        group += bool(table.num_rows)
+    schema = INDEX_SCHEMA.with_metadata({METADATA_KEY: json.dumps(metadata, sort_keys=True)})
     tmp = path.with_name(f"_{INDEX_FILENAME}.{os.getpid()}.tmp")
     try:
-        pq.write_table(table, tmp)
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for _, table in shard_tables:
+                if table.num_rows:
+                    writer.write_table(table.cast(INDEX_SCHEMA).replace_schema_metadata(
+                        schema.metadata), row_group_size=table.num_rows)
+                    rows += table.num_rows
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return rows

@@ -18,8 +18,9 @@ Columns:
   marked, so that audits can account for it, and planners skip it).
 
 File metadata (key ``omniscale``, JSON): index version, source format, the media geometry and
-tokenizer fingerprint the features were computed with, and one fingerprint per shard so that a
-re-index skips unchanged shards.
+tokenizer fingerprint the features were computed with, and per shard its fingerprint (so that a
+re-index skips unchanged shards), its row count and its row group: each shard's rows are one
+row group, so a reader can load one shard's slice without the rest.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import pyarrow.parquet as pq
 from dataplane.errors import UserError
 
 INDEX_FILENAME = "_index.parquet"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: one row group per shard
 METADATA_KEY = b"omniscale"
 
 MEMBER_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
@@ -78,3 +79,21 @@ def read_index_metadata(source_dir: str | Path) -> dict:
         return {}
     raw = meta.get(METADATA_KEY)
     return json.loads(raw) if raw else {}
+
+
+def read_shard(source_dir: str | Path, shard: str, metadata: dict | None = None,
+               columns: list[str] | None = None) -> pa.Table:
+    """One shard's rows (its row group), without reading the rest of the index."""
+    metadata = metadata if metadata is not None else read_index_metadata(source_dir)
+    try:
+        entry = metadata["shards"][shard]
+    except KeyError:
+        raise UserError(f"{index_path(source_dir)}: no shard {shard!r} in the index") from None
+    if entry.get("row_group") is None:
+        return INDEX_SCHEMA.empty_table().select(columns) if columns else INDEX_SCHEMA.empty_table()
+    try:
+        return pq.ParquetFile(index_path(source_dir)).read_row_group(entry["row_group"],
+                                                                     columns=columns)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"{index_path(source_dir)}: unreadable index ({e}); delete it and "
+                        "re-index") from None

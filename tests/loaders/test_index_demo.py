@@ -3,13 +3,14 @@ sample, in every source and split, checked against a full decode."""
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from decode_oracle import assert_row_matches_full_decode, text_tokens_of
 
 from dataplane.spec import load_spec
 from loaders.index import index_paths
-from loaders.index_schema import read_index
+from loaders.index_schema import read_index, read_index_metadata, read_shard
 from tools.demo import generate
 
 
@@ -48,3 +49,14 @@ def test_every_demo_feature_equals_a_full_decode(demo):
             media = {"image_caption": "image", "video_caption": "video",
                      "audio_caption": "audio", "interleaved": "image"}.get(source.template)
             assert media is None or media in kinds, source.name
+
+
+def test_each_shard_reads_alone_as_its_slice_of_the_index(demo):
+    specs, _ = demo
+    for source in specs[0].sources:
+        whole = read_index(source.path)
+        meta = read_index_metadata(source.path)
+        parts = [read_shard(source.path, shard, meta) for shard in sorted(meta["shards"])]
+        assert all(len(set(p.column("shard").to_pylist())) == 1 for p in parts)
+        assert pa.concat_tables(parts).equals(whole.replace_schema_metadata(None).cast(
+            parts[0].schema)), source.name
