@@ -1,0 +1,105 @@
+"""``PlaneClient``: the trainer's side of the plane's wire.
+
+Every call has a timeout. While the plane is unreachable (restarting after a crash, not up
+yet) calls retry with exponential backoff for up to ``retry_for`` seconds, so a trainer rides
+through a plane restart; a refusal (bad rank, committed step, wrong token) is raised at once as
+:class:`PlaneError` carrying the plane's one-line message.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from dataplane import wire
+from dataplane.errors import UserError
+
+
+class PlaneError(UserError):
+    """The plane refused a request, or stayed unreachable past the retry budget."""
+
+
+_RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError,
+              flight.FlightCancelledError, ConnectionError)
+
+
+def _message(e: Exception) -> str:
+    """The server's own message, without gRPC's decorations."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = text.split(". Detail:")[0]
+    if ", with message: " in text:  # "Flight returned <kind> error, with message: ..."
+        text = text.split(", with message: ", 1)[1]
+    return text
+
+
+class PlaneClient:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0,
+                 retry_for: float = 60.0):
+        self.url, self.timeout, self.retry_for = url, timeout, retry_for
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
+        self._client: flight.FlightClient | None = None
+
+    def _connect(self) -> flight.FlightClient:
+        if self._client is None:
+            self._client = flight.FlightClient(self.url)
+        return self._client
+
+    def _retrying(self, what: str, fn):
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.05
+        while True:
+            try:
+                return fn(self._connect())
+            except _RETRYABLE as e:
+                if time.monotonic() + delay > deadline:
+                    raise PlaneError(f"plane at {self.url}: {what} failed for "
+                                     f"{self.retry_for:g} s: {_message(e)}") from None
+                self.close()  # a fresh channel after a server restart
+                time.sleep(delay)  # backoff between attempts, not synchronisation
+                delay = min(delay * 2, 2.0)
+            except flight.FlightError as e:
+                raise PlaneError(f"plane at {self.url}: {what}: {_message(e)}") from None
+
+    def get_plan(self, step: int, rank: int) -> pa.Table:
+        """This rank's plan for ``step``: one row per LLM placement or encoder item."""
+        ticket = flight.Ticket(wire.encode({"step": int(step), "rank": int(rank)}))
+        return self._retrying(f"get_plan(step={step}, rank={rank})",
+                              lambda c: c.do_get(ticket, options=self._options).read_all())
+
+    def _action(self, kind: str, body: dict) -> dict:
+        action = flight.Action(kind, wire.encode(body) if body else b"")
+
+        def run(client):
+            results = list(client.do_action(action, options=self._options))
+            return wire.decode(results[0].body) if results else {}
+        return self._retrying(kind, run)
+
+    def commit(self, step: int, rank: int | None = None) -> dict:
+        body = {"step": int(step)} | ({} if rank is None else {"rank": int(rank)})
+        return self._action("commit", body)
+
+    def status(self) -> dict:
+        return self._action("status", {})
+
+    def snapshot(self, step: int | None = None) -> dict:
+        return self._action("snapshot", {} if step is None else {"step": int(step)})
+
+    def reload(self, spec: str) -> dict:
+        return self._action("reload", {"spec": str(spec)})
+
+    def audit(self) -> dict:
+        return self._action("audit", {})
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> "PlaneClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
