@@ -52,6 +52,13 @@ def _data_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _balance_simulate(args: argparse.Namespace) -> int:
+    from tools.balance_sim import simulate_command
+
+    simulate_command(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniscale", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -85,6 +92,43 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--plot", metavar="FILE.png", help="draw length histograms and schedule")
     inspect.add_argument("--steps", help="comma-separated steps (or tokens) to show weights at")
     inspect.set_defaults(func=_data_inspect)
+
+    balance = commands.add_parser("balance", help="compute-aware placement of samples on ranks")
+    balance_commands = balance.add_subparsers(dest="balance_command", required=True,
+                                              metavar="SUBCOMMAND")
+    sim = balance_commands.add_parser(
+        "simulate", help="our planner against baselines on the same global batches")
+    source = sim.add_argument_group("samples (exactly one)")
+    source.add_argument("--lengths", metavar="FILE",
+                        help="Parquet or JSONL with llm_tokens (and encoder_patches), or a "
+                             "source index (_index.parquet)")
+    source.add_argument("--dist", metavar="NAME",
+                        help="built-in generator: lognormal, omni, uniform, bimodal")
+    sim.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
+    sim.add_argument("--window", type=int, default=4,
+                     help="global batches planned together (default 4)")
+    sim.add_argument("--micro-batch-tokens", type=int, default=16384,
+                     help="hard per-rank micro-batch token budget (default 16384)")
+    sim.add_argument("--cost-linear", type=float, default=24576.0,
+                     help="alpha in alpha*L + beta*L^2 (default 24576)")
+    sim.add_argument("--cost-quadratic", type=float, default=1.0,
+                     help="beta in alpha*L + beta*L^2 (default 1)")
+    sim.add_argument("--sp-max", type=int, default=8,
+                     help="largest sequence-parallel group, a power of two (default 8)")
+    sim.add_argument("--steps", type=int, default=None,
+                     help="global batches to plan (default: 16 with --dist, all with --lengths)")
+    batch = sim.add_argument_group("global batch (at most one; default 8 samples per rank)")
+    batch.add_argument("--samples-per-rank", type=int, default=None)
+    batch.add_argument("--global-batch-tokens", type=int, default=None,
+                       help="greedy global batches of at most this many tokens")
+    sim.add_argument("--epsilon", type=float, default=0.05,
+                     help="per-step token and mixture tolerance (default 0.05)")
+    sim.add_argument("--seed", type=int, default=0, help="generator seed for --dist")
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    sim.add_argument("--plot", metavar="FILE.png", help="draw per-rank load per step per policy")
+    sim.add_argument("--plan-out", metavar="FILE.parquet",
+                     help="write our plan: one row per placement")
+    sim.set_defaults(func=_balance_simulate)
     return parser
 
 

@@ -1,0 +1,159 @@
+"""The cost model: predicted compute of an LLM sequence or an encoder item from its size.
+
+`c = α·L + β·L² + γ` per sequence. Packed samples attend only within themselves (block-diagonal
+masks), so a micro-batch costs the sum of its samples' costs, never (ΣL)². Encoder items have
+the same shape on their own size (patches, mel frames). Units are arbitrary but shared: FLOPs
+when built from model dimensions, seconds when fitted to measured step times.
+
+Shape suffixes: T measurements, K fitted parameters (3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from balancer.types import ENCODER_KINDS
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """`alpha·L + beta·L² + gamma` for a size L (tokens, patches, frames)."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+
+    def __call__(self, size) -> np.ndarray:
+        size = np.asarray(size, dtype=np.float64)
+        return self.alpha * size + self.beta * size * size + self.gamma
+
+    @classmethod
+    def from_dims(cls, active_params: int, n_layers: int, d_attn: int,
+                  causal: bool = True) -> "CostModel":
+        """FLOPs of forward + backward for one sequence of length L.
+
+        Linear part: a matmul with P active parameters costs 2·P FLOPs per token forward and
+        twice that backward, so α = 6·P. Attention part, per layer and forward: QKᵀ and A·V
+        each cost 2·L²·d_attn FLOPs for full (bidirectional) attention, 4·L²·d_attn in all;
+        a causal mask halves it (flash attention skips the masked blocks). Backward is twice
+        the forward, so β = 3·2·n_layers·d_attn = 6·n_layers·d_attn (causal) or
+        12·n_layers·d_attn (bidirectional, the encoders). Per-sequence overhead γ = 0: only
+        a fit from measurements can see it.
+        """
+        return cls(alpha=6.0 * active_params,
+                   beta=(6.0 if causal else 12.0) * n_layers * d_attn,
+                   gamma=0.0)
+
+
+_ZERO = CostModel(0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Everything the planner prices: the LLM, each encoder kind, and the two collectives.
+
+    `sp_comm_per_token`: cost one rank of an SP group pays per token of its slice for the
+    Ulysses all-to-alls (0 for a sample that is not split). `reshard_per_token`: cost of moving
+    one LLM-token embedding from the rank that encoded it to the rank that consumes it.
+    """
+
+    llm: CostModel
+    encoders: tuple[CostModel, CostModel, CostModel] = field(
+        default_factory=lambda: (_ZERO, _ZERO, _ZERO))  # indexed like types.ENCODER_KINDS
+    sp_comm_per_token: float = 0.0
+    reshard_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.encoders) != len(ENCODER_KINDS):
+            raise ValueError(f"encoders: need one CostModel per kind {ENCODER_KINDS}, "
+                             f"got {len(self.encoders)}")
+        if self.sp_comm_per_token < 0 or self.reshard_per_token < 0:
+            raise ValueError("sp_comm_per_token, reshard_per_token: must be >= 0")
+
+    @classmethod
+    def from_model_dims(cls, active_params: int, n_layers: int, d_attn: int,
+                        encoder=None, sp_comm_per_token: float = 0.0,
+                        reshard_per_token: float = 0.0) -> "Costs":
+        """FLOP-based defaults (see `CostModel.from_dims` for the derivation).
+
+        `encoder`: None (no encoders), or one entry per kind in ENCODER_KINDS order, each an
+        `(active_params, n_layers, d_attn)` triple or None for a kind the model lacks. Encoders
+        attend bidirectionally, so their β is twice the causal one.
+        """
+        encoder = (None,) * len(ENCODER_KINDS) if encoder is None else tuple(encoder)
+        if len(encoder) != len(ENCODER_KINDS):
+            raise ValueError(f"encoder: need one entry per kind {ENCODER_KINDS}, "
+                             f"got {len(encoder)}")
+        models = tuple(_ZERO if dims is None else CostModel.from_dims(*dims, causal=False)
+                       for dims in encoder)
+        return cls(llm=CostModel.from_dims(active_params, n_layers, d_attn, causal=True),
+                   encoders=models, sp_comm_per_token=sp_comm_per_token,
+                   reshard_per_token=reshard_per_token)
+
+    def item_cost(self, item_size_M: np.ndarray, item_kind_M: np.ndarray) -> np.ndarray:
+        """Encoder cost of each item, priced by its kind's model."""
+        cost_M = np.zeros(len(item_size_M), np.float64)
+        for kind, model in enumerate(self.encoders):
+            mine = item_kind_M == kind
+            if mine.any():
+                cost_M[mine] = model(item_size_M[mine])
+        return cost_M
+
+
+@dataclass(frozen=True)
+class FitResult:
+    model: CostModel
+    r2: float  # coefficient of determination on the fitted data
+    mape: float  # median absolute percentage error, as a fraction (0.02 = 2 %)
+
+
+def _design(features_X) -> np.ndarray:
+    """Rows [ΣL, ΣL², count]: a measurement's time is the sum of its sequences' costs."""
+    per_step = isinstance(features_X, (list, tuple)) and any(np.ndim(f) > 0 for f in features_X)
+    if per_step:
+        rows = []
+        for f in features_X:
+            lengths = np.atleast_1d(np.asarray(f, dtype=np.float64))
+            rows.append((lengths.sum(), (lengths * lengths).sum(), float(len(lengths))))
+        return np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+    lengths = np.asarray(features_X, dtype=np.float64)
+    if lengths.ndim != 1:
+        raise ValueError(f"features_X: expected lengths (1-D) or a list of arrays of lengths, "
+                         f"got shape {lengths.shape}")
+    return np.stack([lengths, lengths * lengths, np.ones_like(lengths)], axis=1)
+
+
+def fit(features_X, times_T) -> FitResult:
+    """Least-squares α, β, γ from measured times.
+
+    `features_X` is either one length per measurement (a single sequence each) or, per
+    measurement, an array of the lengths of the sequences it ran (a step or micro-batch whose
+    time is the sum of its sequences' costs). Raises ValueError when the measurements cannot
+    determine three parameters, rather than return a silently meaningless model.
+    """
+    A_TK = _design(features_X)
+    t_T = np.asarray(times_T, dtype=np.float64).reshape(-1)
+    if len(A_TK) != len(t_T):
+        raise ValueError(f"times_T: {len(t_T)} times for {len(A_TK)} measurements")
+    if len(t_T) < A_TK.shape[1]:
+        raise ValueError(f"fit: {len(t_T)} measurements cannot determine {A_TK.shape[1]} "
+                         "parameters (alpha, beta, gamma); measure at least 3 different sizes")
+    # Scale columns so L² (up to ~1e10) and 1 are comparable; lstsq is then well conditioned.
+    scale_K = np.abs(A_TK).max(axis=0)
+    scale_K[scale_K == 0] = 1.0
+    if np.linalg.matrix_rank(A_TK / scale_K) < A_TK.shape[1]:
+        raise ValueError("fit: the measurements do not determine alpha, beta and gamma "
+                         "(need at least 3 different lengths or length mixes)")
+    coef_K, *_ = np.linalg.lstsq(A_TK / scale_K, t_T, rcond=None)
+    coef_K = coef_K / scale_K
+    pred_T = A_TK @ coef_K
+    ss_res = float(((t_T - pred_T) ** 2).sum())
+    ss_tot = float(((t_T - t_T.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    nonzero = t_T != 0
+    mape = float(np.median(np.abs(pred_T[nonzero] - t_T[nonzero]) / np.abs(t_T[nonzero]))) \
+        if nonzero.any() else 0.0
+    return FitResult(model=CostModel(*(float(c) for c in coef_K)), r2=r2, mape=mape)

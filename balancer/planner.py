@@ -1,0 +1,115 @@
+"""The planner: a window of samples in, one StepPlan per step out.
+
+split (long-short) → reorder (over the window's steps) → assign (ranks) → pack (micro-batches)
+→ encoder plan. Pure and deterministic: the same samples, costs and config give identical plans,
+which is what lets the data plane re-plan a step after a restart instead of storing it.
+
+Shape suffixes: N samples of the window (n of one step), M encoder items, P placements,
+R ranks, B micro-batch slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from balancer.assign import assign_ranks
+from balancer.cost import Costs
+from balancer.encoder_plan import plan_encoders
+from balancer.pack import pack
+from balancer.reorder import reorder_window
+from balancer.split import choose_sp_size, unit_cost
+from balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
+
+
+def plan_window(samples: WindowSamples, costs: Costs, config: PlannerConfig) -> list[StepPlan]:
+    """One StepPlan per global batch of the window: `config.window` of them, steps 0..W-1.
+
+    A sample may run in any step of its window (displacement ≤ W-1) and on any rank. The split
+    decision uses the per-rank share of the whole window (its cost / (W × dp)) so a sample is
+    split only when it is heavy relative to a typical step. A short last window is planned with
+    `window` set to its length.
+    """
+    samples.validate()
+    n_steps = config.window
+    if samples.num_samples and int(samples.batch_N.max()) >= n_steps:
+        raise ValueError(f"batch_N: batch {int(samples.batch_N.max())} is outside a window of "
+                         f"{n_steps} batches")
+    cost_N = costs.llm(samples.tokens_N)
+    sp_size_N, unit_N = _split(samples, cost_N, n_steps, costs, config)
+    reorder = reorder_window(samples.tokens_N, samples.source_N, samples.batch_N,
+                             unit_N * sp_size_N, unit_N, n_steps, config.epsilon)
+    item_cost_M = costs.item_cost(samples.item_size_M, samples.item_kind_M)
+    index_N = np.arange(samples.num_samples)
+    return [_plan_one(samples, index_N[reorder.step_N == s], s, sp_size_N, unit_N, item_cost_M,
+                      costs, config) for s in range(n_steps)]
+
+
+def plan_step(samples: WindowSamples, costs: Costs, config: PlannerConfig,
+              step: int = 0) -> StepPlan:
+    """All of `samples` as one step (no reordering): the window = 1 case, and the unit under
+    test for assignment and packing. Displacement is measured against `samples.batch_N`."""
+    samples.validate()
+    cost_N = costs.llm(samples.tokens_N)
+    sp_size_N, unit_N = _split(samples, cost_N, 1, costs, config)
+    item_cost_M = costs.item_cost(samples.item_size_M, samples.item_kind_M)
+    return _plan_one(samples, np.arange(samples.num_samples), step, sp_size_N, unit_N,
+                     item_cost_M, costs, config)
+
+
+def _split(samples, cost_N, n_steps, costs, config):
+    share = float(cost_N.sum()) / (n_steps * config.dp)
+    sp_size_N = choose_sp_size(cost_N, samples.tokens_N, share, sp_max=config.sp_max,
+                               dp=config.dp, micro_batch_tokens=config.micro_batch_tokens,
+                               sp_comm_per_token=costs.sp_comm_per_token)
+    return sp_size_N, unit_cost(cost_N, samples.tokens_N, sp_size_N, costs.sp_comm_per_token)
+
+
+def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: np.ndarray,
+              unit_N: np.ndarray, item_cost_M: np.ndarray, costs: Costs,
+              config: PlannerConfig) -> StepPlan:
+    """Assign, pack and plan encoders for the samples `idx_n` (sorted window indices)."""
+    dp = config.dp
+    k_n = sp_size_N[idx_n].astype(np.int64)
+    unit_n = np.ascontiguousarray(unit_N[idx_n], np.float64)
+    slice_n = np.asarray(slice_tokens(samples.tokens_N[idx_n], k_n), np.int64)
+    first_n, _ = assign_ranks(unit_n, k_n, dp)
+    slot_n, tok_RB, cost_RB, n_slots = pack(first_n, k_n, slice_n, unit_n, dp,
+                                            config.micro_batch_tokens)
+    # One placement per slice: sample i split over k ranks has rows sp_index 0..k-1 on the
+    # ranks first..first+k-1, all in the same slot.
+    group_p = np.repeat(np.arange(len(idx_n)), k_n)
+    start_n = np.cumsum(k_n) - k_n
+    sp_index_p = np.arange(len(group_p)) - start_n[group_p]
+    rank_p = first_n[group_p] + sp_index_p
+    order_P = np.lexsort((sp_index_p, idx_n[group_p], slot_n[group_p], rank_p))
+    group_P = group_p[order_P]
+    sample_P = idx_n[group_P].astype(np.int64)
+    # Encoder items of the step's samples, consumed where slice 0 of their sample runs.
+    offsets = samples.item_offsets_N1
+    count_n = offsets[idx_n + 1] - offsets[idx_n]
+    owner_m = np.repeat(np.arange(len(idx_n)), count_n)
+    item_m = (offsets[idx_n][owner_m] + np.arange(len(owner_m))
+              - (np.cumsum(count_n) - count_n)[owner_m]).astype(np.int64)
+    consume_m = first_n[owner_m].astype(np.int32)
+    enc = plan_encoders(item_cost_M[item_m], samples.item_tokens_M[item_m], consume_m, dp,
+                        costs.reshard_per_token)
+    total = float((unit_n * k_n).sum())
+    return StepPlan(
+        step=step,
+        sample_P=sample_P,
+        rank_P=rank_p[order_P].astype(np.int32),
+        micro_batch_P=slot_n[group_P].astype(np.int32),
+        sp_size_P=k_n[group_P].astype(np.int32),
+        sp_index_P=sp_index_p[order_P].astype(np.int32),
+        num_micro_batches=int(n_slots),
+        mb_cost_RB=cost_RB,
+        mb_tokens_RB=tok_RB,
+        lower_bound=max(total / dp, float(unit_n.max()) if len(unit_n) else 0.0),
+        item_M=item_m,
+        item_sample_M=idx_n[owner_m].astype(np.int64),
+        encode_rank_M=enc.encode_rank_M,
+        consume_rank_M=consume_m,
+        encoder_cost_R=enc.encoder_cost_R,
+        reshard=enc.reshard,
+        displacement_P=np.abs(step - samples.batch_N[sample_P]).astype(np.int32),
+    )
