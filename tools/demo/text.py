@@ -2,7 +2,7 @@
 
 - ``text`` source: stdlib ``.py`` files, chosen by the seed, split into parts of at most
   ``PART_CHARS`` characters at line boundaries. Lengths keep their natural long tail (a few
-  bytes to 64 KiB). Members ``KEY.txt`` and ``KEY.json`` ({"path", "part", "parts"}).
+  bytes to 256 KiB). Members ``KEY.txt`` and ``KEY.json`` ({"path", "part", "parts"}).
 - ``docs`` source (Parquet): one row per pydoc topic, all of them at every scale.
 - filler prose for interleaved documents: snippets of pydoc topics.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from loaders.layout import SPECIAL_TOKENS
 
-PART_CHARS = 64 * 1024
+PART_CHARS = 256 * 1024  # keeps all but the largest few files whole: a real tail
 SKIP_DIRS = frozenset({"__pycache__", "site-packages"})
 
 
