@@ -1,0 +1,93 @@
+"""SampleRef: what the data plane hands out for one sample, and its Arrow encoding.
+
+A SampleRef names a sample well enough for a stateless loader worker to fetch it (source
+directory by name, shard, byte range, members) and carries the cost features the balancer
+plans with, so nothing downstream ever reopens an index. Refs cross the wire as Arrow tables
+(:data:`REF_SCHEMA`); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import pyarrow as pa
+
+from loaders.index_schema import MEMBER_TYPE
+
+Member = tuple[str, int, int]  # (member name, data offset, data size)
+
+REF_SCHEMA = pa.schema([
+    ("source_id", pa.int32()),
+    ("source", pa.string()),
+    ("shard", pa.string()),
+    ("key", pa.string()),
+    ("offset", pa.int64()),
+    ("size", pa.int64()),
+    ("members", pa.list_(MEMBER_TYPE)),
+    ("llm_tokens", pa.int32()),
+    ("text_tokens", pa.int32()),
+    ("image_patches", pa.list_(pa.int32())),
+    ("video_patches", pa.list_(pa.int32())),
+    ("audio_frames", pa.list_(pa.int32())),
+    ("epoch", pa.int32()),
+])
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRef:
+    """One sample of one source, as the plane planned it.
+
+    ``offset``/``size`` mean what the index's columns mean for the source's format (a tar byte
+    range, a Parquet row group and row, a JSONL line's byte range). ``epoch`` is the source's
+    epoch the sample was drawn in, so audits can count per epoch.
+    """
+
+    source_id: int
+    source: str
+    shard: str
+    key: str
+    offset: int
+    size: int
+    members: tuple[Member, ...] = ()
+    llm_tokens: int = 0
+    text_tokens: int = 0
+    image_patches: tuple[int, ...] = ()
+    video_patches: tuple[int, ...] = ()
+    audio_frames: tuple[int, ...] = ()
+    epoch: int = 0
+
+    @property
+    def uid(self) -> tuple[str, str, str]:
+        """(source, shard, key): the sample's identity, independent of epoch."""
+        return (self.source, self.shard, self.key)
+
+
+_NAMES = tuple(f.name for f in fields(SampleRef))  # REF_SCHEMA's columns, in order
+
+
+def refs_to_table(refs: list[SampleRef]) -> pa.Table:
+    """An Arrow table with :data:`REF_SCHEMA`, one row per ref, in order."""
+    columns = {name: [getattr(r, name) for r in refs] for name in _NAMES}
+    columns["members"] = [[{"name": n, "offset": o, "size": s} for n, o, s in r.members]
+                          for r in refs]
+    return pa.Table.from_pydict(columns, schema=REF_SCHEMA)
+
+
+def table_to_refs(table: pa.Table) -> list[SampleRef]:
+    """The refs of a :data:`REF_SCHEMA` table; the exact inverse of :func:`refs_to_table`.
+
+    Raises ValueError when a column is missing, so a peer speaking another schema version fails
+    loudly rather than with shifted fields.
+    """
+    missing = [n for n in _NAMES if n not in table.column_names]
+    if missing:
+        raise ValueError(f"not a SampleRef table: missing column(s) {', '.join(missing)}")
+    cols = {n: table.column(n).to_pylist() for n in _NAMES}
+    out = []
+    for i in range(table.num_rows):
+        row = {n: cols[n][i] for n in _NAMES}
+        row["members"] = tuple((m["name"], m["offset"], m["size"]) for m in row["members"] or ())
+        for n in ("image_patches", "video_patches", "audio_frames"):
+            row[n] = tuple(row[n] or ())
+        out.append(SampleRef(**row))
+    return out
