@@ -51,6 +51,14 @@ class CostModel:
 _ZERO = CostModel(0.0, 0.0, 0.0)
 
 
+# Encoders relative to the LLM (Costs.from_llm): a ViT with about 1/8 of the active parameters
+# and about half the attention width x depth; video attends within a window of about 1,024
+# patches (a frame pair), so its quadratic term becomes a per-patch one.
+ENCODER_ALPHA_SHARE = 1 / 8
+ENCODER_BETA_SHARE = 1 / 2
+VIDEO_WINDOW_PATCHES = 1024
+
+
 @dataclass(frozen=True)
 class Costs:
     """Everything the planner prices: the LLM, each encoder kind, and the two collectives.
@@ -92,6 +100,20 @@ class Costs:
         return cls(llm=CostModel.from_dims(active_params, n_layers, d_attn, causal=True),
                    encoders=models, sp_comm_per_token=sp_comm_per_token,
                    reshard_per_token=reshard_per_token)
+
+    @classmethod
+    def from_llm(cls, alpha: float, beta: float, **collectives) -> "Costs":
+        """LLM cost ``alpha·L + beta·L²``, encoders priced relative to it, for when only the
+        LLM's coefficients are known (simulations, a plane started without model dims).
+
+        Encoders are smaller than the LLM (``alpha / 8`` per patch) and attend
+        bidirectionally within an image or clip (``beta / 2``). Video attention stays inside a
+        window of about ``VIDEO_WINDOW_PATCHES`` patches, so its cost is linear in clip size.
+        """
+        a, b = alpha * ENCODER_ALPHA_SHARE, beta * ENCODER_BETA_SHARE
+        return cls(llm=CostModel(alpha, beta),
+                   encoders=(CostModel(a, b), CostModel(a + b * VIDEO_WINDOW_PATCHES, 0.0),
+                             CostModel(a, b)), **collectives)
 
     def item_cost(self, item_size_M: np.ndarray, item_kind_M: np.ndarray) -> np.ndarray:
         """Encoder cost of each item, priced by its kind's model."""

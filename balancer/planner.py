@@ -17,7 +17,7 @@ from balancer.cost import Costs
 from balancer.encoder_plan import plan_encoders
 from balancer.pack import pack
 from balancer.reorder import reorder_window
-from balancer.split import choose_sp_size, unit_cost
+from balancer.split import choose_sp_size, slot_share, unit_cost
 from balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
 
 
@@ -57,7 +57,7 @@ def plan_step(samples: WindowSamples, costs: Costs, config: PlannerConfig,
 
 
 def _split(samples, cost_N, n_steps, costs, config):
-    share = float(cost_N.sum()) / (n_steps * config.dp)
+    share = slot_share(cost_N, samples.tokens_N, n_steps, config.dp, config.micro_batch_tokens)
     sp_size_N = choose_sp_size(cost_N, samples.tokens_N, share, sp_max=config.sp_max,
                                dp=config.dp, micro_batch_tokens=config.micro_batch_tokens,
                                sp_comm_per_token=costs.sp_comm_per_token)

@@ -20,6 +20,19 @@ def largest_sp_size(sp_max: int, dp: int) -> int:
     return min(sp_max, 1 << (int(dp).bit_length() - 1))
 
 
+def slot_share(cost_N: np.ndarray, tokens_N: np.ndarray, n_steps: int, dp: int,
+               micro_batch_tokens: int) -> float:
+    """What one rank should carry in one micro-batch slot: the per-rank share of a step
+    (cost / (steps × dp)) over the slots its tokens need (at least one).
+
+    FSDP synchronises every micro-batch, so a slice costlier than this makes its slot slow on
+    every rank: the other ranks cannot fill that slot to match under the token budget.
+    """
+    per_rank = float(np.sum(cost_N)) / (n_steps * dp)
+    tokens = float(np.sum(tokens_N)) / (n_steps * dp)
+    return per_rank / max(1.0, np.ceil(tokens / micro_batch_tokens))
+
+
 def unit_cost(cost_N: np.ndarray, tokens_N: np.ndarray, sp_size_N: np.ndarray,
               sp_comm_per_token: float) -> np.ndarray:
     """Cost one rank carries for a sample: c for a whole sample, c/k + comm for a split one."""

@@ -26,12 +26,6 @@ from tools.balance_input import drawn_stream, load_lengths, step_offsets
 
 DEFAULT_STEPS = 16
 DEFAULT_SAMPLES_PER_RANK = 8
-# Encoders relative to the LLM: a ViT with about 1/8 of the active parameters and about half
-# the attention width×depth. Video attends within each frame pair, so its quadratic term is a
-# per-token one at a typical frame size (~1,024 patches) instead of one over the whole clip.
-ENCODER_ALPHA_SHARE = 1 / 8
-ENCODER_BETA_SHARE = 1 / 2
-VIDEO_FRAME_PATCHES = 1024
 
 
 @dataclass(frozen=True)
@@ -83,13 +77,10 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
 
 
 def default_costs(alpha: float, beta: float):
-    """LLM cost ``α·L + β·L²``; encoders priced relative to it (see ENCODER_* above)."""
-    from balancer.cost import CostModel, Costs
+    """LLM cost ``α·L + β·L²``; encoders priced relative to it (Costs.from_llm)."""
+    from balancer.cost import Costs
 
-    a, b = alpha * ENCODER_ALPHA_SHARE, beta * ENCODER_BETA_SHARE
-    return Costs(llm=CostModel(alpha, beta),
-                 encoders=(CostModel(a, b), CostModel(a + b * VIDEO_FRAME_PATCHES, 0.0),
-                           CostModel(a, b)))
+    return Costs.from_llm(alpha, beta)
 
 
 def samples_for(options: SimOptions) -> tuple[WindowSamples, np.ndarray, np.ndarray]:

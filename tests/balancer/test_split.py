@@ -43,3 +43,13 @@ def test_sample_too_long_for_any_group_is_named():
         choose_sp_size(np.ones(18), tokens, 1.0, sp_max=8, dp=64, micro_batch_tokens=16384)
     with pytest.raises(ValueError, match="capped to 4 by dp 6"):
         choose_sp_size(np.ones(1), np.array([500]), 1.0, sp_max=8, dp=6, micro_batch_tokens=100)
+
+
+def test_slot_share_is_the_rank_share_over_the_slots_its_tokens_need():
+    from balancer.split import slot_share
+
+    cost = np.full(16, 10.0)
+    tokens = np.full(16, 250)
+    # 2 steps × 2 ranks: 40 cost and 1,000 tokens per rank and step; 4 slots of 256 tokens.
+    assert slot_share(cost, tokens, 2, 2, 256) == 10.0
+    assert slot_share(cost, tokens, 2, 2, 4096) == 40.0  # at least one slot
