@@ -60,12 +60,14 @@ class SourceState:
     """
 
     def __init__(self, name: str, source_id: int, path: str | Path, seed: int,
-                 on_exhausted: str = "next_epoch", metadata: dict | None = None) -> None:
+                 on_exhausted: str = "next_epoch", metadata: dict | None = None,
+                 max_tokens: int | None = None) -> None:
         if on_exhausted not in ON_EXHAUSTED:
             raise ValueError(f"{name}: on_exhausted: unknown policy {on_exhausted!r} "
                              f"(expected {', '.join(ON_EXHAUSTED)})")
         self.name, self.source_id, self.path = name, int(source_id), Path(path)
         self.seed, self.on_exhausted = int(seed), on_exhausted
+        self.max_tokens = max_tokens
         self._name_seed = zlib.crc32(name.encode())  # stable across spec edits and processes
         metadata = metadata if metadata is not None else read_index_metadata(self.path)
         if not metadata.get("shards"):
@@ -153,10 +155,19 @@ class SourceState:
                 self.skipped_corrupt += 1
             elif (shard, opened.columns["key"][row]) in self.quarantined:
                 self.skipped_quarantined += 1
+            elif self._too_long_with_media(opened.columns, row):
+                self.skipped_too_long += 1
             else:
                 return row
             self.sample_pos += 1
         return None
+
+    def _too_long_with_media(self, c: dict, row: int) -> bool:
+        """Over ``max_tokens`` with media: cutting it would cut media, so it is skipped
+        (text-only samples are truncated instead, see :meth:`_ref`)."""
+        return (self.max_tokens is not None and (c["llm_tokens"][row] or 0) > self.max_tokens
+                and bool(c["image_patches"][row] or c["video_patches"][row]
+                         or c["audio_frames"][row]))
 
     def _load(self, shard: str) -> _OpenShard:
         """The cursor's shard, read from the index unless it is already the open one."""
@@ -176,11 +187,14 @@ class SourceState:
 
     def _ref(self, row: int) -> SampleRef:
         c, o = self._open.columns, self._open
+        llm, text = c["llm_tokens"][row] or 0, c["text_tokens"][row] or 0
+        if self.max_tokens is not None and llm > self.max_tokens:  # text only: truncated
+            llm = text = self.max_tokens
         return SampleRef(
             source_id=self.source_id, source=self.name, shard=o.shard, key=c["key"][row],
             offset=c["offset"][row], size=c["size"][row],
             members=tuple((m["name"], m["offset"], m["size"]) for m in c["members"][row] or ()),
-            llm_tokens=c["llm_tokens"][row] or 0, text_tokens=c["text_tokens"][row] or 0,
+            llm_tokens=llm, text_tokens=text,
             image_patches=tuple(c["image_patches"][row] or ()),
             video_patches=tuple(c["video_patches"][row] or ()),
             audio_frames=tuple(c["audio_frames"][row] or ()), epoch=self.epoch)
@@ -191,7 +205,7 @@ class SourceState:
     def _initial_state() -> dict:
         return {"epoch": 0, "shard_pos": 0, "sample_pos": 0, "exhausted": False,
                 "quarantine": [], "served_samples": 0, "served_tokens": 0,
-                "skipped_corrupt": 0, "skipped_quarantined": 0}
+                "skipped_corrupt": 0, "skipped_quarantined": 0, "skipped_too_long": 0}
 
     def state_dict(self) -> dict:
         """The cursor, quarantine and counters: small, JSON-able, enough to resume exactly."""
@@ -200,7 +214,8 @@ class SourceState:
                 "quarantine": [list(q) for q in sorted(self.quarantined)],
                 "served_samples": self.served_samples, "served_tokens": self.served_tokens,
                 "skipped_corrupt": self.skipped_corrupt,
-                "skipped_quarantined": self.skipped_quarantined}
+                "skipped_quarantined": self.skipped_quarantined,
+                "skipped_too_long": self.skipped_too_long}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`'s output; later calls serve exactly what they would
@@ -209,7 +224,7 @@ class SourceState:
         self.sample_pos, self.exhausted = int(state["sample_pos"]), bool(state["exhausted"])
         self.quarantined = {(str(s), str(k)) for s, k in state["quarantine"]}
         for counter in ("served_samples", "served_tokens", "skipped_corrupt",
-                        "skipped_quarantined"):
+                        "skipped_quarantined", "skipped_too_long"):
             setattr(self, counter, int(state.get(counter, 0)))
         self._close()
 
@@ -219,8 +234,8 @@ class SourceState:
                 "samples_total": self.samples_total, "served_samples": self.served_samples,
                 "served_tokens": self.served_tokens, "skipped_corrupt": self.skipped_corrupt,
                 "skipped_quarantined": self.skipped_quarantined,
-                "quarantined": len(self.quarantined), "exhausted": self.exhausted,
-                "on_exhausted": self.on_exhausted}
+                "skipped_too_long": self.skipped_too_long, "quarantined": len(self.quarantined),
+                "exhausted": self.exhausted, "on_exhausted": self.on_exhausted}
 
 
 class Catalog:
@@ -231,18 +246,21 @@ class Catalog:
     :meth:`load_state_dict` rebuilds the same set of sources whatever the catalog held before.
     """
 
-    def __init__(self, seed: int, sources: Iterable[SourceState] = ()) -> None:
+    def __init__(self, seed: int, sources: Iterable[SourceState] = (),
+                 max_tokens: int | None = None) -> None:
         self.seed = int(seed)
+        self.max_tokens = max_tokens  # longer samples: text truncated, media skipped
         self._sources: dict[str, SourceState] = {}
         self.dropped: dict[str, int] = {}  # name -> id of sources dropped when exhausted
         for s in sources:
             self._insert(s)
 
     @classmethod
-    def from_spec(cls, spec) -> "Catalog":
+    def from_spec(cls, spec, max_tokens: int | None = None) -> "Catalog":
         """One source state per source of a :class:`dataplane.spec.MixSpec`, ids in spec order."""
-        return cls(spec.seed, [SourceState(s.name, i, s.path, spec.seed, s.on_exhausted)
-                               for i, s in enumerate(spec.sources)])
+        return cls(spec.seed, [SourceState(s.name, i, s.path, spec.seed, s.on_exhausted,
+                                           max_tokens=max_tokens)
+                               for i, s in enumerate(spec.sources)], max_tokens=max_tokens)
 
     def add(self, name: str, path: str | Path, on_exhausted: str = "next_epoch",
             source_id: int | None = None) -> SourceState:
@@ -251,7 +269,8 @@ class Catalog:
         if source_id is None:
             used = [s.source_id for s in self._sources.values()] + list(self.dropped.values())
             source_id = max(used, default=-1) + 1
-        state = SourceState(name, source_id, path, self.seed, on_exhausted)
+        state = SourceState(name, source_id, path, self.seed, on_exhausted,
+                            max_tokens=self.max_tokens)
         self._insert(state)
         return state
 
@@ -315,7 +334,7 @@ class Catalog:
         for e in state["sources"]:
             if e["name"] not in self._sources:
                 self._insert(SourceState(e["name"], e["id"], e["path"], self.seed,
-                                         e["on_exhausted"]))
+                                         e["on_exhausted"], max_tokens=self.max_tokens))
             self._sources[e["name"]].load_state_dict(e)
         self.dropped = {str(k): int(v) for k, v in state.get("dropped", {}).items()}
 

@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plan-out", metavar="FILE.parquet",
                      help="write our plan: one row per placement")
     sim.set_defaults(func=_balance_simulate)
+    from tools.plane_cli import add_commands as add_plane_commands
+
+    add_plane_commands(commands)
     return parser
 
 

@@ -1,0 +1,443 @@
+"""The data plane: one per job; owns the mixture, plans every step for every rank, and
+remembers what was trained, so that nothing is lost or repeated across crashes and resizes.
+
+Steps are grouped into windows of W global batches (window k = steps kW … kW+W-1). A window
+is drawn from the mixer and planned by the balancer as a whole, ahead of the trainers, so a
+``get_plan`` is a lookup. Everything is deterministic from (spec, seed, mixer state at the
+window's start, ranks), which is what the journal relies on: it stores that state at a window
+start (snapshots) and the events since (commits, reloads, resizes), never the plans.
+
+Elasticity: a restore with a different number of ranks keeps the global batches; the steps of
+the current window not yet committed are re-planned onto the new ranks (windows.replan_tail)
+and later windows are planned for them from the start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from balancer.cost import Costs
+from balancer.planner import plan_window
+from balancer.types import PlannerConfig, StepPlan, WindowSamples
+from dataplane.catalog import Catalog
+from dataplane.errors import UserError
+from dataplane.journal import Journal
+from dataplane.mixer import Mixer, MixtureExhausted
+from dataplane.plan_table import fingerprint, rank_tables
+from dataplane.refs import SampleRef
+from dataplane.server import RequestError
+from dataplane.spec import MixSpec, load_spec
+from dataplane.windows import replan_tail, window_samples
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlaneConfig:
+    dp: int
+    micro_batch_tokens: int = 16384
+    window: int = 4
+    global_batch_tokens: int | None = None
+    global_batch_samples: int | None = None
+    sp_max: int = 8
+    epsilon: float = 0.05
+    snapshot_every: int = 100
+    plan_ahead: int = 2  # windows planned beyond the one holding the first uncommitted step
+    cost_linear: float = 24576.0
+    cost_quadratic: float = 1.0
+    # Longer samples are truncated (text only) or skipped (with media); default: the most one
+    # SP group can hold, micro_batch_tokens x min(sp_max, ranks rounded down to a power of 2).
+    max_sample_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.global_batch_tokens is None) == (self.global_batch_samples is None):
+            raise UserError("give exactly one of --global-batch-tokens and "
+                            "--global-batch-samples")
+        for name in ("dp", "micro_batch_tokens", "window", "snapshot_every"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')}: must be >= 1")
+        PlannerConfig(dp=self.dp, micro_batch_tokens=self.micro_batch_tokens,
+                      window=self.window, sp_max=self.sp_max, epsilon=self.epsilon)
+
+    def planner(self, dp: int, window: int) -> PlannerConfig:
+        return PlannerConfig(dp=dp, micro_batch_tokens=self.micro_batch_tokens, window=window,
+                             sp_max=self.sp_max, epsilon=self.epsilon)
+
+    @property
+    def sample_cap(self) -> int:
+        if self.max_sample_tokens is not None:
+            return self.max_sample_tokens
+        return self.micro_batch_tokens * min(self.sp_max, 1 << (self.dp.bit_length() - 1))
+
+    @property
+    def batch(self) -> dict:
+        return {"global_batch_tokens": self.global_batch_tokens,
+                "global_batch_samples": self.global_batch_samples}
+
+
+@dataclass
+class Window:
+    """A drawn and planned window: its samples, its plans and the state it started from."""
+
+    k: int
+    first_step: int
+    start_state: dict  # mixer state before drawing it
+    spec_path: str
+    refs: list[SampleRef]
+    samples: WindowSamples
+    plans: list[StepPlan]
+    dp_of_step: list[int]
+    tables: dict[tuple[int, int], pa.Table] = field(default_factory=dict)
+
+    @property
+    def end_step(self) -> int:
+        return self.first_step + len(self.plans)
+
+    def resize(self, step: int, dp: int, costs: Costs, config: "PlaneConfig") -> None:
+        """Re-plan the steps from ``step`` on (those in this window) for ``dp`` ranks."""
+        local = max(step - self.first_step, 0)
+        if local >= len(self.plans):
+            return
+        self.plans = replan_tail(self.plans, self.samples, local, costs,
+                                 config.planner(dp, len(self.plans) - local))
+        self.dp_of_step[local:] = [dp] * (len(self.plans) - local)
+        self.tables = {key: t for key, t in self.tables.items() if key[0] < step}
+
+
+class DataPlane:
+    """Implements dataplane.server.PlaneService. Thread-safe: one lock around the state."""
+
+    def __init__(self, spec: str | Path | None, state_dir: str | Path, config: PlaneConfig,
+                 restore_step: int | None = None, readonly: bool = False):
+        """Start fresh from ``spec`` or, when ``state_dir`` has snapshots, carry on from the
+        latest (replaying the log after it) -- or from ``restore_step``'s snapshot, rolling the
+        log back to it (a trainer resuming from its checkpoint of that step). ``readonly``:
+        write nothing and replay nothing (audits replay the log themselves)."""
+        self.config = config
+        self.readonly = readonly
+        self.costs = Costs.from_llm(config.cost_linear, config.cost_quadratic)
+        self.journal = Journal(state_dir)
+        self.lock = threading.RLock()
+        self.windows: dict[int, Window] = {}
+        self.rank_commits: dict[int, set[int]] = {}
+        self.committed: set[int] = set()
+        self.served_max = -1
+        self.exhausted_at: int | None = None
+        snapshot = self.journal.load_snapshot(restore_step)
+        if snapshot is None:
+            if spec is None:
+                raise UserError(f"{state_dir}: no snapshot to restore and no --spec to start")
+            self._start_fresh(Path(spec).resolve())
+        else:
+            self._restore(snapshot, rolled_back=restore_step is not None)
+        if readonly:
+            return
+        self._ensure_planned(self.next_step + config.window * (1 + config.plan_ahead) - 1)
+
+    # -- start, restore, persist ------------------------------------------------------------
+    def _start_fresh(self, spec_path: Path) -> None:
+        self.spec_path = str(spec_path)
+        self.spec = load_spec(spec_path)
+        self.cap = self.config.sample_cap  # fixed for the job: plans must not depend on dp
+        self.mixer = self._mixer(self.spec)
+        self.next_window, self.next_step = 0, 0
+        self.dp_changes: list[list[int]] = [[0, self.config.dp]]
+        self.reloads: list[list] = []  # [window, spec path], in order
+        self.window_states = {0: _copy(self.mixer.state_dict())}
+        self.window_specs = {0: self.spec_path}
+        self.last_snapshot = -1
+        self._write_snapshot()  # step 0: where audits start their replay
+
+    def _restore(self, snap: dict, rolled_back: bool) -> None:
+        step, k = int(snap["step"]), int(snap["window"])
+        if snap["window_size"] != self.config.window:
+            raise UserError(f"--window {self.config.window}: the state dir was planned with "
+                            f"windows of {snap['window_size']} steps")
+        self.spec_path = snap["spec"]
+        self.spec = load_spec(self.spec_path)
+        self.cap = int(snap["sample_cap"])
+        self.mixer = self._mixer(self.spec)
+        self.mixer.load_state_dict(snap["window_state"])
+        self.next_window, self.next_step = k, step
+        self.committed = set(snap["committed_ahead"])
+        self.dp_changes = [list(c) for c in snap["dp_changes"]]
+        self.reloads = [list(r) for r in snap["reloads"]]
+        self.window_states = {k: _copy(snap["window_state"])}
+        self.window_specs = {k: self.spec_path}
+        self.last_snapshot = step
+        if self.readonly:
+            return
+        if rolled_back:
+            kept = self.journal.roll_back(snap["wal_offset"])
+            self._retire_snapshots_after(step)
+            if kept:
+                log.warning("restored step %d: later log records moved to %s", step, kept)
+        else:
+            for record in self.journal.records(snap["wal_offset"]):
+                self._replay(record)
+        if self.dp_at(self.next_step) != self.config.dp:
+            hold = self.config.micro_batch_tokens * min(
+                self.config.sp_max, 1 << (self.config.dp.bit_length() - 1))
+            if hold < self.cap:
+                raise UserError(
+                    f"--dp {self.config.dp}: this job plans samples of up to {self.cap} tokens, "
+                    f"more than {self.config.dp} rank(s) can hold with --micro-batch-tokens "
+                    f"{self.config.micro_batch_tokens} and --sp-max {self.config.sp_max}")
+            self._change_dp(self.next_step, self.config.dp)
+
+    def _replay(self, record: dict) -> None:
+        kind = record["t"]
+        if kind == "commit":
+            self._mark_committed(record["step"])
+        elif kind == "reload":
+            self.reloads.append([record["window"], record["spec"]])
+        elif kind == "dp":
+            self._resize_from(record["step"], record["dp"])
+
+    def _change_dp(self, step: int, dp: int) -> None:
+        log.warning("resizing: steps from %d are planned for %d ranks (were %d)", step, dp,
+                    self.dp_at(step))
+        self._resize_from(step, dp)
+        self._log({"t": "dp", "step": step, "dp": dp})
+
+    def _resize_from(self, step: int, dp: int) -> None:
+        """Record the change and re-plan whatever is already drawn from ``step`` on."""
+        self.dp_changes.append([step, dp])
+        for window in self.windows.values():
+            window.resize(step, dp, self.costs, self.config)
+
+    def _log(self, record: dict) -> None:
+        if not self.readonly:
+            self.journal.append(record)
+
+    def _mixer(self, spec: MixSpec) -> Mixer:
+        return Mixer.from_spec(spec, Catalog.from_spec(spec, max_tokens=self.cap),
+                               **self.config.batch)
+
+    def _retire_snapshots_after(self, step: int) -> None:
+        aside = self.journal.snapshots / "rolled-back"
+        for s in self.journal.snapshot_steps():
+            if s > step:
+                aside.mkdir(exist_ok=True)
+                path = self.journal.snapshots / f"snap-{s:010d}.json"
+                path.rename(aside / path.name)
+
+    def _write_snapshot(self) -> Path | None:
+        if self.readonly:
+            return None
+        step = self.next_step
+        k = step // self.config.window
+        self._ensure_state_of(k)
+        path = self.journal.write_snapshot({
+            "step": step, "window": k, "window_size": self.config.window,
+            "window_state": self.window_states[k], "spec": self.window_specs[k],
+            "dp_changes": self.dp_changes, "reloads": [r for r in self.reloads if r[0] > k],
+            "committed_ahead": sorted(s for s in self.committed if s >= step),
+            "wal_offset": self.journal.size(), "config": asdict(self.config),
+            "sample_cap": self.cap})
+        self.last_snapshot = step
+        return path
+
+    def _ensure_state_of(self, k: int) -> None:
+        if k not in self.window_states:
+            self._ensure_planned(k * self.config.window)
+
+    # -- planning ---------------------------------------------------------------------------
+    def dp_at(self, step: int) -> int:
+        return [dp for s, dp in self.dp_changes if s <= step][-1]
+
+    def _ensure_planned(self, step: int) -> None:
+        """Draw and plan windows until ``step`` is planned or the data runs out."""
+        while self.exhausted_at is None and self.next_window * self.config.window <= step:
+            self._draw_window(self.next_window)
+
+    def _draw_window(self, k: int) -> None:
+        W = self.config.window
+        for window, spec in self.reloads:
+            if window == k and spec != self.spec_path:
+                self._apply_reload(spec)
+        start = _copy(self.mixer.state_dict())
+        self.window_states[k], self.window_specs[k] = start, self.spec_path
+        batches = []
+        for j in range(W):
+            try:
+                batches.append(self.mixer.next_batch(k * W + j))
+            except MixtureExhausted:
+                break
+        self.next_window = k + 1
+        if len(batches) < W:
+            self.exhausted_at = k * W + len(batches)
+            log.info("the mixture is exhausted: the last step is %d", self.exhausted_at - 1)
+        if not batches:
+            return
+        samples = window_samples(batches, self.spec.media)
+        first = k * W
+        plans = plan_window(samples, self.costs, self.config.planner(self.dp_at(first),
+                                                                      len(batches)))
+        window = Window(k, first, start, self.spec_path, [r for b in batches for r in b],
+                        samples, plans, [self.dp_at(first)] * len(plans))
+        for step, dp in self.dp_changes:
+            if first < step < window.end_step and dp != window.dp_of_step[step - first]:
+                window.resize(step, dp, self.costs, self.config)
+        self.windows[k] = window
+
+    def _apply_reload(self, spec_path: str) -> None:
+        new = load_spec(spec_path)
+        state = self.mixer.state_dict()
+        catalog = self.mixer.catalog
+        mixer = Mixer(catalog, new.schedule, new.accounting, **self.config.batch)
+        mixer.load_state_dict(state)
+        for source in new.sources:
+            if source.name not in catalog:
+                catalog.add(source.name, source.path, source.on_exhausted)
+        for name in list(catalog.names):
+            if name not in new.source_names:
+                catalog.remove(name)
+        self.mixer, self.spec, self.spec_path = mixer, new, spec_path
+        log.info("mixture reloaded from %s", spec_path)
+
+    def _table(self, step: int, rank: int) -> pa.Table:
+        window = self.windows[step // self.config.window]
+        if (step, rank) not in window.tables:
+            plan = window.plans[step - window.first_step]
+            dp = window.dp_of_step[step - window.first_step]
+            first_item_N = window.samples.item_offsets_N1[:-1]
+            for r, table in enumerate(rank_tables(plan, window.refs, first_item_N, step, dp)):
+                window.tables[(step, r)] = table
+        return window.tables[(step, rank)]
+
+    # -- the service ------------------------------------------------------------------------
+    def get_plan(self, step: int, rank: int) -> pa.Table:
+        with self.lock:
+            self._check_step(step, "get_plan")
+            dp = self.dp_at(step)
+            if not 0 <= rank < dp:
+                raise RequestError(f"rank {rank}: step {step} is planned for {dp} ranks "
+                                   f"(0..{dp - 1})")
+            self._ensure_planned(step)
+            if self.exhausted_at is not None and step >= self.exhausted_at:
+                raise RequestError(f"step {step}: the mixture is exhausted (the last step is "
+                                   f"{self.exhausted_at - 1})")
+            self.served_max = max(self.served_max, step)
+            return self._table(step, rank)
+
+    def _check_step(self, step: int, what: str) -> None:
+        if step < 0:
+            raise RequestError(f"step {step} is negative")
+        if step < self.next_step or step in self.committed:
+            raise RequestError(f"step {step} is already committed (the next step to "
+                               f"train is {self.next_step})")
+        horizon = (self.next_step // self.config.window + 1 + self.config.plan_ahead) \
+            * self.config.window - 1
+        if step > horizon:
+            raise RequestError(f"step {step} is too far ahead: plans reach step "
+                               f"{horizon} while step {self.next_step} is not committed")
+
+    def commit(self, step: int, rank: int | None = None) -> dict:
+        with self.lock:
+            self._check_step(step, "commit")
+            self._ensure_planned(step)
+            if self.exhausted_at is not None and step >= self.exhausted_at:
+                raise RequestError(f"step {step} was never planned (the mixture is "
+                                   f"exhausted after step {self.exhausted_at - 1})")
+            dp = self.dp_at(step)
+            if rank is not None:
+                if not 0 <= rank < dp:
+                    raise RequestError(f"rank {rank}: step {step} has {dp} ranks (0..{dp - 1})")
+                ranks = self.rank_commits.setdefault(step, set())
+                if rank in ranks:
+                    raise RequestError(f"rank {rank} already committed step {step}")
+                ranks.add(rank)
+                if len(ranks) < dp:
+                    return {"step": step, "committed": False, "ranks": len(ranks), "dp": dp}
+            prints = [fingerprint(self._table(step, r)) for r in range(dp)]
+            self._log({"t": "commit", "step": step, "fp": prints})
+            self.rank_commits.pop(step, None)
+            self._mark_committed(step)
+            if self.next_step - self.last_snapshot >= self.config.snapshot_every:
+                self._write_snapshot()
+            self._ensure_planned(self.next_step + self.config.window
+                                 * (1 + self.config.plan_ahead) - 1)
+            return {"step": step, "committed": True, "next_step": self.next_step}
+
+    def _mark_committed(self, step: int) -> None:
+        self.committed.add(step)
+        while self.next_step in self.committed:
+            self.committed.discard(self.next_step)
+            self.next_step += 1
+        done = self.next_step // self.config.window
+        for k in [k for k in self.windows if k < done - 1]:
+            del self.windows[k]  # fully trained; its start state stays until a snapshot
+        for k in [k for k in self.window_states if k < done - 1]:
+            del self.window_states[k], self.window_specs[k]
+
+    def snapshot(self, step: int | None = None) -> dict:
+        with self.lock:
+            if step is not None and step != self.next_step:
+                raise RequestError(f"step {step}: only the next step to train "
+                                   f"({self.next_step}) can be snapshotted")
+            path = self._write_snapshot()
+            return {"step": self.next_step, "path": str(path)}
+
+    def reload(self, spec: str) -> dict:
+        with self.lock:
+            try:
+                new = load_spec(spec)
+            except UserError as e:
+                raise RequestError(str(e)) from None
+            if new.accounting != self.spec.accounting:
+                raise RequestError(f"{spec}: accounting cannot change during a run "
+                                   f"({self.spec.accounting} -> {new.accounting})")
+            W = self.config.window
+            k = max(self.next_step // W, self.served_max // W) + 1
+            for j in [j for j in self.windows if j >= k]:
+                del self.windows[j]
+            if k < self.next_window:  # drawn ahead but never served: draw again under new
+                self.spec, self.spec_path = load_spec(self.window_specs[k]), self.window_specs[k]
+                self.mixer = self._mixer(self.spec)
+                self.mixer.load_state_dict(self.window_states[k])
+                self.next_window, self.exhausted_at = k, None
+            path = str(Path(spec).resolve())
+            self.reloads.append([k, path])
+            self._log({"t": "reload", "window": k, "spec": path})
+            return {"applies_at_step": k * W, "spec": path}
+
+    def status(self) -> dict:
+        with self.lock:
+            W = self.config.window
+            recent = []
+            for k in sorted(self.windows):
+                for plan in self.windows[k].plans:
+                    cost = plan.rank_cost_R
+                    recent.append({"step": k * W + plan.step,
+                                   "max_cost": float(cost.max()) if len(cost) else 0.0,
+                                   "lower_bound": plan.lower_bound,
+                                   "imbalance": plan.imbalance})
+            weights = dict(zip(self.mixer.names, map(float, self.mixer.weights())))
+            return {
+                "spec": self.spec_path, "dp": self.dp_at(self.next_step),
+                "next_step": self.next_step, "served_max_step": self.served_max,
+                "planned_through": self.next_window * W - 1 if self.exhausted_at is None
+                else self.exhausted_at - 1,
+                "exhausted_at": self.exhausted_at, "last_snapshot": self.last_snapshot,
+                "mixture": [{"source": n, "weight": weights.get(n, 0.0), **p}
+                            for n, p in self.mixer.proportions().items()],
+                "sources": [{"source": n, **s} for n, s in self.mixer.catalog.stats().items()],
+                "recent_steps": recent[-2 * W:]}
+
+    def audit(self) -> dict:
+        from dataplane.audit import audit_state_dir
+
+        with self.lock:
+            return audit_state_dir(self.journal.dir, self.config)
+
+
+def _copy(state: dict) -> dict:
+    """A deep, JSON-clean copy (states go into snapshots verbatim)."""
+    return json.loads(json.dumps(state))

@@ -1,0 +1,84 @@
+"""From the mixer's global batches to the balancer's arrays and back.
+
+A window is W consecutive global batches planned together. This module turns its SampleRefs
+into a :class:`balancer.types.WindowSamples` (tokens, source, batch, and one encoder item per
+image, video clip and audio clip), runs the planner, and re-plans the tail of a window on a
+different number of ranks (an elastic restore mid-window) without touching its head.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from balancer.cost import Costs
+from balancer.planner import plan_window
+from balancer.types import PlannerConfig, StepPlan, WindowSamples
+from dataplane.refs import SampleRef
+from loaders.geometry import MediaGeometry, audio_tokens
+
+
+def window_samples(batches: list[list[SampleRef]], geometry: MediaGeometry) -> WindowSamples:
+    """The window's samples in batch order; items in the order plan_table.item_kinds gives."""
+    refs = [ref for batch in batches for ref in batch]
+    batch_N = np.repeat(np.arange(len(batches), dtype=np.int32), [len(b) for b in batches])
+    sizes, kinds, tokens, counts = [], [], [], []
+    merge = geometry.merge_size ** 2
+    for ref in refs:
+        counts.append(len(ref.image_patches) + len(ref.video_patches) + len(ref.audio_frames))
+        for kind, values in ((0, ref.image_patches), (1, ref.video_patches)):
+            sizes += values
+            kinds += [kind] * len(values)
+            tokens += [v // merge for v in values]
+        sizes += ref.audio_frames
+        kinds += [2] * len(ref.audio_frames)
+        tokens += [audio_tokens(f) for f in ref.audio_frames]
+    return WindowSamples(
+        tokens_N=np.array([r.llm_tokens for r in refs], np.int64),
+        source_N=np.array([r.source_id for r in refs], np.int32),
+        batch_N=batch_N,
+        item_offsets_N1=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
+        item_size_M=np.array(sizes, np.int64),
+        item_kind_M=np.array(kinds, np.int8),
+        item_tokens_M=np.array(tokens, np.int64))
+
+
+def subset(samples: WindowSamples, idx_n: np.ndarray, batch_n: np.ndarray
+           ) -> tuple[WindowSamples, np.ndarray]:
+    """The samples ``idx_n`` alone (with new batch numbers), and the window item id of each of
+    the subset's items."""
+    off = samples.item_offsets_N1
+    count_n = off[idx_n + 1] - off[idx_n]
+    item_m = np.concatenate([np.arange(off[i], off[i + 1]) for i in idx_n]).astype(np.int64) \
+        if len(idx_n) else np.zeros(0, np.int64)
+    return WindowSamples(
+        tokens_N=samples.tokens_N[idx_n], source_N=samples.source_N[idx_n],
+        batch_N=batch_n.astype(np.int32),
+        item_offsets_N1=np.concatenate([[0], np.cumsum(count_n)]).astype(np.int64),
+        item_size_M=samples.item_size_M[item_m], item_kind_M=samples.item_kind_M[item_m],
+        item_tokens_M=samples.item_tokens_M[item_m]), item_m
+
+
+def replan_tail(plans: list[StepPlan], samples: WindowSamples, from_step: int, costs: Costs,
+                config: PlannerConfig) -> list[StepPlan]:
+    """Plans whose steps ``< from_step`` are kept and whose later steps hold the same samples
+    re-planned on ``config.dp`` ranks (steps are window-local). Used when a job resumes
+    mid-window with a different number of ranks: what was trained stays trained, what was not
+    is planned anew, nothing is added or lost."""
+    tail = plans[from_step:]
+    if not tail:
+        return plans
+    idx_n = np.concatenate([p.samples() for p in tail]).astype(np.int64)
+    was_n = np.concatenate([[p.step] * len(p.samples()) for p in tail]).astype(np.int64)
+    order = np.argsort(idx_n, kind="stable")
+    idx_n, was_n = idx_n[order], was_n[order]
+    sub, item_m = subset(samples, idx_n, was_n - from_step)
+    fresh = plan_window(sub, costs, PlannerConfig(
+        dp=config.dp, micro_batch_tokens=config.micro_batch_tokens, window=len(tail),
+        sp_max=config.sp_max, epsilon=config.epsilon))
+    for plan in fresh:  # back to window numbering
+        plan.step += from_step
+        plan.sample_P = idx_n[plan.sample_P]
+        plan.item_M = item_m[plan.item_M]
+        plan.item_sample_M = idx_n[plan.item_sample_M]
+        plan.displacement_P = np.abs(plan.step - samples.batch_N[plan.sample_P]).astype(np.int32)
+    return plans[:from_step] + fresh

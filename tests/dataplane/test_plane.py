@@ -1,0 +1,140 @@
+"""The data plane in one process: restart, resize, roll back, reload, refuse -- and the audit
+proves nothing was lost or repeated. (tests/dataplane/test_plane_faults.py does the same with
+real processes and kill -9.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dataplane.audit import audit_state_dir
+from dataplane.errors import UserError
+from dataplane.plane import DataPlane, PlaneConfig
+from dataplane.server import RequestError
+from loaders.index import index_paths
+from tools.demo import generate
+
+CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
+                     sp_max=2, snapshot_every=4)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plane") / "demo"
+    generate(out, scale="tiny", progress=False)
+    index_paths([out / "mix.yaml"], progress=False)
+    return out
+
+
+def train(plane: DataPlane, start: int, stop: int) -> dict[int, list]:
+    """Fetch every rank's plan of steps [start, stop) and commit them; returns the plans."""
+    plans = {}
+    for step in range(start, stop):
+        plans[step] = [plane.get_plan(step, r) for r in range(plane.dp_at(step))]
+        plane.commit(step)
+    return plans
+
+
+def keys(tables) -> list:
+    """The samples the tables train (an SP-split sample once)."""
+    return sorted({(t["source"], t["shard"], t["key"])
+                   for table in tables for t in table.to_pylist() if t["role"] == "llm"})
+
+
+def assert_exactly_once(state_dir):
+    report = audit_state_dir(state_dir)
+    assert (report["duplicated"], report["missing"], report["fingerprint_mismatches"]) == \
+        (0, 0, []), report
+    return report
+
+
+def test_restart_serves_the_same_plans(demo, tmp_path):
+    first = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    train(first, 0, 6)
+    ahead = {s: [first.get_plan(s, r) for r in range(2)] for s in range(6, 12)}
+    again = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)  # as after a crash
+    assert again.next_step == 6
+    for step, tables in ahead.items():
+        assert [again.get_plan(step, r) for r in range(2)] == tables
+    train(again, 6, 40)
+    report = assert_exactly_once(tmp_path)
+    assert report["next_step"] == 40 and any(r["epoch"] > 0 for r in report["rows"])
+
+
+def test_resize_mid_window_keeps_every_sample_once(demo, tmp_path):
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    train(plane, 0, 6)  # window 1 is half trained
+    rest_of_window = keys(t for s in (6, 7) for t in [plane.get_plan(s, r) for r in range(2)])
+    bigger = DataPlane(demo / "mix.yaml", tmp_path, dataclasses.replace(CONFIG, dp=3))
+    assert bigger.next_step == 6 and bigger.dp_at(6) == 3 and bigger.dp_at(5) == 2
+    replanned = train(bigger, 6, 8)
+    assert keys(t for s in (6, 7) for t in replanned[s]) == rest_of_window
+    train(bigger, 8, 30)
+    with pytest.raises(UserError, match="--dp 1: this job plans samples of up to 16384 tokens"):
+        DataPlane(demo / "mix.yaml", tmp_path, dataclasses.replace(CONFIG, dp=1))
+    smaller = DataPlane(demo / "mix.yaml", tmp_path, dataclasses.replace(CONFIG, dp=2))
+    train(smaller, 30, 41)
+    assert_exactly_once(tmp_path)
+
+
+def test_restore_step_rolls_back_later_commits(demo, tmp_path):
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    original = train(plane, 0, 14)  # snapshots at 4, 8, 12
+    resumed = DataPlane(demo / "mix.yaml", tmp_path, CONFIG, restore_step=8)
+    assert resumed.next_step == 8
+    assert train(resumed, 8, 14) == {s: original[s] for s in range(8, 14)}
+    assert_exactly_once(tmp_path)
+    assert (tmp_path / "snapshots" / "rolled-back").is_dir()
+
+
+def test_corrupt_latest_snapshot_falls_back(demo, tmp_path, caplog):
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    train(plane, 0, 9)
+    ahead = plane.get_plan(9, 1)
+    latest = max((tmp_path / "snapshots").glob("snap-*.json"))
+    latest.write_text(latest.read_text()[:-40])  # half-written
+    again = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    assert "corrupt snapshot" in caplog.text
+    assert again.next_step == 9 and again.get_plan(9, 1) == ahead
+
+
+def test_refusals(demo, tmp_path):
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    train(plane, 0, 2)
+    cases = [(lambda: plane.get_plan(2, 5), "rank 5: step 2 is planned for 2 ranks (0..1)"),
+             (lambda: plane.get_plan(1, 0), "step 1 is already committed"),
+             (lambda: plane.commit(0), "step 0 is already committed"),
+             (lambda: plane.get_plan(500, 0), "step 500 is too far ahead"),
+             (lambda: plane.reload(str(demo / "nope.yaml")), "nope.yaml: file not found"),
+             (lambda: plane.reload(str(demo / "eval.yaml")), "accounting cannot change"),
+             (lambda: plane.snapshot(7), "only the next step to train (2)")]
+    for call, message in cases:
+        with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            call()
+    plane.commit(2, rank=0)
+    with pytest.raises(RequestError, match="rank 0 already committed step 2"):
+        plane.commit(2, rank=0)
+    assert plane.commit(2, rank=1)["committed"] and plane.next_step == 3
+
+
+def test_reload_applies_at_a_window_boundary_and_replays(demo, tmp_path):
+    spec = json.loads(json.dumps(__import__("yaml").safe_load((demo / "mix.yaml").read_text())))
+    spec["sources"] = [s for s in spec["sources"] if s["name"] != "audio_caption"]
+    spec.pop("schedule")
+    for s in spec["sources"]:
+        s["weight"] = 1
+    new = demo / "no_audio.yaml"
+    new.write_text(__import__("yaml").safe_dump(spec))
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    train(plane, 0, 5)
+    reply = plane.reload(str(new))
+    assert reply["applies_at_step"] == 8  # step 5 was served: its window (4..7) is kept
+    after = train(plane, 5, 16)
+    sources = {t["source"] for s in range(8, 16) for table in after[s] for t in table.to_pylist()}
+    assert "audio_caption" not in sources and "text" in sources
+    ahead = plane.get_plan(16, 0)
+    again = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    assert again.get_plan(16, 0) == ahead
+    assert_exactly_once(tmp_path)

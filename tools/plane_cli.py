@@ -1,0 +1,135 @@
+"""``omniscale plane serve | status | audit | reload``: the data plane from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from dataplane.errors import UserError
+
+
+def add_commands(commands) -> None:
+    plane = commands.add_parser("plane", help="the data-plane service")
+    sub = plane.add_subparsers(dest="plane_command", required=True, metavar="SUBCOMMAND")
+
+    serve = sub.add_parser("serve", help="serve plans over Arrow Flight (prints its URL)")
+    serve.add_argument("--spec", help="mixing spec (needed unless --state-dir has a snapshot)")
+    serve.add_argument("--state-dir", required=True, help="snapshots and log live here")
+    serve.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=0, help="0: any free port")
+    serve.add_argument("--token", help="bearer token every client must send (required "
+                                       "when --host is not loopback)")
+    serve.add_argument("--window", type=int, default=4, help="global batches planned together")
+    batch = serve.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch-tokens", type=int)
+    batch.add_argument("--global-batch-samples", type=int)
+    serve.add_argument("--micro-batch-tokens", type=int, default=16384)
+    serve.add_argument("--sp-max", type=int, default=8)
+    serve.add_argument("--max-sample-tokens", type=int, default=None,
+                       help="longer text is truncated, longer media samples skipped "
+                            "(default: micro-batch tokens x SP group)")
+    serve.add_argument("--snapshot-every", type=int, default=100)
+    serve.add_argument("--restore-step", type=int, default=None,
+                       help="resume from this step's snapshot, rolling back later commits")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="also serve status as Prometheus metrics on this port")
+    serve.set_defaults(func=_serve)
+
+    for name, helptext in (("status", "mixture, progress and balance of a running plane"),
+                           ("reload", "apply a new mixing spec at the next window boundary")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("url")
+        p.add_argument("--token")
+        p.add_argument("--json", action="store_true", help="print JSON")
+        if name == "reload":
+            p.add_argument("--spec", required=True)
+        p.set_defaults(func=_status if name == "status" else _reload)
+
+    audit = sub.add_parser("audit", help="samples planned, committed, duplicated and missing")
+    audit.add_argument("state_dir")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=_audit)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dataplane.plane import DataPlane, PlaneConfig
+    from dataplane.server import PlaneServer, is_loopback
+
+    if not is_loopback(args.host) and not args.token:
+        raise UserError(f"--host {args.host}: binding anything but loopback requires --token")
+    config = PlaneConfig(
+        dp=args.dp, micro_batch_tokens=args.micro_batch_tokens, window=args.window,
+        global_batch_tokens=args.global_batch_tokens,
+        global_batch_samples=args.global_batch_samples, sp_max=args.sp_max,
+        snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens)
+    plane = DataPlane(args.spec, args.state_dir, config, restore_step=args.restore_step)
+    server = PlaneServer(plane, args.host, args.port, args.token).start()
+    metrics = None
+    if args.metrics_port is not None:
+        from dataplane.metrics import serve_metrics
+        metrics = serve_metrics(plane, args.host, args.metrics_port)
+    print(f"omniscale plane: serving {server.url} (step {plane.next_step}, "
+          f"{plane.dp_at(plane.next_step)} ranks, state in {args.state_dir})", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+    if metrics is not None:
+        metrics.shutdown()
+    plane.snapshot()
+    print(f"omniscale plane: stopped at step {plane.next_step}", flush=True)
+    return 0
+
+
+def _client(args):
+    from dataplane.client import PlaneClient
+
+    return PlaneClient(args.url, token=args.token, timeout=10, retry_for=5)
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        from tools.plane_status import print_status
+        print_status(status)
+    return 0
+
+
+def _reload(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        reply = client.reload(args.spec)
+    print(json.dumps(reply) if args.json else
+          f"{reply['spec']}: applies from step {reply['applies_at_step']}")
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from dataplane.audit import audit_state_dir
+
+    report = audit_state_dir(args.state_dir)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{args.state_dir}: audit through step {report['next_step'] - 1}")
+        columns = ("epoch", "planned", "committed", "in_flight", "duplicated", "missing")
+        table.add_column("source")
+        for col in columns:
+            table.add_column(col, justify="right")
+        for row in report["rows"]:
+            table.add_row(row["source"], *(str(row[c]) for c in columns))
+        Console(width=None if sys.stdout.isatty() else 100).print(table)
+        print(f"duplicated {report['duplicated']}, missing {report['missing']}, fingerprint "
+              f"mismatches {len(report['fingerprint_mismatches'])}")
+    bad = report["duplicated"] or report["missing"] or report["fingerprint_mismatches"]
+    return 1 if bad else 0
