@@ -1,0 +1,112 @@
+"""Torch references of every fused op: the CPU path and the oracle the fast kernels are tested
+against. Each has the signature its fast versions share.
+
+Shape suffixes: T tokens (packed, all sequences of a micro-batch), D width, H heads (Hkv for
+keys/values), K head dim, E experts, V vocabulary, S sequences (cu_seqlens has S+1 entries).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / rms(x) * weight, computed in fp32 and returned in x's dtype."""
+    x = x_TD.float()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight_D.float()).to(x_TD.dtype)
+
+
+def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor, weight_D: torch.Tensor,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm block's add then norm, fused."""
+    summed = x_TD + residual_TD
+    return rms_norm(summed, weight_D, eps), summed
+
+
+def rotary(x_THK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) with per-token cos/sin tables."""
+    half = x_THK.shape[-1] // 2
+    x1, x2 = x_THK[..., :half], x_THK[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x_THK.float() * cos_TK[:, None, :] + rotated.float() * sin_TK[:, None, :]
+            ).to(x_THK.dtype)
+
+
+def rotary_tables(position_ids_T: torch.Tensor, head_dim: int, theta: float = 10000.0,
+                  mrope_position_3T: torch.Tensor | None = None,
+                  mrope_sections: tuple[int, int, int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim] for 1-D positions, or multimodal RoPE: the rotary frequency
+    pairs are split into temporal/height/width sections, each rotated by its own axis of
+    ``mrope_position_3T`` (Qwen2-VL); text tokens carry equal positions on all three axes,
+    which makes M-RoPE coincide with 1-D RoPE for them."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids_T.device,
+                                            dtype=torch.float32) / head_dim)
+    if mrope_position_3T is None:
+        freqs = position_ids_T.float()[:, None] * inv_freq[None, :]
+    else:
+        if mrope_sections is None or sum(mrope_sections) != head_dim // 2:
+            raise ValueError(f"mrope_sections {mrope_sections} must sum to head_dim/2 = "
+                             f"{head_dim // 2}")
+        axis = torch.repeat_interleave(torch.arange(3, device=inv_freq.device),
+                                       torch.tensor(mrope_sections, device=inv_freq.device))
+        pos = mrope_position_3T.float()[axis]  # [K/2, T]: each frequency's own axis
+        freqs = pos.T * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def swiglu(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate_TF) * up_TF
+
+
+def varlen_attention(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor,
+                     cu_seqlens_S1: torch.Tensor, max_seqlen: int, causal: bool = True
+                     ) -> torch.Tensor:
+    """Attention within each packed sequence only (``cu_seqlens`` delimits them); grouped-
+    query attention when k/v have fewer heads. One SDPA call per sequence: simple and exact,
+    the reference every faster backend is checked against."""
+    del max_seqlen  # part of the shared signature (flash-attn needs it)
+    groups = q_THK.shape[1] // k_THK.shape[1]
+    out = torch.empty_like(q_THK)
+    bounds = cu_seqlens_S1.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q = q_THK[start:end].transpose(0, 1)
+        k = k_THK[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        v = v_THK[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=causal
+                                                        ).transpose(0, 1)
+    return out
+
+
+def linear_cross_entropy(hidden_TD: torch.Tensor, weight_VD: torch.Tensor,
+                         labels_T: torch.Tensor, ignore_index: int = -100,
+                         reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against labels; the reference materialises the
+    full [T, V] logits (the fused kernel never does)."""
+    logits_TV = hidden_TD.float() @ weight_VD.float().T
+    return F.cross_entropy(logits_TV, labels_T, ignore_index=ignore_index, reduction=reduction)
+
+
+def moe_permute(x_TD: torch.Tensor, expert_TK: torch.Tensor, num_experts: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens grouped by expert: (x_sorted [T*k, D], order [T*k] (index into the flattened
+    T*k routing choices), counts [E]). A stable sort keeps each expert's tokens in order."""
+    flat = expert_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    topk = expert_TK.shape[1]
+    return x_TD[order // topk], order, counts
+
+
+def moe_unpermute(y_PD: torch.Tensor, order_P: torch.Tensor, weight_TK: torch.Tensor
+                  ) -> torch.Tensor:
+    """Inverse of moe_permute, combining each token's k expert outputs by routing weight."""
+    T, topk = weight_TK.shape
+    flat = torch.empty_like(y_PD)
+    flat[order_P] = y_PD
+    return (flat.view(T, topk, -1) * weight_TK[..., None].to(y_PD.dtype)).sum(1)

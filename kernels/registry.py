@@ -1,0 +1,90 @@
+"""One registry for every fused op: ``kernels.get("rms_norm", device)`` picks the implementation.
+
+Each op has a torch reference (kernels/reference.py, the CPU path and the test oracle) and may
+have fast implementations (Triton, flash-attn, flex attention) that share its signature. The
+choice depends on the device, on what is installed, on a config override (``prefer``) and on
+``OMNISCALE_KERNELS=reference``, which forces every op to its reference (for debugging a
+numerical difference). Each choice is logged once.
+
+Implementations are named by import path so that importing the registry imports no Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+REFERENCE = "reference"
+ENV_FORCE = "OMNISCALE_KERNELS"
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _triton_ok(device_type: str) -> bool:
+    # Triton runs on CUDA, and on CPU tensors only in its interpreter (tests).
+    return _has("triton") and (device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _flash_ok(device_type: str) -> bool:
+    return device_type == "cuda" and _has("flash_attn")
+
+
+# op -> [(backend, "module:function", availability(device_type))], fastest first; the
+# reference is always last and always available.
+CANDIDATES: dict[str, list[tuple[str, str, Callable[[str], bool]]]] = {
+    "rms_norm": [], "add_rms_norm": [], "rotary": [], "swiglu": [],
+    "varlen_attention": [],
+    "linear_cross_entropy": [], "moe_permute": [], "moe_unpermute": [],
+}
+
+
+def register(op: str, backend: str, target: str, available: Callable[[str], bool]) -> None:
+    """Add a fast implementation (used by kernel modules at import; tests add their own)."""
+    CANDIDATES.setdefault(op, []).insert(0, (backend, target, available))
+    _resolve.cache_clear()
+
+
+def get(op: str, device: str = "cpu", prefer: str | None = None) -> Callable:
+    """The implementation of ``op`` for ``device`` (``prefer``: a backend name, or
+    ``reference``; ignored when that backend is unavailable there)."""
+    if op not in CANDIDATES:
+        raise KeyError(f"unknown kernel {op!r} (known: {', '.join(sorted(CANDIDATES))})")
+    device_type = str(device).split(":")[0]
+    return _resolve(op, device_type, prefer, os.environ.get(ENV_FORCE, ""))
+
+
+def backend_of(op: str, device: str = "cpu", prefer: str | None = None) -> str:
+    fn = get(op, device, prefer)
+    return getattr(fn, "_omniscale_backend", REFERENCE)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(op: str, device_type: str, prefer: str | None, forced: str) -> Callable:
+    choices = [] if forced == REFERENCE or prefer == REFERENCE else [
+        c for c in CANDIDATES[op] if prefer in (None, "auto", c[0])]
+    for backend, target, available in choices:
+        if available(device_type):
+            module, name = target.split(":")
+            fn = getattr(importlib.import_module(module), name)
+            log.info("kernel %s on %s: %s (%s)", op, device_type, backend, target)
+            return _tag(fn, backend)
+    reference = getattr(importlib.import_module("kernels.reference"), op)
+    log.info("kernel %s on %s: torch reference%s", op, device_type,
+             f" ({ENV_FORCE}={forced})" if forced else "")
+    return _tag(reference, REFERENCE)
+
+
+def _tag(fn: Callable, backend: str) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    wrapper._omniscale_backend = backend
+    return wrapper
