@@ -175,6 +175,22 @@ def _move(i, src, dst, step_N, tokens_N, source_N, load_N, tok_S, src_SC, load_S
     load_S[dst] += load_N[i]
 
 
+def _fill_empty_steps(step_N: np.ndarray, tokens_N: np.ndarray, n_steps: int) -> None:
+    """No step may be left empty while another has two samples or more: an empty step idles
+    every rank. When the token bounds cannot hold (a sample bigger than a step's share) the
+    greedy pass can starve a step; give it the smallest sample of the fullest step."""
+    while True:
+        count_S = np.bincount(step_N, minlength=n_steps)
+        empty = np.flatnonzero(count_S == 0)
+        tokens_S = np.bincount(step_N, weights=tokens_N, minlength=n_steps)
+        donors = np.flatnonzero(count_S >= 2)
+        if not len(empty) or not len(donors):
+            return
+        donor = donors[np.argmax(tokens_S[donors])]
+        mine = np.flatnonzero(step_N == donor)
+        step_N[mine[np.argmin(tokens_N[mine])]] = empty[0]
+
+
 def reorder_window(tokens_N: np.ndarray, source_N: np.ndarray, batch_N: np.ndarray,
                    load_N: np.ndarray, unit_cost_N: np.ndarray, n_steps: int,
                    epsilon: float) -> Reorder:
@@ -200,9 +216,12 @@ def reorder_window(tokens_N: np.ndarray, source_N: np.ndarray, batch_N: np.ndarr
     if n_steps > 1:
         _repair(step_N, tokens_N, dense_N, load_N, tok_S, src_SC, load_S, share_C,
                 float(epsilon), target, 2 * n + 64, 4_000_000)
+    _fill_empty_steps(step_N, tokens_N, n_steps)
     displacement_N = np.abs(step_N - np.asarray(batch_N))
     assert n == 0 or displacement_N.max() <= n_steps - 1, "reorder left its window"
     tokens_S = np.bincount(step_N, weights=tokens_N, minlength=n_steps).astype(np.int64)
+    src_SC = np.zeros((n_steps, len(sources_C)))
+    np.add.at(src_SC, (step_N, dense_N), tokens_N)
     with np.errstate(invalid="ignore", divide="ignore"):
         src_share_SC = np.where(tokens_S[:, None] > 0, src_SC / tokens_S[:, None], share_C)
     return Reorder(

@@ -25,7 +25,7 @@ import numpy as np
 
 from dataplane.errors import UserError
 from dataplane.refs import SampleRef
-from loaders.index_schema import index_path, read_index_metadata, read_shard
+from loaders.index_schema import INDEX_VERSION, index_path, read_index_metadata, read_shard
 
 ON_EXHAUSTED = ("next_epoch", "stop", "drop_source")
 _COLUMNS = ["key", "offset", "size", "members", "text_tokens", "image_patches",
@@ -73,6 +73,10 @@ class SourceState:
         if not metadata.get("shards"):
             raise UserError(f"{index_path(self.path)}: source {name!r} has no index (or no "
                             f"shards in it); run `omniscale data index` first")
+        if metadata.get("version") != INDEX_VERSION:
+            raise UserError(f"{index_path(self.path)}: index version {metadata.get('version')}, "
+                            f"the plane needs {INDEX_VERSION}; re-run `omniscale data index "
+                            f"{self.path}`")
         # Only the shard names, rows and row groups are kept (read_shard needs the latter).
         self._metadata = {"shards": {s: {"rows": int(e.get("rows", 0)),
                                          "row_group": e.get("row_group")}

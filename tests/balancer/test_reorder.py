@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import numpy as np
 
 from balancer.reorder import reorder_window
@@ -39,3 +42,16 @@ def test_infeasible_window_still_plans():
     r = reorder_window(tokens, np.zeros(6), np.array([0, 0, 0, 1, 1, 1]), cost, cost, 2, 0.05)
     assert set(r.step_N.tolist()) <= {0, 1}
     assert r.token_dev_S.max() > 0.05  # reported, not hidden
+
+
+def test_no_step_is_left_empty_when_bounds_cannot_hold():
+    # A window the plane drew from the tiny demo (dp 2, 12,288-token batches): one sample
+    # bigger than a step's token share next to many small ones. The token bounds cannot
+    # hold, and the greedy pass left a step with nothing at all; every step must get work.
+    case = json.loads((Path(__file__).parent / "data" / "empty_step_window.json").read_text())
+    out = reorder_window(*(np.asarray(case[k]) for k in ("tokens_N", "source_N", "batch_N",
+                                                          "load_N", "unit_cost_N")),
+                         case["n_steps"], case["epsilon"])
+    assert np.all(np.bincount(out.step_N, minlength=case["n_steps"]) > 0)
+    assert out.tokens_S.tolist() == np.bincount(out.step_N, weights=case["tokens_N"],
+                                                minlength=4).astype(int).tolist()

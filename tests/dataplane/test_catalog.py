@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from plane_index import random_source, rows, write_index
 
@@ -14,7 +15,7 @@ from dataplane.catalog import Catalog, SourceState
 from dataplane.errors import UserError
 from dataplane.spec import load_spec
 from loaders.index import index_paths
-from loaders.index_schema import read_index
+from loaders.index_schema import METADATA_KEY, index_path, read_index
 from tools.demo import generate
 
 
@@ -209,3 +210,16 @@ def test_catalog_round_trips_and_rebuilds_its_sources(demo, tmp_path):
         assert [fresh[name].next() for _ in range(20)] == [catalog[name].next()
                                                            for _ in range(20)]
     assert fresh.stats()["text"]["served_samples"] == 25
+
+
+def test_an_index_from_an_older_version_is_a_clear_error(tmp_path):
+    # Version 1 indexes had no row group per shard: read as if empty, a source would silently
+    # serve nothing. The plane must say what to do instead.
+    source = write_index(tmp_path / "old", {"s0.tar": rows("s0.tar", [10, 20])})
+    path = index_path(source)
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[METADATA_KEY])
+    pq.write_table(table.replace_schema_metadata(
+        {METADATA_KEY: json.dumps({**meta, "version": 1})}), path)
+    with pytest.raises(UserError, match="index version 1, the plane needs 2; re-run"):
+        SourceState("old", 0, source, seed=0)
