@@ -1,0 +1,147 @@
+"""Decoded samples -> one PackedBatch: a micro-batch of packed sequences and its media.
+
+Samples are packed end to end (``cu_seqlens`` bounds attention to each sample, the
+varlen-attention convention). A sample the plane split across a sequence-parallel group of
+``k`` ranks contributes only this rank's slice: the sample padded to a multiple of ``k`` (pad
+id, label IGNORE_INDEX) and cut into ``k`` equal parts. Labels were shifted on the whole sample
+(``loaders.sequence``), so a target crossing a slice boundary is still right.
+
+Media go whole: an item whose placeholder block overlaps the rank's slice is included with its
+full tensor (an encoder needs the whole image), and its block start is given relative to the
+batch, so it may be negative or past the end when the slice holds only part of the block.
+
+Legend: T tokens in the batch, S sequences (samples or slices), P vision patches, D patch width,
+V vision items, A audio items, AF mel frames of all audio items (rows) x mel bins, M media items.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loaders.geometry import MediaGeometry
+from loaders.sequence import IGNORE_INDEX, DecodedSample
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch for the backbone and the encoders feeding it."""
+
+    input_ids_T: torch.Tensor  # int64 [T]: token ids; media positions hold their marker's id
+    labels_T: torch.Tensor  # int64 [T]: next-token targets, IGNORE_INDEX where none
+    position_ids_T: torch.Tensor  # int64 [T]: position within the (unsliced) sample
+    mrope_3T: torch.Tensor  # int64 [3, T]: (temporal, height, width) multimodal RoPE positions
+    cu_seqlens_S1: torch.Tensor  # int32 [S + 1]: sequence boundaries in T (starts at 0)
+    max_seqlen: int  # longest sequence in T (a slice's length for SP samples)
+    seq_len_full_S: torch.Tensor  # int64 [S]: the whole sample's length, before SP padding
+    seq_sp_size_S: torch.Tensor  # int64 [S]: ranks the sample is split over (1: not split)
+    seq_sp_index_S: torch.Tensor  # int64 [S]: which slice this rank holds
+    pixel_patches_PD: torch.Tensor  # float32 [P, D]: image + video patches, in media order
+    vision_grid_thw_V3: torch.Tensor  # int64 [V, 3]: each vision item's patch grid
+    vision_kind_V: torch.Tensor  # int64 [V]: 0 image, 1 video
+    audio_mel_AF: torch.Tensor  # float32 [sum(audio_frames_A), n_mels]: log-mel frames
+    audio_frames_A: torch.Tensor  # int64 [A]: mel frames of each audio item
+    media_token_start_M: torch.Tensor  # int64 [M]: block start in T (may lie outside [0, T))
+    media_num_tokens_M: torch.Tensor  # int64 [M]: block length
+    media_kind_M: torch.Tensor  # int64 [M]: 0 image, 1 video, 2 audio
+    media_sample_M: torch.Tensor  # int64 [M]: the sequence (in S) holding the block
+    media_index_M: torch.Tensor  # int64 [M]: the item's row in V (vision) or A (audio)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_T.shape[0])
+
+
+def collate(samples: list[tuple[DecodedSample, int, int]],
+            geometry: MediaGeometry | None = None) -> PackedBatch:
+    """Pack ``(sample, sp_size, sp_index)`` triples, in order, into one batch.
+
+    ``geometry`` only sets the width of empty media tensors (a batch without images still
+    hands the vision encoder a ``[0, D]`` tensor, so every rank runs the same ops).
+    """
+    ids, labels, pos, mrope = [], [], [], []
+    cu, full, sizes, indices = [0], [], [], []
+    patches, grids, vkinds, mels, frames = [], [], [], [], []
+    m_start, m_len, m_kind, m_seq, m_index = [], [], [], [], []
+    for s, (sample, sp_size, sp_index) in enumerate(samples):
+        if sp_size < 1 or not 0 <= sp_index < sp_size:
+            raise ValueError(f"{sample.source}/{sample.key}: bad SP slice {sp_index} of {sp_size}")
+        lo, hi, parts = _slice(sample, sp_size, sp_index)
+        ids.append(parts[0])
+        labels.append(parts[1])
+        pos.append(parts[2])
+        mrope.append(parts[3])
+        for item in sample.media:
+            if item.token_start + item.num_tokens <= lo or item.token_start >= hi:
+                continue  # its block is on another rank's slice
+            if item.kind == "audio":
+                m_index.append(len(frames))
+                mels.append(item.tensor)
+                frames.append(item.frames)
+            else:
+                m_index.append(len(grids))
+                patches.append(item.tensor)
+                grids.append(item.grid_thw)
+                vkinds.append(item.kind_id)
+            m_start.append(cu[-1] + item.token_start - lo)
+            m_len.append(item.num_tokens)
+            m_kind.append(item.kind_id)
+            m_seq.append(s)
+        cu.append(cu[-1] + hi - lo)
+        full.append(len(sample))
+        sizes.append(sp_size)
+        indices.append(sp_index)
+    width = 0 if geometry is None else 3 * geometry.temporal_patch_size * geometry.patch_size ** 2
+    n_mels = 0 if geometry is None else geometry.n_mels
+    long = torch.int64
+    return PackedBatch(
+        input_ids_T=_cat(ids, (0,), long), labels_T=_cat(labels, (0,), long),
+        position_ids_T=_cat(pos, (0,), long), mrope_3T=_cat(mrope, (3, 0), long, dim=1),
+        cu_seqlens_S1=torch.tensor(cu, dtype=torch.int32),
+        max_seqlen=max((b - a for a, b in zip(cu, cu[1:])), default=0),
+        seq_len_full_S=torch.tensor(full, dtype=long),
+        seq_sp_size_S=torch.tensor(sizes, dtype=long),
+        seq_sp_index_S=torch.tensor(indices, dtype=long),
+        pixel_patches_PD=_cat(patches, (0, width), torch.float32),
+        vision_grid_thw_V3=torch.tensor(grids, dtype=long).reshape(-1, 3),
+        vision_kind_V=torch.tensor(vkinds, dtype=long),
+        audio_mel_AF=_cat(mels, (0, n_mels), torch.float32),
+        audio_frames_A=torch.tensor(frames, dtype=long),
+        media_token_start_M=torch.tensor(m_start, dtype=long),
+        media_num_tokens_M=torch.tensor(m_len, dtype=long),
+        media_kind_M=torch.tensor(m_kind, dtype=long),
+        media_sample_M=torch.tensor(m_seq, dtype=long),
+        media_index_M=torch.tensor(m_index, dtype=long))
+
+
+def sp_bounds(length: int, sp_size: int, sp_index: int) -> tuple[int, int]:
+    """[lo, hi) of slice ``sp_index`` of a sample of ``length`` tokens padded to a multiple of
+    ``sp_size``: every slice has ``ceil(length / sp_size)`` tokens."""
+    chunk = -(-length // sp_size)
+    return sp_index * chunk, (sp_index + 1) * chunk
+
+
+def _slice(sample: DecodedSample, sp_size: int, sp_index: int):
+    """(lo, hi, (ids, labels, positions, mrope)) of this rank's slice of the padded sample."""
+    n = len(sample)
+    lo, hi = sp_bounds(n, sp_size, sp_index)
+    tensors = (sample.input_ids_L, sample.labels_L, sample.position_ids_L, sample.mrope_3L)
+    if sp_size == 1:
+        return lo, hi, tensors
+    pad = sp_size * (hi - lo) - n
+    if pad:
+        # Padding continues the positions so RoPE stays monotone; its labels train nothing.
+        last = int(sample.mrope_3L.max()) + 1 if n else 0
+        tensors = (
+            torch.cat([sample.input_ids_L, torch.full((pad,), sample.pad_id, dtype=torch.int64)]),
+            torch.cat([sample.labels_L, torch.full((pad,), IGNORE_INDEX, dtype=torch.int64)]),
+            torch.cat([sample.position_ids_L, torch.arange(n, n + pad, dtype=torch.int64)]),
+            torch.cat([sample.mrope_3L,
+                       torch.arange(last, last + pad, dtype=torch.int64).expand(3, pad)], dim=1))
+    return lo, hi, tuple(t[..., lo:hi] for t in tensors)
+
+
+def _cat(parts: list[torch.Tensor], empty: tuple[int, ...], dtype: torch.dtype,
+         dim: int = 0) -> torch.Tensor:
+    return torch.cat(parts, dim=dim).to(dtype) if parts else torch.zeros(empty, dtype=dtype)

@@ -1,0 +1,75 @@
+"""Audio bytes -> log-mel frames ``[frames, n_mels]`` for the audio encoder.
+
+soundfile decodes (mono mix), torchaudio resamples to ``geometry.audio_sample_rate``; the clip is
+truncated to ``audio_max_seconds`` and zero-padded to one FFT window, then turned into a
+centered log-mel spectrogram, so ``frames == geometry.audio_mel_frames(...)``, the index's
+``audio_frames``. Only the samples that survive truncation are read: a long (or lying) file
+costs no more than ``audio_max_seconds`` of decoding.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+
+import numpy as np
+import torch
+
+from loaders.geometry import MediaGeometry, audio_samples
+from loaders.probe import Corrupt, short
+
+
+def decode_audio(data: bytes, g: MediaGeometry) -> torch.Tensor:
+    """Log-mel frames float32 [frames, n_mels]; :class:`Corrupt` for anything unusable."""
+    import soundfile
+
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            n_in, rate = f.frames, f.samplerate
+            if n_in <= 0:
+                raise Corrupt("audio has no samples")
+            if rate <= 0:
+                raise Corrupt(f"audio sample rate {rate} is not positive")
+            keep_in = min(n_in, math.ceil(g.audio_max_seconds * rate))
+            wave_NC = f.read(keep_in, dtype="float32", always_2d=True)
+    except Corrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 -- untrusted bytes: any parser failure is corruption
+        # libsndfile's message quotes the buffer object; its error string alone says it.
+        raise Corrupt(f"not audio ({getattr(e, 'error_string', None) or short(e)})") from None
+    if wave_NC.shape[0] == 0:
+        raise Corrupt("audio has no samples")
+    if not np.isfinite(wave_NC).all():
+        raise Corrupt("audio has non-finite samples")
+    wave_N = torch.from_numpy(wave_NC).mean(dim=1)  # mono mix
+    n = audio_samples(n_in, rate, g)
+    with torch.no_grad():
+        if rate != g.audio_sample_rate:
+            wave_N = _resampler(rate, g.audio_sample_rate)(wave_N)
+        # Resampling a truncated read can leave a sample more or fewer than the formula says.
+        wave_N = torch.nn.functional.pad(wave_N[:n], (0, max(0, n - wave_N.shape[0])))
+        if n < g.mel_n_fft:  # shorter than one window: zero-pad so the STFT is defined
+            wave_N = torch.nn.functional.pad(wave_N, (0, g.mel_n_fft - n))
+        mel_MF = _mel(g.audio_sample_rate, g.mel_n_fft, g.mel_hop, g.n_mels)(wave_N)
+    log_MF = torch.log10(mel_MF.clamp(min=1e-10))
+    # Whisper's normalisation: an 80 dB dynamic range, scaled to about [-1, 1].
+    log_MF = torch.maximum(log_MF, log_MF.max() - 8.0)
+    return ((log_MF + 4.0) / 4.0).T.contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _resampler(orig: int, new: int):
+    """A resampler per rate pair, built once per process (its sinc kernel is costly)."""
+    import torchaudio
+
+    return torchaudio.transforms.Resample(orig, new)
+
+
+@functools.lru_cache(maxsize=4)
+def _mel(sample_rate: int, n_fft: int, hop: int, n_mels: int):
+    """The mel transform of a geometry, built once per process (its filterbank is a matrix)."""
+    import torchaudio
+
+    return torchaudio.transforms.MelSpectrogram(sample_rate=sample_rate, n_fft=n_fft,
+                                                hop_length=hop, n_mels=n_mels)

@@ -1,0 +1,77 @@
+"""Text -> token ids with the dataset's ``tokenizer.json``, exactly as the index counted them.
+
+The index (``loaders.text_cost``) encodes with ``add_special_tokens=False`` and counts media
+markers as single tokens; the decoder must encode the same way, or the plane's token budgets
+would not hold for the batches it planned.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dataplane.errors import UserError
+from loaders.layout import EOS, MARKER_OF, PAD
+from loaders.probe import Corrupt, decode_text
+
+# A text member is one sample's caption or document; anything larger is no training text and
+# would stall a worker in the tokenizer.
+MAX_TEXT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class TextTokenizer:
+    """A loaded tokenizer and the ids the sequence layout needs."""
+
+    tokenizer: object  # tokenizers.Tokenizer
+    pad_id: int
+    eos_id: int
+    marker_ids: dict[str, int]  # media kind -> id of its marker (``<image>`` …)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (int64) of ``text``; markers stay single tokens."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int64)
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """The tokenizer at ``path``, parsed once per process (a real one takes a while).
+
+    UserError when the file is unreadable or lacks ``loaders.layout.SPECIAL_TOKENS``.
+    """
+    return _load_tokenizer(str(Path(path).resolve()))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: str) -> TextTokenizer:
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises bare Exceptions
+        raise UserError(f"{path}: not a readable tokenizer ({' '.join(str(e).split())})"
+                        ) from None
+    ids = {}
+    for token in (PAD, EOS, *MARKER_OF.values()):
+        ids[token] = tokenizer.token_to_id(token)
+        if ids[token] is None:
+            raise UserError(f"{path}: has no token {token!r} (the tokenizer must define "
+                            "loaders.layout.SPECIAL_TOKENS as special tokens)")
+    return TextTokenizer(tokenizer, ids[PAD], ids[EOS],
+                         {kind: ids[marker] for kind, marker in MARKER_OF.items()})
+
+
+def text_of(data: bytes) -> str:
+    """A text member's string: strict UTF-8 and bounded; :class:`Corrupt` otherwise."""
+    if len(data) > MAX_TEXT_BYTES:
+        raise Corrupt(f"text of {len(data)} bytes is above the {MAX_TEXT_BYTES} a decoder reads")
+    return decode_text(data)
+
+
+def tokenize(data: bytes, tokenizer: TextTokenizer) -> tuple[str, np.ndarray]:
+    """(text, token ids) of a text member's bytes."""
+    text = text_of(data)
+    return text, tokenizer.encode(text)

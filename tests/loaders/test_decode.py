@@ -1,0 +1,237 @@
+"""Decoders on the real demo data produce exactly what the index planned (patch counts, t·h·w,
+mel frames, LLM tokens), and every kind of bad input is a one-line CorruptSample, fast."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from decode_fixtures import build_demo, demo_decoder, hand_decoder, refs_of, tar_refs
+from index_fixtures import audio_bytes, image_bytes, video_bytes, write_tar, write_tokenizer
+
+from dataplane.plan_table import item_kinds
+from loaders.decode_audio import decode_audio
+from loaders.decode_image import decode_image, patchify
+from loaders.decode_video import _decord_frames, _pyav_frames, decode_video
+from loaders.errors import CorruptSample
+from loaders.geometry import MediaGeometry, audio_mel_frames, audio_tokens, vision_tokens
+from loaders.probe import Corrupt, probe_video
+from loaders.sequence import KINDS
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    return build_demo(tmp_path_factory.mktemp("decode"))
+
+
+def test_every_demo_sample_decodes_to_its_index_features(spec):
+    g = spec.media
+    decoder = demo_decoder(spec)
+    width = 3 * g.temporal_patch_size * g.patch_size ** 2
+    seen = set()
+    for source in spec.sources:
+        for ref in refs_of(spec, source.name):
+            sample = decoder.decode(ref)
+            assert len(sample) == ref.llm_tokens, (source.name, ref.key)
+            kinds = [(KINDS.index(it.kind)) for it in sample.media]
+            assert kinds == [k for k, _ in item_kinds(ref)]
+            by_kind = {k: [it for it in sample.media if it.kind == k] for k in KINDS}
+            assert [it.tensor.shape[0] for it in by_kind["image"]] == list(ref.image_patches)
+            assert [int(np.prod(it.grid_thw)) for it in by_kind["image"]] == list(ref.image_patches)
+            assert all(it.grid_thw[0] == 1 for it in by_kind["image"])
+            assert [it.tensor.shape[0] for it in by_kind["video"]] == list(ref.video_patches)
+            assert [it.frames for it in by_kind["audio"]] == list(ref.audio_frames)
+            ids = sample.input_ids_L
+            for it in sample.media:
+                seen.add(it.kind)
+                if it.kind == "audio":
+                    assert it.tensor.shape == (it.frames, g.n_mels)
+                    assert it.num_tokens == audio_tokens(it.frames)
+                else:
+                    assert it.tensor.shape == (int(np.prod(it.grid_thw)), width)
+                    assert it.tensor.dtype == torch.float32
+                    assert it.num_tokens == vision_tokens(it.grid_thw, g)
+                assert torch.isfinite(it.tensor).all()
+                block = ids[it.token_start:it.token_start + it.num_tokens]
+                assert (block == decoder.tokenizer.marker_ids[it.kind]).all()
+            placeholders = sum(it.num_tokens for it in sample.media)
+            markers = torch.isin(ids, torch.tensor(list(decoder.tokenizer.marker_ids.values())))
+            assert int(markers.sum()) == placeholders
+            assert len(sample) - placeholders == ref.text_tokens
+            assert ids[-1] == decoder.tokenizer.eos_id
+    assert seen == {"image", "video", "audio"}
+
+
+def test_patches_are_in_merge_window_order():
+    g = MediaGeometry(patch_size=2, merge_size=2, temporal_patch_size=2, min_pixels=16,
+                      max_pixels=64)
+    # Pixel value = its column, channel 0; rows 0..7, columns 0..7, two identical frames.
+    frames = np.zeros((2, 8, 8, 3), np.float32)
+    frames[..., 0] = np.arange(8)[None, None, :]
+    frames[..., 1] = np.arange(8)[None, :, None]
+    patches, grid = patchify(frames, g)
+    assert grid == (1, 4, 4) and patches.shape == (16, 3 * 2 * 2 * 2)
+    top_left = [(int(p[8:16].min()), int(p[0:8].min())) for p in patches[:4]]  # (row, col)
+    assert top_left == [(0, 0), (0, 2), (2, 0), (2, 2)]  # one 2x2 merge window first
+    assert (int(patches[4][8:16].min()), int(patches[4][0:8].min())) == (0, 4)
+
+
+def test_image_repeats_its_frame_over_the_temporal_patch():
+    g = MediaGeometry(patch_size=8, max_pixels=64 * 64, min_pixels=16 * 16)
+    item = decode_image(image_bytes(40, 24, "PNG"), g)
+    p = g.patch_size ** 2
+    x = item.patches_PD.reshape(-1, 3, g.temporal_patch_size, p)
+    assert torch.equal(x[:, :, 0], x[:, :, 1])
+
+
+def test_decord_width_bug_falls_back_to_pyav():
+    g = MediaGeometry(patch_size=8, max_pixels=64 * 64, min_pixels=16 * 16,
+                      video_max_pixels=64 * 64)
+    for width in (48, 72, 64):
+        data = video_bytes(10, 5, width, 32)
+        item = decode_video(data, g)
+        assert item.grid_thw == probe_video(data, g)
+        assert item.patches_PD.shape[0] == int(np.prod(item.grid_thw))
+    good = video_bytes(10, 5, 64, 32)
+    assert np.array_equal(_decord_frames(good, g), _pyav_frames(good, g))
+    assert _decord_frames(video_bytes(10, 5, 48, 32), g) is None
+
+
+def _crc_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def png_bomb(width: int = 200_000, height: int = 200_000) -> bytes:
+    """A valid PNG header declaring an enormous image, with one tiny (wrong) data chunk."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _crc_chunk(b"IHDR", ihdr)
+            + _crc_chunk(b"IDAT", zlib.compress(b"\0" * 64)) + _crc_chunk(b"IEND", b""))
+
+
+def _empty_wav() -> bytes:
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, np.zeros(0, np.float32), 16_000, format="WAV")
+    return buf.getvalue()
+
+
+BAD_MEMBERS = {
+    "truncated_jpeg": ("jpg", image_bytes(64, 48)[:-300], "truncated"),
+    "truncated_png": ("png", image_bytes(64, 48, "PNG")[:-200], "truncated"),
+    "image_bomb": ("png", png_bomb(), "too large"),
+    "image_huge": ("png", png_bomb(9000, 9000), "above"),  # under PIL's limit, over ours
+    "garbage_mp4": ("mp4", bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8)),
+                    "not a video"),
+    "garbage_ftyp_mp4": ("mp4", b"\0\0\0\x18ftypisom" + b"\x5a" * 2000, "video"),
+    "zero_length_wav": ("wav", _empty_wav(), "no samples"),
+    "empty_wav_file": ("wav", b"", "not audio"),
+    "non_utf8_text": ("txt", b"a caption \xff\xfe with bad bytes", "not UTF-8"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_shard(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    members = []
+    for key, (suffix, data, _) in BAD_MEMBERS.items():
+        members.append((f"{key}.{suffix}", data))
+        if suffix != "txt":
+            members.append((f"{key}.txt", b"a caption"))
+    write_tar(root / "src" / "bad-000000.tar", members)
+    return root
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key", list(BAD_MEMBERS))
+def test_bad_input_is_a_one_line_corrupt_sample(bad_shard, key, monkeypatch):
+    from PIL import ImageFile
+
+    # Someone else in the process asked PIL to accept truncated files; we must still refuse.
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    tokenizer = write_tokenizer(bad_shard / "tokenizer.json")
+    decoder = hand_decoder("bad", bad_shard / "src", tokenizer)
+    [ref] = [r for r in tar_refs("bad", bad_shard / "src" / "bad-000000.tar") if r.key == key]
+    with pytest.raises(CorruptSample) as e:
+        decoder.decode(ref)
+    suffix, _, reason = BAD_MEMBERS[key]
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"bad/{key}: member '{key}.{suffix}': "), text
+    assert reason in text, text
+    assert (e.value.source, e.value.key) == ("bad", key)
+
+
+def test_decoders_raise_corrupt_directly():
+    g = MediaGeometry()
+    for decode, data in ((decode_image, png_bomb()), (decode_image, b"GIF89a"),
+                         (decode_video, b"\0" * 100)):
+        with pytest.raises(Corrupt):
+            decode(data, g)
+
+
+def _good_shard(tmp_path):
+    members = [("cap.jpg", image_bytes(40, 30)), ("cap.txt", b"a small red square"),
+               ("two.jpg", image_bytes(40, 30)), ("two.txt", b"<image> and <image>"),
+               ("clip.mp4", video_bytes(8, 4, 32, 32)), ("clip.wav", audio_bytes(0.5, 8000)),
+               ("clip.txt", b"<audio> then <video>")]
+    write_tar(tmp_path / "src" / "good-000000.tar", members)
+    return hand_decoder("good", tmp_path / "src", write_tokenizer(tmp_path / "tokenizer.json"))
+
+
+def test_markers_that_do_not_match_the_media_are_corrupt(tmp_path):
+    decoder = _good_shard(tmp_path)
+    refs = {r.key: r for r in tar_refs("good", tmp_path / "src" / "good-000000.tar")}
+    decoder.decode(refs["cap"])
+    with pytest.raises(CorruptSample, match=r"^good/two: member 'two.txt': text has 2 image"):
+        decoder.decode(refs["two"])
+
+
+def test_interleaved_markers_place_blocks_in_text_order(tmp_path):
+    decoder = _good_shard(tmp_path)
+    ref = {r.key: r for r in tar_refs("good", tmp_path / "src" / "good-000000.tar")}["clip"]
+    sample = decoder.decode(ref)
+    video, audio = sample.media  # item order: videos before audio
+    assert (video.kind, audio.kind) == ("video", "audio")
+    assert audio.token_start == 0 < video.token_start  # text order: <audio> first
+
+
+def test_a_ref_whose_features_disagree_is_a_stale_index(spec):
+    decoder = demo_decoder(spec)
+    ref = refs_of(spec, "image_caption")[0]
+    stale = dataclasses.replace(ref, image_patches=(ref.image_patches[0] + 4,))
+    with pytest.raises(CorruptSample, match="stale index"):
+        decoder.decode(stale)
+    with pytest.raises(CorruptSample, match="stale index"):
+        decoder.decode(dataclasses.replace(ref, llm_tokens=ref.llm_tokens + 1))
+
+
+def test_a_capped_text_sample_is_truncated_to_its_plan(spec):
+    decoder = demo_decoder(spec)
+    ref = max(refs_of(spec, "text"), key=lambda r: r.llm_tokens)
+    sample = decoder.decode(dataclasses.replace(ref, llm_tokens=100, text_tokens=100))
+    full = decoder.decode(ref)
+    assert len(sample) == 100
+    assert torch.equal(sample.input_ids_L, full.input_ids_L[:100])
+    assert torch.equal(sample.labels_L[:-1], full.labels_L[:99]) and sample.labels_L[-1] == -100
+
+
+def test_log_mel_is_whisper_normalised_torchaudio_mel():
+    import torchaudio
+
+    import soundfile
+
+    g = MediaGeometry()
+    mel_FM = decode_audio(audio_bytes(1.3, 22_050), g)
+    wave, rate = soundfile.read(io.BytesIO(audio_bytes(1.3, 22_050)), dtype="float32")
+    wave = torchaudio.functional.resample(torch.from_numpy(wave), rate, g.audio_sample_rate)
+    mel = torchaudio.transforms.MelSpectrogram(g.audio_sample_rate, n_fft=g.mel_n_fft,
+                                               hop_length=g.mel_hop, n_mels=g.n_mels)(wave)
+    log = torch.log10(mel.clamp(min=1e-10))
+    expected = ((torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0).T
+    assert mel_FM.shape == expected.shape == (audio_mel_frames(len(wave), 16_000, g), g.n_mels)
+    torch.testing.assert_close(mel_FM, expected, atol=2e-3, rtol=1e-2)
