@@ -41,6 +41,7 @@ class PlaneClient:
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._client: flight.FlightClient | None = None
+        self._plan_actions: dict[tuple[int, int], flight.Action] = {}
 
     def _connect(self) -> flight.FlightClient:
         if self._client is None:
@@ -65,9 +66,18 @@ class PlaneClient:
 
     def get_plan(self, step: int, rank: int) -> pa.Table:
         """This rank's plan for ``step``: one row per LLM placement or encoder item."""
-        ticket = flight.Ticket(wire.encode({"step": int(step), "rank": int(rank)}))
-        return self._retrying(f"get_plan(step={step}, rank={rank})",
-                              lambda c: c.do_get(ticket, options=self._options).read_all())
+        key = int(step), int(rank)
+        action = self._plan_actions.get(key)
+        if action is None:  # the request bytes are the same every time: encode them once
+            if len(self._plan_actions) > 4096:
+                self._plan_actions.clear()
+            action = self._plan_actions[key] = flight.Action(
+                "plan", wire.encode({"step": key[0], "rank": key[1]}))
+
+        def fetch(client):  # one IPC stream in one result ("plan" action; see server.py)
+            results = list(client.do_action(action, options=self._options))
+            return pa.ipc.open_stream(results[0].body).read_all()
+        return self._retrying(f"get_plan(step={step}, rank={rank})", fetch)
 
     def _action(self, kind: str, body: dict) -> dict:
         action = flight.Action(kind, wire.encode(body) if body else b"")
@@ -77,8 +87,13 @@ class PlaneClient:
             return wire.decode(results[0].body) if results else {}
         return self._retrying(kind, run)
 
-    def commit(self, step: int, rank: int | None = None) -> dict:
+    def commit(self, step: int, rank: int | None = None, plan_fp: str | None = None) -> dict:
+        """Mark ``step`` (or ``rank``'s share of it) trained. ``plan_fp``,
+        ``plan_table.fingerprint`` of the plan the rank trained, lets the plane refuse the
+        commit if that step was re-planned since (a resize): the rank then fetches again."""
         body = {"step": int(step)} | ({} if rank is None else {"rank": int(rank)})
+        if plan_fp is not None:
+            body["plan_fp"] = str(plan_fp)
         return self._action("commit", body)
 
     def status(self) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from dataplane.plan_table import fingerprint, rank_tables
 from dataplane.refs import SampleRef
 from dataplane.server import RequestError
 from dataplane.spec import MixSpec, load_spec
+from dataplane.status import plane_status
 from dataplane.windows import replan_tail, window_samples
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,7 @@ class DataPlane:
         self.committed: set[int] = set()
         self.served_max = -1
         self.exhausted_at: int | None = None
+        self.clients: dict[int, tuple[float, int]] = {}  # rank -> (monotonic time, step)
         snapshot = self.journal.load_snapshot(restore_step)
         if snapshot is None:
             if spec is None:
@@ -166,6 +169,7 @@ class DataPlane:
         self.mixer.load_state_dict(snap["window_state"])
         self.next_window, self.next_step = k, step
         self.committed = set(snap["committed_ahead"])
+        self.rank_commits = {int(s): set(r) for s, r in snap.get("rank_commits", {}).items()}
         self.dp_changes = [list(c) for c in snap["dp_changes"]]
         self.reloads = [list(r) for r in snap["reloads"]]
         self.window_states = {k: _copy(snap["window_state"])}
@@ -194,7 +198,10 @@ class DataPlane:
     def _replay(self, record: dict) -> None:
         kind = record["t"]
         if kind == "commit":
+            self.rank_commits.pop(record["step"], None)
             self._mark_committed(record["step"])
+        elif kind == "rank":
+            self.rank_commits.setdefault(record["step"], set()).add(record["rank"])
         elif kind == "reload":
             self.reloads.append([record["window"], record["spec"]])
         elif kind == "dp":
@@ -209,6 +216,8 @@ class DataPlane:
     def _resize_from(self, step: int, dp: int) -> None:
         """Record the change and re-plan whatever is already drawn from ``step`` on."""
         self.dp_changes.append([step, dp])
+        # Ranks' commits of re-planned steps were of plans that no longer exist: void them.
+        self.rank_commits = {s: r for s, r in self.rank_commits.items() if s < step}
         for window in self.windows.values():
             window.resize(step, dp, self.costs, self.config)
 
@@ -239,6 +248,8 @@ class DataPlane:
             "window_state": self.window_states[k], "spec": self.window_specs[k],
             "dp_changes": self.dp_changes, "reloads": [r for r in self.reloads if r[0] > k],
             "committed_ahead": sorted(s for s in self.committed if s >= step),
+            "rank_commits": {str(s): sorted(r) for s, r in self.rank_commits.items()
+                             if s >= step},
             "wal_offset": self.journal.size(), "config": asdict(self.config),
             "sample_cap": self.cap})
         self.last_snapshot = step
@@ -325,7 +336,9 @@ class DataPlane:
                 raise RequestError(f"step {step}: the mixture is exhausted (the last step is "
                                    f"{self.exhausted_at - 1})")
             self.served_max = max(self.served_max, step)
-            return self._table(step, rank)
+            table = self._table(step, rank)
+            self.clients[rank] = (time.monotonic(), step)  # for status: who is connected
+            return table
 
     def _check_step(self, step: int, what: str) -> None:
         if step < 0:
@@ -339,7 +352,11 @@ class DataPlane:
             raise RequestError(f"step {step} is too far ahead: plans reach step "
                                f"{horizon} while step {self.next_step} is not committed")
 
-    def commit(self, step: int, rank: int | None = None) -> dict:
+    def commit(self, step: int, rank: int | None = None, plan_fp: str | None = None) -> dict:
+        """Mark ``step`` trained, or only ``rank``'s share of it (the step is trained once
+        every rank committed). A rank's commit is logged before it is acknowledged, so a
+        plane restart does not forget it; ``plan_fp`` (the fingerprint of the plan the rank
+        trained) makes the plane refuse a commit of a plan that was re-planned since."""
         with self.lock:
             self._check_step(step, "commit")
             self._ensure_planned(step)
@@ -353,7 +370,13 @@ class DataPlane:
                 ranks = self.rank_commits.setdefault(step, set())
                 if rank in ranks:
                     raise RequestError(f"rank {rank} already committed step {step}")
+                if plan_fp is not None and plan_fp != fingerprint(self._table(step, rank)):
+                    raise RequestError(f"step {step} was re-planned for {dp} ranks since rank "
+                                       f"{rank} fetched it: fetch it again")
+                if len(ranks) + 1 < dp:  # durable before acknowledged
+                    self._log({"t": "rank", "step": step, "rank": rank})
                 ranks.add(rank)
+                self.clients[rank] = (time.monotonic(), step)
                 if len(ranks) < dp:
                     return {"step": step, "committed": False, "ranks": len(ranks), "dp": dp}
             prints = [fingerprint(self._table(step, r)) for r in range(dp)]
@@ -409,27 +432,9 @@ class DataPlane:
             return {"applies_at_step": k * W, "spec": path}
 
     def status(self) -> dict:
+        """Mixture, progress, balance, clients, snapshots: see :mod:`dataplane.status`."""
         with self.lock:
-            W = self.config.window
-            recent = []
-            for k in sorted(self.windows):
-                for plan in self.windows[k].plans:
-                    cost = plan.rank_cost_R
-                    recent.append({"step": k * W + plan.step,
-                                   "max_cost": float(cost.max()) if len(cost) else 0.0,
-                                   "lower_bound": plan.lower_bound,
-                                   "imbalance": plan.imbalance})
-            weights = dict(zip(self.mixer.names, map(float, self.mixer.weights())))
-            return {
-                "spec": self.spec_path, "dp": self.dp_at(self.next_step),
-                "next_step": self.next_step, "served_max_step": self.served_max,
-                "planned_through": self.next_window * W - 1 if self.exhausted_at is None
-                else self.exhausted_at - 1,
-                "exhausted_at": self.exhausted_at, "last_snapshot": self.last_snapshot,
-                "mixture": [{"source": n, "weight": weights.get(n, 0.0), **p}
-                            for n, p in self.mixer.proportions().items()],
-                "sources": [{"source": n, **s} for n, s in self.mixer.catalog.stats().items()],
-                "recent_steps": recent[-2 * W:]}
+            return plane_status(self, time.monotonic())
 
     def audit(self) -> dict:
         from dataplane.audit import audit_state_dir

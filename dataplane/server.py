@@ -1,4 +1,9 @@
-"""The plane's Arrow Flight front: plans by ``do_get``, everything else by ``do_action``.
+"""The plane's Arrow Flight front: plans by ``do_get`` or the ``plan`` action, the rest by
+``do_action``.
+
+The ``plan`` action returns the plan as one Arrow IPC stream in a single result, serialised
+once per (step, rank) and cached: a fetch is then one small gRPC message and a dict lookup, about
+twice as fast as ``do_get``'s record-batch stream (which stays for generic Flight clients).
 
 Transport only: a :class:`PlaneService` (the data plane itself) does the work. Requests and
 replies are Arrow IPC (:mod:`dataplane.wire`). The server binds loopback unless told otherwise,
@@ -23,7 +28,8 @@ from dataplane.errors import UserError
 log = logging.getLogger(__name__)
 
 ACTIONS = {
-    "commit": "mark a step (or one rank's share of it) as trained: {step, rank?}",
+    "plan": "a rank's plan as an Arrow IPC stream (what do_get serves): {step, rank}",
+    "commit": "mark a step (or one rank's share of it) as trained: {step, rank?, plan_fp?}",
     "status": "mixture, progress, balance and clients: {}",
     "snapshot": "write a snapshot now: {step?}",
     "reload": "apply a new mixing spec at the next window boundary: {spec}",
@@ -37,7 +43,8 @@ class RequestError(UserError):
 
 class PlaneService(Protocol):
     def get_plan(self, step: int, rank: int) -> pa.Table: ...
-    def commit(self, step: int, rank: int | None = None) -> dict: ...
+    def commit(self, step: int, rank: int | None = None, plan_fp: str | None = None
+               ) -> dict: ...
     def status(self) -> dict: ...
     def snapshot(self, step: int | None = None) -> dict: ...
     def reload(self, spec: str) -> dict: ...
@@ -83,6 +90,8 @@ class PlaneServer(flight.FlightServerBase):
         shown = f"[{host}]" if ":" in host else host
         self.url = f"grpc+tcp://{shown}:{self.port}"
         self._thread: threading.Thread | None = None
+        self._requests: dict[bytes, tuple[int, int]] = {}  # request bytes -> (step, rank)
+        self._plans: dict[tuple[int, int], tuple[pa.Table, pa.Buffer]] = {}
 
     def start(self) -> "PlaneServer":
         """Serve from a daemon thread (the embedded mode); returns self."""
@@ -102,13 +111,43 @@ class PlaneServer(flight.FlightServerBase):
         table = _call(self.service.get_plan, step, rank)
         return flight.RecordBatchStream(table)
 
+    def _plan_ipc(self, body: bytes) -> pa.Buffer:
+        """The plan a request names, as IPC bytes; the bytes are reused while the service
+        returns the very same table object (a re-plan makes a new one)."""
+        key = self._requests.get(body)
+        if key is None:
+            request = _call(wire.decode, body)
+            key = _int(request, "step"), _int(request, "rank")
+            if len(self._requests) > 1 << 16:
+                self._requests.clear()
+            self._requests[body] = key
+        table = _call(self.service.get_plan, *key)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is table:
+            return cached[1]
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        data = sink.getvalue()
+        if len(self._plans) > 1 << 16:
+            self._plans.clear()
+        self._plans[key] = (table, data)
+        return data
+
     def do_action(self, context, action):
         kind = action.type
+        if kind == "plan":
+            yield flight.Result(self._plan_ipc(action.body.to_pybytes()))
+            return
         body = _call(wire.decode, action.body) if action.body.size else {}
         if kind == "commit":
-            rank = body.get("rank")
-            reply = _call(self.service.commit, _int(body, "step"),
-                          None if rank is None else _int(body, "rank"))
+            rank, plan_fp = body.get("rank"), body.get("plan_fp")
+            args = [_int(body, "step"), None if rank is None else _int(body, "rank")]
+            if plan_fp is not None:  # only then: services without plan checks stay valid
+                if not isinstance(plan_fp, str):
+                    raise flight.FlightServerError(f"plan_fp: expected a string, got {plan_fp!r}")
+                args.append(plan_fp)
+            reply = _call(self.service.commit, *args)
         elif kind == "status":
             reply = _call(self.service.status)
         elif kind == "snapshot":

@@ -36,7 +36,10 @@ def add_commands(commands) -> None:
     serve.add_argument("--restore-step", type=int, default=None,
                        help="resume from this step's snapshot, rolling back later commits")
     serve.add_argument("--metrics-port", type=int, default=None,
-                       help="also serve status as Prometheus metrics on this port")
+                       help="also serve status as Prometheus metrics on this port (on --host)")
+    serve.add_argument("--ray", action="store_true",
+                       help="run the plane as an actor on a Ray cluster (RAY_ADDRESS, or a "
+                            "local instance) and wait; Ctrl-C stops it")
     serve.set_defaults(func=_serve)
 
     for name, helptext in (("status", "mixture, progress and balance of a running plane"),
@@ -56,8 +59,8 @@ def add_commands(commands) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from dataplane.plane import DataPlane, PlaneConfig
-    from dataplane.server import PlaneServer, is_loopback
+    from dataplane.plane import PlaneConfig
+    from dataplane.server import is_loopback
 
     if not is_loopback(args.host) and not args.token:
         raise UserError(f"--host {args.host}: binding anything but loopback requires --token")
@@ -66,24 +69,75 @@ def _serve(args: argparse.Namespace) -> int:
         global_batch_tokens=args.global_batch_tokens,
         global_batch_samples=args.global_batch_samples, sp_max=args.sp_max,
         snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens)
+    return (_serve_on_ray if args.ray else _serve_here)(args, config)
+
+
+def _serve_here(args: argparse.Namespace, config) -> int:
+    from dataplane.plane import DataPlane
+    from dataplane.server import PlaneServer
+
     plane = DataPlane(args.spec, args.state_dir, config, restore_step=args.restore_step)
     server = PlaneServer(plane, args.host, args.port, args.token).start()
-    metrics = None
-    if args.metrics_port is not None:
-        from dataplane.metrics import serve_metrics
-        metrics = serve_metrics(plane, args.host, args.metrics_port)
     print(f"omniscale plane: serving {server.url} (step {plane.next_step}, "
           f"{plane.dp_at(plane.next_step)} ranks, state in {args.state_dir})", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    metrics = _metrics(plane, args)
+    _wait_for_signal()
     server.stop()
     if metrics is not None:
         metrics.shutdown()
     plane.snapshot()
     print(f"omniscale plane: stopped at step {plane.next_step}", flush=True)
     return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, config) -> int:
+    import os
+
+    import ray
+
+    from dataplane.client import PlaneClient
+    from dataplane.ray_actor import start_on_ray
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", log_to_driver=False)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=False)
+    actor = None
+    try:
+        actor, url = start_on_ray(args.spec, args.state_dir, config, host=args.host,
+                                  port=args.port, token=args.token,
+                                  restore_step=args.restore_step)
+        print(f"omniscale plane: serving {url} from a Ray actor (state in {args.state_dir})",
+              flush=True)
+        # The metrics endpoint stays in this process and reads status over Flight.
+        metrics = _metrics(PlaneClient(url, token=args.token, timeout=10, retry_for=5), args)
+        _wait_for_signal()
+        if metrics is not None:
+            metrics.shutdown()
+        stopped = ray.get(actor.stop.remote(), timeout=60)
+        print(f"omniscale plane: stopped at step {stopped['next_step']}", flush=True)
+    finally:
+        if actor is not None:
+            ray.kill(actor)
+        ray.shutdown()
+    return 0
+
+
+def _metrics(plane, args: argparse.Namespace):
+    if args.metrics_port is None:
+        return None
+    from dataplane.metrics import serve_metrics
+
+    server = serve_metrics(plane, args.host, args.metrics_port)
+    print(f"omniscale plane: metrics at {server.url}", flush=True)
+    return server
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
 
 
 def _client(args):

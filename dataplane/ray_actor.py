@@ -1,0 +1,104 @@
+"""The plane as a Ray actor (``omniscale plane serve --ray``), for jobs whose data side already
+runs on a Ray cluster.
+
+The actor holds the same :class:`DataPlane` and :class:`PlaneServer` a standalone plane does;
+trainers reach it through its Flight URL with :class:`dataplane.client.PlaneClient`, never
+through Ray calls, so plans still cross the wire as Arrow IPC only and the trainer side does
+not depend on Ray. Ray only places the process and keeps it alive.
+
+Placement: a plane bound to loopback is pinned to the caller's node (its URL is only reachable
+there). Bound to another address (with a token), it may run on any node; bound to all
+interfaces (``0.0.0.0``), it advertises its node's IP. Its state dir must then be storage that
+node can reach. Ray is imported lazily: it takes seconds to import.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+from dataplane.errors import UserError
+from dataplane.plane import DataPlane, PlaneConfig
+from dataplane.server import PlaneServer, is_loopback
+
+
+class PlaneActor:
+    """Runs a plane and its Flight server inside a Ray actor process (wrapped with
+    ``ray.remote`` by :func:`start_on_ray`; a plain class so it can be read and tested
+    without Ray)."""
+
+    def __init__(self, spec: str | None, state_dir: str, config: dict, host: str = "127.0.0.1",
+                 port: int = 0, token: str | None = None, restore_step: int | None = None):
+        # config travels as a plain dict: Ray ships arguments between processes, and a dict
+        # does not tie the actor to this module's dataclass pickling.
+        self.plane = DataPlane(spec, state_dir, PlaneConfig(**config),
+                               restore_step=restore_step)
+        self.server = PlaneServer(self.plane, host, port, token).start()
+        self._url = self.server.url
+        if _unspecified(host):
+            import ray  # inside the actor, Ray is already imported
+
+            self._url = f"grpc+tcp://{_bracket(ray.util.get_node_ip_address())}:" \
+                        f"{self.server.port}"
+
+    def url(self) -> str:
+        return self._url
+
+    def status(self) -> dict:
+        return self.plane.status()
+
+    def stop(self) -> dict:
+        """Stop serving and write a snapshot; returns where the plane stopped."""
+        self.server.stop()
+        self.plane.snapshot()
+        return {"next_step": self.plane.next_step, "state_dir": str(self.plane.journal.dir)}
+
+
+def start_on_ray(spec: str | Path | None, state_dir: str | Path, config: PlaneConfig,
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 restore_step: int | None = None, num_cpus: float = 1,
+                 timeout: float = 300.0):
+    """Start a plane actor on the Ray cluster this process is connected to (``ray.init``
+    first); returns ``(actor_handle, url)`` once the plane is serving. Stop it with
+    ``ray.get(actor.stop.remote())`` then ``ray.kill(actor)``."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not is_loopback(host) and not token:
+        raise UserError(f"--host {host}: binding anything but loopback requires --token")
+    options: dict = {"num_cpus": num_cpus}
+    if is_loopback(host):
+        here = ray.get_runtime_context().get_node_id()
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
+    actor = ray.remote(PlaneActor).options(**options).remote(
+        None if spec is None else str(Path(spec).resolve()), str(Path(state_dir).resolve()),
+        asdict(config), host, port, token, restore_step)
+    try:
+        url = ray.get(actor.url.remote(), timeout=timeout)
+    except ray.exceptions.RayActorError as e:
+        # The plane's own one-line error (bad spec, wrong --window …) is the useful part.
+        raise UserError(f"plane actor failed to start: {_reason(e)}") from None
+    except BaseException:
+        ray.kill(actor)
+        raise
+    return actor, url
+
+
+def _reason(error: BaseException) -> str:
+    """The last line of Ray's report (the exception itself), without its class name."""
+    lines = str(error).strip().splitlines()
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", lines[-1]) if lines else \
+        type(error).__name__
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

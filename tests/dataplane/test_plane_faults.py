@@ -1,0 +1,241 @@
+"""The plane as separate processes: ``kill -9`` mid-epoch, restart (with the same or fewer
+ranks), and every sample of the epoch is still trained exactly once; bad requests are refused
+with one line each while the plane keeps serving.
+
+Real processes throughout: ``omniscale plane serve`` and four ``plane_trainer.py`` ranks. The
+test synchronises only by blocking on their output (the plane's "serving" line, a rank's
+"committed STEP" lines), never by sleeping. The epoch is a small spec whose sources all
+``stop`` when spent, so the mixture ends after one pass: 256 samples, 32 steps of 8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dataplane.client import PlaneClient, PlaneError
+from loaders.index import index_paths
+from loaders.index_schema import read_index
+from tools.demo import generate
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER = Path(__file__).with_name("plane_trainer.py")
+SOURCES = ("image_caption", "video_caption", "audio_caption")
+SERVE = ["--window", "4", "--snapshot-every", "3", "--global-batch-samples", "8",
+         "--micro-batch-tokens", "2048", "--sp-max", "2"]
+TIMEOUT = 60  # seconds any one wait may take before the test fails (never a pacing delay)
+
+
+@pytest.fixture(scope="module")
+def epoch(tmp_path_factory) -> Path:
+    """A tiny demo and ``epoch.yaml``: three of its sources at equal weight in samples, each
+    stopping when spent, so the mixture is exhausted after exactly one epoch."""
+    demo = tmp_path_factory.mktemp("faults") / "demo"
+    generate(demo, scale="tiny", progress=False)
+    index_paths([demo / "mix.yaml"], progress=False)
+    media = yaml.safe_load((demo / "mix.yaml").read_text())["media"]
+    spec = {"seed": 7, "tokenizer": "tokenizer.json", "accounting": "samples",
+            "on_exhausted": "stop", "media": media,
+            "sources": [{"name": n, "path": f"train/{n}", "format": "webdataset",
+                         "template": n, "weight": 1} for n in SOURCES]}
+    (demo / "epoch.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return demo / "epoch.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process whose stdout lines are read by a thread into a queue, so the test can
+    block on "the next line" with a timeout."""
+
+    def __init__(self, args: list[str]):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.popen = subprocess.Popen(args, cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: queue.Queue = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, pattern: str) -> re.Match:
+        """Block until a line matches ``pattern``; fail if the process ends or stays silent."""
+        while True:
+            try:
+                line = self.lines.get(timeout=TIMEOUT)
+            except queue.Empty:
+                pytest.fail(f"no {pattern!r} within {TIMEOUT} s:\n{''.join(self.output)}")
+            if line is None:
+                pytest.fail(f"exited before {pattern!r}:\n{''.join(self.output)}")
+            if match := re.search(pattern, line):
+                return match
+
+    def resume(self) -> None:
+        self.popen.stdin.write("\n")
+        self.popen.stdin.flush()
+
+    def finish(self) -> int:
+        rc = self.popen.wait(timeout=TIMEOUT)
+        assert rc == 0, "".join(self.output)
+        return rc
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(timeout=TIMEOUT)
+
+
+def serve(spec: Path, state: Path, dp: int, port: int, *extra: str) -> tuple[Proc, str, int]:
+    """Start ``omniscale plane serve``; returns it, its URL and the step it starts at."""
+    plane = Proc([sys.executable, "-m", "tools.cli", "plane", "serve", "--spec", str(spec),
+                  "--state-dir", str(state), "--dp", str(dp), "--port", str(port), *SERVE,
+                  *extra])
+    match = plane.wait_for(r"serving (\S+) \(step (\d+), (\d+) ranks")
+    assert int(match[3]) == dp
+    return plane, match[1], int(match[2])
+
+
+def trainer(url: str, rank: int, record: Path, *pause: int) -> Proc:
+    return Proc([sys.executable, str(TRAINER), url, str(rank), str(record), *map(str, pause)])
+
+
+def expected_epoch(spec: Path) -> tuple[Counter, Counter]:
+    """Every sample of the spec's sources once, and each sample's encoder item count."""
+    samples, items = Counter(), Counter()
+    for name in SOURCES:
+        table = read_index(spec.parent / "train" / name).to_pylist()
+        for row in table:
+            assert row["error"] is None
+            samples[(name, row["shard"], row["key"])] = 1
+            items[(name, row["shard"], row["key"])] = (
+                len(row["image_patches"]) + len(row["video_patches"]) + len(row["audio_frames"]))
+    return samples, items
+
+
+def trained(records: list[Path], steps: int, dp_from: dict[int, int]) -> tuple[Counter, Counter]:
+    """From the ranks' records: how often each sample was trained and each encoder item
+    encoded, counting for every step the plans it was committed with. A (step, rank) fetched
+    twice (across a crash, or re-planned after a resize) counts once, as its last fetch."""
+    last: dict[tuple[int, int], dict] = {}
+    for path in records:
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            last[(record["step"], record["rank"])] = record
+    samples, items = Counter(), Counter()
+    for step in range(steps):
+        dp = [d for s, d in sorted(dp_from.items()) if s <= step][-1]
+        for rank in range(dp):
+            record = last[(step, rank)]
+            assert record["dp"] == dp, (step, rank, record["dp"])
+            for source, shard, key, role, sp_index, kind, index in record["rows"]:
+                if role == "llm" and sp_index == 0:
+                    samples[(source, shard, key)] += 1
+                elif role == "encode":
+                    items[(source, shard, key, kind, index)] += 1
+    return samples, items
+
+
+def audit(state: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "tools.cli", "plane", "audit", str(state),
+                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_after", [4, 3], ids=["restart", "restart-with-3-ranks"])
+def test_kill_9_mid_epoch_loses_and_repeats_nothing(epoch, tmp_path, dp_after):
+    state, port = tmp_path / "state", free_port()
+    records = [tmp_path / f"rank{r}.jsonl" for r in range(4)]
+    procs: list[Proc] = []
+    try:
+        plane, url, _ = serve(epoch, state, 4, port)
+        procs += [plane]
+        # Ranks 0-2 stop holding steps 6, 7 and 8 trained but not committed: steps 0-5 are
+        # trained, 6-7 partly (some ranks' commits logged, not all), 8 on; rank 3 runs on
+        # (up to the planning horizon) and is in flight when the plane dies.
+        ranks = [trainer(url, r, records[r], 6 + r) for r in range(3)]
+        ranks.append(trainer(url, 3, records[3]))
+        procs += ranks
+        for r in range(3):
+            ranks[r].wait_for(rf"^paused {6 + r}$")
+        plane.kill()  # kill -9
+        if dp_after == 3:
+            ranks[3].kill()  # the job comes back one rank short
+        plane, url_again, resumed = serve(epoch, state, dp_after, port)
+        procs += [plane]
+        assert url_again == url and resumed == 6
+        for rank in ranks[:3]:
+            rank.resume()  # commits the plan it holds; after a resize it is refused
+        for rank in ranks[:dp_after]:
+            rank.finish()  # each ran until "the mixture is exhausted"
+        with PlaneClient(url, retry_for=5) as client:
+            status = client.status()
+        assert status["next_step"] == status["exhausted_at"] == 32
+    finally:
+        for proc in procs:
+            proc.kill()
+
+    report = audit(state)
+    assert (report["duplicated"], report["missing"], report["fingerprint_mismatches"]) == \
+        (0, 0, []), report
+    want_samples, want_items = expected_epoch(epoch)
+    per_source = Counter()
+    for source, _, _ in want_samples:
+        per_source[source] += 1
+    assert {r["source"]: r["committed"] for r in report["rows"] if r["epoch"] == 0} == \
+        dict(per_source) and report["next_step"] == 32
+    samples, items = trained(records, 32, {0: 4, 6: dp_after})
+    assert samples == want_samples  # every sample of the epoch, each exactly once
+    assert set(items.values()) == {1} and sum(items.values()) == sum(want_items.values())
+
+
+def test_bad_requests_are_refused_in_one_line_and_the_plane_keeps_serving(epoch, tmp_path):
+    plane, url, _ = serve(epoch, tmp_path / "state", 4, free_port(), "--token", "s3cret")
+    try:
+        client = PlaneClient(url, token="s3cret", retry_for=5)
+        client.commit(0)  # the whole step at once
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(epoch.read_text().replace("weight: 1", "weight: -1", 1))
+        cases = [
+            (lambda: client.get_plan(1, 9), "rank 9: step 1 is planned for 4 ranks (0..3)"),
+            (lambda: client.get_plan(0, 0), "step 0 is already committed"),
+            (lambda: client.commit(0, 2), "step 0 is already committed"),
+            (lambda: client.get_plan(500, 0), "step 500 is too far ahead"),
+            (lambda: PlaneClient(url, retry_for=5).status(), "missing or wrong token"),
+            (lambda: PlaneClient(url, token="wrong", retry_for=5).get_plan(1, 0),
+             "missing or wrong token"),
+            (lambda: client.reload(str(bad)), "bad.yaml: sources[0].weight: must be >= 0"),
+            (lambda: client.reload(str(tmp_path / "nope.yaml")), "nope.yaml"),
+        ]
+        for call, message in cases:
+            with pytest.raises(PlaneError) as refused:
+                call()
+            text = str(refused.value)
+            assert message in text and "\n" not in text, text
+            assert text.startswith(f"plane at {url}: "), text
+        assert client.get_plan(1, 3).num_rows > 0 and plane.popen.poll() is None
+        assert client.commit(1)["next_step"] == 2
+    finally:
+        plane.kill()

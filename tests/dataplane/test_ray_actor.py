@@ -1,0 +1,111 @@
+"""The plane as a Ray actor on a local one-CPU Ray instance: trainers reach it by its Flight
+URL, get the same plans an in-process plane computes, commit, and it stops with a snapshot;
+``omniscale plane serve --ray`` joins the same instance through RAY_ADDRESS."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import ray
+
+from dataplane.client import PlaneClient
+from dataplane.errors import UserError
+from dataplane.plane import DataPlane, PlaneConfig
+from dataplane.ray_actor import start_on_ray
+from loaders.index import index_paths
+from tools.demo import generate
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
+                     sp_max=2, snapshot_every=4)
+TIMEOUT = 60  # the most any one wait on the served process may take
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A fresh local Ray instance (never one the environment points at)."""
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ray") / "demo"
+    generate(out, scale="tiny", progress=False)
+    index_paths([out / "mix.yaml"], progress=False)
+    return out
+
+
+def test_actor_serves_the_same_plans_and_stops_with_a_snapshot(cluster, demo, tmp_path):
+    actor, url = start_on_ray(demo / "mix.yaml", tmp_path / "actor", CONFIG)
+    try:
+        assert url.startswith("grpc+tcp://127.0.0.1:")
+        local = DataPlane(demo / "mix.yaml", tmp_path / "local", CONFIG)
+        with PlaneClient(url, timeout=10, retry_for=5) as client:
+            for step in range(5):
+                for rank in range(2):
+                    assert client.get_plan(step, rank) == local.get_plan(step, rank)
+                assert client.commit(step)["committed"]
+            client.get_plan(5, 1)
+            status = client.status()
+        assert status["next_step"] == 5 and status["dp"] == 2
+        assert [(c["rank"], c["last_step"]) for c in status["clients"]] == [(0, 4), (1, 5)]
+        assert ray.get(actor.status.remote())["next_step"] == 5
+        stopped = ray.get(actor.stop.remote(), timeout=TIMEOUT)
+        assert stopped["next_step"] == 5
+    finally:
+        ray.kill(actor)
+    assert (tmp_path / "actor" / "snapshots" / f"snap-{5:010d}.json").is_file()
+
+
+def test_start_errors_are_one_line(cluster, demo, tmp_path):
+    with pytest.raises(UserError, match=r"plane actor failed to start: .*nope\.yaml: file not "
+                                        r"found$"):
+        start_on_ray(demo / "nope.yaml", tmp_path, CONFIG)
+    with pytest.raises(UserError, match="--host 10.1.2.3: binding anything but loopback "
+                                        "requires --token"):
+        start_on_ray(demo / "mix.yaml", tmp_path, CONFIG, host="10.1.2.3")
+
+
+def test_serve_command_joins_the_cluster(cluster, demo, tmp_path):
+    args = [sys.executable, "-m", "tools.cli", "plane", "serve", "--ray", "--spec",
+            str(demo / "mix.yaml"), "--state-dir", str(tmp_path), "--dp", "2",
+            "--global-batch-tokens", "12288", "--micro-batch-tokens", "8192", "--sp-max", "2"]
+    proc = subprocess.Popen(args, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "RAY_ADDRESS": cluster})
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=read, daemon=True).start()
+
+    def next_line(pattern: str) -> re.Match:
+        while True:
+            line = lines.get(timeout=TIMEOUT)
+            assert line is not None, f"serve --ray exited before printing {pattern!r}"
+            if match := re.search(pattern, line):
+                return match
+    try:
+        url = next_line(r"serving (grpc\+tcp://\S+) from a Ray actor").group(1)
+        with PlaneClient(url, timeout=10, retry_for=5) as client:
+            client.get_plan(0, 0)
+            client.get_plan(0, 1)
+            client.commit(0)
+        proc.send_signal(signal.SIGINT)
+        next_line(r"stopped at step 1")
+        assert proc.wait(timeout=TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
