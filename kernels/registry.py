@@ -37,18 +37,30 @@ def _flash_ok(device_type: str) -> bool:
     return device_type == "cuda" and _has("flash_attn")
 
 
-# op -> [(backend, "module:function", availability(device_type))], fastest first; the
-# reference is always last and always available.
-CANDIDATES: dict[str, list[tuple[str, str, Callable[[str], bool]]]] = {
+def _flex_ok(device_type: str) -> bool:
+    # CPU: forward only in torch 2.11 (no backward), so there it serves only prefer="flex".
+    return device_type in ("cuda", "cpu") and _has("torch.nn.attention.flex_attention")
+
+
+def _cuda(device_type: str) -> bool:
+    return device_type == "cuda"
+
+
+# op -> [(backend, "module:function", availability(device_type), auto(device_type))],
+# fastest first; the reference is always last and always available. `auto`: whether the
+# backend may be chosen without being asked for by name (`prefer`).
+CANDIDATES: dict[str, list[tuple[str, str, Callable[[str], bool], Callable[[str], bool]]]] = {
     "rms_norm": [], "add_rms_norm": [], "rotary": [], "swiglu": [],
     "varlen_attention": [],
     "linear_cross_entropy": [], "moe_permute": [], "moe_unpermute": [],
 }
 
 
-def register(op: str, backend: str, target: str, available: Callable[[str], bool]) -> None:
-    """Add a fast implementation (used by kernel modules at import; tests add their own)."""
-    CANDIDATES.setdefault(op, []).insert(0, (backend, target, available))
+def register(op: str, backend: str, target: str, available: Callable[[str], bool],
+             auto: Callable[[str], bool] | None = None) -> None:
+    """Add a fast implementation (used by kernel modules at import; tests add their own).
+    `auto` (default: `available`) narrows where it is picked without `prefer` naming it."""
+    CANDIDATES.setdefault(op, []).insert(0, (backend, target, available, auto or available))
     _resolve.cache_clear()
 
 
@@ -68,10 +80,11 @@ def backend_of(op: str, device: str = "cpu", prefer: str | None = None) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _resolve(op: str, device_type: str, prefer: str | None, forced: str) -> Callable:
+    by_name = prefer not in (None, "auto")
     choices = [] if forced == REFERENCE or prefer == REFERENCE else [
-        c for c in CANDIDATES[op] if prefer in (None, "auto", c[0])]
-    for backend, target, available in choices:
-        if available(device_type):
+        c for c in CANDIDATES[op] if not by_name or prefer == c[0]]
+    for backend, target, available, auto in choices:
+        if available(device_type) and (by_name or auto(device_type)):
             module, name = target.split(":")
             fn = getattr(importlib.import_module(module), name)
             log.info("kernel %s on %s: %s (%s)", op, device_type, backend, target)
@@ -88,3 +101,15 @@ def _tag(fn: Callable, backend: str) -> Callable:
         return fn(*args, **kwargs)
     wrapper._omniscale_backend = backend
     return wrapper
+
+
+# Attention backends, fastest first: flash-attn on CUDA when installed, else flex attention on
+# CUDA; on CPU the SDPA reference, with flex (forward only) selectable by prefer="flex".
+register("varlen_attention", "flex", "kernels.flex:varlen_attention", _flex_ok, auto=_cuda)
+register("varlen_attention", "flash", "kernels.flash:varlen_attention", _flash_ok)
+
+
+def describe(device: str = "cpu", prefer: str | None = None) -> dict[str, str]:
+    """The backend every op resolves to on ``device``: what the trainer prints once at start
+    (resolving also logs each choice once)."""
+    return {op: backend_of(op, device, prefer) for op in CANDIDATES}

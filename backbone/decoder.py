@@ -1,0 +1,123 @@
+"""The MoE decoder LM over packed sequences: token embeddings, N pre-norm blocks (attention,
+then a dense SwiGLU for the first `n_dense_layers` layers and MoE after), a final norm and the
+LM head (tied to the embeddings or not). Callers pass embeddings, not token ids, so the omni
+model can scatter encoder outputs into placeholder positions first.
+
+Shape suffixes: T tokens (all packed sequences of a micro-batch), D model width, S sequences
+(cu_seqlens has S+1 entries), K head dim, L layers (MoE layers only, in aux), E experts,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from backbone.attention import Attention, rope_tables
+from backbone.config import ModelConfig
+from backbone.ffn import FeedForward
+from backbone.moe import Experts, MoE
+from backbone.norm import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.is_moe = config.is_moe_layer(layer)
+        self.ffn = MoE(config) if self.is_moe else FeedForward(config.d_model, config.ffn_dim)
+
+    def forward(self, x_TD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                cu_seqlens_S1: torch.Tensor, max_seqlen: int
+                ) -> tuple[torch.Tensor, dict | None]:
+        h_TD = x_TD + self.attn(self.attn_norm(x_TD), cos_TK, sin_TK, cu_seqlens_S1, max_seqlen)
+        if self.is_moe:
+            y_TD, aux = self.ffn(self.ffn_norm(h_TD))
+            return h_TD + y_TD, aux
+        return h_TD + self.ffn(self.ffn_norm(h_TD)), None
+
+
+class MoEDecoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else \
+            nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) matrices, unit norms, zero expert biases."""
+        std = self.config.init_std
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(module.weight, std=std)
+                elif isinstance(module, Experts):
+                    module.reset_parameters(std)
+                elif isinstance(module, RMSNorm):
+                    module.reset_parameters()
+                elif isinstance(module, MoE):
+                    module.expert_bias_E.zero_()
+
+    @property
+    def lm_weight_VD(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, inputs_embeds_TD: torch.Tensor, position_ids_T: torch.Tensor,
+                cu_seqlens_S1: torch.Tensor, max_seqlen: int,
+                mrope_3T: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """Final-normed hidden states and the router statistics.
+
+        `position_ids_T` restart at 0 in each sequence; `mrope_3T` (temporal, height, width
+        positions; equal for text tokens) switches rotary to M-RoPE. Attention stays within
+        each sequence of `cu_seqlens_S1`. `aux`: `aux_loss_L`, `z_loss_L`, `load_LE` per MoE
+        layer, and `router_loss` = Σ (aux_loss_coef·aux + z_loss_coef·z), a per-token mean
+        to add to the mean cross-entropy (0 for a dense model)."""
+        cos_TK, sin_TK = rope_tables(self.config, position_ids_T, mrope_3T)
+        cos_TK, sin_TK = cos_TK.to(inputs_embeds_TD.dtype), sin_TK.to(inputs_embeds_TD.dtype)
+        x_TD = inputs_embeds_TD
+        stats = []
+        for layer in self.layers:
+            x_TD, aux = layer(x_TD, cos_TK, sin_TK, cu_seqlens_S1, max_seqlen)
+            if aux is not None:
+                stats.append(aux)
+        return self.norm(x_TD), self._collect(stats, x_TD)
+
+    def _collect(self, stats: list[dict], x_TD: torch.Tensor) -> dict:
+        if not stats:
+            zero = x_TD.new_zeros((), dtype=torch.float32)
+            return {"router_loss": zero, "aux_loss_L": zero[None][:0], "z_loss_L": zero[None][:0],
+                    "load_LE": torch.zeros(0, 0, dtype=torch.long, device=x_TD.device)}
+        m = self.config.moe
+        aux_L = torch.stack([s["aux_loss"] for s in stats])
+        z_L = torch.stack([s["z_loss"] for s in stats])
+        return {"router_loss": m.aux_loss_coef * aux_L.sum() + m.z_loss_coef * z_L.sum(),
+                "aux_loss_L": aux_L, "z_loss_L": z_L,
+                "load_LE": torch.stack([s["load_E"] for s in stats])}
+
+    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        return hidden_TD @ self.lm_weight_VD.T
+
+    def loss(self, hidden_TD: torch.Tensor, labels_T: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy, number of counted tokens). Labels are already shifted
+        (label t is the token after t); -100 is ignored. A sum, so micro-batches and ranks
+        add up exactly before the one division by the global token count."""
+        ce = kernels.get("linear_cross_entropy", hidden_TD.device)
+        loss_sum = ce(hidden_TD, self.lm_weight_VD, labels_T, ignore_index=-100,
+                      reduction="sum")
+        return loss_sum, (labels_T != -100).sum()
+
+    @torch.no_grad()
+    def update_bias(self, load_LE: torch.Tensor) -> None:
+        """Aux-loss-free balancing for every MoE layer (`aux["load_LE"]`, summed over the
+        step's micro-batches and data-parallel ranks)."""
+        moes = [layer.ffn for layer in self.layers if layer.is_moe]
+        for moe, load_E in zip(moes, load_LE, strict=True):
+            moe.update_bias(load_E)

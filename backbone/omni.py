@@ -1,0 +1,145 @@
+"""The omni model: encoders' outputs scattered into the MoE decoder's placeholder tokens.
+
+A packed batch (``loaders.collate.PackedBatch``) holds every sequence's tokens, with each media
+item's placeholder block filled with its marker's id, and the media tensors of the items whose
+blocks it holds. The model embeds the tokens, encodes the media, overwrites each block with its
+item's embeddings, runs the decoder and scores next-token predictions; labels already ignore
+media and prompt positions, so the loss is over text only.
+
+The step is split in two because the trainer need not encode the items it decodes: the encoder
+plan balances encoder work across ranks, and the embeddings are resharded between the calls.
+
+- :meth:`OmniModel.encode_media` -- run the encoders on a batch's items (or any batch-shaped
+  set of items) and return one embedding block per media item;
+- :meth:`OmniModel.forward_with_media` -- scatter blocks into placeholders, decode, score.
+
+Every encoder runs every step. When a modality has no items, its encoder runs on a tiny dummy
+input and ``0 * sum(output)`` joins the loss: each of its parameters then gets a zero gradient,
+so every rank issues the same collectives (FSDP gathers and reduce-scatters, the reshard's
+all-to-all) whatever its batch holds (VeOmni's rule).
+
+Shape suffixes: T tokens, D LLM width, N media rows, M media items, V vision items, A audio
+items, P patches, C patch values, R mel frames, B mel bins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from backbone.config import ModelConfig
+from backbone.decoder import MoEDecoder
+from encoders.audio import AudioConfig, AudioEncoder
+from encoders.vision import VisionConfig, VisionEncoder
+
+IMAGE, VIDEO, AUDIO = 0, 1, 2  # media kind ids (loaders.sequence.KINDS)
+
+
+@dataclass
+class MediaEmbeddings:
+    """One ``[num_tokens, D]`` block per media item, in the batch's media order, and the
+    zero-valued term that ties every idle encoder into the loss (add it to the loss on the
+    rank that encoded, whatever rank decodes the blocks)."""
+
+    items: list[torch.Tensor]
+    zero: torch.Tensor
+
+
+class OmniModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.decoder = MoEDecoder(config)
+        vision, audio = _config(VisionConfig, config.vision), _config(AudioConfig, config.audio)
+        self.vision = VisionEncoder(vision, config.d_model) if vision else None
+        self.audio = AudioEncoder(audio, config.d_model) if audio else None
+
+    # ---- step 1: encoders ----------------------------------------------------------------
+
+    def encode_media(self, batch) -> MediaEmbeddings:
+        """Embeddings of every media item of ``batch`` (fields ``pixel_patches_PD``,
+        ``vision_grid_thw_V3``, ``audio_mel_AF``, ``audio_frames_A``, ``media_kind_M``,
+        ``media_index_M``, ``media_num_tokens_M``)."""
+        device = self.decoder.embed_tokens.weight.device
+        zero = torch.zeros((), device=device)
+        vision_rows: list[torch.Tensor] = []
+        audio_rows: list[torch.Tensor] = []
+        if self.vision is not None:
+            grids = batch.vision_grid_thw_V3
+            if grids.shape[0]:
+                out_ND = self.vision(batch.pixel_patches_PD.to(device), grids)
+                vision_rows = list(out_ND.split(self.vision.output_lengths(grids).tolist()))
+            else:
+                zero = zero + 0.0 * self.vision(*self.vision.dummy_inputs(device)).sum()
+        elif batch.vision_grid_thw_V3.shape[0]:
+            raise ValueError("batch has images or videos but the model has no vision encoder "
+                             "(config.vision is None)")
+        if self.audio is not None:
+            frames = batch.audio_frames_A
+            if frames.shape[0]:
+                out_ND = self.audio(batch.audio_mel_AF.to(device), frames)
+                audio_rows = list(out_ND.split(self.audio.output_lengths(frames).tolist()))
+            else:
+                zero = zero + 0.0 * self.audio(*self.audio.dummy_inputs(device)).sum()
+        elif batch.audio_frames_A.shape[0]:
+            raise ValueError("batch has audio but the model has no audio encoder "
+                             "(config.audio is None)")
+
+        items = []
+        for kind, index, n in zip(batch.media_kind_M.tolist(), batch.media_index_M.tolist(),
+                                  batch.media_num_tokens_M.tolist()):
+            block = (audio_rows if kind == AUDIO else vision_rows)[index]
+            if block.shape[0] != n:
+                raise ValueError(f"media item (kind {kind}, row {index}): the encoder gave "
+                                 f"{block.shape[0]} embeddings for a {n}-token placeholder")
+            items.append(block)
+        return MediaEmbeddings(items, zero)
+
+    # ---- step 2: scatter + decoder -------------------------------------------------------
+
+    def forward_with_media(self, batch, items: list[torch.Tensor]) -> dict:
+        """Decode ``batch`` with ``items[m]`` in media item m's placeholder block; returns
+        ``loss_sum`` (next-token cross-entropy summed over text targets), ``n_tokens`` and
+        ``aux`` (the decoder's router terms)."""
+        embeds_TD = self.decoder.embed_tokens(batch.input_ids_T.to(
+            self.decoder.embed_tokens.weight.device))
+        embeds_TD = scatter_media(embeds_TD, batch.media_token_start_M, items)
+        device = embeds_TD.device
+        hidden_TD, aux = self.decoder(embeds_TD, batch.position_ids_T.to(device),
+                                      batch.cu_seqlens_S1.to(device), batch.max_seqlen,
+                                      mrope_3T=batch.mrope_3T.to(device))
+        loss_sum, n_tokens = self.decoder.loss(hidden_TD, batch.labels_T.to(device))
+        return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
+
+    def forward(self, batch) -> dict:
+        """Both steps on one rank; the idle encoders' zero term is folded into ``loss_sum``."""
+        media = self.encode_media(batch)
+        out = self.forward_with_media(batch, media.items)
+        out["loss_sum"] = out["loss_sum"] + media.zero
+        return out
+
+
+def _config(cls, value):
+    """An encoder config from a dataclass, a dict (a YAML run config's section) or None."""
+    return cls(**value) if isinstance(value, dict) else value
+
+
+def scatter_media(embeds_TD: torch.Tensor, token_start_M: torch.Tensor,
+                  items: list[torch.Tensor]) -> torch.Tensor:
+    """``embeds_TD`` with rows ``start_m .. start_m + len(items[m])`` replaced by item m's
+    embeddings (out of place, differentiable in both). A block may overhang the batch when the
+    batch is a sequence-parallel slice of its sample: only the rows inside ``[0, T)`` land."""
+    T = embeds_TD.shape[0]
+    positions, rows = [], []
+    for start, block_ND in zip(token_start_M.tolist(), items):
+        lo, hi = max(start, 0), min(start + block_ND.shape[0], T)
+        if hi <= lo:
+            continue
+        positions.append(torch.arange(lo, hi))
+        rows.append(block_ND[lo - start:hi - start])
+    if not rows:
+        return embeds_TD
+    pos_N = torch.cat(positions).to(embeds_TD.device)
+    return embeds_TD.index_copy(0, pos_N, torch.cat(rows).to(embeds_TD.dtype))

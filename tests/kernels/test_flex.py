@@ -1,0 +1,68 @@
+"""The attention backends registered beside the reference: flex (tested against the SDPA
+reference here, forward on CPU) and flash (CUDA only; its selection is tested here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import flex, reference
+
+
+def qkv(lengths, heads=4, kv_heads=2, dim=16, requires_grad=False):
+    torch.manual_seed(0)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, dim, requires_grad=requires_grad)
+               for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths", [[64], [5, 130, 1, 200, 64], [3, 3, 3]])
+def test_flex_equals_reference(lengths, causal):
+    q, k, v, cu = qkv(lengths)
+    with torch.no_grad():
+        out = flex.varlen_attention(q, k, v, cu, max(lengths), causal)
+        ref = reference.varlen_attention(q, k, v, cu, max(lengths), causal)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_sequence_ids():
+    cu = torch.tensor([0, 2, 2, 5])
+    assert flex.sequence_ids(cu, 5).tolist() == [0, 0, 2, 2, 2]
+
+
+def test_selection():
+    assert kernels.backend_of("varlen_attention", "cpu") == "reference"
+    assert kernels.backend_of("varlen_attention", "cpu", prefer="flex") == "flex"
+    assert kernels.backend_of("varlen_attention", "cpu", prefer="flash") == "reference"
+    assert kernels.backend_of("varlen_attention", "cuda") in ("flash", "flex")
+    assert kernels.backend_of("varlen_attention", "cuda", prefer="flex") == "flex"
+
+
+def test_flex_refuses_cpu_backward_clearly():
+    q, k, v, cu = qkv([8, 8], requires_grad=True)
+    with pytest.raises(NotImplementedError, match="reference backend"):
+        flex.varlen_attention(q, k, v, cu, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_gpu_backend_matches_reference_with_grads(backend):
+    if kernels.backend_of("varlen_attention", "cuda", prefer=backend) != backend:
+        pytest.skip(f"{backend} not available")
+    attend = kernels.get("varlen_attention", "cuda", prefer=backend)
+    q, k, v, cu = qkv([5, 130, 1, 200, 64], requires_grad=True)
+    q, k, v = (t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v))
+    cu = cu.cuda()
+    out = attend(q, k, v, cu, 200, True)
+    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = reference.varlen_attention(*ref_inputs, cu, 200, True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(ref)
+    out.backward(g.bfloat16())
+    ref.backward(g)
+    for a, b in zip((q, k, v), ref_inputs):
+        torch.testing.assert_close(a.grad.float(), b.grad, atol=5e-2, rtol=5e-2)

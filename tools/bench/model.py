@@ -1,0 +1,199 @@
+"""Forward+backward tokens/s of our MoE decoder against Hugging Face transformers' Qwen3-MoE
+built with the same shapes, on the same batch, in the same run.
+
+    .venv/bin/python tools/bench/model.py --out docs/bench/model.json
+
+Fairness. Both models get the same parameter count (checked), the same dtype, the same tokens
+and a loss that includes the router's auxiliary loss (HF: `output_router_logits=True`), and
+both are run with their defaults otherwise (HF: SDPA attention, its default experts
+implementation; ours: the kernel registry's CPU choice). Two batches:
+- `equal`: S sequences of the same length L. HF gets them as a [S, L] batch (no padding, no
+  mask), we get them packed with cu_seqlens: identical FLOPs, so this ratio is the headline.
+- `mixed`: the same number of tokens in sequences of varied lengths (1024, 512, 256, 128, 128).
+  We pack them. HF is measured two ways: `padded` (pad to the longest, mask the padding: what
+  a batch of variable-length samples costs HF on CPU, whose packed path needs flash-attn) and
+  `bucketed` (one forward+backward per group of equal-length sequences, gradients
+  accumulated, loss weighted by tokens: no padding at all, HF's best case here). The
+  headline for mixed data is the padded ratio; the bucketed one bounds what packing alone buys.
+Steps alternate between the models after the warm-up, so drift hits both equally, and the
+median step time is reported (robust to other processes on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from backbone.config import ModelConfig  # noqa: E402
+from backbone.decoder import MoEDecoder  # noqa: E402
+
+MIXED_FRACTIONS = (0.5, 0.125, 0.25, 0.0625, 0.0625)  # of the total, longest first
+
+
+def hf_model(config: ModelConfig, dtype: torch.dtype):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    m = config.moe
+    hf_config = Qwen3MoeConfig(
+        vocab_size=config.vocab_size, hidden_size=config.d_model,
+        intermediate_size=config.ffn_dim, num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim, num_experts=m.num_experts, num_experts_per_tok=m.top_k,
+        moe_intermediate_size=m.expert_ffn_dim, norm_topk_prob=m.norm_topk_prob,
+        decoder_sparse_step=1, mlp_only_layers=list(range(config.n_dense_layers)),
+        rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        output_router_logits=True, router_aux_loss_coef=m.aux_loss_coef,
+        max_position_embeddings=65536, attn_implementation="sdpa")
+    return Qwen3MoeForCausalLM(hf_config).to(dtype)
+
+
+def lengths_for(kind: str, total: int, n_seqs: int) -> list[int]:
+    if kind == "equal":
+        return [total // n_seqs] * n_seqs
+    lengths = [max(1, int(total * f)) for f in MIXED_FRACTIONS]
+    lengths[-1] += total - sum(lengths)
+    return lengths
+
+
+def our_step(model: MoEDecoder, ids_T, pos_T, cu_S1, max_len, labels_T):
+    hidden_TD, aux = model(model.embed_tokens(ids_T), pos_T, cu_S1, max_len)
+    loss_sum, n = model.loss(hidden_TD, labels_T)
+    (loss_sum / n + aux["router_loss"]).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def hf_step(model, ids_BL, mask_BL, labels_BL):
+    out = model(input_ids=ids_BL, attention_mask=mask_BL, labels=labels_BL)
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def hf_bucketed_step(model, buckets):
+    """One forward+backward per bucket of equal-length sequences; the summed losses equal the
+    token-weighted mean over the whole batch."""
+    total = sum(int((labels != -100).sum()) for _, labels in buckets)
+    for ids_BL, labels_BL in buckets:
+        n = int((labels_BL[:, 1:] != -100).sum())
+        out = model(input_ids=ids_BL, labels=labels_BL)
+        (out.loss * n / total).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def buckets_of(lengths: list[int], ids_BL: torch.Tensor):
+    by_length: dict[int, list[int]] = {}
+    for b, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(b)
+    return [(ids_BL[rows, :n], ids_BL[rows, :n]) for n, rows in by_length.items()]
+
+
+def batches(lengths: list[int], vocab: int, seed: int = 0):
+    """Our packed batch and HF's padded one, holding the same token ids."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    ids_T = torch.cat(seqs)
+    pos_T = torch.cat([torch.arange(n) for n in lengths])
+    cu_S1 = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    labels_T = torch.cat([torch.cat([s[1:], torch.tensor([-100])]) for s in seqs])
+    L = max(lengths)
+    ids_BL = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask_BL = torch.zeros(len(lengths), L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids_BL[b, :len(s)], mask_BL[b, :len(s)] = s, 1
+    equal = len(set(lengths)) == 1
+    labels_BL = ids_BL.masked_fill(mask_BL == 0, -100)  # HF shifts labels itself
+    ours = (ids_T, pos_T, cu_S1, L, labels_T)
+    theirs = (ids_BL, None if equal else mask_BL, labels_BL)
+    return ours, theirs
+
+
+def measure(preset: str, kind: str, args, dtype: torch.dtype) -> dict:
+    config = ModelConfig.preset(preset)
+    torch.manual_seed(0)
+    ours = MoEDecoder(config).to(dtype)
+    theirs = hf_model(config, dtype)
+    n_ours = sum(p.numel() for p in ours.parameters())
+    n_hf = sum(p.numel() for p in theirs.parameters())
+    if n_ours != n_hf:
+        print(f"warning: {preset}: {n_ours:,} parameters here vs {n_hf:,} in HF's build",
+              file=sys.stderr)
+    lengths = lengths_for(kind, args.tokens, args.n_seqs)
+    our_batch, hf_batch = batches(lengths, config.vocab_size)
+    runs = {"ours": lambda: our_step(ours, *our_batch),
+            "hf": lambda: hf_step(theirs, *hf_batch)}
+    if kind != "equal":
+        buckets = buckets_of(lengths, hf_batch[0])
+        runs["hf_bucketed"] = lambda: hf_bucketed_step(theirs, buckets)
+    for _ in range(args.warmup):
+        for run in runs.values():
+            run()
+    step_times = {name: [] for name in runs}
+    for _ in range(args.iters):  # alternate, so load drift hits every run alike
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            step_times[name].append(time.perf_counter() - t0)
+    # the median step: robust to other processes stealing the (shared, 2-core) CPU
+    seconds = {name: statistics.median(times) for name, times in step_times.items()}
+    tokens = sum(lengths)
+    result = {"preset": preset, "batch": kind, "lengths": lengths, "dtype": str(dtype),
+              "params_ours": n_ours, "params_hf": n_hf,
+              "hf_experts_implementation": theirs.config._experts_implementation,
+              **{f"{name}_tokens_per_s": tokens / t for name, t in seconds.items()},
+              "ratio": seconds["hf"] / seconds["ours"]}
+    line = (f"{preset:6s} {kind:6s} {str(dtype)[6:]:8s} ours {tokens / seconds['ours']:8.0f} "
+            f"tok/s   HF Qwen3-MoE {'padded ' if kind != 'equal' else ''}"
+            f"{tokens / seconds['hf']:8.0f} tok/s   ratio {result['ratio']:.2f}")
+    if "hf_bucketed" in seconds:
+        result["ratio_bucketed"] = seconds["hf_bucketed"] / seconds["ours"]
+        line += (f"   | HF bucketed {tokens / seconds['hf_bucketed']:8.0f} tok/s   ratio "
+                 f"{result['ratio_bucketed']:.2f}")
+    print(line, flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="tiny,small")
+    p.add_argument("--batches", default="equal,mixed")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per step")
+    p.add_argument("--n-seqs", type=int, default=4, help="sequences in the equal batch")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    try:
+        import transformers
+    except ImportError:
+        print("tools/bench/model.py: Hugging Face transformers is not installed; it is the "
+              "baseline. Install the bench extra: pip install -e .[bench]", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{args.threads} threads, {args.tokens} tokens/step, {args.warmup} warm-up + "
+          f"{args.iters} timed steps each (fwd+bwd); same parameter count both sides")
+    results = [measure(preset, kind, args, dtype) for preset in args.presets.split(",")
+               for kind in args.batches.split(",")]
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "machine": platform.processor() or platform.machine(), "threads": args.threads,
+            "tokens_per_step": args.tokens, "warmup": args.warmup, "iters": args.iters,
+            "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
