@@ -1,8 +1,10 @@
 """Fused ops: a torch reference per op plus Triton / flash-attn versions, one registry.
 
-``kernels.get("rms_norm", device)`` returns the implementation to call (see registry.py).
+``kernels.get("rms_norm", device)`` returns the implementation to call (see registry.py);
+``kernels.describe(device)`` lists the backend chosen for every op.
 """
 
-from kernels.registry import backend_of, get, register
+from kernels.registry import backend_of, describe, get, register
+import kernels.triton_registry  # noqa: E402,F401  (registers Triton + compiled; imports no Triton)
 
-__all__ = ["get", "register", "backend_of"]
+__all__ = ["get", "register", "backend_of", "describe"]

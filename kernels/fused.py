@@ -1,0 +1,110 @@
+"""Fused linear + cross-entropy computed in chunks of tokens, so the [T, V] logits never exist
+(Liger-style): each chunk's logits come from one matmul, its loss and the gradient of the loss
+w.r.t. those logits from a per-chunk step (a Triton kernel on GPU, in place; pure torch here),
+and the gradients w.r.t. hidden and weight are accumulated chunk by chunk already in the
+forward pass. The backward only scales them by the incoming gradient.
+
+Peak extra memory: one chunk of logits plus dW (fp32) and dH, instead of logits, their
+log-softmax and their gradient at full [T, V] size (3 × 5 GB at T=8192, V=151,936 in fp32).
+
+``chunked_linear_cross_entropy`` (this module) is the CPU implementation of the algorithm and
+what tools/bench/linear_ce_memory.py measures on CPU; kernels.triton_linear_ce runs the same
+loop with the Triton per-chunk step.
+
+Shapes: T tokens, D width, V vocabulary, C tokens in a chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels import reference
+
+# Logits of a chunk stay near this many elements (256 MiB in fp32), whatever V is.
+CHUNK_ELEMENTS = 1 << 26
+
+# (logits_CV fp32, labels_C, scale, ignore_index) -> per-token loss [C] (0 where ignored);
+# overwrites logits_CV with d(scale · Σ loss)/d logits.
+ChunkStep = Callable[[torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+
+
+def torch_chunk_step(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
+                     ignore_index: int) -> torch.Tensor:
+    """Per-token CE of one chunk; logits become their gradient, in place (no [C, V] copies)."""
+    valid_C = labels_C != ignore_index
+    safe_C = torch.where(valid_C, labels_C, 0)
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    target_C = logits_CV.gather(1, safe_C[:, None])[:, 0]
+    loss_C = torch.where(valid_C, lse_C - target_C, 0.0)
+    grad = logits_CV.sub_(lse_C[:, None]).exp_()  # softmax
+    grad[torch.arange(len(labels_C), device=grad.device), safe_C] -= 1.0
+    grad.mul_((valid_C.to(grad.dtype) * scale)[:, None])
+    return loss_C
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, reduction, step, chunk):
+        ctx.dtypes = hidden_TD.dtype, weight_VD.dtype
+        dtype = torch.promote_types(hidden_TD.dtype, weight_VD.dtype)  # as a matmul would need
+        hidden_TD, weight_VD = hidden_TD.to(dtype), weight_VD.to(dtype)
+        T, V = hidden_TD.shape[0], weight_VD.shape[0]
+        n_valid = int((labels_T != ignore_index).sum())
+        # "mean" over no valid token is nan, as F.cross_entropy.
+        scale = 1.0 if reduction == "sum" else (1.0 / n_valid if n_valid else float("nan"))
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        fp32 = weight_VD.dtype == torch.float32
+        loss = torch.zeros((), dtype=torch.float32, device=hidden_TD.device)
+        d_hidden = torch.empty_like(hidden_TD) if ctx.needs_input_grad[0] else None
+        d_weight = (torch.zeros(V, hidden_TD.shape[1], dtype=torch.float32,
+                                device=weight_VD.device) if ctx.needs_input_grad[1] else None)
+        for start in range(0, T, chunk):
+            h_CD = hidden_TD[start:start + chunk]
+            logits_CV = h_CD @ weight_VD.T
+            logits_CV = logits_CV if fp32 else logits_CV.float()
+            loss_C = step(logits_CV, labels_T[start:start + chunk], scale, ignore_index)
+            loss += loss_C.sum()
+            if not want_grad:
+                continue
+            grad_CV = logits_CV if fp32 else logits_CV.to(weight_VD.dtype)
+            if d_hidden is not None:
+                torch.mm(grad_CV, weight_VD, out=d_hidden[start:start + chunk])
+            if d_weight is not None:
+                d_weight.addmm_(grad_CV.T, h_CD.to(grad_CV.dtype))
+            del logits_CV, grad_CV
+        ctx.save_for_backward(d_hidden, d_weight)
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        d_hidden, d_weight = ctx.saved_tensors
+        dh = None if d_hidden is None else (d_hidden * grad_loss.to(d_hidden.dtype)
+                                            ).to(ctx.dtypes[0])
+        dw = None if d_weight is None else (d_weight * grad_loss).to(ctx.dtypes[1])
+        return dh, dw, None, None, None, None, None
+
+
+def linear_cross_entropy_chunked(hidden_TD: torch.Tensor, weight_VD: torch.Tensor,
+                                 labels_T: torch.Tensor, ignore_index: int, reduction: str,
+                                 step: ChunkStep, chunk: int | None = None) -> torch.Tensor:
+    """The chunked algorithm with a given per-chunk step. ``reduction="none"`` cannot fold the
+    per-token upstream gradients into dW ahead of time, so it takes the reference path."""
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"linear_cross_entropy: reduction {reduction!r} not in sum/mean/none")
+    if reduction == "none":
+        return reference.linear_cross_entropy(hidden_TD, weight_VD, labels_T, ignore_index,
+                                              reduction)
+    chunk = chunk or max(1, CHUNK_ELEMENTS // max(weight_VD.shape[0], 1))
+    return _ChunkedLinearCE.apply(hidden_TD, weight_VD, labels_T, ignore_index, reduction,
+                                  step, chunk)
+
+
+def chunked_linear_cross_entropy(hidden_TD: torch.Tensor, weight_VD: torch.Tensor,
+                                 labels_T: torch.Tensor, ignore_index: int = -100,
+                                 reduction: str = "sum") -> torch.Tensor:
+    """Linear + cross-entropy without materialising [T, V] logits, pure torch (any device);
+    the signature of kernels.reference.linear_cross_entropy."""
+    return linear_cross_entropy_chunked(hidden_TD, weight_VD, labels_T, ignore_index,
+                                        reduction, torch_chunk_step)
