@@ -3,13 +3,14 @@
 Multi-rank behaviour is tested with real processes (no mocks): ``run_ranks(fn, world, *args)``
 spawns ``world`` processes, initialises ``torch.distributed`` with gloo over a file store in a
 temporary directory, calls ``fn(rank, world, *args)`` in each and returns the per-rank results
-(anything picklable, e.g. losses and gradient dicts of CPU tensors). A failure in any rank is
+(anything picklable, e.g. losses and gradient dicts of CPU tensors: tensors are fine). A failure in any rank is
 re-raised here with that rank's traceback. ``fn`` must be importable (a module-level function).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import traceback
 
@@ -26,7 +27,9 @@ def _worker(rank: int, world: int, store: str, fn, args, queue) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world)
-        result = fn(rank, world, *args)
+        # Pickled here, not by the queue: the queue would hand tensors over as shared-memory
+        # handles that vanish when this process exits.
+        result = pickle.dumps(fn(rank, world, *args))
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 -- reported to the parent with the traceback
         queue.put((rank, "error", traceback.format_exc()))
@@ -52,7 +55,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
                 rank, status, payload = queue.get(timeout=timeout)
                 if status == "error":
                     errors.append(f"rank {rank}:\n{payload}")
-                results[rank] = payload
+                else:
+                    results[rank] = pickle.loads(payload)
         finally:
             for p in procs:
                 p.join(timeout=30)

@@ -21,8 +21,19 @@ def _fail_on_one(rank, world):
     return rank
 
 
+def _tensor(rank, world):
+    import torch
+
+    return {"grad": torch.full((3,), float(rank))}
+
+
 def test_all_reduce_over_real_processes():
     assert run_ranks(_all_reduce, 2) == [3.0, 3.0]
+
+
+def test_tensors_come_back_intact():
+    out = run_ranks(_tensor, 2)
+    assert [o["grad"].tolist() for o in out] == [[0.0] * 3, [1.0] * 3]
 
 
 def test_a_failing_rank_is_reported_with_its_traceback():

@@ -1,0 +1,235 @@
+"""Pipeline parallelism for the MoE decoder: `apply_pp` cuts the layers into one stage per rank
+of the `pp` mesh axis and drives them with `torch.distributed.pipelining` (GPipe or 1F1B).
+
+Stage 0 holds the token embeddings, the last stage the final norm and the LM head (the loss runs
+there); every stage holds a contiguous run of layers, keyed by their index in the full model so
+parameter names (and so checkpoints) match the unsplit `MoEDecoder`.
+
+**Side inputs.** Micro-batches are pre-split on the data side: the trainer hands
+`PipelineRunner.step` a list of packed micro-batches (`loaders.collate.PackedBatch` or anything
+with `input_ids_T`, `labels_T`, `position_ids_T`, `cu_seqlens_S1`, `max_seqlen` and optionally
+`mrope_3T`), each with its own `cu_seqlens`. The runner stacks them on a leading micro-batch
+axis and passes the side inputs as keyword arguments of `schedule.step`; the pipelining API
+splits keyword tensors along dim 0 and gives each stage its own copy, so only the hidden states
+travel between ranks. Stages exchange shapes fixed when `apply_pp` builds them, so every
+micro-batch is padded to one token budget, `microbatch_tokens`: the padding is its own packed
+sequence with ignored labels (like any run padded to that budget, its tokens reach the router),
+and `cu_seqlens` are padded with empty sequences to a common count.
+
+**Router loss.** Each stage adds its MoE layers' `aux_loss_coef·aux + z_loss_coef·z` to a
+running `[1]` tensor sent with the hidden states, so the last stage sees the whole model's
+router loss and its gradient flows back through every stage like an activation.
+
+**Objective.** Per micro-batch m, `loss_fn(ce_sum_m, router_loss_m, n_tokens, n_microbatches)`,
+by default `ce_sum_m / n_tokens + router_loss_m / n_microbatches` with `n_tokens` the step's
+counted labels: the sum over micro-batches is then exactly a single-process gradient-accumulation
+step (`MoEDecoder.loss` sums, one division by the step's token count). Gradients are therefore
+not rescaled by the schedule (`scale_grads=False`).
+
+Shape suffixes: M micro-batches, T tokens per micro-batch, D model width, S sequences (S+1
+boundaries), L MoE layers of this stage, E experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import kernels
+from backbone.attention import rope_tables
+from backbone.decoder import MoEDecoder
+
+IGNORE_INDEX = -100
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class DecoderStage(nn.Module):
+    """Layers `[lo, hi)` of a `MoEDecoder` (sharing its modules, not copies), plus the
+    embeddings on the first stage and the final norm + LM head on the last. `forward` takes
+    token ids `[1, T]` (first stage) or `(hidden_1TD, router_loss_1)` and returns
+    `(hidden_1TD, router_loss_1)`; the last stage's hidden states are final-normed."""
+
+    def __init__(self, model: MoEDecoder, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.layer_range = (lo, hi)
+        self.embed_tokens = model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.load_LE: torch.Tensor | None = None  # expert loads summed over the step
+
+    def forward(self, x: torch.Tensor, router_loss_1: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                mrope: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.embed_tokens is not None:
+            x_TD = self.embed_tokens(x[0])
+            router_loss_1 = x_TD.new_zeros(1, dtype=torch.float32)
+        else:
+            x_TD = x[0]
+        cos_TK, sin_TK = rope_tables(self.config, position_ids[0],
+                                     None if mrope is None else mrope[0])
+        cos_TK, sin_TK = cos_TK.to(x_TD.dtype), sin_TK.to(x_TD.dtype)
+        m, loads = self.config.moe, []
+        for layer in self.layers.values():
+            x_TD, aux = layer(x_TD, cos_TK, sin_TK, cu_seqlens[0], max_seqlen)
+            if aux is not None:
+                router_loss_1 = (router_loss_1 + m.aux_loss_coef * aux["aux_loss"]
+                                 + m.z_loss_coef * aux["z_loss"])
+                loads.append(aux["load_E"].detach())
+        if loads:
+            load_LE = torch.stack(loads)
+            self.load_LE = load_LE if self.load_LE is None else self.load_LE + load_LE
+        if self.norm is not None:
+            x_TD = self.norm(x_TD)
+        return x_TD[None], router_loss_1
+
+    def loss(self, hidden_TD: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy, exactly `MoEDecoder.loss` (last stage only)."""
+        ce = kernels.get("linear_cross_entropy", hidden_TD.device)
+        weight_VD = (self.lm_head or self.embed_tokens).weight  # tied: pp = 1 holds both
+        return ce(hidden_TD, weight_VD, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    @torch.no_grad()
+    def update_bias(self, load_LE: torch.Tensor) -> None:
+        """Aux-loss-free balancing for this stage's MoE layers (`MoEDecoder.update_bias`)."""
+        moes = [layer.ffn for layer in self.layers.values() if layer.is_moe]
+        for moe, load_E in zip(moes, load_LE, strict=True):
+            moe.update_bias(load_E)
+
+
+def default_loss(ce_sum: torch.Tensor, router_loss: torch.Tensor, n_tokens: torch.Tensor,
+                 n_microbatches: int) -> torch.Tensor:
+    """One micro-batch's share of the step loss: mean cross-entropy over the step's counted
+    tokens plus the mean router loss over micro-batches."""
+    return ce_sum / n_tokens + router_loss / n_microbatches
+
+
+class PipelineRunner:
+    """Runs one pipelined training step on this rank's stage. `module` is the stage's
+    `nn.Module`: give its parameters to the optimizer, read its `load_LE` (this stage's MoE
+    layers' expert loads over the last step) for `module.update_bias`. Wrappers that act in
+    place (`fully_shard`, checkpointing) may be applied to it after `apply_pp`."""
+
+    def __init__(self, module: DecoderStage, stage: PipelineStage, schedule: str,
+                 n_microbatches: int, loss_fn: Callable, microbatch_tokens: int):
+        self.module, self.stage = module, stage
+        self.n_microbatches = n_microbatches
+        self.microbatch_tokens = microbatch_tokens
+        self._loss_fn = loss_fn
+        self._n_tokens: torch.Tensor | None = None
+        self.schedule = SCHEDULES[schedule](stage, n_microbatches, loss_fn=self._microbatch_loss,
+                                            scale_grads=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage.is_last
+
+    def _microbatch_loss(self, output: tuple[torch.Tensor, torch.Tensor],
+                         labels_1T: torch.Tensor) -> torch.Tensor:
+        hidden_1TD, router_loss_1 = output
+        ce_sum = self.module.loss(hidden_1TD[0], labels_1T[0])
+        return self._loss_fn(ce_sum, router_loss_1[0], self._n_tokens, self.n_microbatches)
+
+    def step(self, microbatches: Sequence, n_tokens: int | torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+        """Forward and backward over the step's micro-batches (the same list on every rank of
+        the pp group); gradients accumulate into the stage's parameters. `n_tokens` overrides
+        the loss denominator (e.g. counted tokens summed over data-parallel ranks). Returns the
+        step loss (detached) on the last stage, None elsewhere."""
+        if len(microbatches) != self.n_microbatches:
+            raise ValueError(f"apply_pp: n_microbatches={self.n_microbatches}, the step got "
+                             f"{len(microbatches)} micro-batches")
+        ids_MT, labels_MT, kwargs = stack_microbatches(microbatches, self.microbatch_tokens)
+        device = self.stage.device
+        ids_MT, labels_MT = ids_MT.to(device), labels_MT.to(device)
+        kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        self._n_tokens = (labels_MT != IGNORE_INDEX).sum() if n_tokens is None else \
+            torch.as_tensor(n_tokens)
+        self.module.load_LE = None
+        losses: list[torch.Tensor] = []
+        args = (ids_MT,) if self.is_first else ()
+        target = labels_MT if self.is_last else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        return torch.stack(losses).sum().detach() if self.is_last else None
+
+
+def stack_microbatches(microbatches: Sequence, tokens: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """`(input_ids_MT, labels_MT, side inputs)`: each micro-batch padded to `tokens` (one
+    extra packed sequence of ignored labels) and its boundaries to a common count (empty
+    sequences), stacked on dim 0 so `schedule.step` splits them back one per micro-batch."""
+    ids, labels, pos, cus, mropes = [], [], [], [], []
+    max_seqlen = 0
+    for i, mb in enumerate(microbatches):
+        t = int(mb.input_ids_T.shape[0])
+        if t > tokens:
+            raise ValueError(f"apply_pp: micro-batch {i} holds {t} tokens, over "
+                             f"microbatch_tokens={tokens}")
+        pad = tokens - t
+        max_seqlen = max(max_seqlen, int(mb.max_seqlen), pad)
+        ids.append(nn.functional.pad(mb.input_ids_T, (0, pad)))
+        labels.append(nn.functional.pad(mb.labels_T, (0, pad), value=IGNORE_INDEX))
+        pos.append(nn.functional.pad(mb.position_ids_T, (0, pad)))
+        cu = mb.cu_seqlens_S1.to(torch.int32)
+        cus.append(torch.cat([cu, cu.new_tensor([tokens])]) if pad else cu)
+        mrope = getattr(mb, "mrope_3T", None)
+        mropes.append(None if mrope is None else nn.functional.pad(mrope, (0, pad)))
+    n_bounds = max(c.shape[0] for c in cus)
+    cus = [torch.cat([c, c[-1:].expand(n_bounds - c.shape[0])]) for c in cus]
+    kwargs = {"position_ids": torch.stack(pos), "cu_seqlens": torch.stack(cus),
+              "max_seqlen": max_seqlen}  # not a tensor: every micro-batch gets the maximum
+    if any(m is not None for m in mropes):
+        if any(m is None for m in mropes):
+            raise ValueError("apply_pp: mrope_3T must be given for all micro-batches or none")
+        kwargs["mrope"] = torch.stack(mropes)
+    return torch.stack(ids), torch.stack(labels), kwargs
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous `[lo, hi)` layer ranges, as even as possible (earlier stages take the
+    remainder: the last stage also runs the LM head and the loss)."""
+    if n_layers < n_stages:
+        raise ValueError(f"apply_pp: {n_layers} layers cannot fill {n_stages} pipeline stages")
+    base, extra = divmod(n_layers, n_stages)
+    bounds = [0]
+    for s in range(n_stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def apply_pp(model: MoEDecoder, pp_mesh, schedule: str, n_microbatches: int,
+             loss_fn: Callable | None = None, *, microbatch_tokens: int) -> PipelineRunner:
+    """This rank's pipeline stage of `model` over the 1-D `pp_mesh`, and the runner of its
+    schedule ("gpipe" or "1f1b"; 1F1B needs n_microbatches ≥ stages). The stage shares the
+    model's modules; drop the full model afterwards to free the other stages' layers.
+    `loss_fn(ce_sum, router_loss, n_tokens, n_microbatches)` defaults to `default_loss`.
+
+    `microbatch_tokens` (the packer's token budget) fixes the shapes the stages exchange, so
+    the stage is built with explicit input/output shapes: the pipelining API's runtime shape
+    inference would otherwise run one extra no-grad forward on zeros (and count its routing)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"apply_pp: schedule must be one of {sorted(SCHEDULES)}, "
+                         f"got {schedule!r}")
+    if model.lm_head is None and pp_mesh.size() > 1:
+        raise ValueError("apply_pp: tie_embeddings=True puts the LM head on stage 0; "
+                         "untie the embeddings to pipeline the model")
+    n_stages, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    lo, hi = stage_layers(len(model.layers), n_stages)[rank]
+    module = DecoderStage(model, lo, hi, first=rank == 0, last=rank == n_stages - 1)
+    param = next(model.parameters())
+    hidden = (torch.empty(1, microbatch_tokens, model.config.d_model, dtype=param.dtype,
+                          device="meta"), torch.empty(1, dtype=torch.float32, device="meta"))
+    inputs = torch.empty(1, microbatch_tokens, dtype=torch.long, device="meta") \
+        if rank == 0 else hidden
+    stage = PipelineStage(module, rank, n_stages, param.device, input_args=inputs,
+                          output_args=hidden, group=pp_mesh.get_group())
+    return PipelineRunner(module, stage, schedule, n_microbatches, loss_fn or default_loss,
+                          microbatch_tokens)
