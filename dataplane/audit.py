@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
+from dataplane.corrupt import ref_from_json
 from dataplane.errors import UserError
 from dataplane.journal import Journal
 from dataplane.plan_table import fingerprint
@@ -37,6 +38,7 @@ def audit_state_dir(state_dir: str | Path, config=None) -> dict:
     planned: set = set()
     in_flight: set = set()  # planned for steps not committed yet: pending, not missing
     mismatched: list[int] = []
+    replacements: set = set()  # drawn off the cursor, ahead of the windows' epochs
     for record in journal.records(first["wal_offset"]):
         if record["t"] != "commit":
             plane._replay(record)
@@ -47,8 +49,17 @@ def audit_state_dir(state_dir: str | Path, config=None) -> dict:
         dp = window.dp_of_step[step - window.first_step]
         if [fingerprint(plane._table(step, r)) for r in range(dp)] != record["fp"]:
             mismatched.append(step)
+        # A sample reported corrupt was not trained; its replacement was, at this step.
+        swaps = dict(plane.corrupt.replaced_at(step))
         for i in window.plans[step - window.first_step].samples().tolist():
             ref = window.refs[i]
+            replaced = False
+            while ref is not None and (*ref.uid, ref.epoch) in swaps:  # bad replacements too
+                ref, replaced = swaps.pop((*ref.uid, ref.epoch)), True
+            if ref is None:
+                continue
+            if replaced:
+                replacements.add((ref.source, ref.epoch, ref.shard, ref.key))
             committed[(ref.source, ref.epoch, ref.shard, ref.key)] += 1
         plane._mark_committed(step)
     for window in plane.windows.values():
@@ -59,12 +70,21 @@ def audit_state_dir(state_dir: str | Path, config=None) -> dict:
                 planned.add(uid)
                 if window.first_step + plan.step >= plane.next_step:
                     in_flight.add(uid)
+    for event in plane.corrupt.events:
+        if event["source"] in plane.mixer.catalog:  # its window may never have been re-drawn
+            plane.mixer.catalog[event["source"]].quarantine(event["shard"], event["key"])
+        if event["step"] >= plane.next_step and event["replacement"]:
+            ref = ref_from_json(event["replacement"])
+            in_flight.add((ref.source, ref.epoch, ref.shard, ref.key))
+    catalog = plane.mixer.catalog  # a quarantined sample still in flight will be replaced
+    in_flight = {u for u in in_flight
+                 if u[0] not in catalog or (u[2], u[3]) not in catalog[u[0]].quarantined}
     planned |= set(committed)
-    return _counts(plane, planned, committed, in_flight, mismatched)
+    return _counts(plane, planned, committed, in_flight, mismatched, replacements)
 
 
 def _counts(plane, planned: set, committed: Counter, in_flight: set,
-            mismatched: list[int]) -> dict:
+            mismatched: list[int], replacements: set = frozenset()) -> dict:
     rows: dict[tuple[str, int], dict] = defaultdict(
         lambda: {"planned": 0, "committed": 0, "in_flight": 0, "duplicated": 0, "missing": 0})
     for source, epoch, _, _ in planned:
@@ -75,7 +95,8 @@ def _counts(plane, planned: set, committed: Counter, in_flight: set,
     for source, epoch, _, _ in in_flight - set(committed):
         rows[(source, epoch)]["in_flight"] += 1
     last_epoch = {}
-    for source, epoch, _, _ in committed:  # an epoch is finished once a later one trained
+    for uid in set(committed) - replacements:  # an epoch is finished once a later one trained
+        source, epoch = uid[:2]
         last_epoch[source] = max(last_epoch.get(source, 0), epoch)
     catalog = plane.mixer.catalog
     for (source, epoch), row in rows.items():

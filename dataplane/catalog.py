@@ -85,6 +85,7 @@ class SourceState:
         self.samples_total = sum(e["rows"] for e in self._metadata["shards"].values())
         self._open: _OpenShard | None = None
         self._shard_order: tuple[int, np.ndarray] | None = None  # (epoch, permutation)
+        self._peeked: tuple | None = None  # (sample_pos, shard_pos, epoch, ref) of peek()
         self.load_state_dict(self._initial_state())
 
     # --- the cursor --------------------------------------------------------------------------
@@ -95,15 +96,25 @@ class SourceState:
         It may move the cursor over skipped rows, into the next shard or (``next_epoch``) into
         the next epoch: none of that changes what later calls return.
         """
-        row = self._settle()
-        return None if row is None else self._ref(row)
-
-    def next(self) -> SampleRef | None:
-        """The next sample, consuming it; None once the source is exhausted."""
+        peeked = self._peeked
+        if peeked is not None and peeked[0] == self.sample_pos and peeked[1] == self.shard_pos \
+                and peeked[2] == self.epoch:
+            return peeked[3]
         row = self._settle()
         if row is None:
             return None
         ref = self._ref(row)
+        # The cursor now rests on a servable row: until it moves (or the quarantine or state
+        # changes) _settle would return that same row, so the ref is reused.
+        self._peeked = (self.sample_pos, self.shard_pos, self.epoch, ref)
+        return ref
+
+    def next(self) -> SampleRef | None:
+        """The next sample, consuming it; None once the source is exhausted."""
+        ref = self.peek()
+        if ref is None:
+            return None
+        self._peeked = None
         self.sample_pos += 1
         self.served_samples += 1
         self.served_tokens += ref.llm_tokens
@@ -112,6 +123,7 @@ class SourceState:
     def quarantine(self, shard: str, key: str) -> None:
         """Skip ``(shard, key)`` from now on, in this epoch and every later one."""
         self.quarantined.add((str(shard), str(key)))
+        self._peeked = None
 
     def shard_order(self, epoch: int) -> np.ndarray:
         """Shard positions -> indices into :attr:`shards`, for ``epoch``."""
@@ -230,6 +242,7 @@ class SourceState:
         for counter in ("served_samples", "served_tokens", "skipped_corrupt",
                         "skipped_quarantined", "skipped_too_long"):
             setattr(self, counter, int(state.get(counter, 0)))
+        self._peeked = None
         self._close()
 
     def stats(self) -> dict:
@@ -302,7 +315,10 @@ class Catalog:
         return name
 
     def __getitem__(self, name: str) -> SourceState:
-        return self._sources[self._known(name)]
+        try:
+            return self._sources[name]
+        except KeyError:
+            return self._sources[self._known(name)]
 
     def __contains__(self, name: object) -> bool:
         return name in self._sources

@@ -35,6 +35,9 @@ positive weight is left, the batch drawn so far is returned and the next call ra
 
 from __future__ import annotations
 
+import bisect
+import math
+
 import numpy as np
 
 from dataplane.catalog import Catalog
@@ -42,6 +45,7 @@ from dataplane.refs import SampleRef
 from dataplane.schedule import Schedule
 
 ACCOUNTING = ("samples", "tokens")
+_FEW = 16  # up to this many live sources, a pick runs on Python floats rather than arrays
 
 
 class MixtureExhausted(Exception):
@@ -75,6 +79,15 @@ class Mixer:
         self.target_N = np.zeros(len(self.names))
         self.realized_N = np.zeros(len(self.names))
         self.exhausted: list[dict] = []  # {"source", "step", "policy"}, in order
+        # Caches (see _weights_live): segment bounds for the schedule's row key, the active
+        # mask, the weights in force and the live ids, the catalog's states by source id.
+        self._segs = [(s.kind, float(s.start), math.inf if s.end is None else float(s.end),
+                       None if s.at is None else float(s.at)) for s in schedule.segments]
+        self._starts = [seg[1] for seg in self._segs]
+        self._active: np.ndarray | None = None
+        self._weights_cache: tuple | None = None
+        self._w_list: list[float] = []
+        self._invalidate()
 
     @classmethod
     def from_spec(cls, spec, catalog: Catalog | None = None, **batch) -> "Mixer":
@@ -92,9 +105,15 @@ class Mixer:
         if step != self.step:
             raise ValueError(f"next_batch: expected step {self.step}, got {step} (batches are "
                              "drawn in order; restore a state to go back)")
+        # The catalog may have changed between batches (a reload, a restore, a quarantine and
+        # replacement draw): the active mask is recomputed once here, then only on a retire.
+        self._invalidate()
         batch: list[SampleRef] = []
         batch_tokens = 0
         peeked: dict[int, SampleRef] = {}  # per source, valid within this call
+        self._peeked_live = None  # the live set every source of which is in ``peeked``
+        self._drawn = -1  # the source drawn since, the one missing from ``peeked``
+        samples = self.accounting == "samples"
         while self.batch_samples is None or len(batch) < self.batch_samples:
             choice = self._choose(peeked)
             if choice is None:
@@ -106,9 +125,10 @@ class Mixer:
             if self.batch_tokens is not None and batch and \
                     batch_tokens + ref.llm_tokens > self.batch_tokens:
                 break
-            self.catalog[self.names[i]].next()  # the peeked ref: both read one cursor
+            self._sources[i].next()  # the peeked ref: both read one cursor
             peeked.pop(i)
-            u = 1.0 if self.accounting == "samples" else float(ref.llm_tokens)
+            self._drawn = i
+            u = 1.0 if samples else float(ref.llm_tokens)
             self.target_N += w_N * u
             self.realized_N[i] += u
             self.tokens += ref.llm_tokens
@@ -124,28 +144,58 @@ class Mixer:
         """The next source by earliest deadline, its next sample and the weights in force;
         None when no source can be drawn. Exhausted sources found on the way leave the mix."""
         while True:
-            w_N = self.weights()
-            live = np.flatnonzero(w_N > 0)
-            if not len(live):
+            w_N, live = self._weights_live()
+            if not live:
                 return None
-            for i in map(int, live):
+            # Peek every live source not peeked yet, in id order (the first exhausted one
+            # retires): after a draw from an unchanged live set that is only the drawn one.
+            todo = (self._drawn,) if live == self._peeked_live else live
+            for i in todo:
                 if i not in peeked:
-                    ref = self.catalog[self.names[i]].peek()
+                    ref = self._sources[i].peek()
                     if ref is None:
                         self._retire(i, w_N)
                         break
                     peeked[i] = ref
             else:
+                self._peeked_live = live
                 i = self._pick(live, w_N, peeked)
                 return i, peeked[i], w_N
 
-    def _pick(self, live: np.ndarray, w_N: np.ndarray, peeked: dict[int, SampleRef]) -> int:
-        d_N = self.target_N - self.realized_N
+    def _pick(self, live: tuple[int, ...], w_N: np.ndarray, peeked: dict[int, SampleRef]
+              ) -> int:
         if self.accounting == "samples":
-            d_N = d_N + w_N  # this draw's share of the target, counted before choosing
             bound = 1.0
         else:
             bound = float(max(max(peeked[i].llm_tokens for i in live), 1))
+        if len(live) > _FEW:
+            return self._pick_arrays(w_N, bound)
+        # Few sources: the same elementwise IEEE arithmetic as the array version
+        # (d = T - R (+ w), (B - d) / w), on Python floats, without numpy's per-call cost.
+        target, realized, w = self.target_N.tolist(), self.realized_N.tolist(), self._w_list
+        samples = self.accounting == "samples"
+        # A deficit a rounding error below 0 is 0: floats must not flip which sources qualify.
+        floor = -1e-9 * bound
+        best, best_i, top, top_i = math.inf, -1, -math.inf, -1
+        for i in live:
+            d = target[i] - realized[i]
+            if samples:
+                d = d + w[i]  # this draw's share of the target, counted before choosing
+            if d > top:  # the largest deficit, first of ties (used if none qualifies)
+                top, top_i = d, i
+            if d >= floor:
+                deadline = (bound - d) / w[i]
+                if best_i < 0 or deadline < best:  # strict: the first of ties, the lowest id
+                    best, best_i = deadline, i
+        if best_i >= 0:
+            return best_i
+        return top_i if top_i >= 0 else live[0]
+
+    def _pick_arrays(self, w_N: np.ndarray, bound: float) -> int:
+        live = self._live_L
+        d_N = self.target_N - self.realized_N
+        if self.accounting == "samples":
+            d_N = d_N + w_N  # this draw's share of the target, counted before choosing
         d_L, w_L = d_N[live], w_N[live]
         # A deficit a rounding error below 0 is 0: floats must not flip which sources qualify.
         ok_L = d_L >= -1e-9 * bound
@@ -157,11 +207,54 @@ class Mixer:
     def weights(self) -> np.ndarray:
         """The schedule's weights at the current position over the sources still in the mix,
         renormalised; all zero when none of them has weight here."""
+        self._invalidate()
+        return self._weights_live()[0].copy()
+
+    def _weights_live(self) -> tuple[np.ndarray, tuple[int, ...]]:
+        """:meth:`weights` (not to be modified) and the ids with a positive weight, cached
+        for as long as the schedule's row and the active mask stay the same."""
         x = self.step if self.schedule.unit == "steps" else self.tokens
+        key = self._row_key(x)
+        cached = self._weights_cache
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        if self._active is None:
+            self._active = self._active_N()
         w_N = self.schedule.weights_over(np.array([x], dtype=np.float64))[0]
-        w_N = np.where(self._active_N(), w_N, 0.0)
+        w_N = np.where(self._active, w_N, 0.0)
         total = w_N.sum()
-        return w_N / total if total > 0 else w_N
+        w_N = w_N / total if total > 0 else w_N
+        w_N.flags.writeable = False
+        live = tuple(np.flatnonzero(w_N > 0).tolist())
+        self._weights_cache = (key, w_N, live)
+        self._live_L = np.array(live, dtype=np.int64)
+        self._w_list = w_N.tolist()
+        return w_N, live
+
+    def _row_key(self, x: float) -> tuple:
+        """What the schedule's row at ``x`` depends on: the segment and, within it, what its
+        shape reads (nothing for const, which side of ``at`` for step, ``t`` for a ramp).
+        Equal keys mean bit-identical rows from Schedule.weights_over."""
+        seg = self._seg_of(x)
+        kind, start, end, at = self._segs[seg]
+        if kind == "const":
+            return (seg,)
+        if kind == "step":
+            return (seg, x >= at)
+        t = (x - start) / (end - start) if end != math.inf else 0.0
+        return (seg, min(max(t, 0.0), 1.0))
+
+    def _seg_of(self, x: float) -> int:
+        starts = self._starts
+        if len(starts) == 1:
+            return 0
+        return max(bisect.bisect_right(starts, x) - 1, 0)
+
+    def _invalidate(self) -> None:
+        """Forget the active mask and the weights (the catalog or the exhausted set changed)."""
+        self._active = None
+        self._weights_cache = None
+        self._sources = [self.catalog._sources.get(n) for n in self.names]
 
     def _active_N(self) -> np.ndarray:
         gone = {e["source"] for e in self.exhausted}
@@ -179,6 +272,7 @@ class Mixer:
         self.target_N[i] = self.realized_N[i]
         if policy == "drop_source":
             self.catalog.drop(name)
+        self._invalidate()
 
     # --- state -------------------------------------------------------------------------------
 
@@ -204,6 +298,7 @@ class Mixer:
         self.target_N = np.array([float(state["target"].get(n, 0.0)) for n in self.names])
         self.realized_N = np.array([float(state["realized"].get(n, 0.0)) for n in self.names])
         self.exhausted = [dict(e) for e in state["exhausted"]]
+        self._invalidate()
 
     def proportions(self) -> dict[str, dict[str, float]]:
         """Per source: cumulative target and realized units and their shares of the total,

@@ -57,38 +57,98 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
 
     ``refs`` are the window's samples (window-local index = position); ``first_item_N`` is
     each sample's first window item id (WindowSamples.item_offsets_N1[:-1]).
+
+    A rank's rows are its LLM placements in placement order, then the encoder items it
+    encodes in item order. Built once per step with array operations: every row of the step
+    in that order (a stable sort by rank), then each rank's table is a zero-copy slice.
     """
-    encode_rank_of = dict(zip(plan.item_M.tolist(), plan.encode_rank_M.tolist()))
-    rows: list[list[tuple[SampleRef, dict]]] = [[] for _ in range(dp)]
-    first_rank: dict[int, int] = {}
-    for sample, rank, index in zip(plan.sample_P.tolist(), plan.rank_P.tolist(),
-                                   plan.sp_index_P.tolist()):
-        if index == 0:
-            first_rank[sample] = rank
-    for sample, rank, mb, size, index in zip(plan.sample_P.tolist(), plan.rank_P.tolist(),
-                                             plan.micro_batch_P.tolist(),
-                                             plan.sp_size_P.tolist(), plan.sp_index_P.tolist()):
-        ref = refs[sample]
-        n_items = len(item_kinds(ref))
-        first = int(first_item_N[sample])
-        rows[rank].append((ref, {
-            "role": "llm", "micro_batch": mb, "sp_size": size, "sp_index": index,
-            "sp_first_rank": first_rank[sample],
-            "encode_ranks": [encode_rank_of[first + j] for j in range(n_items)]}))
-    for item, sample, encode, consume in zip(plan.item_M.tolist(), plan.item_sample_M.tolist(),
-                                             plan.encode_rank_M.tolist(),
-                                             plan.consume_rank_M.tolist()):
-        ref = refs[sample]
-        kind, index = item_kinds(ref)[item - int(first_item_N[sample])]
-        rows[encode].append((ref, {"role": "encode", "item_kind": ENCODER_KINDS[kind],
-                                   "item_index": index, "consume_rank": consume}))
+    sample_P = np.asarray(plan.sample_P, np.int64)
+    rank_P = np.asarray(plan.rank_P, np.int64)
+    item_M = np.asarray(plan.item_M, np.int64)
+    item_sample_M = np.asarray(plan.item_sample_M, np.int64)
+    encode_M = np.asarray(plan.encode_rank_M, np.int64)
+    P, M = len(sample_P), len(item_M)
+    first_item_N = np.asarray(first_item_N, np.int64)
+
+    # The step's samples, once each, as a ref table the rows take from.
+    used_U = np.unique(np.concatenate([sample_P, item_sample_M]))
+    step_refs = [refs[i] for i in used_U.tolist()]
+    ref_table = refs_to_table(step_refs)
+    img_U = np.array([len(r.image_patches) for r in step_refs], np.int64)
+    vid_U = np.array([len(r.video_patches) for r in step_refs], np.int64)
+    aud_U = np.array([len(r.audio_frames) for r in step_refs], np.int64)
+    pos_P, pos_M = np.searchsorted(used_U, sample_P), np.searchsorted(used_U, item_sample_M)
+
+    # LLM rows: the SP group's first rank, and the rank encoding each of the sample's items.
+    first_rank = {}
+    for sample, rank in zip(sample_P[plan.sp_index_P == 0].tolist(),
+                            rank_P[plan.sp_index_P == 0].tolist()):
+        first_rank[sample] = rank
+    sp_first_P = np.array([first_rank[s] for s in sample_P.tolist()], np.int64)
+    count_P = (img_U + vid_U + aud_U)[pos_P]
+    ends_P = np.cumsum(count_P)
+    ids = np.repeat(first_item_N[sample_P] - (ends_P - count_P), count_P) + \
+        np.arange(int(ends_P[-1]) if P else 0)
+    encode_ranks = np.zeros(0, np.int64)
+    if len(ids):
+        lookup = np.full(int(max(ids.max(), item_M.max(initial=-1))) + 1, -1, np.int64)
+        lookup[item_M] = encode_M
+        encode_ranks = lookup[ids]
+        if (encode_ranks < 0).any():
+            raise KeyError(int(ids[np.flatnonzero(encode_ranks < 0)[0]]))
+
+    # Encoder rows: which item of which kind (images, then videos, then audio clips).
+    j_M = item_M - first_item_N[item_sample_M]
+    img_M, vid_M = img_U[pos_M], vid_U[pos_M]
+    kind_M = np.where(j_M < img_M, 0, np.where(j_M < img_M + vid_M, 1, 2))
+    index_M = j_M - np.where(kind_M == 0, 0, np.where(kind_M == 1, img_M, img_M + vid_M))
+
+    llm_X = np.concatenate([np.ones(P, bool), np.zeros(M, bool)])
+    enc_X = ~llm_X
+    rank_X = np.concatenate([rank_P, encode_M])
+    order = np.argsort(rank_X, kind="stable")
+    counts_R = np.bincount(rank_X, minlength=dp)[:dp] if len(rank_X) else np.zeros(dp, np.int64)
+    starts_R = np.concatenate([[0], np.cumsum(counts_R)[:-1]]).astype(np.int64)
+
+    def ints(values, mask):
+        return pa.array(np.asarray(values, np.int64), type=pa.int32(), mask=mask)
+
+    zeros_M, zeros_P = np.zeros(M, np.int64), np.zeros(P, np.int64)
+    offsets = np.concatenate([[0], ends_P, np.full(M, ends_P[-1] if P else 0)])
+    extra = {
+        "role": pa.array(np.where(llm_X, "llm", "encode").astype(object), type=pa.string()),
+        "step": pa.array(np.full(P + M, step, np.int64), type=pa.int64()),
+        "rank": ints(rank_X, None),
+        "micro_batch": ints(np.concatenate([plan.micro_batch_P, zeros_M]), enc_X),
+        "sp_size": ints(np.concatenate([plan.sp_size_P, zeros_M]), enc_X),
+        "sp_index": ints(np.concatenate([plan.sp_index_P, zeros_M]), enc_X),
+        "sp_first_rank": ints(np.concatenate([sp_first_P, zeros_M]), enc_X),
+        "encode_ranks": pa.ListArray.from_arrays(
+            pa.array(offsets.astype(np.int32)), pa.array(encode_ranks, type=pa.int32()),
+            type=pa.list_(pa.int32()), mask=pa.array(enc_X)),
+        "item_kind": pa.array(np.concatenate([np.full(P, None, object),
+                                              np.array(ENCODER_KINDS, object)[kind_M]]),
+                              type=pa.string()),
+        "item_index": ints(np.concatenate([zeros_P, index_M]), llm_X),
+        "consume_rank": ints(np.concatenate([zeros_P, plan.consume_rank_M]), llm_X),
+    }
+    take = pa.array(order)
+    rows = ref_table.take(pa.array(np.concatenate([pos_P, pos_M])[order]))
+    columns = rows.columns + [extra[name].take(take) for name, _ in PLAN_FIELDS]
+    table = pa.Table.from_arrays(columns, schema=PLAN_SCHEMA).combine_chunks()
     cost_R = plan.rank_cost_R
-    return [_table(rows[r], step, r, {
-        "step": step, "rank": r, "dp": dp, "num_micro_batches": plan.num_micro_batches,
-        "predicted_cost": float(cost_R[r]) if len(cost_R) else 0.0,
-        "step_max_cost": float(cost_R.max()) if len(cost_R) else 0.0,
-        "lower_bound": plan.lower_bound, "imbalance": plan.imbalance,
-        "reshard": plan.reshard}) for r in range(dp)]
+    shared = {"num_micro_batches": plan.num_micro_batches}
+    step_max = float(cost_R.max()) if len(cost_R) else 0.0
+    lower_bound, imbalance = plan.lower_bound, plan.imbalance
+    out = []
+    for r in range(dp):
+        meta = {"step": step, "rank": r, "dp": dp, **shared,
+                "predicted_cost": float(cost_R[r]) if len(cost_R) else 0.0,
+                "step_max_cost": step_max, "lower_bound": lower_bound,
+                "imbalance": imbalance, "reshard": plan.reshard}
+        out.append(table.slice(int(starts_R[r]), int(counts_R[r]))
+                   .replace_schema_metadata({METADATA_KEY: json.dumps(meta)}))
+    return out
 
 
 def _table(rows: list[tuple[SampleRef, dict]], step: int, rank: int, meta: dict) -> pa.Table:

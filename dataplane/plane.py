@@ -27,6 +27,7 @@ from balancer.cost import Costs
 from balancer.planner import plan_window
 from balancer.types import PlannerConfig, StepPlan, WindowSamples
 from dataplane.catalog import Catalog
+from dataplane.corrupt import CorruptLedger, draw_replacement, ref_to_json
 from dataplane.errors import UserError
 from dataplane.journal import Journal
 from dataplane.mixer import Mixer, MixtureExhausted
@@ -154,6 +155,7 @@ class DataPlane:
         self.reloads: list[list] = []  # [window, spec path], in order
         self.window_states = {0: _copy(self.mixer.state_dict())}
         self.window_specs = {0: self.spec_path}
+        self.corrupt = CorruptLedger()
         self.last_snapshot = -1
         self._write_snapshot()  # step 0: where audits start their replay
 
@@ -174,6 +176,7 @@ class DataPlane:
         self.reloads = [list(r) for r in snap["reloads"]]
         self.window_states = {k: _copy(snap["window_state"])}
         self.window_specs = {k: self.spec_path}
+        self.corrupt = CorruptLedger.from_state(snap.get("corrupt"))
         self.last_snapshot = step
         if self.readonly:
             return
@@ -206,6 +209,8 @@ class DataPlane:
             self.reloads.append([record["window"], record["spec"]])
         elif kind == "dp":
             self._resize_from(record["step"], record["dp"])
+        elif kind == "corrupt":
+            self.corrupt.record(record, applied=False)
 
     def _change_dp(self, step: int, dp: int) -> None:
         log.warning("resizing: steps from %d are planned for %d ranks (were %d)", step, dp,
@@ -251,6 +256,7 @@ class DataPlane:
             "rank_commits": {str(s): sorted(r) for s, r in self.rank_commits.items()
                              if s >= step},
             "wal_offset": self.journal.size(), "config": asdict(self.config),
+            "corrupt": self.corrupt.state(k),
             "sample_cap": self.cap})
         self.last_snapshot = step
         return path
@@ -273,6 +279,7 @@ class DataPlane:
         for window, spec in self.reloads:
             if window == k and spec != self.spec_path:
                 self._apply_reload(spec)
+        self.corrupt.apply(self.mixer.catalog, k)  # reports that arrived before this window
         start = _copy(self.mixer.state_dict())
         self.window_states[k], self.window_specs[k] = start, self.spec_path
         batches = []
@@ -426,15 +433,52 @@ class DataPlane:
                 self.mixer = self._mixer(self.spec)
                 self.mixer.load_state_dict(self.window_states[k])
                 self.next_window, self.exhausted_at = k, None
+                self.corrupt.unapply_after(k)
             path = str(Path(spec).resolve())
             self.reloads.append([k, path])
             self._log({"t": "reload", "window": k, "spec": path})
             return {"applies_at_step": k * W, "spec": path}
 
+    def report_corrupt(self, step: int, rank: int, source: str, shard: str, key: str,
+                       reason: str, epoch: int = 0) -> dict:
+        """A sample of ``rank``'s plan of ``step`` does not decode: quarantine it and
+        return a replacement from the same source (``replacement``: a ref as JSON, "" when the
+        source has none left). Journaled before acknowledged; see :mod:`dataplane.corrupt`."""
+        with self.lock:
+            self._check_step(step, "report_corrupt")
+            self._ensure_planned(step)
+            if self.exhausted_at is not None and step >= self.exhausted_at:
+                raise RequestError(f"step {step} was never planned")
+            table = self._table(step, rank) if 0 <= rank < self.dp_at(step) else None
+            known = set() if table is None else set(zip(*(
+                table.column(c).to_pylist() for c in ("source", "shard", "key", "epoch"))))
+            known |= {(*r.uid, r.epoch) for _, r in self.corrupt.replaced_at(step)
+                      if r is not None}  # a replacement may be bad too
+            if table is None or (source, shard, key, epoch) not in known:
+                raise RequestError(f"{source}/{key} ({shard}, epoch {epoch}) is not in rank "
+                                   f"{rank}'s plan of step {step}")
+            event = self.corrupt.find(step, source, shard, key, epoch)
+            if event is None:
+                ref = draw_replacement(self.mixer.catalog, source, shard, key)
+                event = {"t": "corrupt", "step": step, "rank": rank, "source": source,
+                         "shard": shard, "key": key, "epoch": epoch,
+                         "reason": " ".join(str(reason).split()),
+                         "before_window": self.next_window, "replacement": ref_to_json(ref)}
+                self._log(event)
+                self.corrupt.record(event, applied=True)
+                log.warning("corrupt sample %s/%s (step %d, rank %d): %s", source, key, step,
+                            rank, event["reason"])
+            return {"step": step, "source": source, "key": key,
+                    "replacement": event["replacement"]}
+
     def status(self) -> dict:
         """Mixture, progress, balance, clients, snapshots: see :mod:`dataplane.status`."""
         with self.lock:
-            return plane_status(self, time.monotonic())
+            status = plane_status(self, time.monotonic())
+            for row in status["sources"]:
+                row["corrupt_reported"] = self.corrupt.counts.get(row["source"], 0)
+            status["corrupt_recent"] = list(self.corrupt.recent)
+            return status
 
     def audit(self) -> dict:
         from dataplane.audit import audit_state_dir

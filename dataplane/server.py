@@ -34,7 +34,12 @@ ACTIONS = {
     "snapshot": "write a snapshot now: {step?}",
     "reload": "apply a new mixing spec at the next window boundary: {spec}",
     "audit": "samples planned, committed, duplicated and missing per epoch and source: {}",
+    "report_corrupt": "a planned sample does not decode: quarantine it, get a replacement from "
+                      "its source: {step, rank, source, shard, key, reason, epoch}",
 }
+
+
+PLAN_STREAM = b"plans"  # do_exchange command of the plan stream (PlaneClient(stream=True))
 
 
 class RequestError(UserError):
@@ -134,11 +139,33 @@ class PlaneServer(flight.FlightServerBase):
         self._plans[key] = (table, data)
         return data
 
+    def do_exchange(self, context, descriptor, reader, writer):
+        """The ``plans`` stream: each message the client writes (app metadata: the ``plan``
+        action's request bytes) is answered by one message carrying the plan's IPC bytes --
+        the ``plan`` action without a gRPC call per fetch. A refusal ends the stream with the
+        same Flight error the action raises (the client opens a new one)."""
+        if descriptor.command != PLAN_STREAM:
+            raise flight.FlightServerError(
+                f"do_exchange: unknown command {descriptor.command!r} (expected {PLAN_STREAM!r})")
+        plan_ipc, write = self._plan_ipc, writer.write_metadata
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                return
+            body = chunk.app_metadata
+            if body is None:
+                raise flight.FlightServerError("plans: each message's app metadata must be a "
+                                               "plan request")
+            write(plan_ipc(body.to_pybytes()))
+
     def do_action(self, context, action):
         kind = action.type
         if kind == "plan":
-            yield flight.Result(self._plan_ipc(action.body.to_pybytes()))
-            return
+            return [flight.Result(self._plan_ipc(action.body.to_pybytes()))]
+        return self._other_action(kind, action)
+
+    def _other_action(self, kind, action):
         body = _call(wire.decode, action.body) if action.body.size else {}
         if kind == "commit":
             rank, plan_fp = body.get("rank"), body.get("plan_fp")
@@ -160,6 +187,13 @@ class PlaneServer(flight.FlightServerBase):
             reply = _call(self.service.reload, spec)
         elif kind == "audit":
             reply = _call(self.service.audit)
+        elif kind == "report_corrupt":
+            names = ("source", "shard", "key", "reason")
+            if not all(isinstance(body.get(n), str) for n in names):
+                raise flight.FlightServerError(f"report_corrupt: {', '.join(names)} must be "
+                                               "strings")
+            reply = _call(self.service.report_corrupt, _int(body, "step"), _int(body, "rank"),
+                          *(body[n] for n in names), _int(body, "epoch"))
         else:
             raise flight.FlightServerError(
                 f"unknown action {kind!r} (one of {', '.join(sorted(ACTIONS))})")

@@ -13,6 +13,10 @@ measured once as the RSS growth of a process that builds it, times 64 ranks x 4 
 
 Serving. A plane for 256 ranks; 256 clients (4 processes x 64 threads, one PlaneClient each)
 fetch their rank's plans of already-planned steps for a fixed time: fetches/s, p50/p99 latency.
+Clients and plane share the machine's cores. Three runs: closed loop with the default per-call
+``plan`` action (the baseline), closed loop over the plan stream (``PlaneClient(stream=True)``),
+and the stream paced at 4 fetches/s per client (a 256-rank job at 4 steps/s) for the latency a
+job sees at a realistic load.
 
 Planning. The plane's own draw + plan + per-rank tables for a 1,024-rank job, 8 samples per
 rank per step, window 4: windows (and steps) per second against the one step per second the
@@ -117,13 +121,18 @@ def client_role(url: str, rank: int) -> None:
         print(json.dumps({"client_bytes": rss_bytes(), "rows": rows}), flush=True)
 
 
-def fetch_role(url: str, first_rank: int, threads: int, seconds: float) -> None:
-    """``threads`` clients (ranks first_rank…) fetching plans of steps 0-7 after a "go" line."""
+def fetch_role(url: str, first_rank: int, threads: int, seconds: float, mode: str = "action",
+               rate: float = 0.0) -> None:
+    """``threads`` clients (ranks first_rank…) fetching plans of steps 0-7 after a "go" line:
+    back to back (``rate`` 0: closed loop), or each at ``rate`` fetches/s on a fixed schedule
+    (open loop: a late fetch does not delay the next one's start time, and its latency
+    counts from when it was due). ``mode``: ``action`` (a Flight call per fetch, PlaneClient's
+    default) or ``stream`` (PlaneClient(stream=True))."""
     import numpy as np
 
     from dataplane.client import PlaneClient
 
-    clients = [PlaneClient(url) for _ in range(threads)]
+    clients = [PlaneClient(url, stream=mode == "stream") for _ in range(threads)]
     for t, client in enumerate(clients):
         client.get_plan(0, first_rank + t)  # connected and warm
     print("ready", flush=True)
@@ -133,10 +142,21 @@ def fetch_role(url: str, first_rank: int, threads: int, seconds: float) -> None:
 
     def run(t: int) -> None:
         client, out, step = clients[t], latencies[t], t % 8
-        while (start := time.perf_counter()) < deadline:
+        if rate <= 0:
+            while (start := time.perf_counter()) < deadline:
+                client.get_plan(step, first_rank + t)
+                out.append(time.perf_counter() - start)
+                step = (step + 1) % 8
+            return
+        period = 1.0 / rate
+        due = time.perf_counter() + period * (t / threads)  # spread the clients' phases
+        while due < deadline:
+            if (wait := due - time.perf_counter()) > 0:
+                time.sleep(wait)
             client.get_plan(step, first_rank + t)
-            out.append(time.perf_counter() - start)
+            out.append(time.perf_counter() - due)
             step = (step + 1) % 8
+            due += period
 
     pool = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
     for thread in pool:
@@ -171,14 +191,18 @@ def memory(spec: Path, tmp: Path) -> dict:
             "replicated_bytes": replicated, "ratio": replicated / ours}
 
 
-def serving(spec: Path, tmp: Path, clients: int, seconds: float) -> dict:
+def serving(spec: Path, tmp: Path, clients: int, seconds: float, mode: str = "stream",
+            rate: float = 0.0) -> dict:
+    """``clients`` clients in PROCS processes; closed loop (``rate`` 0) or each paced at
+    ``rate`` fetches/s. ``mode``: the client's transport (see fetch_role)."""
     import numpy as np
 
-    plane, url = serve(spec, tmp / "state-serving", clients, clients * 8)
+    plane, url = serve(spec, tmp / f"state-serving-{mode}-{rate:g}", clients, clients * 8)
     per = clients // PROCS
     try:
         workers = [Child(self_command("--role", "fetch", url, str(p * per), str(per),
-                                      str(seconds)), stdin=True) for p in range(PROCS)]
+                                      str(seconds), mode, str(rate)), stdin=True)
+                   for p in range(PROCS)]
         for worker in workers:
             assert worker.line().strip() == "ready"
         start = time.perf_counter()
@@ -191,7 +215,8 @@ def serving(spec: Path, tmp: Path, clients: int, seconds: float) -> dict:
         plane.stop()
     lat = np.concatenate([np.array(r["latencies_ms"]) for r in results])
     fetches = sum(r["fetches"] for r in results)
-    return {"clients": clients, "processes": PROCS, "seconds": seconds, "fetches": fetches,
+    return {"clients": clients, "processes": PROCS, "mode": mode, "rate_per_client": rate,
+            "seconds": seconds, "fetches": fetches,
             "fetches_per_s": fetches / seconds, "wall_s": wall,
             "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99))}
 
@@ -220,6 +245,7 @@ def planning(spec: Path, tmp: Path, windows: int) -> dict:
 # -- report ---------------------------------------------------------------------------------
 def report(out: dict) -> list[dict]:
     mem, srv, pln = out["memory"], out["serving"], out["planning"]
+    act, paced = out["serving_action"], out["serving_paced"]
     mib = 2 ** 20
     return [
         {"what": "memory: replicated / (plane + client)",
@@ -230,13 +256,19 @@ def report(out: dict) -> list[dict]:
                      f"{mem['client_bytes'] / mib:.0f})",
          "value": f"{mem['ratio']:.1f}x", "target": ">= 20x",
          "met": mem["ratio"] >= TARGETS["memory_ratio"]},
-        {"what": f"serving: fetches/s, {srv['clients']} clients",
-         "baseline": "-", "measured": f"{srv['fetches']:,} in {srv['seconds']:g} s",
+        {"what": f"serving: fetches/s, {srv['clients']} clients ({PROCS} processes), stream",
+         "baseline": f"{act['fetches_per_s']:,.0f}/s per-call actions (p50 "
+                     f"{act['p50_ms']:.0f} ms, p99 {act['p99_ms']:.0f} ms)",
+         "measured": f"{srv['fetches']:,} in {srv['seconds']:g} s",
          "value": f"{srv['fetches_per_s']:,.0f}/s", "target": ">= 5,000/s",
          "met": srv["fetches_per_s"] >= TARGETS["fetches_per_s"]},
         {"what": "serving: latency p50 / p99", "baseline": "-",
          "measured": f"p50 {srv['p50_ms']:.2f} ms", "value": f"{srv['p99_ms']:.2f} ms",
          "target": "p99 <= 20 ms", "met": srv["p99_ms"] <= TARGETS["p99_ms"]},
+        {"what": f"serving paced: {paced['clients']} clients x {paced['rate_per_client']:g}/s",
+         "baseline": "-", "measured": f"{paced['fetches_per_s']:,.0f}/s, p50 "
+                                      f"{paced['p50_ms']:.2f} ms",
+         "value": f"p99 {paced['p99_ms']:.2f} ms", "target": "(information)", "met": True},
         {"what": f"planning: {pln['dp']} ranks, {pln['samples_per_step']} samples/step",
          "baseline": "1 step/s consumed",
          "measured": f"{pln['total_s_per_window'] * 1e3:.0f} ms/window "
@@ -259,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         role, *rest = args.role
         {"replica": lambda: replica_role(*rest),
          "client": lambda: client_role(rest[0], int(rest[1])),
-         "fetch": lambda: fetch_role(rest[0], int(rest[1]), int(rest[2]), float(rest[3]))}[role]()
+         "fetch": lambda: fetch_role(rest[0], int(rest[1]), int(rest[2]), float(rest[3]),
+                                     *rest[4:5], *map(float, rest[5:6]))}[role]()
         return 0
     scale = "quick" if args.quick else "full" if args.full else "default"
     sources, shards, per_shard = SCALES[scale]
@@ -277,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         out = {"scale": {"sources": sources, "shards": shards, "per_shard": per_shard},
                "command": " ".join(["tools/bench/plane.py"] + (argv or sys.argv[1:]))}
         out["memory"] = memory(spec, tmp)
-        out["serving"] = serving(small, tmp, SERVE_RANKS, 3.0 if args.quick else 10.0)
+        seconds = 3.0 if args.quick else 10.0
+        out["serving_action"] = serving(small, tmp, SERVE_RANKS, seconds, "action")
+        out["serving"] = serving(small, tmp, SERVE_RANKS, seconds, "stream")
+        # Paced: every rank fetching 4 plans/s (a job at 4 steps/s), latency at that load.
+        out["serving_paced"] = serving(small, tmp, SERVE_RANKS, seconds, "stream", 4.0)
         out["planning"] = planning(small, tmp, 2 if args.quick else 5)
     out["rows"] = report(out)
     print_table(out["rows"])

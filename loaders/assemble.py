@@ -1,0 +1,162 @@
+"""A rank's plan table + decoded samples -> one StepBatch (micro-batches and encoder items).
+
+The plan's rows say which samples the rank trains (role ``llm``: micro-batch, SP slice) and
+which media items it encodes for other ranks (role ``encode``). A sample is decoded once per
+step however many rows name it. A sample that failed to decode is handled by the policy:
+``fail`` raises its CorruptSample; ``skip`` reports it to the plane, which quarantines it and
+hands back a replacement from the same source, decoded here in its place (every rank of an SP
+group reporting the same sample gets the same replacement, so their slices still fit).
+
+An encoder item of a replaced sample is dropped: the item it names no longer exists, and the
+replacement's media travel whole in the consuming rank's PackedBatch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pyarrow as pa
+import torch
+
+from dataplane.plan_table import fingerprint, plan_metadata
+from dataplane.refs import SampleRef, table_to_refs
+from loaders.collate import PackedBatch, collate
+from loaders.errors import CorruptSample
+from loaders.geometry import MediaGeometry
+from loaders.sequence import DecodedSample
+from loaders.worker import Decoded
+
+POLICIES = ("skip", "fail")
+MAX_REPLACEMENTS = 8  # per bad sample: replacements can be bad too, but not forever
+
+
+@dataclass
+class EncodeItem:
+    """A media item this rank encodes for ``consume_rank`` (the reshard map's producer side)."""
+
+    ref: SampleRef
+    kind: str  # "image" | "video" | "audio"
+    index: int  # within its kind, in the sample's item order
+    consume_rank: int
+    tensor: torch.Tensor  # vision patches [t*h*w, D] or log-mel frames [frames, n_mels]
+    grid_thw: tuple[int, int, int] | None
+    frames: int | None
+
+
+@dataclass
+class StepBatch:
+    """Everything one rank needs for one step."""
+
+    step: int
+    micro_batches: list[PackedBatch]
+    encode_items: list[EncodeItem]
+    metadata: dict  # the plan's: dp, num_micro_batches, predicted cost, imbalance, …
+    plan_fp: str  # dataplane.plan_table.fingerprint of the plan: what commit sends back
+    skipped: list[CorruptSample] = field(default_factory=list)
+    replaced: list[tuple[SampleRef, SampleRef | None]] = field(default_factory=list)
+    data_wait_s: float = 0.0  # time the trainer was blocked in next() for this step
+
+    @property
+    def num_samples(self) -> int:
+        return sum(int(b.cu_seqlens_S1.numel()) - 1 for b in self.micro_batches)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.micro_batches)
+
+
+def sample_id(ref: SampleRef) -> tuple:
+    """A planned sample: (source, shard, key, epoch). A small source can put one key into
+    a step twice, from two epochs; each is its own sample (and its own replacement)."""
+    return (*ref.uid, ref.epoch)
+
+
+def unique_refs(table: pa.Table) -> list[SampleRef]:
+    """The distinct samples a plan names, in first-mention order: one decode each."""
+    seen, out = set(), []
+    for ref in table_to_refs(table):
+        if sample_id(ref) not in seen:
+            seen.add(sample_id(ref))
+            out.append(ref)
+    return out
+
+
+class StepAssembler:
+    """Applies the corrupt-sample policy and packs one step. ``report`` is the plane's
+    ``report_corrupt`` (bound to this rank); ``decode`` decodes a replacement."""
+
+    def __init__(self, rank: int, geometry: MediaGeometry, policy: str,
+                 report: Callable[..., SampleRef | None], decode: Callable[[SampleRef], Decoded],
+                 pin_memory: bool = False) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
+        self.rank, self.geometry, self.policy = rank, geometry, policy
+        self.report, self.decode, self.pin_memory = report, decode, pin_memory
+        self.corrupt_reasons: Counter = Counter()  # coarse reason -> samples skipped
+
+    def assemble(self, step: int, table: pa.Table, decoded: dict[tuple, Decoded]) -> StepBatch:
+        meta = plan_metadata(table)
+        batch = StepBatch(step, [], [], meta, fingerprint(table))
+        refs = table_to_refs(table)
+        cols = {n: table.column(n).to_pylist() for n in (
+            "role", "micro_batch", "sp_size", "sp_index", "item_kind", "item_index",
+            "consume_rank")}
+        resolved: dict[tuple, tuple[DecodedSample | None, bool]] = {}
+        micro = [[] for _ in range(int(meta.get("num_micro_batches", 0)))]
+        for i, ref in enumerate(refs):
+            sid = sample_id(ref)
+            if sid not in resolved:
+                resolved[sid] = self._resolve(step, ref, decoded[sid], batch)
+            sample, as_planned = resolved[sid]
+            if sample is None:
+                continue
+            if cols["role"][i] == "llm":
+                mb = cols["micro_batch"][i]
+                while mb >= len(micro):
+                    micro.append([])
+                micro[mb].append((sample, cols["sp_size"][i], cols["sp_index"][i]))
+            elif as_planned:
+                kind, index = cols["item_kind"][i], cols["item_index"][i]
+                item = [m for m in sample.media if m.kind == kind][index]
+                batch.encode_items.append(EncodeItem(
+                    ref, kind, index, cols["consume_rank"][i], item.tensor, item.grid_thw,
+                    item.frames))
+        batch.micro_batches = [collate(mb, self.geometry) for mb in micro]
+        if self.pin_memory:
+            _pin(batch)
+        return batch
+
+    def _resolve(self, step: int, ref: SampleRef, out: Decoded, batch: StepBatch
+                 ) -> tuple[DecodedSample | None, bool]:
+        """The sample to train in the ref's place, and whether it is the planned one."""
+        bad = ref
+        for _ in range(MAX_REPLACEMENTS):
+            if out.error is None:
+                return out.sample, bad is ref
+            if self.policy == "fail":
+                raise out.error
+            batch.skipped.append(out.error)
+            self.corrupt_reasons[reason_kind(out.error.reason)] += 1
+            replacement = self.report(step, bad.source, bad.shard, bad.key, out.error.reason,
+                                      bad.epoch)
+            batch.replaced.append((bad, replacement))
+            if replacement is None:
+                return None, False
+            bad, out = replacement, self.decode(replacement)
+        return None, False
+
+
+def reason_kind(reason: str) -> str:
+    """A reason without the member name it starts with: what skips are counted by."""
+    return reason.rsplit(": ", 1)[-1] if reason.startswith("member ") else reason
+
+
+def _pin(batch: StepBatch) -> None:
+    for mb in batch.micro_batches:
+        for name, value in vars(mb).items():
+            if isinstance(value, torch.Tensor):
+                setattr(mb, name, value.pin_memory())
+    for item in batch.encode_items:
+        item.tensor = item.tensor.pin_memory()

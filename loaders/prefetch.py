@@ -1,0 +1,97 @@
+"""Plans fetched ahead: a background thread keeps the next ``depth`` plans of one rank ready.
+
+A plan fetch is a network round trip to the plane; doing it on the trainer's critical path
+would add that latency to every step. The thread fetches steps in order into a bounded queue.
+The plane refuses steps too far past the last commit (it has not planned them yet): that is
+back-pressure, not an error, so the thread waits and asks again, with backoff, until the
+trainer commits. The end of the mixture ends the queue; any other refusal is handed on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from dataplane.client import PlaneClient, PlaneError
+
+END = "end"  # the queue's last item when the mixture is exhausted
+
+
+class PlanPrefetcher:
+    """``get()`` returns ``(step, plan table)`` for start_step, start_step + 1, …, then END
+    (or raises the plane's refusal)."""
+
+    def __init__(self, url: str, rank: int, start_step: int, depth: int,
+                 token: str | None = None, stop: threading.Event | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"prefetch_steps: must be >= 1, got {depth}")
+        self.url, self.rank, self.token = url, rank, token
+        self.next_step = start_step
+        self.stop = stop or threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"omniscale-plans-{rank}")
+        self._thread.start()
+
+    def get(self):
+        """The next plan; blocks until it is fetched. END once the data has run out."""
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return END
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def poll(self):
+        """The next plan if one is ready, else None (never blocks)."""
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        client = PlaneClient(self.url, token=self.token)
+        delay = 0.01
+        try:
+            while not self.stop.is_set():
+                try:
+                    table = client.get_plan(self.next_step, self.rank)
+                except PlaneError as e:
+                    text = str(e)
+                    if "exhausted" in text:
+                        self._put(END)
+                        return
+                    if "too far ahead" in text:  # wait for the trainer's commits
+                        self.stop.wait(delay)
+                        delay = min(delay * 2, 0.5)
+                        continue
+                    self._put(e)
+                    return
+                delay = 0.01
+                if not self._put((self.next_step, table)):
+                    return
+                self.next_step += 1
+        except BaseException as e:  # noqa: BLE001 -- whatever happens, the consumer hears it
+            self._put(e)
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join(timeout=5)
