@@ -52,6 +52,24 @@ class MoEConfig:
         return self.shared_ffn_dim or self.expert_ffn_dim
 
 
+# Ops the backbone looks up through the kernel registry (besides attention).
+KERNEL_OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "moe_permute", "moe_unpermute",
+              "linear_cross_entropy")
+
+
+def kernel(op: str, device, prefer: str | None = None):
+    """`kernels.get(op, device, prefer=prefer)`, except that a named backend the op lacks on
+    this device (e.g. "compiled" for moe_permute, or anywhere on CUDA) gives the automatic
+    choice rather than the reference, so one config serves CPU and GPU; "reference" is kept."""
+    import kernels  # here, so that the accounting above imports no torch
+
+    fn = kernels.get(op, device, prefer=prefer)
+    if prefer in (None, "auto", "reference") or \
+            getattr(fn, "_omniscale_backend", None) == prefer:
+        return fn
+    return kernels.get(op, device)
+
+
 @dataclass
 class ModelConfig:
     """The MoE decoder. `moe=None` makes every layer dense; otherwise the first
@@ -73,6 +91,11 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     attention_backend: str | None = None  # kernels.get(..., prefer=): "flash", "flex", ...
+    # Per-op kernel backend, passed as kernels.get(op, device, prefer=...) for every op the
+    # model looks up except attention (attention_backend): e.g. {"*": "compiled"} (every op
+    # that has one; "*" is the default for ops not named) or {"rms_norm": "compiled"}. A
+    # backend that an op lacks on the device falls back to the automatic choice (see kernel()).
+    kernels: dict[str, str] | None = None
     init_std: float = 0.02
     vision: object | None = None
     audio: object | None = None
@@ -94,6 +117,22 @@ class ModelConfig:
                              f"head_dim/2 = {self.head_dim // 2}")
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        if self.kernels is not None:
+            self.kernels = dict(self.kernels)
+            unknown = set(self.kernels) - set(KERNEL_OPS) - {"*"}
+            if unknown:
+                hint = " (attention: use attention_backend)" \
+                    if "varlen_attention" in unknown else ""
+                raise ValueError(f"kernels: unknown op(s) {sorted(unknown)}{hint}; known: "
+                                 f"{', '.join(KERNEL_OPS)} or '*'")
+
+    def kernel_backend(self, op: str) -> str | None:
+        """The `prefer=` for op (None: the registry's automatic choice)."""
+        if op == "varlen_attention":
+            return self.attention_backend
+        if not self.kernels:
+            return None
+        return self.kernels.get(op, self.kernels.get("*"))
 
     # ---- presets -------------------------------------------------------------------------
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from backbone.attention import Attention, rope_tables
-from backbone.config import ModelConfig
+from backbone.config import ModelConfig, kernel
 from backbone.ffn import FeedForward
 from backbone.moe import Experts, MoE
 from backbone.norm import RMSNorm
@@ -24,20 +23,23 @@ from backbone.norm import RMSNorm
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        norm_kernels = {op: config.kernel_backend(op) for op in ("rms_norm", "add_rms_norm")}
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, norm_kernels)
         self.attn = Attention(config)
-        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, norm_kernels)
         self.is_moe = config.is_moe_layer(layer)
-        self.ffn = MoE(config) if self.is_moe else FeedForward(config.d_model, config.ffn_dim)
+        self.ffn = MoE(config) if self.is_moe else \
+            FeedForward(config.d_model, config.ffn_dim, config.kernel_backend("swiglu"))
 
     def forward(self, x_TD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
                 cu_seqlens_S1: torch.Tensor, max_seqlen: int
                 ) -> tuple[torch.Tensor, dict | None]:
-        h_TD = x_TD + self.attn(self.attn_norm(x_TD), cos_TK, sin_TK, cu_seqlens_S1, max_seqlen)
+        a_TD = self.attn(self.attn_norm(x_TD), cos_TK, sin_TK, cu_seqlens_S1, max_seqlen)
+        normed_TD, h_TD = self.ffn_norm.add_forward(a_TD, x_TD)  # h = x + a, then its norm
         if self.is_moe:
-            y_TD, aux = self.ffn(self.ffn_norm(h_TD))
+            y_TD, aux = self.ffn(normed_TD)
             return h_TD + y_TD, aux
-        return h_TD + self.ffn(self.ffn_norm(h_TD)), None
+        return h_TD + self.ffn(normed_TD), None
 
 
 class MoEDecoder(nn.Module):
@@ -46,7 +48,8 @@ class MoEDecoder(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.norm = RMSNorm(config.d_model, config.norm_eps,
+                            {"rms_norm": config.kernel_backend("rms_norm")})
         self.lm_head = None if config.tie_embeddings else \
             nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
@@ -109,7 +112,8 @@ class MoEDecoder(nn.Module):
         """(summed cross-entropy, number of counted tokens). Labels are already shifted
         (label t is the token after t); -100 is ignored. A sum, so micro-batches and ranks
         add up exactly before the one division by the global token count."""
-        ce = kernels.get("linear_cross_entropy", hidden_TD.device)
+        ce = kernel("linear_cross_entropy", hidden_TD.device,
+                    self.config.kernel_backend("linear_cross_entropy"))
         loss_sum = ce(hidden_TD, self.lm_weight_VD, labels_T, ignore_index=-100,
                       reduction="sum")
         return loss_sum, (labels_T != -100).sum()

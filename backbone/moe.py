@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from backbone.config import ModelConfig
+from backbone.config import ModelConfig, kernel
 from backbone.ffn import FeedForward
 
 
@@ -47,9 +46,11 @@ class Experts(nn.Module):
     expert e (possibly 0). Two equal paths: `torch._grouped_mm` (one kernel, no host sync) and
     a loop over experts (fp32 on CPU, where the grouped kernel is ~7× slower; any dtype)."""
 
-    def __init__(self, num_experts: int, d_model: int, ffn_dim: int, grouped_mm: str = "auto"):
+    def __init__(self, num_experts: int, d_model: int, ffn_dim: int, grouped_mm: str = "auto",
+                 swiglu_kernel: str | None = None):
         super().__init__()
         self.num_experts, self.ffn_dim, self.grouped_mm = num_experts, ffn_dim, grouped_mm
+        self.swiglu_kernel = swiglu_kernel  # prefer= for swiglu (None: the registry's choice)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim, d_model))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, ffn_dim))
         self.reset_parameters()
@@ -72,12 +73,12 @@ class Experts(nn.Module):
         offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         h_P2F = torch._grouped_mm(x_PD, self.gate_up_proj.transpose(-2, -1), offs=offsets_E)
         gate_PF, up_PF = _ContiguousGrad.apply(h_P2F).chunk(2, dim=-1)
-        a_PF = kernels.get("swiglu", x_PD.device)(gate_PF, up_PF)
+        a_PF = kernel("swiglu", x_PD.device, self.swiglu_kernel)(gate_PF, up_PF)
         y_PD = torch._grouped_mm(a_PF, self.down_proj.transpose(-2, -1), offs=offsets_E)
         return _ContiguousGrad.apply(y_PD)
 
     def _loop(self, x_PD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        swiglu = kernels.get("swiglu", x_PD.device)
+        swiglu = kernel("swiglu", x_PD.device, self.swiglu_kernel)
         # unbind once: its backward stacks E gradients into one tensor, where indexing
         # weight[e] per expert would build E full-size zero gradients.
         gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
@@ -101,12 +102,16 @@ class Dispatcher(Protocol):
 
 
 class LocalDispatcher:
-    """Every expert is on this rank: sort the token copies by expert, run the experts, undo."""
+    """Every expert is on this rank: sort the token copies by expert, run the experts, undo.
+    `permute_kernel` / `unpermute_kernel`: prefer= for moe_permute / moe_unpermute."""
+
+    def __init__(self, permute_kernel: str | None = None, unpermute_kernel: str | None = None):
+        self.permute_kernel, self.unpermute_kernel = permute_kernel, unpermute_kernel
 
     def __call__(self, x_TD: torch.Tensor, expert_TK: torch.Tensor, weight_TK: torch.Tensor,
                  experts: Experts) -> torch.Tensor:
-        permute = kernels.get("moe_permute", x_TD.device)
-        unpermute = kernels.get("moe_unpermute", x_TD.device)
+        permute = kernel("moe_permute", x_TD.device, self.permute_kernel)
+        unpermute = kernel("moe_unpermute", x_TD.device, self.unpermute_kernel)
         x_PD, order_P, counts_E = permute(x_TD, expert_TK, experts.num_experts)
         y_PD = experts(x_PD, counts_E)
         return unpermute(y_PD, order_P, weight_TK)
@@ -120,12 +125,15 @@ class MoE(nn.Module):
         self.router_kind, self.norm_topk_prob = m.router, m.norm_topk_prob
         self.bias_update_rate = m.bias_update_rate
         self.router = nn.Linear(config.d_model, m.num_experts, bias=False)
-        self.experts = Experts(m.num_experts, config.d_model, m.expert_ffn_dim, m.grouped_mm)
-        self.shared_expert = FeedForward(config.d_model, m.shared_dim) if m.shared_expert \
-            else None
+        swiglu = config.kernel_backend("swiglu")
+        self.experts = Experts(m.num_experts, config.d_model, m.expert_ffn_dim, m.grouped_mm,
+                               swiglu_kernel=swiglu)
+        self.shared_expert = FeedForward(config.d_model, m.shared_dim, swiglu) \
+            if m.shared_expert else None
         # Selection-only bias of aux-loss-free balancing: state (checkpointed), not a parameter.
         self.register_buffer("expert_bias_E", torch.zeros(m.num_experts))
-        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = LocalDispatcher(config.kernel_backend("moe_permute"),
+                                                      config.kernel_backend("moe_unpermute"))
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(expert_TK, weight_TK, aux): each token's k experts and combine weights, and the

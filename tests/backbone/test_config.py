@@ -78,3 +78,24 @@ def test_bad_configs_name_the_field():
         MoEConfig(router="relu")
     with pytest.raises(KeyError, match="unknown preset"):
         ModelConfig.preset("huge")
+
+
+def test_kernel_preferences_per_op():
+    from backbone.config import kernel
+
+    config = ModelConfig.preset("tiny", kernels={"*": "compiled", "rotary": "reference"},
+                                attention_backend="flex")
+    assert config.kernel_backend("rms_norm") == "compiled"
+    assert config.kernel_backend("rotary") == "reference"
+    assert config.kernel_backend("varlen_attention") == "flex"
+    assert ModelConfig.preset("tiny").kernel_backend("swiglu") is None
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelConfig(kernels={"varlen_attention": "flash"})
+    with pytest.raises(ValueError, match="unknown op"):
+        ModelConfig(kernels={"rmsnorm": "compiled"})
+    # a backend the op lacks on the device gives the automatic choice, not the reference
+    # (moe_permute has no compiled version; nothing is compiled on CUDA)
+    assert kernel("moe_permute", "cpu", "compiled")._omniscale_backend == "reference"
+    assert kernel("swiglu", "cuda", "compiled")._omniscale_backend == \
+        kernel("swiglu", "cuda")._omniscale_backend
+    assert kernel("swiglu", "cpu", "compiled")._omniscale_backend == "compiled"

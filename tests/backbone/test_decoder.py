@@ -162,3 +162,47 @@ def test_tiny_step_on_cpu_runs(capsys):
         times.append(time.perf_counter() - t0)
     with capsys.disabled():
         print(f"\ntiny fwd+bwd, 2048 tokens: {min(times) * 1e3:.0f} ms (best of 3)")
+
+
+def _loss_and_grads(model, embeds_TD, labels_T, lengths):
+    x = embeds_TD.clone().requires_grad_()
+    _, loss_sum, n, aux = run(model, x, labels_T, lengths)
+    loss = loss_sum / n + aux["router_loss"]
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    grads["inputs_embeds"] = x.grad
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, aux["load_LE"]
+
+
+@pytest.mark.slow  # CPU torch.compile of 5 ops, forward and backward (seconds each, cached)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch's inductor
+def test_compiled_kernels_match_the_reference_path():
+    """ModelConfig.kernels={"*": "compiled"}: every op with a compiled CPU backend (norms,
+    add+norm, rotary, SwiGLU, unpermute) uses it, the rest keep the reference; the loss and
+    every gradient match the reference model to float32 tolerance. A shrunk tiny model (one
+    MoE layer plus a dense one with a shared expert) keeps the compile count small."""
+    import kernels
+
+    base = dataclasses.replace(
+        ModelConfig.preset("tiny"), n_layers=2, n_dense_layers=1, vocab_size=256,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=64, shared_expert=True))
+    compiled_config = dataclasses.replace(base, kernels={"*": "compiled"})
+    torch.manual_seed(0)
+    reference_model = MoEDecoder(base)
+    compiled_model = MoEDecoder(compiled_config)
+    compiled_model.load_state_dict(reference_model.state_dict())
+    for op in ("rms_norm", "add_rms_norm", "rotary", "swiglu", "moe_unpermute"):
+        assert kernels.backend_of(op, "cpu", compiled_config.kernel_backend(op)) == "compiled"
+
+    lengths = [40, 24]
+    ids = torch.randint(0, base.vocab_size, (sum(lengths),))
+    labels = torch.randint(0, base.vocab_size, (sum(lengths),))
+    embeds = reference_model.embed_tokens(ids).detach()
+    want_loss, want, want_load = _loss_and_grads(reference_model, embeds, labels, lengths)
+    got_loss, got, got_load = _loss_and_grads(compiled_model, embeds, labels, lengths)
+    assert torch.equal(got_load, want_load)  # same routing
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-5)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-4, msg=k)

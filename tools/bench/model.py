@@ -17,12 +17,23 @@ implementation; ours: the kernel registry's CPU choice). Two batches:
   headline for mixed data is the padded ratio; the bucketed one bounds what packing alone buys.
 Steps alternate between the models after the warm-up, so drift hits both equally, and the
 median step time is reported (robust to other processes on a shared machine).
+
+Our kernels. `--ours default,compiled` measures our model once per kernel choice in the same
+alternation: `default` is the registry's automatic CPU choice (torch references), `compiled`
+is `ModelConfig(kernels={"*": "compiled"})`, the torch.compile'd CPU backends of
+kernels/compiled.py for the ops that have one (rms_norm, add_rms_norm, rotary, swiglu,
+moe_unpermute; README, Kernels); HF stays eager (it has no such switch). `ratio` is the first
+variant's, `ratio_<variant>` each one's. `--compile-blocks` instead wraps every decoder layer
+of both models in `torch.compile` (same treatment both sides; compile time is not timed).
+
+    .venv/bin/python tools/bench/model.py --ours default,compiled --out docs/bench/model.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -115,20 +126,37 @@ def batches(lengths: list[int], vocab: int, seed: int = 0):
     return ours, theirs
 
 
+OUR_KERNELS = {"default": None, "compiled": {"*": "compiled"}}
+
+
+def compile_blocks(layers: torch.nn.ModuleList) -> None:
+    """Wrap every decoder layer in torch.compile (graph breaks allowed: our attention and
+    expert loop read cu_seqlens / expert counts on the host)."""
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer)
+
+
 def measure(preset: str, kind: str, args, dtype: torch.dtype) -> dict:
-    config = ModelConfig.preset(preset)
-    torch.manual_seed(0)
-    ours = MoEDecoder(config).to(dtype)
+    variants = args.ours.split(",")
+    ours = {}
+    for variant in variants:
+        config = ModelConfig.preset(preset, kernels=OUR_KERNELS[variant])
+        torch.manual_seed(0)
+        ours[variant] = MoEDecoder(config).to(dtype)
     theirs = hf_model(config, dtype)
-    n_ours = sum(p.numel() for p in ours.parameters())
+    if args.compile_blocks:
+        for model in ours.values():
+            compile_blocks(model.layers)
+        compile_blocks(theirs.model.layers)
+    n_ours = sum(p.numel() for p in ours[variants[0]].parameters())
     n_hf = sum(p.numel() for p in theirs.parameters())
     if n_ours != n_hf:
         print(f"warning: {preset}: {n_ours:,} parameters here vs {n_hf:,} in HF's build",
               file=sys.stderr)
     lengths = lengths_for(kind, args.tokens, args.n_seqs)
     our_batch, hf_batch = batches(lengths, config.vocab_size)
-    runs = {"ours": lambda: our_step(ours, *our_batch),
-            "hf": lambda: hf_step(theirs, *hf_batch)}
+    runs = {f"ours_{v}": (lambda m=m: our_step(m, *our_batch)) for v, m in ours.items()}
+    runs["hf"] = lambda: hf_step(theirs, *hf_batch)
     if kind != "equal":
         buckets = buckets_of(lengths, hf_batch[0])
         runs["hf_bucketed"] = lambda: hf_bucketed_step(theirs, buckets)
@@ -144,18 +172,34 @@ def measure(preset: str, kind: str, args, dtype: torch.dtype) -> dict:
     # the median step: robust to other processes stealing the (shared, 2-core) CPU
     seconds = {name: statistics.median(times) for name, times in step_times.items()}
     tokens = sum(lengths)
+    first = f"ours_{variants[0]}"
     result = {"preset": preset, "batch": kind, "lengths": lengths, "dtype": str(dtype),
               "params_ours": n_ours, "params_hf": n_hf,
               "hf_experts_implementation": theirs.config._experts_implementation,
+              "compile_blocks": args.compile_blocks,
+              "step_seconds_all": step_times,
               **{f"{name}_tokens_per_s": tokens / t for name, t in seconds.items()},
-              "ratio": seconds["hf"] / seconds["ours"]}
-    line = (f"{preset:6s} {kind:6s} {str(dtype)[6:]:8s} ours {tokens / seconds['ours']:8.0f} "
-            f"tok/s   HF Qwen3-MoE {'padded ' if kind != 'equal' else ''}"
-            f"{tokens / seconds['hf']:8.0f} tok/s   ratio {result['ratio']:.2f}")
+              "ours_tokens_per_s": tokens / seconds[first],
+              "ratio": seconds["hf"] / seconds[first]}
+    for v in variants:
+        result[f"ratio_{v}"] = seconds["hf"] / seconds[f"ours_{v}"]
+        # per alternation round (same load for both): the median of hf/ours step ratios
+        result[f"ratio_paired_{v}"] = statistics.median(
+            h / o for h, o in zip(step_times["hf"], step_times[f"ours_{v}"]))
+        if "hf_bucketed" in seconds:
+            result[f"ratio_bucketed_{v}"] = seconds["hf_bucketed"] / seconds[f"ours_{v}"]
     if "hf_bucketed" in seconds:
-        result["ratio_bucketed"] = seconds["hf_bucketed"] / seconds["ours"]
-        line += (f"   | HF bucketed {tokens / seconds['hf_bucketed']:8.0f} tok/s   ratio "
-                 f"{result['ratio_bucketed']:.2f}")
+        result["ratio_bucketed"] = seconds["hf_bucketed"] / seconds[first]
+    line = (f"{preset:6s} {kind:6s} {str(dtype)[6:]:8s}"
+            f"{'  blocks compiled' if args.compile_blocks else ''}   HF Qwen3-MoE "
+            f"{'padded ' if kind != 'equal' else ''}{tokens / seconds['hf']:7.0f} tok/s"
+            + (f", bucketed {tokens / seconds['hf_bucketed']:7.0f} tok/s"
+               if "hf_bucketed" in seconds else ""))
+    for v in variants:
+        line += (f"\n    ours ({v:8s}) {tokens / seconds[f'ours_{v}']:7.0f} tok/s   ratio "
+                 f"{result[f'ratio_{v}']:.2f} (paired median {result[f'ratio_paired_{v}']:.2f})")
+        if "hf_bucketed" in seconds:
+            line += f"   vs bucketed {result[f'ratio_bucketed_{v}']:.2f}"
     print(line, flush=True)
     return result
 
@@ -170,8 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ours", default="default",
+                   help=f"our kernel choices, comma-separated ({', '.join(OUR_KERNELS)})")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="torch.compile every decoder layer, ours and HF's")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    unknown = set(args.ours.split(",")) - set(OUR_KERNELS)
+    if unknown:
+        p.error(f"--ours: unknown {sorted(unknown)} (known: {', '.join(OUR_KERNELS)})")
     try:
         import transformers
     except ImportError:
@@ -191,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "transformers": transformers.__version__,
             "machine": platform.processor() or platform.machine(), "threads": args.threads,
             "tokens_per_step": args.tokens, "warmup": args.warmup, "iters": args.iters,
+            "command": "tools/bench/model.py " + " ".join(sys.argv[1:] if argv is None
+                                                          else argv),
+            "load_average_after": list(os.getloadavg()),
             "results": results}, indent=2) + "\n")
     return 0
 

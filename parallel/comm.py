@@ -1,0 +1,86 @@
+"""Autograd-aware collectives: the only place in parallel/ that moves tensors between ranks.
+
+The `apply_*` logic (expert.py, sequence.py, reshard.py) calls these and never touches
+`torch.distributed` collectives itself (picotron's split of logic and communication).
+
+Every all-to-all goes through `all_to_all_single` (gloo has no list form of all-to-all).
+Its backward is the reverse all-to-all of the gradients: rows rank i sent to rank j come back
+from j as the gradient of those rows. A backward collective runs only when autograd reaches
+the op, so every rank must put the op's output into its loss (a `0 * out.sum()` term where a
+rank's output is otherwise unused or empty), or the ranks that do reach it wait forever.
+
+`group` is a process group or a 1-D DeviceMesh; None means the default (world) group.
+
+Shape suffixes: N rows sent, M rows received, R ranks of the group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+Group = dist.ProcessGroup | DeviceMesh | None
+
+
+def process_group(group: Group) -> dist.ProcessGroup:
+    """The process group of `group` (a 1-D DeviceMesh's only group, or the world's)."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"expected a 1-D DeviceMesh, got dims {group.mesh_dim_names}")
+        return group.get_group()
+    return group if group is not None else dist.group.WORLD
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(process_group(group))
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(process_group(group))
+
+
+def _exchange(x_N: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+              pg: dist.ProcessGroup) -> torch.Tensor:
+    rows = sum(out_splits) if out_splits is not None else x_N.shape[0]
+    out_M = x_N.new_empty((rows, *x_N.shape[1:]))
+    dist.all_to_all_single(out_M, x_N.contiguous(), output_split_sizes=out_splits,
+                           input_split_sizes=in_splits, group=pg)
+    return out_M
+
+
+class _AllToAllSingle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_N, out_splits, in_splits, pg):
+        ctx.splits, ctx.pg = (out_splits, in_splits), pg
+        return _exchange(x_N, out_splits, in_splits, pg)
+
+    @staticmethod
+    def backward(ctx, grad_M):
+        out_splits, in_splits = ctx.splits
+        # The reverse exchange: what we received goes back to where it came from.
+        return _exchange(grad_M, in_splits, out_splits, ctx.pg), None, None, None
+
+
+def all_to_all_single(x_N: torch.Tensor, out_splits: list[int] | None = None,
+                      in_splits: list[int] | None = None, group: Group = None) -> torch.Tensor:
+    """Differentiable `dist.all_to_all_single` along dim 0.
+
+    `in_splits[j]` rows of `x_N` (in order) go to rank j of the group; `out_splits[j]` rows
+    come from rank j. None splits mean equal parts (the row count divisible by the group
+    size). Backward sends each received row's gradient back to the rank it came from."""
+    pg = process_group(group)
+    if (out_splits is None) != (in_splits is None):
+        raise ValueError("all_to_all_single: give both split lists or neither")
+    if in_splits is not None:
+        in_splits, out_splits = [int(n) for n in in_splits], [int(n) for n in out_splits]
+        if sum(in_splits) != x_N.shape[0]:
+            raise ValueError(f"all_to_all_single: input splits sum to {sum(in_splits)}, "
+                             f"input has {x_N.shape[0]} rows")
+    return _AllToAllSingle.apply(x_N, out_splits, in_splits, pg)
+
+
+def exchange_counts(counts_R: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """`counts_R[j]` (ints, here) sent to rank j; returns what each rank sent here, [R].
+    Not differentiable: split sizes. A `[R, C]` tensor exchanges C counts per rank pair."""
+    return _exchange(counts_R, None, None, process_group(group))

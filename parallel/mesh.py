@@ -1,0 +1,162 @@
+"""Named device meshes: the backbone's axes, the experts' view of them, and the encoders' own.
+
+`ParallelDims` is the one place that knows how the world is split (torchtitan's rule): code
+asks a mesh for a group by name (`mesh["tp"]`, `mesh["dp_shard_sp"]`) and never assumes a 1-D
+world. Nothing here is global: every mesh is built on demand and passed explicitly.
+
+Backbone mesh, outermost to innermost (rank = row-major index, `tp` fastest):
+
+    pp × dp_replicate × dp_shard × sp × tp
+
+plus flattened axes: `dp` (dp_replicate·dp_shard: ranks holding different data), `dp_shard_sp`
+(FSDP's shard group: SP ranks hold different tokens, so their gradients are reduced too) and
+`dp_sp` (where a loss or token count is summed). Every axis exists even at size 1.
+
+Expert parallelism borrows ranks instead of adding them (torchtitan's rule): `ep` must divide
+dp_shard·sp, and the expert mesh splits the same ranks as
+
+    pp × dp_replicate × edp_shard × ep × tp      (edp_shard = dp_shard·sp / ep)
+
+so experts are sharded over `ep` and FSDP-sharded over `edp_shard`, while every other parameter
+is FSDP-sharded over `dp_shard_sp` on the same ranks.
+
+Encoders run in decoupled groups (DESIGN.md): each rank encodes the items its encoder plan
+gives it, whatever its backbone coordinates, so the encoder mesh spans the whole world as
+`encoder_dp_replicate × encoder_dp_shard`, its own FSDP layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+BACKBONE_AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+EXPERT_AXES = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
+ENCODER_AXES = ("encoder_dp_replicate", "encoder_dp_shard")
+
+
+@dataclass
+class ParallelDims:
+    """How `world_size` ranks are split. `dp_shard=-1` / `encoder_dp_shard=-1`: whatever the
+    other axes leave. Raises `ValueError` with one line naming the axis when the split is
+    impossible; `validate_for(config)` adds the checks that need the model's shapes."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    ep: int = 1
+    sp: int = 1
+    tp: int = 1
+    pp: int = 1
+    encoder_dp_shard: int = -1
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "ep", "sp", "tp", "pp", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("dp_shard", "encoder_dp_shard"):
+            if getattr(self, name) == 0 or getattr(self, name) < -1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1, or -1 to "
+                                 f"take the ranks the other axes leave")
+        others = self.dp_replicate * self.sp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ValueError(f"dp_shard=-1: world_size={self.world_size} is not a multiple "
+                                 f"of dp_replicate·sp·tp·pp = {others}")
+            self.dp_shard = self.world_size // others
+        if others * self.dp_shard != self.world_size:
+            raise ValueError(f"dp_replicate·dp_shard·sp·tp·pp = {self.dp_replicate}·"
+                             f"{self.dp_shard}·{self.sp}·{self.tp}·{self.pp} = "
+                             f"{others * self.dp_shard}: must equal world_size={self.world_size}")
+        if (self.dp_shard * self.sp) % self.ep:
+            raise ValueError(f"ep={self.ep}: must divide dp_shard·sp = "
+                             f"{self.dp_shard * self.sp} (experts borrow those ranks)")
+        if self.encoder_dp_shard == -1:
+            self.encoder_dp_shard = self.world_size
+        if self.world_size % self.encoder_dp_shard:
+            raise ValueError(f"encoder_dp_shard={self.encoder_dp_shard}: must divide "
+                             f"world_size={self.world_size}")
+
+    # ---- derived sizes -------------------------------------------------------------------
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data (the global batch is split dp·sp ways by tokens)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp_shard(self) -> int:
+        return self.dp_shard * self.sp // self.ep
+
+    @property
+    def encoder_dp_replicate(self) -> int:
+        return self.world_size // self.encoder_dp_shard
+
+    def validate_for(self, config) -> None:
+        """Checks against a `backbone.config.ModelConfig`: TP splits heads and FFN widths,
+        Ulysses SP splits the heads TP leaves, EP splits experts, PP needs a layer a stage."""
+        c = config
+        if c.n_heads % self.tp or c.n_kv_heads % self.tp:
+            raise ValueError(f"tp={self.tp}: must divide n_heads={c.n_heads} and "
+                             f"n_kv_heads={c.n_kv_heads}")
+        widths = {"ffn_dim": c.ffn_dim} if c.n_dense_layers or c.moe is None else {}
+        if c.moe is not None and c.moe.shared_expert:
+            widths["moe.shared_ffn_dim"] = c.moe.shared_dim
+        for name, width in widths.items():
+            if width % self.tp:
+                raise ValueError(f"tp={self.tp}: must divide {name}={width}")
+        heads, kv_heads = c.n_heads // self.tp, c.n_kv_heads // self.tp
+        if heads % self.sp or kv_heads % self.sp:
+            raise ValueError(f"sp={self.sp}: must divide the heads each tp rank holds "
+                             f"(n_heads/tp={heads}, n_kv_heads/tp={kv_heads})")
+        if self.ep > 1 and c.moe is None:
+            raise ValueError(f"ep={self.ep}: the model has no MoE layers (moe is None)")
+        if c.moe is not None and c.moe.num_experts % self.ep:
+            raise ValueError(f"ep={self.ep}: must divide moe.num_experts={c.moe.num_experts}")
+        if self.pp > c.n_layers:
+            raise ValueError(f"pp={self.pp}: more stages than n_layers={c.n_layers}")
+
+    # ---- meshes --------------------------------------------------------------------------
+
+    def _check_world(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() != self.world_size:
+            raise ValueError(f"world_size={self.world_size}: the process group has "
+                             f"{dist.get_world_size()} ranks")
+
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The backbone mesh (`BACKBONE_AXES`) with flattened `dp`, `dp_shard_sp`, `dp_sp`."""
+        self._check_world()
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard,
+                                              self.sp, self.tp), mesh_dim_names=BACKBONE_AXES)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+        mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")
+        return mesh
+
+    def build_expert_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The same ranks seen by experts (`EXPERT_AXES`): `ep` is the inner part of
+        dp_shard·sp, `edp_shard` the outer part that FSDP shards experts over."""
+        self._check_world()
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.edp_shard,
+                                              self.ep, self.tp), mesh_dim_names=EXPERT_AXES)
+
+    def build_encoder_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The encoders' own mesh over the whole world (`ENCODER_AXES`)."""
+        self._check_world()
+        return init_device_mesh(device_type, (self.encoder_dp_replicate, self.encoder_dp_shard),
+                                mesh_dim_names=ENCODER_AXES)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP's view of a backbone, expert or encoder mesh: 1-D (shard) or, when the replicate
+    axis is > 1, 2-D (replicate, shard) — HSDP, which `fully_shard` reads from a 2-D mesh."""
+    names = mesh.mesh_dim_names or ()
+    if "encoder_dp_shard" in names:
+        pair = ("encoder_dp_replicate", "encoder_dp_shard")
+    elif "edp_shard" in names:
+        pair = ("dp_replicate", "edp_shard")
+    else:
+        pair = ("dp_replicate", "dp_shard_sp")
+    return mesh[pair] if mesh[pair[0]].size() > 1 else mesh[pair[1]]

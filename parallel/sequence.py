@@ -1,0 +1,184 @@
+"""Ulysses sequence parallelism with the long-short split (DeepSpeed-Ulysses; the plan's SP).
+
+The plan splits only the samples too long for one rank: such a sample's tokens are cut into k
+equal slices held by an aligned group of k ranks ([g·k, (g+1)·k) on the SP mesh, slice j on
+the group's j-th rank; `loaders.collate` builds the slices), while every other sample of the
+same micro-batch stays whole on its rank. Everything in the decoder is token-wise except
+attention, so only the attention core changes: for each split sequence, one all-to-all turns
+this rank's [T/k, H, K] rows of q, k and v into [T, H/k, K] (the whole sequence, 1/k of the
+heads), the core attends over the whole sequence, and a second all-to-all brings the outputs
+back to [T/k, H, K]. Whole sequences attend locally with no collective, so a micro-batch
+without split sequences communicates nothing. RoPE needs nothing: the slice's position ids are
+already the sample's global positions (collate), and rotary runs before the exchange.
+
+GQA: the k ranks take contiguous chunks of H/k query heads; when the G key/value heads divide
+by k each rank takes the G/k kv heads its query heads use. Otherwise every kv head is repeated
+to H (one per query head) before the exchange: correct, at the cost of sending H instead of G
+kv heads (H must divide by k).
+
+Process groups: `apply_sp` creates this rank's aligned group once per k = 2, 4, … up to
+`sp_max` (`SPGroups`; k = W reuses the mesh's own group). Nothing is created per step.
+
+The batch's layout reaches the cores through `sp_batch(model, batch)`, a context manager around
+the forward (the cores refuse to run outside it, since a split sequence attended locally would
+be silently wrong). Several split sequences in one micro-batch are exchanged one after the
+other in batch order, which must be the same on every rank of their groups (plan order is).
+
+Shape suffixes: T tokens, H query heads, G kv heads, K head dim, C heads sent per rank chunk,
+S sequences, W ranks of the SP mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from backbone.attention import Attention
+from parallel.comm import Group, all_to_all_single, group_rank, group_size, process_group
+
+
+class SPGroups:
+    """This rank's aligned SP group for each split size k (a power of two ≤ sp_max).
+
+    Only the members of a group create it (`use_local_synchronization`), so the SP mesh may be
+    one slice of a larger mesh whose other slices build their own groups. Such groups are named
+    by their ranks: build one `SPGroups` per mesh per process and share it (`apply_sp`'s
+    `groups`) rather than creating the same rank set twice."""
+
+    def __init__(self, sp_mesh: Group, sp_max: int | None = None):
+        pg = process_group(sp_mesh)
+        W, self.position = group_size(pg), group_rank(pg)
+        ranks = dist.get_process_group_ranks(pg)
+        sp_max = W if sp_max is None else sp_max
+        if sp_max < 1 or sp_max & (sp_max - 1) or W % sp_max:
+            raise ValueError(f"sp_max={sp_max}: must be a power of two dividing the SP mesh "
+                             f"size {W}")
+        self.groups: dict[int, dist.ProcessGroup] = {}
+        k = 2
+        while k <= sp_max:
+            first = self.position // k * k
+            self.groups[k] = pg if k == W else dist.new_group(
+                ranks[first:first + k], use_local_synchronization=True)
+            k *= 2
+
+    def group(self, k: int, index: int) -> dist.ProcessGroup:
+        if k not in self.groups:
+            raise ValueError(f"a sequence split over {k} ranks, but the SP groups go up to "
+                             f"{max(self.groups, default=1)} (apply_sp's sp_max)")
+        if self.position % k != index:
+            raise ValueError(f"SP slice {index} of {k} on SP-mesh rank {self.position}: "
+                             f"slices must sit on aligned groups, slice j on rank g·k + j")
+        return self.groups[k]
+
+
+@dataclass
+class SPLayout:
+    """One micro-batch seen by the cores: its whole sequences (gathered for one local call)
+    and its split ones (row range, group)."""
+
+    local_T: torch.Tensor  # int64: rows of whole sequences
+    local_cu_S1: torch.Tensor  # int32: their boundaries within local_T
+    local_max: int
+    split: list[tuple[int, int, int, dist.ProcessGroup]]  # (start, end, k, group)
+
+    @classmethod
+    def of(cls, batch, groups: SPGroups) -> "SPLayout":
+        bounds = batch.cu_seqlens_S1.tolist()
+        local, cu, split = [], [0], []
+        for s, (k, index) in enumerate(zip(batch.seq_sp_size_S.tolist(),
+                                           batch.seq_sp_index_S.tolist())):
+            a, b = bounds[s], bounds[s + 1]
+            if k == 1:
+                local.append(torch.arange(a, b))
+                cu.append(cu[-1] + b - a)
+            else:
+                split.append((a, b, k, groups.group(k, index)))
+        local_T = torch.cat(local) if local else torch.zeros(0, dtype=torch.int64)
+        return cls(local_T, torch.tensor(cu, dtype=torch.int32),
+                   max((y - x for x, y in zip(cu, cu[1:])), default=0), split)
+
+
+class UlyssesCore:
+    """Wraps an attention core (`backbone.attention.VarlenCore`): whole sequences go to it
+    directly, split ones through the Ulysses exchange (module docstring)."""
+
+    def __init__(self, inner, n_heads: int, n_kv_heads: int, groups: SPGroups):
+        self.inner, self.n_heads, self.n_kv_heads = inner, n_heads, n_kv_heads
+        self.groups = groups
+        self.layout: SPLayout | None = None
+
+    def __call__(self, q_THK, k_TGK, v_TGK, cu_seqlens_S1, max_seqlen):
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("sequence-parallel attention ran outside "
+                               "parallel.sequence.sp_batch(model, batch)")
+        if not layout.split:
+            return self.inner(q_THK, k_TGK, v_TGK, cu_seqlens_S1, max_seqlen)
+        o_THK = q_THK.new_zeros(q_THK.shape)
+        if layout.local_T.numel():
+            idx_T = layout.local_T.to(q_THK.device)
+            o_local = self.inner(q_THK[idx_T], k_TGK[idx_T], v_TGK[idx_T],
+                                 layout.local_cu_S1.to(q_THK.device), layout.local_max)
+            o_THK = o_THK.index_copy(0, idx_T, o_local)
+        for a, b, k, group in layout.split:
+            o_seq = self._ulysses(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], k, group)
+            o_THK = o_THK.index_copy(0, torch.arange(a, b, device=q_THK.device), o_seq)
+        return o_THK
+
+    def _ulysses(self, q_THK, k_TGK, v_TGK, k: int, group) -> torch.Tensor:
+        T, H, K = q_THK.shape
+        if H % k:
+            raise ValueError(f"n_heads={H}: must be divisible by the SP group size {k}")
+        if self.n_kv_heads % k:  # replicate kv heads: one per query head
+            k_TGK = k_TGK.repeat_interleave(H // self.n_kv_heads, dim=1)
+            v_TGK = v_TGK.repeat_interleave(H // self.n_kv_heads, dim=1)
+        G = k_TGK.shape[1]
+        # [T, k, C, K] with chunk i = (query heads, kv heads, kv heads) for rank i; rank-major
+        # rows so that chunk i of every rank lands on rank i, in slice (= sequence) order.
+        chunks = [t.reshape(T, k, t.shape[1] // k, K) for t in (q_THK, k_TGK, v_TGK)]
+        send = torch.cat(chunks, dim=2).transpose(0, 1).reshape(k * T, -1, K)
+        recv = all_to_all_single(send, group=group)
+        q, kk, v = recv.split([H // k, G // k, G // k], dim=1)
+        cu_S1 = torch.tensor([0, k * T], dtype=torch.int32, device=q.device)
+        o_seq = self.inner(q.contiguous(), kk.contiguous(), v.contiguous(), cu_S1, k * T)
+        back = all_to_all_single(o_seq.contiguous(), group=group)  # [k (head chunk), T, H/k, K]
+        return back.view(k, T, H // k, K).transpose(0, 1).reshape(T, H, K)
+
+
+def apply_sp(model: nn.Module, sp_mesh: Group, sp_max: int | None = None,
+             groups: SPGroups | None = None) -> nn.Module:
+    """Wrap every attention core of `model` in place for Ulysses over the aligned groups of
+    `sp_mesh` (1-D mesh or process group; split sizes up to `sp_max`, default its size;
+    `groups` reuses the groups an earlier call built for the same mesh). Run each forward
+    inside `sp_batch(model, batch)`. A no-op on a 1-rank mesh."""
+    if group_size(sp_mesh) == 1:
+        return model
+    groups = groups if groups is not None else SPGroups(sp_mesh, sp_max)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if isinstance(module.core, UlyssesCore):
+                raise ValueError("apply_sp: the model's attention is already sequence-parallel")
+            module.core = UlyssesCore(module.core, module.n_heads, module.n_kv_heads, groups)
+    return model
+
+
+@contextlib.contextmanager
+def sp_batch(model: nn.Module, batch):
+    """Within the block, the model's Ulysses cores attend per `batch`'s layout (a
+    `loaders.collate.PackedBatch`: `cu_seqlens_S1`, `seq_sp_size_S`, `seq_sp_index_S`).
+    Backward needs no layout (the exchanges keep their groups) and may run after the block.
+    A no-op for a model without `apply_sp`."""
+    cores = [m.core for m in model.modules()
+             if isinstance(m, Attention) and isinstance(m.core, UlyssesCore)]
+    layout = SPLayout.of(batch, cores[0].groups) if cores else None
+    for core in cores:
+        core.layout = layout
+    try:
+        yield
+    finally:
+        for core in cores:
+            core.layout = None

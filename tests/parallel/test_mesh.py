@@ -1,0 +1,85 @@
+"""ParallelDims: inferred sizes, impossible layouts refused with one line naming the axis, model
+checks, and (on 4 real ranks) the named backbone, expert and encoder meshes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from dist_models import CONFIG
+from multiproc import run_ranks
+
+from parallel.mesh import ParallelDims
+
+
+def test_dp_shard_takes_the_ranks_the_other_axes_leave():
+    dims = ParallelDims(tp=2, world_size=8)
+    assert (dims.dp_shard, dims.dp, dims.encoder_dp_shard, dims.encoder_dp_replicate) == \
+        (4, 4, 8, 1)
+    hsdp = ParallelDims(dp_replicate=2, sp=2, ep=4, world_size=8)
+    assert (hsdp.dp_shard, hsdp.edp_shard, hsdp.dp) == (2, 1, 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dp_shard=2, tp=2, world_size=8),
+     r"dp_replicate·dp_shard·sp·tp·pp = 1·2·1·2·1 = 4: must equal world_size=8"),
+    (dict(tp=3, world_size=8), r"dp_shard=-1: world_size=8 is not a multiple"),
+    (dict(ep=3, world_size=4), r"ep=3: must divide dp_shard·sp = 4"),
+    (dict(tp=0, world_size=4), r"tp=0: must be >= 1"),
+    (dict(dp_shard=0, world_size=4), r"dp_shard=0: must be >= 1, or -1"),
+    (dict(encoder_dp_shard=3, world_size=4), r"encoder_dp_shard=3: must divide world_size=4"),
+])
+def test_impossible_layouts_name_the_axis(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, overrides, message", [
+    (dict(tp=8, world_size=8), {}, r"tp=8: must divide n_heads=4 and n_kv_heads=2"),
+    (dict(tp=2, sp=2, world_size=4), {}, r"sp=2: must divide the heads each tp rank holds"),
+    (dict(ep=8, world_size=8), {}, r"ep=8: must divide moe.num_experts=4"),
+    (dict(ep=2, world_size=2), {"moe": None}, r"ep=2: the model has no MoE layers"),
+    (dict(pp=4, world_size=4), {}, r"pp=4: more stages than n_layers=2"),
+    (dict(tp=2, world_size=2), {"ffn_dim": 127}, r"tp=2: must divide ffn_dim=127"),
+])
+def test_validate_for_model_shapes(kwargs, overrides, message):
+    config = dataclasses.replace(CONFIG, **overrides)
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs).validate_for(config)
+
+
+def test_a_fitting_layout_validates():
+    ParallelDims(tp=2, ep=2, world_size=4).validate_for(CONFIG)
+
+
+def _meshes(rank, world):
+    from parallel.mesh import fsdp_mesh
+
+    dims = ParallelDims(dp_shard=2, tp=2, ep=2, world_size=world)
+    mesh, experts = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
+    encoder = dims.build_encoder_mesh("cpu")
+    return {"names": mesh.mesh_dim_names,
+            "groups": {n: mesh[n].mesh.flatten().tolist()
+                       for n in ("tp", "dp_shard", "dp", "dp_shard_sp", "dp_sp")},
+            "ep": experts["ep"].mesh.flatten().tolist(),
+            "edp_shard": experts["edp_shard"].mesh.flatten().tolist(),
+            "encoder": fsdp_mesh(encoder).mesh.flatten().tolist(),
+            "fsdp": fsdp_mesh(mesh).mesh.flatten().tolist(),
+            "hsdp": fsdp_mesh(ParallelDims(dp_replicate=2, world_size=world)
+                              .build_mesh("cpu")).mesh.tolist()}
+
+
+def test_named_meshes_on_four_ranks():
+    out = run_ranks(_meshes, 4)
+    assert out[0]["names"] == ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+    # rank = dp_shard·2 + tp: tp pairs are adjacent ranks, data-parallel groups stride 2.
+    assert [o["groups"]["tp"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [o["groups"]["dp"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(o["groups"]["dp_shard_sp"] == o["fsdp"] == o["groups"]["dp"] for o in out)
+    # experts borrow the data-parallel ranks: ep=2 is all of dp_shard·sp here.
+    assert [o["ep"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [o["edp_shard"] for o in out] == [[0], [1], [2], [3]]
+    # the encoders shard over the whole world, whatever the backbone does.
+    assert all(o["encoder"] == [0, 1, 2, 3] for o in out)
+    # HSDP: FSDP gets a 2-D (replicate, shard) mesh.
+    assert all(o["hsdp"] == [[0, 1], [2, 3]] for o in out)

@@ -1,0 +1,135 @@
+"""Encoder→LLM reshard on real gloo processes, from plan tables the data plane builds
+(`dataplane.plan_table.rank_tables`): forward then backward equal a single-process run that
+encodes every item where it is consumed — with uneven item sizes, a rank that encodes nothing,
+a rank that consumes nothing, and (4 ranks) an SP-split sample whose items reach both slices."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from multiproc import run_ranks
+
+D = 4
+# world -> (samples: (images, videos, audios) per sample; LLM placement rows: (sample, rank,
+# sp_size, sp_index); encode rank of each item in sample/item order)
+CASES = {
+    2: ([(2, 0, 1), (0, 1, 0), (0, 0, 0)], [(0, 0, 1, 0), (1, 0, 1, 0), (2, 1, 1, 0)],
+        [1, 1, 1, 1]),  # rank 0 encodes nothing, rank 1 consumes nothing
+    4: ([(1, 0, 1), (2, 0, 0), (0, 1, 0), (0, 0, 0)],
+        [(0, 0, 2, 0), (0, 1, 2, 1), (1, 2, 1, 0), (2, 0, 1, 0), (3, 3, 1, 0)],
+        [3, 1, 3, 0, 0]),  # rank 2 encodes nothing, rank 3 consumes nothing
+}
+
+
+def _tables(world):
+    from balancer.types import StepPlan
+    from dataplane.plan_table import rank_tables
+    from dataplane.refs import SampleRef
+
+    samples, rows, encode = CASES[world]
+    refs = [SampleRef(0, "src", "shard", f"k{i}", 0, 1, image_patches=(4,) * im,
+                      video_patches=(8,) * vi, audio_frames=(16,) * au)
+            for i, (im, vi, au) in enumerate(samples)]
+    count_N = np.array([sum(s) for s in samples])
+    first_N = np.cumsum(count_N) - count_N
+    first_rank = {s: r for s, r, _, j in rows if j == 0}
+    item_sample = np.repeat(np.arange(len(samples)), count_N)
+    sample_P, rank_P, size_P, index_P = (np.array(c) for c in zip(*rows))
+    plan = StepPlan(
+        step=0, sample_P=sample_P, rank_P=rank_P.astype(np.int32),
+        micro_batch_P=np.zeros(len(rows), np.int32), sp_size_P=size_P.astype(np.int32),
+        sp_index_P=index_P.astype(np.int32), num_micro_batches=1,
+        mb_cost_RB=np.zeros((world, 1)), mb_tokens_RB=np.zeros((world, 1), np.int64),
+        lower_bound=0.0, item_M=np.arange(int(count_N.sum())), item_sample_M=item_sample,
+        encode_rank_M=np.array(encode, np.int32),
+        consume_rank_M=np.array([first_rank[s] for s in item_sample], np.int32), reshard=True)
+    return rank_tables(plan, refs, first_N, step=0, dp=world)
+
+
+def _seed(item, extra=0):
+    return zlib.crc32(repr(item).encode()) + extra
+
+
+def _input(item):
+    rows = 1 + _seed(item) % 4  # uneven item sizes
+    return torch.randn(rows, D, generator=torch.Generator().manual_seed(_seed(item)),
+                       dtype=torch.float64)
+
+
+def _weight(item, rank, rows):
+    g = torch.Generator().manual_seed(_seed(item, 1000 * (rank + 1)))
+    return torch.randn(rows, D, generator=g, dtype=torch.float64)
+
+
+def _encoder():
+    return torch.randn(D, D, generator=torch.Generator().manual_seed(1),
+                       dtype=torch.float64).requires_grad_()
+
+
+def _rank(rank, world):
+    from parallel.reshard import reshard, reshard_plan
+
+    plan = reshard_plan(_tables(world), rank)
+    W = _encoder()
+    inputs = {item: _input(item).requires_grad_() for item in plan.send_items}
+    embeddings = {item: torch.tanh(x @ W) for item, x in inputs.items()}
+    out = reshard(embeddings, plan, dim=D, dtype=torch.float64)
+    loss = out.zero
+    for item in plan.recv_items:
+        block = out.items[item]
+        loss = loss + (block * _weight(item, rank, block.shape[0])).sum()
+    loss.backward()
+    W_grad = W.grad if W.grad is not None else torch.zeros(D, D, dtype=torch.float64)
+    return ({i: t.detach().numpy() for i, t in out.items.items()},
+            {i: x.grad.numpy() for i, x in inputs.items()}, W_grad.numpy(), plan)
+
+
+def _reference(world):
+    """Every item encoded on each rank that consumes it, in one process."""
+    from parallel.reshard import reshard_plan
+
+    W = _encoder()
+    inputs, outs, loss = {}, [], 0.0
+    for rank in range(world):
+        mine = {}
+        for item in reshard_plan(_tables(world), rank).recv_items:
+            x = inputs.setdefault(item, _input(item).requires_grad_())
+            mine[item] = torch.tanh(x @ W)
+            loss = loss + (mine[item] * _weight(item, rank, x.shape[0])).sum()
+        outs.append(mine)
+    loss.backward()
+    return outs, {i: x.grad for i, x in inputs.items()}, W.grad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reshard_forward_and_backward_are_exact(world):
+    results = run_ranks(_rank, world)
+    want_out, want_grad, want_W = _reference(world)
+    plans = [plan for *_, plan in results]
+    if world == 2:
+        assert plans[0].send_items == [] and plans[1].recv_items == []
+    else:
+        assert plans[2].send_items == [] and plans[3].recv_items == []
+        split = {i for i in plans[0].recv_items if i[2] == "k0"}
+        assert len(split) == 2 and split <= set(plans[1].recv_items)  # both SP slices
+    for rank, (out, grads, _, _) in enumerate(results):
+        assert out.keys() == want_out[rank].keys()
+        for item, block in out.items():
+            assert torch.equal(torch.from_numpy(block), want_out[rank][item].detach())
+        for item, grad in grads.items():
+            torch.testing.assert_close(torch.from_numpy(grad), want_grad[item],
+                                       rtol=1e-12, atol=1e-12)
+    sent = [i for g in (r[1] for r in results) for i in g]
+    assert sorted(sent) == sorted(want_grad)  # every consumed item encoded exactly once
+    torch.testing.assert_close(sum(torch.from_numpy(r[2]) for r in results), want_W)
+
+
+def test_plan_rejects_encode_rows_that_disagree():
+    from parallel.reshard import reshard_plan
+
+    tables = _tables(2)
+    with pytest.raises(ValueError, match="plan of rank 0: its encode rows disagree"):
+        reshard_plan([tables[1], tables[0]], 0)  # rank 0 reading rank 1's encode rows
