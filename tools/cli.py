@@ -59,6 +59,14 @@ def _balance_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from tools.train.launch import train
+
+    train(args.config, nproc=args.nproc, resume=args.resume, sets=args.set or [],
+          progress=not args.no_progress)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniscale", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -129,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plan-out", metavar="FILE.parquet",
                      help="write our plan: one row per placement")
     sim.set_defaults(func=_balance_simulate)
+    train = commands.add_parser(
+        "train", help="train a model: embedded plane, loaders, FSDP ranks, checkpoints, eval")
+    train.add_argument("config", nargs="?", metavar="CONFIG.yaml",
+                       help="run config (optional with --resume: the run's own config.yaml)")
+    train.add_argument("--nproc", type=int, default=1,
+                       help="processes on this machine (1: in this process)")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue RUN_DIR from its latest checkpoint")
+    train.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a config key (dotted, YAML value); repeatable")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=_train)
+
     from tools.plane_cli import add_commands as add_plane_commands
 
     add_plane_commands(commands)

@@ -1,0 +1,85 @@
+"""``omniscale train`` on the tiny demo, one process: config errors, a short run, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dataplane.errors import UserError
+from tools.cli import main
+from tools.train.config import load_config
+from tools.train.launch import train
+from tools.train.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from loaders.index import index_paths
+    from tools.demo import generate
+
+    root = tmp_path_factory.mktemp("train") / "demo"
+    generate(root, scale="tiny", progress=False)
+    index_paths([root / "mix.yaml", root / "eval.yaml"], progress=False)
+    return root
+
+
+def _sets(demo, out, **kw) -> list[str]:
+    base = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
+            "data.workers": 0, "data.global_batch_tokens": 4096,
+            "data.micro_batch_tokens": 4096, "optim.warmup_steps": 1,
+            "optim.decay_steps": 4, "eval.enabled": False, "output_dir": out}
+    return [f"{k}={v}" for k, v in {**base, **kw}.items()]
+
+
+@pytest.mark.parametrize("sets, want", [
+    (["optim.lrr=1"], "config: optim.lrr: unknown key"),
+    (["optim.lr=-1"], "config: optim.lr: Input should be greater than 0, got -1"),
+    (["steps=abc"], "config: steps: Input should be a valid integer"),
+    (["optim"], "--set 'optim': expected KEY=VALUE"),
+    (["steps.x=1"], "config: steps: Input should be a valid integer, got {'x': 1}"),
+])
+def test_bad_config_is_one_line(sets, want):
+    with pytest.raises(UserError) as e:
+        load_config(None, sets)
+    assert str(e.value).startswith(want) and "\n" not in str(e.value)
+
+
+def test_cli_bad_key_exit_2(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("steps: 3\nmodel:\n  presett: tiny\n")
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"omniscale: error: {cfg}: model.presett: unknown key"
+
+
+def test_demo_config_is_valid():
+    cfg, _ = load_config("configs/demo_omni.yaml")
+    assert cfg.task == "omni" and cfg.steps > 0
+
+
+def test_run_then_resume_matches_uninterrupted(demo, tmp_path):
+    full = tmp_path / "full"
+    train("configs/demo_omni.yaml", sets=_sets(demo, full, steps=4, checkpoint_every=2), progress=False)
+    rows = read_metrics(full / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    for step in (2, 4):
+        meta = json.loads((full / "checkpoints" / f"step-{step:06d}" / "meta.json").read_text())
+        assert meta["step"] == step and meta["plane_snapshot"]
+    assert any(p.is_file() for p in (full / "plane").rglob("*"))  # the plane's state + log
+
+    part = tmp_path / "part"
+    train("configs/demo_omni.yaml", sets=_sets(demo, part, steps=2, checkpoint_every=2), progress=False)
+    result = train(None, resume=str(part), sets=["steps=4"], progress=False)
+    assert result["start_step"] == 2
+    resumed = read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows]
+
+
+def test_multiprocess_refused_with_one_line(demo, tmp_path):
+    with pytest.raises(UserError, match="--nproc 2: multi-process training is not working"):
+        train("configs/demo_omni.yaml", nproc=2, sets=_sets(demo, tmp_path / "x", steps=1), progress=False)

@@ -1,0 +1,80 @@
+"""What a rank builds from the run config: the model, the optimizer, the learning-rate curve.
+
+The model is built identically on every rank (same seed, before any sharding), so FSDP starts
+from the same weights everywhere; its media geometry is checked against the spec's ``media:``
+section and its vocabulary is sized to the spec's tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from backbone.config import ModelConfig
+from backbone.omni import OmniModel
+from dataplane.errors import UserError
+from encoders.audio import AudioConfig
+from encoders.vision import VisionConfig
+from loaders.decode_text import load_tokenizer
+from loaders.geometry import MediaGeometry
+from tools.train.config import RunConfig
+
+
+def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> ModelConfig:
+    """The ModelConfig of ``cfg.model``: preset + overrides, encoders on the spec's geometry,
+    and a vocabulary that holds every id of the tokenizer (rounded up to 64)."""
+    m = cfg.model
+    try:
+        base = ModelConfig.preset(m.preset)
+        overrides = dict(m.overrides)
+        vocab = load_tokenizer(tokenizer_path).tokenizer.get_vocab_size(with_added_tokens=True)
+        overrides.setdefault("vocab_size", max(base.vocab_size, -(-vocab // 64) * 64))
+        enc = m.encoder_overrides
+        unknown = set(enc) - {"vision", "audio"}
+        if unknown:
+            raise ValueError(f"encoder_overrides: unknown encoder(s) {sorted(unknown)}")
+        if m.vision:
+            vision = VisionConfig.preset(m.vision, patch_size=geometry.patch_size,
+                                         temporal_patch_size=geometry.temporal_patch_size,
+                                         merge_size=geometry.merge_size, **enc.get("vision", {}))
+            vision.check_geometry(geometry)
+            overrides["vision"] = vision
+        if m.audio:
+            audio = AudioConfig.preset(m.audio, n_mels=geometry.n_mels, **enc.get("audio", {}))
+            audio.check_geometry(geometry)
+            overrides["audio"] = audio
+        config = dataclasses.replace(base, **overrides)
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"model: {e}") from None
+    if config.vocab_size < vocab:
+        raise UserError(f"model.overrides.vocab_size={config.vocab_size}: the tokenizer has "
+                        f"{vocab} ids")
+    return config
+
+
+def build_model(config: ModelConfig, seed: int, device: torch.device) -> OmniModel:
+    torch.manual_seed(seed)
+    return OmniModel(config).to(device)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, vectors (norms, biases) do not."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    o = cfg.optim
+    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=o.lr, betas=o.betas, foreach=False)
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warm-up over ``warmup_steps`` to ``lr``, then cosine to ``min_lr`` at
+    ``decay_steps``, flat after. A pure function of the step: nothing to checkpoint."""
+    o, total = cfg.optim, cfg.decay_steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    span = max(total - o.warmup_steps, 1)
+    t = min((step - o.warmup_steps) / span, 1.0)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * t))

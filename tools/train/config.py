@@ -1,0 +1,138 @@
+"""The run config of ``omniscale train``: one YAML file, validated, plus ``--set`` overrides.
+
+Every mistake is one line naming the file and the dotted key (``run.yaml: optim.lr: Input
+should be greater than 0``), raised as :class:`dataplane.errors.UserError`. ``--set`` takes
+``dotted.key=value`` with the value parsed as YAML (``--set optim.lr=3e-4 --set
+model.overrides.n_layers=4``); an unknown key is an error there too, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dataplane.errors import UserError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModelSection(_Strict):
+    preset: Literal["tiny", "small", "1b", "30b_a3b"] = "tiny"
+    overrides: dict = Field(default_factory=dict)  # ModelConfig fields (moe: a dict of MoEConfig)
+    vision: str | None = "tiny"  # encoders.vision.VisionConfig preset (None: no vision encoder)
+    audio: str | None = "tiny"  # encoders.audio.AudioConfig preset
+    encoder_overrides: dict = Field(default_factory=dict)  # {"vision": {...}, "audio": {...}}
+
+
+class DataSection(_Strict):
+    spec: str = "demo/mix.yaml"  # relative paths: to the current directory
+    eval_spec: str | None = "demo/eval.yaml"
+    demo: bool = True  # generate + index the demo (tools.demo) when ``spec`` is missing
+    demo_scale: Literal["tiny", "small", "medium"] = "tiny"
+    global_batch_tokens: int = Field(12288, gt=0)
+    micro_batch_tokens: int = Field(8192, gt=0)
+    window: int = Field(4, ge=1)
+    workers: int = Field(1, ge=0)  # decode processes per rank (0: decode in the loader thread)
+    prefetch_steps: int = Field(2, ge=1)
+    policy: Literal["skip", "fail"] = "skip"
+
+
+class OptimSection(_Strict):
+    lr: float = Field(3e-3, gt=0)
+    min_lr: float = Field(3e-4, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    decay_steps: int | None = Field(None, ge=1)  # cosine length (None: train.steps)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _min_below_peak(self):
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        return self
+
+
+class ParallelSection(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dp_shard: int = -1  # FSDP over every process (the only layout of this first cut)
+
+
+class EvalSection(_Strict):
+    enabled: bool = True
+    max_samples: int = Field(32, ge=1)  # per caption source
+
+
+class RunConfig(_Strict):
+    task: Literal["omni"] = "omni"
+    seed: int = 0
+    steps: int = Field(100, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    log_every: int = Field(1, ge=1)
+    output_dir: str = "runs/demo_omni"
+    deterministic: bool = True  # torch.use_deterministic_algorithms: bit-exact resume on CPU
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+
+    @property
+    def decay_steps(self) -> int:
+        return self.optim.decay_steps or self.steps
+
+
+def apply_set(raw: dict, assignment: str) -> None:
+    """Apply one ``dotted.key=value`` (value parsed as YAML) to the raw config dict."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set {assignment!r}: expected KEY=VALUE (e.g. optim.lr=1e-3)")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        raise UserError(f"--set {key}: value {value!r} is not valid YAML") from None
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"--set {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = parsed
+
+
+def _where(error: dict) -> str:
+    return ".".join(str(p) for p in error["loc"]) or "(top level)"
+
+
+def load_config(path: str | Path | None, sets: list[str] = (), name: str | None = None
+                ) -> tuple[RunConfig, dict]:
+    """The validated config and the raw dict it came from (saved into the run directory)."""
+    label = name or (str(path) if path else "config")
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise UserError(f"{label}: cannot read ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"{label}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{label}: expected a mapping of config keys")
+    for assignment in sets:
+        apply_set(raw, assignment)
+    try:
+        return RunConfig.model_validate(raw), raw
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        got = "" if err["type"] == "extra_forbidden" else f", got {err.get('input')!r}"
+        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+        raise UserError(f"{label}: {_where(err)}: {msg}{got}{more}") from None

@@ -1,0 +1,123 @@
+"""Caption accuracy on the held-out split: teacher-forced next-token accuracy on the caption
+tokens (the only labelled positions of a caption sample) of every ``*_caption`` source of the
+eval spec, with two chance levels beside it: uniform (1 / vocabulary) and the majority
+baseline (always predicting the most frequent target token of that source's eval captions).
+
+Runs in the launcher process after training, on one unsharded model loaded from the final
+checkpoint (``parallel.dcp`` loads any layout into any other); each source is read through its
+own one-source plane (``samples`` accounting, ``stop`` at exhaustion), so the same loaders and
+decoders as training produce the batches.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import torch
+import yaml
+
+from backbone.omni import scatter_media
+from dataplane.embedded import start_embedded
+from dataplane.plane import PlaneConfig
+from dataplane.spec import load_spec
+from loaders.pipeline import RankLoader
+from tools.train import checkpoint
+from tools.train.build import build_model, model_config
+from tools.train.config import RunConfig
+
+IGNORE = -100
+
+
+def _one_source_spec(eval_spec: Path, name: str, out: Path) -> Path:
+    raw = yaml.safe_load(eval_spec.read_text())
+    base = eval_spec.parent
+    src = next(s for s in raw["sources"] if s["name"] == name)
+    raw["sources"] = [dict(src, path=str((base / src["path"]).resolve()), weight=1)]
+    raw["tokenizer"] = str((base / raw["tokenizer"]).resolve())
+    raw.pop("schedule", None)
+    raw.update(accounting="samples", on_exhausted="stop")
+    out.write_text(yaml.safe_dump(raw))
+    return out
+
+
+@torch.no_grad()
+def caption_accuracy(model, batches) -> tuple[int, int, Counter]:
+    """(correct, counted, target-token counts) over the micro-batches."""
+    correct = total = 0
+    targets: Counter = Counter()
+    dec = model.decoder
+    for mb in batches:
+        if mb.num_tokens == 0:
+            continue
+        media = model.encode_media(mb)
+        embeds_TD = scatter_media(dec.embed_tokens(mb.input_ids_T), mb.media_token_start_M,
+                                  media.items)
+        hidden_TD, _ = dec(embeds_TD, mb.position_ids_T, mb.cu_seqlens_S1, mb.max_seqlen,
+                           mrope_3T=mb.mrope_3T)
+        mask = mb.labels_T != IGNORE
+        pred = (hidden_TD[mask] @ dec.lm_weight_VD.T).argmax(-1)
+        labels = mb.labels_T[mask]
+        correct += int((pred == labels).sum())
+        total += int(mask.sum())
+        targets.update(labels.tolist())
+    return correct, total, targets
+
+
+def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
+    """Accuracy per caption source of ``cfg.data.eval_spec`` for the run's last checkpoint."""
+    found = checkpoint.latest(run_dir)
+    if found is None:
+        return {}
+    eval_spec = Path(cfg.data.eval_spec)
+    spec = load_spec(eval_spec)
+    mcfg = model_config(cfg, spec.media, spec.tokenizer)
+    model = build_model(mcfg, cfg.seed, torch.device("cpu"))
+    checkpoint.load(found[1], model, None)
+    model.eval()
+    out_dir = run_dir / "eval"
+    out_dir.mkdir(exist_ok=True)
+    results = {}
+    for source in [s.name for s in spec.sources if s.template.endswith("_caption")]:
+        one = load_spec(_one_source_spec(eval_spec, source, out_dir / f"{source}.yaml"))
+        state = out_dir / f"plane-{source}"
+        shutil.rmtree(state, ignore_errors=True)
+        config = PlaneConfig(dp=1, micro_batch_tokens=cfg.data.micro_batch_tokens,
+                             global_batch_samples=8, sp_max=1, window=1)
+        with start_embedded(one.path, state, config) as plane:
+            loader = RankLoader(plane.url, 0, {s.name: s.path for s in one.sources},
+                                one.tokenizer, one.media, num_workers=0)
+            batches, samples = [], 0
+            try:
+                for batch in loader:
+                    batches += batch.micro_batches
+                    samples += batch.num_samples
+                    loader.commit(batch.step)
+                    if samples >= cfg.eval.max_samples:
+                        break
+            finally:
+                loader.close()
+        correct, total, targets = caption_accuracy(model, batches)
+        majority = max(targets.values()) / total if total else 0.0
+        results[source] = {"samples": samples, "tokens": total,
+                           "accuracy": correct / total if total else 0.0,
+                           "chance_uniform": 1.0 / mcfg.vocab_size,
+                           "chance_majority": majority}
+    if verbose:
+        _print(results, found[0])
+    return results
+
+
+def _print(results: dict, step: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"held-out caption accuracy (teacher-forced, checkpoint step {step})")
+    for col in ("source", "samples", "tokens", "accuracy", "chance: majority token",
+                "chance: uniform"):
+        table.add_column(col, justify="left" if col == "source" else "right")
+    for name, r in results.items():
+        table.add_row(name, str(r["samples"]), str(r["tokens"]), f"{r['accuracy']:.3f}",
+                      f"{r['chance_majority']:.3f}", f"{r['chance_uniform']:.5f}")
+    Console().print(table)

@@ -1,0 +1,138 @@
+"""``omniscale train``: resolve the config, make the demo data if needed, run the ranks, evaluate.
+
+``--nproc 1`` trains in this process. ``--nproc N`` spawns N processes with
+``torch.multiprocessing`` (spawn start method) that rendezvous over a gloo/nccl process group
+through a file store in a temporary directory -- the single-machine launch; multi-node runs
+would start the same ``train_rank`` under ``torchrun`` (not wired in this first cut). Rank 0
+starts the embedded plane (dp = N) and broadcasts its URL. A rank's UserError comes back here
+as one line (it is written to ``RUN_DIR/error-rankR.txt`` and the launcher raises it).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from dataplane.errors import UserError
+from tools.train import checkpoint
+from tools.train.config import RunConfig, apply_set, load_config
+from tools.train.loop import RankJob, train_rank
+
+
+def resolve_config(config: str | None, resume: str | None, sets: list[str]
+                   ) -> tuple[RunConfig, Path]:
+    """The run's config and directory. A resumed run reads ``RUN_DIR/config.yaml``, then applies
+    ``--set`` (e.g. ``steps=200`` to train on); a fresh run refuses a directory with checkpoints."""
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").exists():
+            raise UserError(f"--resume {resume}: no config.yaml there (not a run directory)")
+        cfg, _ = load_config(run_dir / "config.yaml", sets)
+        cfg.output_dir = str(run_dir)
+        return cfg, run_dir
+    if config is None:
+        raise UserError("give a CONFIG.yaml (or --resume RUN_DIR)")
+    cfg, _ = load_config(config, sets)
+    run_dir = Path(cfg.output_dir)
+    if checkpoint.latest(run_dir) is not None:
+        raise UserError(f"output_dir {run_dir}: holds checkpoints of an earlier run "
+                        f"(--resume {run_dir} to continue it, or --set output_dir=NEW)")
+    return cfg, run_dir
+
+
+def ensure_data(cfg: RunConfig) -> None:
+    """Absolute spec paths; the demo (generated and indexed) when the spec is missing."""
+    from loaders.index import index_paths
+
+    spec = Path(cfg.data.spec).resolve()
+    if not spec.exists():
+        if not cfg.data.demo:
+            raise UserError(f"data.spec: {cfg.data.spec}: no such file")
+        from tools.demo import generate
+
+        generate(spec.parent, scale=cfg.data.demo_scale, progress=False)
+        if not spec.exists():
+            raise UserError(f"data.spec: {cfg.data.spec}: the demo has no such spec "
+                            f"(it writes mix.yaml and eval.yaml)")
+    cfg.data.spec = str(spec)
+    specs = [spec]
+    if cfg.data.eval_spec:
+        cfg.data.eval_spec = str(Path(cfg.data.eval_spec).resolve())
+        specs.append(Path(cfg.data.eval_spec))
+    # Incremental (only changed shards, or an index of an older version): cheap when current.
+    reports = index_paths(specs, progress=False)
+    bad = [line for r in reports for line in r.errors]
+    if bad:
+        print(f"omniscale train: {len(bad)} corrupt member(s) skipped by the index; first: "
+              f"{bad[0]}")
+
+
+def _allow_multi() -> bool:
+    import os
+
+    return os.environ.get("OMNISCALE_TRAIN_MULTI") == "1"
+
+
+def _spawned(rank: int, world: int, job: RankJob) -> None:
+    try:
+        train_rank(rank, world, job)
+    except UserError as e:
+        Path(job.run_dir, f"error-rank{rank}.txt").write_text(str(e) + "\n")
+        raise SystemExit(2) from None
+
+
+def train(config: str | None, nproc: int = 1, resume: str | None = None,
+          sets: list[str] = (), progress: bool = True) -> dict:
+    """Train (and evaluate); returns ``{"run_dir", "steps", "eval"}``."""
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: must be >= 1")
+    if nproc > 1 and not _allow_multi():
+        # Known hang: under FSDP a rank with no item of a modality ties that encoder to the
+        # loss through MediaEmbeddings.zero (backward reaches it first), a rank with items
+        # through the placeholder scatter (backward reaches it last), so the ranks issue the
+        # encoders' reduce-scatters in different orders and gloo deadlocks.
+        raise UserError(f"--nproc {nproc}: multi-process training is not working yet (FSDP "
+                        "backward order differs between ranks with and without a modality); "
+                        "use --nproc 1 (OMNISCALE_TRAIN_MULTI=1 forces it)")
+    cfg, run_dir = resolve_config(config, resume, list(sets))
+    ensure_data(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
+                                                        sort_keys=False))
+    found = checkpoint.latest(run_dir) if resume is not None else None
+    start = found[0] if found else 0
+    if start >= cfg.steps:
+        raise UserError(f"--resume {run_dir}: already at step {start} of steps={cfg.steps} "
+                        f"(--set steps=N to train on)")
+    for stale in run_dir.glob("error-rank*.txt"):
+        stale.unlink()
+    with tempfile.TemporaryDirectory(prefix="omniscale-pg-") as tmp:
+        job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
+                      str(found[1]) if found else None, f"file://{tmp}/store", progress)
+        if nproc == 1:
+            train_rank(0, 1, job)
+        else:
+            _spawn(job, nproc, run_dir)
+    result = {"run_dir": str(run_dir), "steps": cfg.steps, "start_step": start, "eval": None}
+    if cfg.eval.enabled and cfg.data.eval_spec:
+        from tools.train.evaluate import evaluate_run
+
+        result["eval"] = evaluate_run(cfg, run_dir)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _spawn(job: RankJob, nproc: int, run_dir: Path) -> None:
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(_spawned, args=(nproc, job), nprocs=nproc, join=True,
+                           start_method="spawn")
+    except mp.ProcessExitedException:
+        errors = sorted(run_dir.glob("error-rank*.txt"))
+        if errors:
+            raise UserError(errors[0].read_text().strip()) from None
+        raise

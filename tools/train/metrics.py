@@ -1,0 +1,77 @@
+"""Per-step metrics: one JSON line per step in ``RUN_DIR/metrics.jsonl`` (rank 0), and the
+progress bar. TensorBoard is not installed in this environment, so JSONL is the only sink.
+
+The step-time model: the plan predicts each rank's cost (the balancer's units); the trainer
+measures each rank's compute seconds. ``sec_per_cost`` is fitted online (least squares through
+the origin over the steps so far), so ``predicted_step_s`` for step s uses only steps < s.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class CostFit:
+    """seconds ≈ k · predicted cost, k by least squares over (cost, seconds) pairs so far."""
+
+    def __init__(self) -> None:
+        self.sxy = self.sxx = 0.0
+
+    @property
+    def k(self) -> float | None:
+        return self.sxy / self.sxx if self.sxx > 0 else None
+
+    def update(self, costs: list[float], seconds: list[float]) -> None:
+        for c, s in zip(costs, seconds):
+            self.sxy += c * s
+            self.sxx += c * c
+
+
+class MetricsWriter:
+    """Appends rows; on resume, rows at or after the resumed step are dropped first so the
+    file reads as one run."""
+
+    def __init__(self, path: Path, resume_step: int | None = None) -> None:
+        self.path = path
+        if resume_step is not None and path.exists():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", -1) < resume_step]
+            path.write_text("".join(line + "\n" for line in keep))
+        self.file = path.open("a")
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A rich progress bar with ETA (rank 0), showing the last loss; a no-op elsewhere."""
+
+    def __init__(self, enabled: bool, total: int, start: int) -> None:
+        self.bar = None
+        if not enabled:
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                       TextColumn("eta"), TimeRemainingColumn(), transient=False)
+        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self.bar.start()
+
+    def update(self, info: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
