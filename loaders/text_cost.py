@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dataplane.errors import UserError
-from loaders.layout import EOS, MARKER_OF
 
 TOKENIZER_FILENAME = "tokenizer.json"
 
@@ -26,25 +25,16 @@ class TokenCounter:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TokenCounter":
-        """Load ``tokenizer.json``; a UserError when it is unreadable or lacks the markers.
+        """Load ``tokenizer.json`` (loaders.decode_text.load_tokenizer: the decoders' loader,
+        so index and decoders agree); a UserError when it is unreadable or lacks the markers.
 
         The markers must be single tokens, or the count of non-media tokens would depend on
         how the tokenizer happens to split ``<image>``.
         """
-        from tokenizers import Tokenizer
+        from loaders.decode_text import load_tokenizer
 
-        try:
-            tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:  # noqa: BLE001 -- the tokenizers library raises bare Exceptions
-            raise UserError(f"{path}: not a readable tokenizer ({' '.join(str(e).split())})"
-                            ) from None
-        ids = {}
-        for token in (EOS, *MARKER_OF.values()):
-            ids[token] = tokenizer.token_to_id(token)
-            if ids[token] is None:
-                raise UserError(f"{path}: has no token {token!r} (the tokenizer must define "
-                                "loaders.layout.SPECIAL_TOKENS as special tokens)")
-        return cls(tokenizer, frozenset(ids[m] for m in MARKER_OF.values()))
+        loaded = load_tokenizer(path)
+        return cls(loaded.tokenizer, frozenset(loaded.marker_ids.values()))
 
     def text_tokens(self, text: str) -> int:
         return self.text_tokens_batch([text])[0]

@@ -17,21 +17,12 @@ import pytest
 from dataplane.client import PlaneClient
 from dataplane.metrics import serve_metrics
 from dataplane.plane import DataPlane, PlaneConfig
-from loaders.index import index_paths
-from tools.demo import generate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2, snapshot_every=4)
 TIMEOUT = 60  # the most any one wait on the served process may take
 
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("metrics") / "demo"
-    generate(out, scale="tiny", progress=False)
-    index_paths([out / "mix.yaml"], progress=False)
-    return out
 
 
 def scrape(url: str) -> dict[str, float]:

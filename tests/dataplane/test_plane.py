@@ -13,19 +13,10 @@ from dataplane.audit import audit_state_dir
 from dataplane.errors import UserError
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.server import RequestError
-from loaders.index import index_paths
-from tools.demo import generate
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2, snapshot_every=4)
 
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("plane") / "demo"
-    generate(out, scale="tiny", progress=False)
-    index_paths([out / "mix.yaml"], progress=False)
-    return out
 
 
 def train(plane: DataPlane, start: int, stop: int) -> dict[int, list]:

@@ -22,8 +22,6 @@ from dataplane.mixer import Mixer
 from dataplane.plan_table import fingerprint
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.schedule import Schedule, Segment
-from loaders.index import index_paths
-from tools.demo import generate
 
 STEPS = 12
 GOLDEN = {
@@ -34,13 +32,6 @@ GOLDEN = {
     "fast-tokens-dp3": "c81ccb39eda20a79",
 }
 
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("golden") / "demo"
-    generate(out, scale="tiny", progress=False)
-    index_paths([out / "mix.yaml"], progress=False)
-    return out
 
 
 def fast_curriculum(demo: Path, accounting: str) -> Path:

@@ -20,8 +20,6 @@ from dataplane.client import PlaneClient
 from dataplane.errors import UserError
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.ray_actor import start_on_ray
-from loaders.index import index_paths
-from tools.demo import generate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
@@ -36,13 +34,6 @@ def cluster():
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ray") / "demo"
-    generate(out, scale="tiny", progress=False)
-    index_paths([out / "mix.yaml"], progress=False)
-    return out
 
 
 def test_actor_serves_the_same_plans_and_stops_with_a_snapshot(cluster, demo, tmp_path):

@@ -18,8 +18,6 @@ from dataplane.client import PlaneClient
 from dataplane.embedded import start_embedded
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.status import CLIENT_WINDOW_S, plane_status
-from loaders.index import index_paths
-from tools.demo import generate
 from tools.plane_status import print_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,13 +25,6 @@ CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_token
                      sp_max=2, snapshot_every=4)
 SOURCES = ("text", "docs", "image_caption", "video_caption", "audio_caption", "interleaved")
 
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("status") / "demo"
-    generate(out, scale="tiny", progress=False)
-    index_paths([out / "mix.yaml"], progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
