@@ -99,13 +99,19 @@ class OmniModel(nn.Module):
 
     # ---- step 2: scatter + decoder -------------------------------------------------------
 
-    def forward_with_media(self, batch, items: list[torch.Tensor]) -> dict:
+    def forward_with_media(self, batch, items: list[torch.Tensor],
+                           zero: torch.Tensor | None = None) -> dict:
         """Decode ``batch`` with ``items[m]`` in media item m's placeholder block; returns
         ``loss_sum`` (next-token cross-entropy summed over text targets), ``n_tokens`` and
-        ``aux`` (the decoder's router terms)."""
+        ``aux`` (the decoder's router terms). ``zero`` (MediaEmbeddings.zero) joins the
+        embeddings, so backward reaches every encoder through the decoder on every rank, in
+        the same order whether or not the rank had media (FSDP issues collectives in that
+        order)."""
         embeds_TD = self.decoder.embed_tokens(batch.input_ids_T.to(
             self.decoder.embed_tokens.weight.device))
         embeds_TD = scatter_media(embeds_TD, batch.media_token_start_M, items)
+        if zero is not None:
+            embeds_TD = embeds_TD + zero.to(embeds_TD.dtype)
         device = embeds_TD.device
         hidden_TD, aux = self.decoder(embeds_TD, batch.position_ids_T.to(device),
                                       batch.cu_seqlens_S1.to(device), batch.max_seqlen,
@@ -114,11 +120,9 @@ class OmniModel(nn.Module):
         return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
 
     def forward(self, batch) -> dict:
-        """Both steps on one rank; the idle encoders' zero term is folded into ``loss_sum``."""
+        """Both steps on one rank; the idle encoders' zero term joins the embeddings."""
         media = self.encode_media(batch)
-        out = self.forward_with_media(batch, media.items)
-        out["loss_sum"] = out["loss_sum"] + media.zero
-        return out
+        return self.forward_with_media(batch, media.items, media.zero)
 
 
 def _config(cls, value):

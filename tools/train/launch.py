@@ -70,12 +70,6 @@ def ensure_data(cfg: RunConfig) -> None:
               f"{bad[0]}")
 
 
-def _allow_multi() -> bool:
-    import os
-
-    return os.environ.get("OMNISCALE_TRAIN_MULTI") == "1"
-
-
 def _spawned(rank: int, world: int, job: RankJob) -> None:
     try:
         train_rank(rank, world, job)
@@ -89,14 +83,6 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
     """Train (and evaluate); returns ``{"run_dir", "steps", "eval"}``."""
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: must be >= 1")
-    if nproc > 1 and not _allow_multi():
-        # Known hang: under FSDP a rank with no item of a modality ties that encoder to the
-        # loss through MediaEmbeddings.zero (backward reaches it first), a rank with items
-        # through the placeholder scatter (backward reaches it last), so the ranks issue the
-        # encoders' reduce-scatters in different orders and gloo deadlocks.
-        raise UserError(f"--nproc {nproc}: multi-process training is not working yet (FSDP "
-                        "backward order differs between ranks with and without a modality); "
-                        "use --nproc 1 (OMNISCALE_TRAIN_MULTI=1 forces it)")
     cfg, run_dir = resolve_config(config, resume, list(sets))
     ensure_data(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

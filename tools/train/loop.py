@@ -114,9 +114,21 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
 
 
 def _grad_norm(model: torch.nn.Module, clip: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                          clip, foreach=False)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    """Clip by the global gradient norm. Encoders and backbone are sharded over different
+    meshes, so the norm is taken per mesh (each a DTensor reduced to a full scalar) and
+    combined, then every gradient is scaled by the same factor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    squares = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.double() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
+    return float(total)
 
 
 def _loop(cfg, rank, world, run_dir, job, model, optimizer, loader, plane) -> None:
