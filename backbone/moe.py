@@ -155,8 +155,10 @@ class MoE(nn.Module):
         frac_E = load_E.float() / max(T * self.top_k, 1)
         probs_TE = scores_TE if self.router_kind == "softmax" else \
             scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
-        aux_loss = self.num_experts * (frac_E * probs_TE.mean(0)).sum()
-        z_loss = torch.logsumexp(logits_TE, -1).square().mean()
+        # Means over tokens; an empty micro-batch (a padded slot) contributes 0, not NaN,
+        # while keeping the router in the graph.
+        aux_loss = self.num_experts * (frac_E * probs_TE.sum(0) / max(T, 1)).sum()
+        z_loss = torch.logsumexp(logits_TE, -1).square().sum() / max(T, 1)
         return expert_TK, weight_TK.to(x_TD.dtype), {"aux_loss": aux_loss, "z_loss": z_loss,
                                                       "load_E": load_E}
 

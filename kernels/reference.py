@@ -109,4 +109,5 @@ def moe_unpermute(y_PD: torch.Tensor, order_P: torch.Tensor, weight_TK: torch.Te
     T, topk = weight_TK.shape
     flat = torch.empty_like(y_PD)
     flat[order_P] = y_PD
-    return (flat.view(T, topk, -1) * weight_TK[..., None].to(y_PD.dtype)).sum(1)
+    # The width is explicit: an empty micro-batch (T = 0) must still work.
+    return (flat.view(T, topk, y_PD.shape[-1]) * weight_TK[..., None].to(y_PD.dtype)).sum(1)

@@ -206,3 +206,20 @@ def test_compiled_kernels_match_the_reference_path():
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-4, msg=k)
+
+
+def test_an_empty_micro_batch_gives_zero_loss_and_finite_gradients():
+    # Planned micro-batch slots can be empty on some ranks (every rank runs the same number
+    # of micro-batches); they must add nothing, and never NaN.
+    from backbone.config import ModelConfig
+    from backbone.decoder import MoEDecoder
+
+    torch.manual_seed(0)
+    model = MoEDecoder(ModelConfig.preset("tiny"))
+    empty = torch.zeros(0, dtype=torch.long)
+    hidden, aux = model(model.embed_tokens(empty), empty, torch.tensor([0], dtype=torch.int32), 0)
+    loss_sum, n_tokens = model.loss(hidden, empty)
+    (loss_sum + aux["router_loss"] * n_tokens).backward()
+    assert float(loss_sum) == 0.0 and int(n_tokens) == 0
+    assert torch.isfinite(aux["router_loss"])
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
