@@ -90,3 +90,14 @@ def test_two_processes_train_with_fsdp_and_commit_every_step(demo, tmp_path):
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and result["steps"] == 2
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+
+
+def test_an_empty_slot_becomes_a_one_token_batch_that_adds_nothing():
+    from loaders.collate import collate
+    from loaders.geometry import MediaGeometry
+    from tools.train.loop import _placeholder
+
+    stand_in = _placeholder(collate([], MediaGeometry()))
+    assert stand_in.num_tokens == 1 and stand_in.labels_T.tolist() == [-100]
+    assert stand_in.cu_seqlens_S1.tolist() == [0, 1] and stand_in.max_seqlen == 1
+    assert stand_in.vision_grid_thw_V3.shape[0] == 0 and stand_in.audio_frames_A.shape[0] == 0

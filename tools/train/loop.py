@@ -10,6 +10,8 @@ rank's loss is its summed token cross-entropy over the *global* count of target 
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from dataclasses import dataclass
@@ -156,6 +158,20 @@ def _loop(cfg, rank, world, run_dir, job, model, optimizer, loader, plane) -> No
             writer.close()
 
 
+def _placeholder(empty):
+    """A one-token stand-in for an empty (padded) micro-batch slot: every rank must run the
+    same forward/backward passes for FSDP's collectives to line up, and a zero-length batch
+    takes other code paths; its label is ignored, so it adds nothing to the loss."""
+    one = torch.zeros(1, dtype=torch.int64)
+    return dataclasses.replace(
+        empty, input_ids_T=one, labels_T=torch.full((1,), IGNORE, dtype=torch.int64),
+        position_ids_T=one, mrope_3T=torch.zeros(3, 1, dtype=torch.int64),
+        cu_seqlens_S1=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1,
+        seq_len_full_S=torch.ones(1, dtype=torch.int64),
+        seq_sp_size_S=torch.ones(1, dtype=torch.int64),
+        seq_sp_index_S=torch.zeros(1, dtype=torch.int64))
+
+
 def _train_step(cfg, step, world, model, optimizer, batch, fit: CostFit) -> dict:
     start = time.perf_counter()
     mbs = batch.micro_batches
@@ -172,6 +188,8 @@ def _train_step(cfg, step, world, model, optimizer, batch, fit: CostFit) -> dict
     router = torch.zeros((), dtype=torch.float64)
     load_LE = None
     for mb in mbs:
+        if mb.num_tokens == 0:
+            mb = _placeholder(mb)
         out = model(mb)
         n_mb = out["n_tokens"].detach()
         loss = (out["loss_sum"] + out["aux"]["router_loss"] * n_mb) / n_global
