@@ -15,14 +15,13 @@ PIL's process-wide ``LOAD_TRUNCATED_IMAGES``.
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from loaders.geometry import MediaGeometry, image_resize
-from loaders.probe import IMAGE_FORMATS, Corrupt, short
+from loaders.probe import IMAGE_FORMATS, Corrupt, untrusted_image
 
 # CLIP's statistics, which Qwen2-VL's vision tower was trained with.
 IMAGE_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
@@ -61,32 +60,22 @@ def decode_image(data: bytes, g: MediaGeometry) -> VisionItem:
     from PIL import Image
 
     buf = _EofWatch(data)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(buf, formats=IMAGE_FORMATS) as image:
-                width, height = image.size
-                if width * height > MAX_IMAGE_PIXELS:
-                    raise Corrupt(f"image size {width}x{height} is above {MAX_IMAGE_PIXELS} "
-                                  "pixels")
-                target_h, target_w = image_resize(height, width, g)
-                if image.format == "JPEG":
-                    # Decode at the smallest DCT scale still >= the target: same output size,
-                    # a fraction of the work for photos far larger than max_pixels.
-                    image.draft("RGB", (target_w, target_h))
-                buf.hit_eof = False  # headers may probe to the end; pixels must not
-                image.load()
-                if buf.hit_eof:
-                    raise Corrupt("image file is truncated")
-                rgb = image.convert("RGB")
-    except Corrupt:
-        raise
-    except Image.UnidentifiedImageError:
-        raise Corrupt("not an image (cannot identify image file)") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise Corrupt(f"image too large ({short(e)})") from None
-    except Exception as e:  # noqa: BLE001 -- untrusted bytes: any parser failure is corruption
-        raise Corrupt(f"not a valid image ({short(e)})") from None
+    with untrusted_image():
+        with Image.open(buf, formats=IMAGE_FORMATS) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise Corrupt(f"image size {width}x{height} is above {MAX_IMAGE_PIXELS} "
+                              "pixels")
+            target_h, target_w = image_resize(height, width, g)
+            if image.format == "JPEG":
+                # Decode at the smallest DCT scale still >= the target: same output size,
+                # a fraction of the work for photos far larger than max_pixels.
+                image.draft("RGB", (target_w, target_h))
+            buf.hit_eof = False  # headers may probe to the end; pixels must not
+            image.load()
+            if buf.hit_eof:
+                raise Corrupt("image file is truncated")
+            rgb = image.convert("RGB")
     pixels_HWC = resize_rgb(rgb, target_h, target_w)
     # An image is one frame; the encoder's 3D patches want `temporal` frames, so it repeats.
     frames_THWC = np.repeat(pixels_HWC[None], g.temporal_patch_size, axis=0)

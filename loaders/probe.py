@@ -9,6 +9,7 @@ log-mel frame count. Files are untrusted: every parser call is bounded and any f
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
 
@@ -27,23 +28,36 @@ class Corrupt(Exception):
     """A member or sample that cannot be used; the message is one short line saying why."""
 
 
-def probe_image(data: bytes, g: MediaGeometry) -> tuple[int, int, int]:
-    """Patch grid ``(1, h, w)`` of an image, from its header (PIL's lazy ``open``)."""
+@contextlib.contextmanager
+def untrusted_image():
+    """PIL on untrusted bytes: a decompression-bomb warning is a refusal, and every parser
+    failure becomes :class:`Corrupt` with a short reason. Shared by the index's header probe
+    and the decoder, so both refuse the same files with the same words."""
     from PIL import Image
 
     try:
         with warnings.catch_warnings():
             # PIL only warns between MAX_IMAGE_PIXELS and twice that; a warning is a refusal.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
-                width, height = image.size
-                image.verify()
+            yield
+    except Corrupt:
+        raise
     except Image.UnidentifiedImageError:
         raise Corrupt("not an image (cannot identify image file)") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise Corrupt(f"image too large ({short(e)})") from None
     except Exception as e:  # noqa: BLE001 -- untrusted bytes: any parser failure is corruption
         raise Corrupt(f"not a valid image ({short(e)})") from None
+
+
+def probe_image(data: bytes, g: MediaGeometry) -> tuple[int, int, int]:
+    """Patch grid ``(1, h, w)`` of an image, from its header (PIL's lazy ``open``)."""
+    from PIL import Image
+
+    with untrusted_image():
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            width, height = image.size
+            image.verify()
     try:
         return image_grid(height, width, g)
     except ValueError as e:
