@@ -97,16 +97,45 @@ class OmniModel(nn.Module):
             items.append(block)
         return MediaEmbeddings(items, zero)
 
+    def encode_items(self, pixel_patches_PC: torch.Tensor, vision_grid_thw_V3: torch.Tensor,
+                     audio_mel_RB: torch.Tensor, audio_frames_A: torch.Tensor
+                     ) -> dict[str, tuple[torch.Tensor, list[int]]]:
+        """Each encoder once over a set of items (the trainer's encoder plan): per encoder,
+        ``(out_ND, rows per item)``. An encoder with no items runs its dummy input and returns
+        that output with no items (``[]``), so the caller can run its backward, with zero
+        gradients, on every rank alike."""
+        device = self.decoder.embed_tokens.weight.device
+        out: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        for name, encoder, inputs, counts in (
+                ("vision", self.vision, (pixel_patches_PC, vision_grid_thw_V3),
+                 vision_grid_thw_V3),
+                ("audio", self.audio, (audio_mel_RB, audio_frames_A), audio_frames_A)):
+            if encoder is None:
+                if counts.shape[0]:
+                    raise ValueError(f"items for the {name} encoder but the model has none "
+                                     f"(config.{name} is None)")
+                continue
+            if counts.shape[0]:
+                out_ND = encoder(inputs[0].to(device), inputs[1])
+                out[name] = (out_ND, encoder.output_lengths(counts).tolist())
+            else:
+                out[name] = (encoder(*encoder.dummy_inputs(device)), [])
+        return out
+
     # ---- step 2: scatter + decoder -------------------------------------------------------
 
     def forward_with_media(self, batch, items: list[torch.Tensor],
-                           zero: torch.Tensor | None = None) -> dict:
+                           zero: torch.Tensor | None = None,
+                           seq_group_S: torch.Tensor | None = None, num_groups: int = 0
+                           ) -> dict:
         """Decode ``batch`` with ``items[m]`` in media item m's placeholder block; returns
         ``loss_sum`` (next-token cross-entropy summed over text targets), ``n_tokens`` and
         ``aux`` (the decoder's router terms). ``zero`` (MediaEmbeddings.zero) joins the
         embeddings, so backward reaches every encoder through the decoder on every rank, in
         the same order whether or not the rank had media (FSDP issues collectives in that
-        order)."""
+        order). ``seq_group_S`` (a group id per sequence, e.g. its source) adds
+        ``loss_sum_G`` and ``n_tokens_G``: the loss split by group (the rows of each group
+        scored apart, so the split costs no extra logits)."""
         embeds_TD = self.decoder.embed_tokens(batch.input_ids_T.to(
             self.decoder.embed_tokens.weight.device))
         embeds_TD = scatter_media(embeds_TD, batch.media_token_start_M, items)
@@ -116,8 +145,26 @@ class OmniModel(nn.Module):
         hidden_TD, aux = self.decoder(embeds_TD, batch.position_ids_T.to(device),
                                       batch.cu_seqlens_S1.to(device), batch.max_seqlen,
                                       mrope_3T=batch.mrope_3T.to(device))
-        loss_sum, n_tokens = self.decoder.loss(hidden_TD, batch.labels_T.to(device))
-        return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
+        labels_T = batch.labels_T.to(device)
+        if seq_group_S is None:
+            loss_sum, n_tokens = self.decoder.loss(hidden_TD, labels_T)
+            return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
+        lengths_S = (batch.cu_seqlens_S1[1:] - batch.cu_seqlens_S1[:-1]).to(device)
+        group_T = torch.repeat_interleave(seq_group_S.to(device), lengths_S)
+        losses, counts = [], []
+        for g in range(num_groups):
+            rows_T = (group_T == g).nonzero().squeeze(1)
+            if rows_T.numel() == 0:
+                losses.append(hidden_TD.new_zeros(()))
+                counts.append(torch.zeros((), dtype=torch.int64, device=device))
+                continue
+            loss_g, n_g = self.decoder.loss(hidden_TD.index_select(0, rows_T),
+                                            labels_T.index_select(0, rows_T))
+            losses.append(loss_g)
+            counts.append(n_g)
+        loss_G, n_G = torch.stack(losses), torch.stack(counts)
+        return {"loss_sum": loss_G.sum(), "n_tokens": n_G.sum(), "aux": aux,
+                "loss_sum_G": loss_G, "n_tokens_G": n_G}
 
     def forward(self, batch) -> dict:
         """Both steps on one rank; the idle encoders' zero term joins the embeddings."""

@@ -57,6 +57,7 @@ class StepBatch:
     skipped: list[CorruptSample] = field(default_factory=list)
     replaced: list[tuple[SampleRef, SampleRef | None]] = field(default_factory=list)
     data_wait_s: float = 0.0  # time the trainer was blocked in next() for this step
+    plan: pa.Table | None = None  # the rank's plan table (the reshard map is derived from it)
 
     @property
     def num_samples(self) -> int:
@@ -98,25 +99,29 @@ class StepAssembler:
 
     def assemble(self, step: int, table: pa.Table, decoded: dict[tuple, Decoded]) -> StepBatch:
         meta = plan_metadata(table)
-        batch = StepBatch(step, [], [], meta, fingerprint(table))
+        batch = StepBatch(step, [], [], meta, fingerprint(table), plan=table)
         refs = table_to_refs(table)
         cols = {n: table.column(n).to_pylist() for n in (
             "role", "micro_batch", "sp_size", "sp_index", "item_kind", "item_index",
             "consume_rank")}
-        resolved: dict[tuple, tuple[DecodedSample | None, bool]] = {}
+        resolved: dict[tuple, tuple[DecodedSample | None, SampleRef]] = {}
         micro = [[] for _ in range(int(meta.get("num_micro_batches", 0)))]
+        trained = [[] for _ in micro]  # the ref each sequence trains (a replacement's, if any)
         for i, ref in enumerate(refs):
             sid = sample_id(ref)
             if sid not in resolved:
                 resolved[sid] = self._resolve(step, ref, decoded[sid], batch)
-            sample, as_planned = resolved[sid]
+            sample, used = resolved[sid]
+            as_planned = sample_id(used) == sid
             if sample is None:
                 continue
             if cols["role"][i] == "llm":
                 mb = cols["micro_batch"][i]
                 while mb >= len(micro):
                     micro.append([])
+                    trained.append([])
                 micro[mb].append((sample, cols["sp_size"][i], cols["sp_index"][i]))
+                trained[mb].append(used)
             elif as_planned:
                 kind, index = cols["item_kind"][i], cols["item_index"][i]
                 item = [m for m in sample.media if m.kind == kind][index]
@@ -124,17 +129,20 @@ class StepAssembler:
                     ref, kind, index, cols["consume_rank"][i], item.tensor, item.grid_thw,
                     item.frames))
         batch.micro_batches = [collate(mb, self.geometry) for mb in micro]
+        for packed, refs_of_mb in zip(batch.micro_batches, trained):
+            packed.seq_refs = refs_of_mb
         if self.pin_memory:
             _pin(batch)
         return batch
 
     def _resolve(self, step: int, ref: SampleRef, out: Decoded, batch: StepBatch
-                 ) -> tuple[DecodedSample | None, bool]:
-        """The sample to train in the ref's place, and whether it is the planned one."""
+                 ) -> tuple[DecodedSample | None, SampleRef]:
+        """The sample to train in the ref's place and its ref (``ref`` itself when the
+        planned sample decoded; a replacement's otherwise)."""
         bad = ref
         for _ in range(MAX_REPLACEMENTS):
             if out.error is None:
-                return out.sample, bad is ref
+                return out.sample, bad
             if self.policy == "fail":
                 raise out.error
             batch.skipped.append(out.error)
@@ -143,9 +151,9 @@ class StepAssembler:
                                       bad.epoch)
             batch.replaced.append((bad, replacement))
             if replacement is None:
-                return None, False
+                return None, bad
             bad, out = replacement, self.decode(replacement)
-        return None, False
+        return None, bad
 
 
 def reason_kind(reason: str) -> str:

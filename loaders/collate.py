@@ -47,6 +47,10 @@ class PackedBatch:
     media_kind_M: torch.Tensor  # int64 [M]: 0 image, 1 video, 2 audio
     media_sample_M: torch.Tensor  # int64 [M]: the sequence (in S) holding the block
     media_index_M: torch.Tensor  # int64 [M]: the item's row in V (vision) or A (audio)
+    media_item_M: torch.Tensor  # int64 [M]: the item's index among its sample's items of its kind
+    # The SampleRef trained in each sequence (set by loaders.assemble; None when collated
+    # without a plan): with media_item_M it names every item as the plan's reshard map does.
+    seq_refs: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +67,7 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
     ids, labels, pos, mrope = [], [], [], []
     cu, full, sizes, indices = [0], [], [], []
     patches, grids, vkinds, mels, frames = [], [], [], [], []
-    m_start, m_len, m_kind, m_seq, m_index = [], [], [], [], []
+    m_start, m_len, m_kind, m_seq, m_index, m_item = [], [], [], [], [], []
     for s, (sample, sp_size, sp_index) in enumerate(samples):
         if sp_size < 1 or not 0 <= sp_index < sp_size:
             raise ValueError(f"{sample.source}/{sample.key}: bad SP slice {sp_index} of {sp_size}")
@@ -72,9 +76,13 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
         labels.append(parts[1])
         pos.append(parts[2])
         mrope.append(parts[3])
+        seen_of_kind: dict[str, int] = {}
         for item in sample.media:
+            index_in_kind = seen_of_kind.get(item.kind, 0)
+            seen_of_kind[item.kind] = index_in_kind + 1
             if item.token_start + item.num_tokens <= lo or item.token_start >= hi:
                 continue  # its block is on another rank's slice
+            m_item.append(index_in_kind)
             if item.kind == "audio":
                 m_index.append(len(frames))
                 mels.append(item.tensor)
@@ -112,7 +120,8 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
         media_num_tokens_M=torch.tensor(m_len, dtype=long),
         media_kind_M=torch.tensor(m_kind, dtype=long),
         media_sample_M=torch.tensor(m_seq, dtype=long),
-        media_index_M=torch.tensor(m_index, dtype=long))
+        media_index_M=torch.tensor(m_index, dtype=long),
+        media_item_M=torch.tensor(m_item, dtype=long))
 
 
 def sp_bounds(length: int, sp_size: int, sp_index: int) -> tuple[int, int]:

@@ -44,11 +44,16 @@ def expected_batches(table, decoder, geometry) -> list[PackedBatch]:
     rows = table.to_pylist()
     refs = table_to_refs(table)
     micro = [[] for _ in range(plan_metadata(table)["num_micro_batches"])]
+    trained = [[] for _ in micro]
     for ref, row in zip(refs, rows):
         if row["role"] == "llm":
             micro[row["micro_batch"]].append((decoder.decode(ref), row["sp_size"],
                                               row["sp_index"]))
-    return [collate(mb, geometry) for mb in micro]
+            trained[row["micro_batch"]].append(ref)
+    batches = [collate(mb, geometry) for mb in micro]
+    for batch, refs_of_mb in zip(batches, trained):
+        batch.seq_refs = refs_of_mb
+    return batches
 
 
 def assert_same_batch(got: PackedBatch, want: PackedBatch) -> None:

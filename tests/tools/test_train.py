@@ -95,7 +95,7 @@ def test_two_processes_train_with_fsdp_and_commit_every_step(demo, tmp_path):
 def test_an_empty_slot_becomes_a_one_token_batch_that_adds_nothing():
     from loaders.collate import collate
     from loaders.geometry import MediaGeometry
-    from tools.train.loop import _placeholder
+    from tools.train.step import placeholder as _placeholder
 
     stand_in = _placeholder(collate([], MediaGeometry()))
     assert stand_in.num_tokens == 1 and stand_in.labels_T.tolist() == [-100]

@@ -1,19 +1,13 @@
-"""One trainer rank: plane (rank 0) → RankLoader → omni model (FSDP over the ranks when more
-than one) → AdamW → commit → metrics → checkpoint.
+"""One trainer rank: plane (rank 0's embedded one, or ``--plane URL``) → RankLoader → model
+(FSDP over the ranks when more than one) → AdamW → commit → metrics → checkpoint.
 
-The step, per micro-batch: the rank encodes the media of its own micro-batches and decodes
-them (``OmniModel.forward``: encode where consumed; the plan's encoder items and
-``parallel.reshard`` are the next step). Gradients are summed across ranks by FSDP, so each
-rank's loss is its summed token cross-entropy over the *global* count of target tokens
-(all-reduced before the first micro-batch): the update equals the single-process one.
+The step itself is ``tools.train.step`` (omni and lm: encoders on the encoder plan, reshard,
+backbone micro-batches) or ``tools.train.video_gen`` (the rectified-flow DiT).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +19,10 @@ from dataplane.plane import PlaneConfig
 from dataplane.spec import load_spec
 from loaders.pipeline import RankLoader
 from tools.train import checkpoint
-from tools.train.build import build_model, build_optimizer, lr_at, model_config
+from tools.train.build import build_model, build_optimizer, model_config
 from tools.train.config import RunConfig
-from tools.train.metrics import CostFit, MetricsWriter, Progress
+from tools.train.metrics import MetricsWriter, Progress
+from tools.train.step import StepContext, train_step
 
 IGNORE = -100
 
@@ -43,15 +38,21 @@ class RankJob:
     resume_from: str | None  # checkpoint directory
     store: str  # file:// rendezvous of the process group
     progress: bool = True
+    plane_url: str | None = None  # an external plane (``omniscale plane serve``): no embedded one
+    plane_token: str | None = None
 
 
-def plane_config(cfg: RunConfig, dp: int) -> PlaneConfig:
+def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = None
+                 ) -> PlaneConfig:
+    """The embedded plane's settings; ``cost``: the model's (α, β) FLOPs per sequence, the
+    balancer's cost model (``ModelConfig.cost_coefficients``)."""
     d = cfg.data
-    # sp_max=1: this first cut has no sequence parallelism, so no sample is split over ranks
+    # sp_max=1: the trainer has no sequence parallelism yet, so no sample is split over ranks
     # (longer text is truncated to a micro-batch, longer media samples skipped by the plane).
+    extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0} if cost else {}
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
                        global_batch_tokens=d.global_batch_tokens, sp_max=1,
-                       snapshot_every=cfg.checkpoint_every)
+                       snapshot_every=cfg.checkpoint_every, **extra)
 
 
 def device_of(cfg: RunConfig, rank: int) -> torch.device:
@@ -84,28 +85,34 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
                             init_method=job.store, rank=rank, world_size=world)
     plane = loader = None
     try:
-        if rank == 0:
-            plane = start_embedded(job.spec, run_dir / "plane", plane_config(cfg, world),
-                                   restore_step=job.start_step if job.resume_from else None)
-        url = _share_url(plane.url if plane else None, rank, run_dir)
         spec = load_spec(job.spec)
+        mcfg = model_config(cfg, spec.media, spec.tokenizer)
+        if rank == 0 and job.plane_url is None:
+            plane = start_embedded(job.spec, run_dir / "plane",
+                                   plane_config(cfg, world, mcfg.cost_coefficients()),
+                                   restore_step=job.start_step if job.resume_from else None)
+        url = _share_url(job.plane_url or (plane.url if plane else None), rank, run_dir)
         loader = RankLoader(url, rank, {s.name: s.path for s in spec.sources}, spec.tokenizer,
                             spec.media, num_workers=cfg.data.workers,
                             prefetch_steps=cfg.data.prefetch_steps, policy=cfg.data.policy,
-                            start_step=job.start_step)
-        mcfg = model_config(cfg, spec.media, spec.tokenizer)
+                            start_step=job.start_step, token=job.plane_token)
         model = build_model(mcfg, cfg.seed, device)
         if world > 1:
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
             from parallel import ParallelDims, apply_fsdp
 
             dims = ParallelDims(dp_shard=world, world_size=world)
             dims.validate_for(mcfg)
             apply_fsdp(model, dims.build_mesh(device.type),
                        encoder_mesh=dims.build_encoder_mesh(device.type))
+            register_fsdp_forward_method(model, "encode_items")
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer)
-        _loop(cfg, rank, world, run_dir, job, model, optimizer, loader, plane)
+        ctx = StepContext(cfg, world, rank, [s.name for s in spec.sources],
+                          *mcfg.cost_coefficients(), peak_flops(cfg, device))
+        _loop(ctx, run_dir, job, model, optimizer, loader, spec)
         dist.barrier()  # nobody stops the plane while another rank still talks to it
     finally:
         if loader is not None:
@@ -115,35 +122,39 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         dist.destroy_process_group()
 
 
-def _grad_norm(model: torch.nn.Module, clip: float) -> float:
-    """Clip by the global gradient norm. Encoders and backbone are sharded over different
-    meshes, so the norm is taken per mesh (each a DTensor reduced to a full scalar) and
-    combined, then every gradient is scaled by the same factor."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    by_mesh: dict = {}
-    for p in params:
-        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    squares = []
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squares.append(norm.double() ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
-    torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
-    return float(total)
+def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
+    """Per-device peak for MFU: ``parallel.peak_tflops``, else a known GPU's dense bf16 peak,
+    else None (a CPU's peak is not known: MFU is left out, achieved TFLOP/s still logged)."""
+    if cfg.parallel.peak_tflops:
+        return cfg.parallel.peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0)):
+            if key in name:
+                return tflops * 1e12
+    return None
 
 
-def _loop(cfg, rank, world, run_dir, job, model, optimizer, loader, plane) -> None:
+def _target_mix(spec, step: int, tokens_before: int) -> dict[str, float]:
+    """The schedule's weights for this step (by steps or tokens, as the schedule counts)."""
+    x = step if spec.schedule.unit == "steps" else tokens_before
+    return {k: round(v, 6) for k, v in spec.schedule.weights_at(x).items()}
+
+
+def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec) -> None:
+    cfg, rank = ctx.cfg, ctx.rank
     writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step) if rank == 0 else None
     bar = Progress(rank == 0 and job.progress, cfg.steps, job.start_step)
-    fit = CostFit()
     client = loader.client
+    tokens_before = writer.tokens_before if writer is not None else 0
     try:
         for step in range(job.start_step, cfg.steps):
             batch = next(loader)
             assert batch.step == step, (batch.step, step)
-            row = _train_step(cfg, step, world, model, optimizer, batch, fit)
+            row = train_step(ctx, step, model, optimizer, batch)
             loader.commit(step)
+            row["mix_target"] = _target_mix(spec, step, tokens_before)
+            tokens_before += row["tokens"]
             done = step + 1
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 checkpoint.save(run_dir, done, model, optimizer, client, rank)
@@ -156,81 +167,3 @@ def _loop(cfg, rank, world, run_dir, job, model, optimizer, loader, plane) -> No
         bar.close()
         if writer is not None:
             writer.close()
-
-
-def _placeholder(empty):
-    """A one-token stand-in for an empty (padded) micro-batch slot: every rank must run the
-    same forward/backward passes for FSDP's collectives to line up, and a zero-length batch
-    takes other code paths; its label is ignored, so it adds nothing to the loss."""
-    one = torch.zeros(1, dtype=torch.int64)
-    return dataclasses.replace(
-        empty, input_ids_T=one, labels_T=torch.full((1,), IGNORE, dtype=torch.int64),
-        position_ids_T=one, mrope_3T=torch.zeros(3, 1, dtype=torch.int64),
-        cu_seqlens_S1=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1,
-        seq_len_full_S=torch.ones(1, dtype=torch.int64),
-        seq_sp_size_S=torch.ones(1, dtype=torch.int64),
-        seq_sp_index_S=torch.zeros(1, dtype=torch.int64))
-
-
-def _train_step(cfg, step, world, model, optimizer, batch, fit: CostFit) -> dict:
-    start = time.perf_counter()
-    mbs = batch.micro_batches
-    n_local = sum(int((mb.labels_T != IGNORE).sum()) for mb in mbs)
-    tokens_local = sum(mb.num_tokens for mb in mbs)
-    counts = torch.tensor([n_local, tokens_local], dtype=torch.float64)
-    dist.all_reduce(counts)
-    n_global = max(float(counts[0]), 1.0)
-    lr = lr_at(step, cfg)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    router = torch.zeros((), dtype=torch.float64)
-    load_LE = None
-    for mb in mbs:
-        if mb.num_tokens == 0:
-            mb = _placeholder(mb)
-        out = model(mb)
-        n_mb = out["n_tokens"].detach()
-        loss = (out["loss_sum"] + out["aux"]["router_loss"] * n_mb) / n_global
-        loss.backward()
-        loss_sum += out["loss_sum"].detach().double().cpu()
-        router += (out["aux"]["router_loss"].detach() * n_mb).double().cpu()
-        load = out["aux"]["load_LE"].detach().cpu().to(torch.float64)
-        load_LE = load if load_LE is None else load_LE + load
-    grad_norm = _grad_norm(model, cfg.optim.grad_clip)
-    optimizer.step()
-    compute_s = time.perf_counter() - start
-
-    stats = torch.stack([loss_sum, router])
-    dist.all_reduce(stats)
-    if load_LE is not None and load_LE.numel():
-        dist.all_reduce(load_LE)
-        model.decoder.update_bias(load_LE)
-    meta = batch.metadata
-    per_rank = torch.tensor([meta.get("predicted_cost", 0.0), compute_s, batch.data_wait_s],
-                            dtype=torch.float64)
-    gathered = [torch.zeros_like(per_rank) for _ in range(world)]
-    dist.all_gather(gathered, per_rank)
-    costs = [float(g[0]) for g in gathered]
-    secs = [float(g[1]) for g in gathered]
-    waits = [float(g[2]) for g in gathered]
-    predicted = fit.k * max(costs) if fit.k is not None else None
-    fit.update(costs, secs)
-    step_s = max(s + w for s, w in zip(secs, waits))
-    row = {"step": step, "loss": float(stats[0]) / n_global,
-           "router_loss": float(stats[1]) / n_global, "lr": lr, "grad_norm": grad_norm,
-           "tokens": int(counts[1]), "target_tokens": int(counts[0]),
-           "tokens_per_s": float(counts[1]) / max(step_s, 1e-9), "step_s": step_s,
-           "data_wait_frac": max(waits) / max(step_s, 1e-9),
-           "predicted_step_s": predicted, "measured_step_s": max(secs),
-           "rank_compute_s": secs, "rank_predicted_cost": costs,
-           "imbalance_predicted": meta.get("imbalance"),
-           "imbalance_measured": max(secs) / (sum(secs) / len(secs)),
-           "micro_batches": len(batch.micro_batches), "skipped": len(batch.skipped)}
-    if load_LE is not None and load_LE.numel():
-        mean = load_LE.mean(dim=1, keepdim=True).clamp_min(1e-9)
-        row["expert_load_max_over_mean"] = [round(float(v), 4) for v in
-                                            (load_LE / mean).max(dim=1).values]
-        row["expert_load"] = load_LE.to(torch.int64).tolist()
-    return row

@@ -34,10 +34,12 @@ class MetricsWriter:
 
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
         self.path = path
+        self.tokens_before = 0  # tokens trained by the rows kept (a resumed run's past)
         if resume_step is not None and path.exists():
             keep = [line for line in path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", -1) < resume_step]
             path.write_text("".join(line + "\n" for line in keep))
+            self.tokens_before = sum(json.loads(line).get("tokens", 0) for line in keep)
         self.file = path.open("a")
 
     def write(self, row: dict) -> None:

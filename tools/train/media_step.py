@@ -1,0 +1,186 @@
+"""Step 1 of an omni training step: encode this rank's encoder-plan items, reshard the
+embeddings to the ranks whose sequences hold their placeholders, and give every micro-batch
+its blocks (DESIGN.md "Data flow": encoders → reshard → backbone).
+
+The plane's plan says which rank encodes each media item (``encode`` rows, the encoder plan,
+balanced on its own) and which rank decodes it (``llm`` rows); every rank derives the same
+exchange from every rank's plan table (``parallel.reshard_plan``), so the tables are gathered
+once per step (small: a few rows per sample).
+
+Items the plan does not cover are encoded locally in the same encoder call: the media of a
+replacement sample (the planned one was corrupt: ``loaders.assemble``) and everything when the
+plan carries no encoder rows. A planned item that its encoding rank dropped (it found the
+sample corrupt while this rank did not, e.g. a decode timeout on one side only) arrives with
+zero rows: the sequence holding it is not trained this step (its labels are ignored) and a
+warning names it.
+
+Backward runs in fixed phases so every rank issues its collectives in the same order, however
+its micro-batches and media differ: (1) each micro-batch's decoder backward (FSDP over the
+backbone), accumulating into detached leaves that stand for the received blocks; (2) one
+backward through the reshard's all-to-all; (3) the vision encoder; (4) the audio encoder —
+each encoder once, on its real items or its dummy input with a zero gradient.
+
+Shape suffixes: N embedding rows, D LLM width, P patches, C patch values, R mel frames,
+B mel bins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from loaders.collate import PackedBatch
+from parallel.reshard import ItemKey, reshard, reshard_plan
+
+KINDS = ("image", "video", "audio")  # kind ids as in loaders.sequence.KINDS
+IGNORE = -100
+
+
+def item_key(ref, kind_id: int, index: int) -> ItemKey:
+    return (ref.source, ref.shard, ref.key, kind_id, index)
+
+
+def gather_plans(plan: pa.Table, world: int) -> list[pa.Table]:
+    """Every rank's plan table of this step (rank order)."""
+    if world == 1:
+        return [plan]
+    tables: list = [None] * world
+    dist.all_gather_object(tables, plan)
+    return tables
+
+
+@dataclass
+class _Inputs:
+    """The items one rank encodes this step, per encoder, in call order."""
+
+    vision_keys: list[ItemKey]
+    patches: list[torch.Tensor]
+    grids: list[tuple[int, int, int]]
+    audio_keys: list[ItemKey]
+    mels: list[torch.Tensor]
+    frames: list[int]
+
+    def add(self, key: ItemKey, tensor: torch.Tensor, grid, frames) -> None:
+        if key[3] == KINDS.index("audio"):
+            if key not in self.audio_keys:
+                self.audio_keys.append(key), self.mels.append(tensor), self.frames.append(frames)
+        elif key not in self.vision_keys:
+            self.vision_keys.append(key), self.patches.append(tensor)
+            self.grids.append(tuple(grid))
+
+
+def _batch_items(mb: PackedBatch):
+    """(key, tensor, grid, frames) of every media item of a micro-batch, in media order."""
+    vision_rows = (mb.vision_grid_thw_V3.prod(dim=1)).tolist()
+    vision_starts = [0] + torch.tensor(vision_rows, dtype=torch.int64).cumsum(0).tolist()
+    audio_rows = mb.audio_frames_A.tolist()
+    audio_starts = [0] + torch.tensor(audio_rows, dtype=torch.int64).cumsum(0).tolist()
+    for kind, seq, row, index in zip(mb.media_kind_M.tolist(), mb.media_sample_M.tolist(),
+                                     mb.media_index_M.tolist(), mb.media_item_M.tolist()):
+        key = item_key(mb.seq_refs[seq], kind, index)
+        if kind == KINDS.index("audio"):
+            a, b = audio_starts[row], audio_starts[row + 1]
+            yield key, mb.audio_mel_AF[a:b], None, audio_rows[row]
+        else:
+            a, b = vision_starts[row], vision_starts[row + 1]
+            yield key, mb.pixel_patches_PD[a:b], mb.vision_grid_thw_V3[row].tolist(), None
+
+
+class StepMedia:
+    """The step's media embeddings: built (forward) on construction, ``items_for`` each
+    micro-batch, ``backward`` once after every micro-batch's backward."""
+
+    def __init__(self, model, batch, tables: list[pa.Table], rank: int, group=None) -> None:
+        config = model.config
+        self.dim = config.d_model
+        plan = reshard_plan(tables, rank)
+        received_keys = set(plan.recv_items)
+        # items encoded here for another rank (what the encoder plan moved)
+        self.moved = sum(n for r, n in enumerate(plan.send_counts) if r != rank)
+        inputs = _Inputs([], [], [], [], [], [])
+        for item in batch.encode_items:  # the plan's encode rows (the producer side)
+            inputs.add(item_key(item.ref, KINDS.index(item.kind), item.index), item.tensor,
+                       item.grid_thw, item.frames)
+        for mb in batch.micro_batches:  # what no other rank sends: encode here
+            if mb.seq_refs is None:
+                continue
+            for key, tensor, grid, frames in _batch_items(mb):
+                if key not in received_keys:
+                    inputs.add(key, tensor, grid, frames)
+
+        device = model.decoder.embed_tokens.weight.device
+        geometry_width = model.vision.config.patch_dim if model.vision is not None else 0
+        n_mels = model.audio.config.n_mels if model.audio is not None else 0
+        outputs = model.encode_items(
+            _cat(inputs.patches, (0, geometry_width)),
+            torch.tensor(inputs.grids, dtype=torch.int64).reshape(-1, 3),
+            _cat(inputs.mels, (0, n_mels)), torch.tensor(inputs.frames, dtype=torch.int64))
+        # Phase 3/4 run encoder backward from these outputs; the step uses detached leaves.
+        self._encoder_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        blocks: dict[ItemKey, torch.Tensor] = {}
+        for name, keys in (("vision", inputs.vision_keys), ("audio", inputs.audio_keys)):
+            if name not in outputs:
+                continue
+            out_ND, rows = outputs[name]
+            leaf_ND = out_ND.detach().requires_grad_()
+            self._encoder_outputs.append((out_ND, leaf_ND))
+            blocks.update(zip(keys, leaf_ND.split(rows)) if rows else ())
+
+        empty = torch.zeros(0, self.dim, device=device)
+        sent = {key: blocks.get(key, empty) for key in plan.send_items}
+        self._resharded = reshard(sent, plan, group, dim=self.dim, dtype=empty.dtype,
+                                  device=device)
+        self._received = {key: block.detach().requires_grad_()
+                          for key, block in self._resharded.items.items()}
+        self._local = blocks
+
+    def items_for(self, mb: PackedBatch) -> tuple[PackedBatch, list[torch.Tensor]]:
+        """The micro-batch (labels of a sequence whose item never arrived ignored) and one
+        ``[num_tokens, D]`` block per media item, in its media order."""
+        items, lost = [], set()
+        if mb.seq_refs is None:
+            return mb, items
+        for (key, *_), seq, n in zip(_batch_items(mb), mb.media_sample_M.tolist(),
+                                     mb.media_num_tokens_M.tolist()):
+            block = self._received.get(key)
+            if block is None or block.shape[0] == 0:
+                block = self._local.get(key)
+            if block is None or block.shape[0] != n:
+                lost.add(seq)
+                block = torch.zeros(n, self.dim, device=self._any_device())
+            items.append(block)
+        if lost:
+            cu = mb.cu_seqlens_S1.tolist()
+            labels_T = mb.labels_T.clone()
+            for seq in sorted(lost):
+                labels_T[cu[seq]:cu[seq + 1]] = IGNORE
+                ref = mb.seq_refs[seq]
+                warnings.warn(f"{ref.source}/{ref.key}: a media item did not arrive from its "
+                              f"encoding rank; the sample is not trained this step",
+                              stacklevel=2)
+            mb = dataclasses.replace(mb, labels_T=labels_T)
+        return mb, items
+
+    def backward(self) -> None:
+        """Phases 2-4 (phase 1 is the caller's per-micro-batch backward)."""
+        outs, grads = [self._resharded.zero], [torch.ones_like(self._resharded.zero)]
+        for key, leaf in self._received.items():
+            if leaf.grad is not None:
+                outs.append(self._resharded.items[key])
+                grads.append(leaf.grad)
+        torch.autograd.backward(outs, grads)
+        for out_ND, leaf_ND in self._encoder_outputs:
+            grad = leaf_ND.grad if leaf_ND.grad is not None else torch.zeros_like(out_ND)
+            torch.autograd.backward([out_ND], [grad])
+
+    def _any_device(self) -> torch.device:
+        return self._resharded.zero.device
+
+
+def _cat(tensors: list[torch.Tensor], empty_shape: tuple[int, int]) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(empty_shape)

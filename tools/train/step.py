@@ -1,0 +1,180 @@
+"""One optimizer step of the omni task on one rank, and the metrics row it produces.
+
+Encoders on this rank's encoder plan → reshard → backbone micro-batches (``media_step``) →
+loss → backward → clip → AdamW. Gradients are summed across ranks by FSDP, so each rank's
+loss is its summed token cross-entropy over the *global* count of target tokens (all-reduced
+before the first micro-batch): the update equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from tools.train.build import lr_at
+from tools.train.media_step import StepMedia, gather_plans
+from tools.train.metrics import CostFit
+
+IGNORE = -100
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What every step of a run needs besides the batch."""
+
+    cfg: object  # RunConfig
+    world: int
+    rank: int
+    sources: list[str]  # per-source metrics, in this order (the spec's at start)
+    flops_alpha: float  # FLOPs per sequence = alpha·L + beta·L² (forward + backward)
+    flops_beta: float
+    peak_flops: float | None  # per rank, for MFU (None: not known for this device)
+    fit: CostFit = dataclasses.field(default_factory=CostFit)
+
+
+def placeholder(empty):
+    """A one-token stand-in for an empty (padded) micro-batch slot: every rank must run the
+    same forward/backward passes for FSDP's collectives to line up, and a zero-length batch
+    takes other code paths; its label is ignored, so it adds nothing to the loss."""
+    one = torch.zeros(1, dtype=torch.int64)
+    return dataclasses.replace(
+        empty, input_ids_T=one, labels_T=torch.full((1,), IGNORE, dtype=torch.int64),
+        position_ids_T=one, mrope_3T=torch.zeros(3, 1, dtype=torch.int64),
+        cu_seqlens_S1=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1,
+        seq_len_full_S=torch.ones(1, dtype=torch.int64),
+        seq_sp_size_S=torch.ones(1, dtype=torch.int64),
+        seq_sp_index_S=torch.zeros(1, dtype=torch.int64), seq_refs=None)
+
+
+def grad_norm_and_clip(model: torch.nn.Module, clip: float) -> float:
+    """Clip by the global gradient norm. Encoders and backbone are sharded over different
+    meshes, so the norm is taken per mesh (each a DTensor reduced to a full scalar) and
+    combined, then every gradient is scaled by the same factor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    squares = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.double() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
+    return float(total)
+
+
+def _groups(mb, sources: list[str]) -> torch.Tensor:
+    """Each sequence's source index (a source added by a reload later: the last group)."""
+    index = {name: i for i, name in enumerate(sources)}
+    refs = mb.seq_refs or [None] * (mb.cu_seqlens_S1.numel() - 1)
+    return torch.tensor([index.get(r.source, len(sources)) if r is not None else 0
+                         for r in refs], dtype=torch.int64)
+
+
+def _flops(mbs, alpha: float, beta: float) -> float:
+    total = 0.0
+    for mb in mbs:
+        lengths = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
+        total += float((alpha * lengths + beta * lengths ** 2).sum())
+    return total
+
+
+def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
+    cfg, world = ctx.cfg, ctx.world
+    start = time.perf_counter()
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+    media = StepMedia(model, batch, gather_plans(batch.plan, world), ctx.rank)
+    prepared = []
+    for mb in batch.micro_batches:
+        mb, items = media.items_for(mb)
+        prepared.append((mb if mb.num_tokens else placeholder(mb), items))
+    n_groups = len(ctx.sources) + 1
+    n_local = sum(int((mb.labels_T != IGNORE).sum()) for mb, _ in prepared)
+    tokens_local = sum(mb.num_tokens for mb in batch.micro_batches)
+    flops = _flops(batch.micro_batches, ctx.flops_alpha, ctx.flops_beta)
+    counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media.moved],
+                          dtype=torch.float64)
+    dist.all_reduce(counts)
+    n_global = max(float(counts[0]), 1.0)
+
+    loss_G = torch.zeros(n_groups, dtype=torch.float64)
+    n_G = torch.zeros(n_groups, dtype=torch.float64)
+    samples_G = torch.zeros(n_groups, dtype=torch.float64)
+    tokens_G = torch.zeros(n_groups, dtype=torch.float64)
+    router = torch.zeros((), dtype=torch.float64)
+    load_LE = None
+    for mb, items in prepared:
+        groups_S = _groups(mb, ctx.sources)
+        out = model.forward_with_media(mb, items, seq_group_S=groups_S, num_groups=n_groups)
+        n_mb = out["n_tokens"].detach()
+        loss = (out["loss_sum"] + out["aux"]["router_loss"] * n_mb) / n_global
+        loss.backward()  # phase 1: the backbone; the encoders' turn is media.backward()
+        loss_G += out["loss_sum_G"].detach().double().cpu()
+        n_G += out["n_tokens_G"].detach().double().cpu()
+        if mb.seq_refs is not None:
+            lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
+            samples_G += torch.bincount(groups_S, minlength=n_groups).double()
+            tokens_G += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
+        router += (out["aux"]["router_loss"].detach() * n_mb).double().cpu()
+        load = out["aux"]["load_LE"].detach().cpu().to(torch.float64)
+        load_LE = load if load_LE is None else load_LE + load
+    media.backward()
+    grad_norm = grad_norm_and_clip(model, cfg.optim.grad_clip)
+    optimizer.step()
+    compute_s = time.perf_counter() - start
+
+    stats = torch.cat([loss_G, n_G, samples_G, tokens_G, router.reshape(1)])
+    dist.all_reduce(stats)
+    loss_G, n_G, samples_G, tokens_G = stats[:4 * n_groups].reshape(4, n_groups)
+    if load_LE is not None and load_LE.numel():
+        dist.all_reduce(load_LE)
+        model.decoder.update_bias(load_LE)
+    return _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global,
+                loss_G, n_G, samples_G, tokens_G, float(stats[-1]), load_LE)
+
+
+def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n_G,
+         samples_G, tokens_G, router, load_LE) -> dict:
+    meta = batch.metadata
+    per_rank = torch.tensor([meta.get("predicted_cost", 0.0), compute_s, batch.data_wait_s],
+                            dtype=torch.float64)
+    gathered = [torch.zeros_like(per_rank) for _ in range(ctx.world)]
+    dist.all_gather(gathered, per_rank)
+    costs = [float(g[0]) for g in gathered]
+    secs = [float(g[1]) for g in gathered]
+    waits = [float(g[2]) for g in gathered]
+    predicted = ctx.fit.k * max(costs) if ctx.fit.k is not None else None
+    ctx.fit.update(costs, secs)
+    step_s = max(s + w for s, w in zip(secs, waits))
+    names = ctx.sources + ["(other)"]
+    flops_per_s = float(counts[2]) / max(step_s, 1e-9)
+    row = {"step": step, "loss": float(loss_G.sum()) / n_global,
+           "router_loss": router / n_global, "lr": lr, "grad_norm": grad_norm,
+           "tokens": int(counts[1]), "target_tokens": int(counts[0]),
+           "tokens_per_s": float(counts[1]) / max(step_s, 1e-9), "step_s": step_s,
+           "data_wait_frac": max(waits) / max(step_s, 1e-9),
+           "tflops_per_s": flops_per_s / 1e12,
+           "mfu": (flops_per_s / (ctx.peak_flops * ctx.world) if ctx.peak_flops else None),
+           "predicted_step_s": predicted, "measured_step_s": max(secs),
+           "rank_compute_s": secs, "rank_predicted_cost": costs,
+           "imbalance_predicted": meta.get("imbalance"),
+           "imbalance_measured": max(secs) / (sum(secs) / len(secs)),
+           "micro_batches": len(batch.micro_batches), "skipped": int(counts[3]),
+           "media_items_moved": int(counts[4]),
+           "source_loss": {n: float(l / c) for n, l, c in zip(names, loss_G, n_G) if c > 0},
+           "mix_samples": {n: int(s) for n, s in zip(names, samples_G) if s > 0},
+           "mix_tokens": {n: int(t) for n, t in zip(names, tokens_G) if t > 0}}
+    if load_LE is not None and load_LE.numel():
+        mean = load_LE.mean(dim=1, keepdim=True).clamp_min(1e-9)
+        row["expert_load_max_over_mean"] = [round(float(v), 4) for v in
+                                            (load_LE / mean).max(dim=1).values]
+        row["expert_load"] = load_LE.to(torch.int64).tolist()
+    return row
