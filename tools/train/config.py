@@ -27,6 +27,7 @@ class ModelSection(_Strict):
     vision: str | None = "tiny"  # encoders.vision.VisionConfig preset (None: no vision encoder)
     audio: str | None = "tiny"  # encoders.audio.AudioConfig preset
     encoder_overrides: dict = Field(default_factory=dict)  # {"vision": {...}, "audio": {...}}
+    dit: str = "tiny"  # backbone.dit.DiTConfig preset of the video_gen task
 
 
 class DataSection(_Strict):
@@ -61,6 +62,7 @@ class OptimSection(_Strict):
 class ParallelSection(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dp_shard: int = -1  # FSDP over every process (the only layout of this first cut)
+    peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU (GPUs known by name)
 
 
 class EvalSection(_Strict):
