@@ -193,13 +193,17 @@ class VideoDiT(nn.Module):
                 generator: torch.Generator | None = None) -> dict:
         """Rectified-flow loss: ``loss_sum`` (per-patch velocity MSE summed over patches) and
         ``n_tokens`` (patches) -- summed over micro-batches and ranks before one division, like
-        the LM's -- and ``router_loss`` (a per-token mean to add, 0 when dense)."""
+        the LM's -- and ``router_loss`` (a per-token mean to add, 0 when dense). Times and
+        noise are drawn from ``generator`` (the global RNG when None), on its device."""
         c, device = self.config, x0_PC.device
         n_clips = grid_thw_V3.shape[0]
-        logits_V = torch.randn(n_clips, generator=generator, device=device)
+        # Draw on the generator's device (a CPU generator may drive a GPU model: the same
+        # seed gives the same times and noise on any device), then move.
+        rng = generator.device if generator is not None else device
+        logits_V = torch.randn(n_clips, generator=generator, device=rng).to(device)
         t_V = torch.sigmoid(c.logit_normal_mean + c.logit_normal_std * logits_V)
-        noise_PC = torch.randn(x0_PC.shape, generator=generator, device=device,
-                               dtype=x0_PC.dtype)
+        noise_PC = torch.randn(x0_PC.shape, generator=generator, device=rng,
+                               dtype=x0_PC.dtype).to(device)
         sizes_V = grid_thw_V3.prod(dim=1).to(device)
         t_P1 = t_V.repeat_interleave(sizes_V)[:, None].to(x0_PC.dtype)
         x_t_PC = (1 - t_P1) * x0_PC + t_P1 * noise_PC

@@ -11,6 +11,8 @@ hand out), not as committed. ``next_step`` is what training has finished.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 CLIENT_WINDOW_S = 60.0  # a rank that fetched a plan this recently counts as connected
@@ -31,6 +33,7 @@ def plane_status(plane, now: float) -> dict:
     return {
         "spec": plane.spec_path, "accounting": plane.spec.accounting,
         "dp": plane.dp_at(plane.next_step), "window": W,
+        "config": dataclasses.asdict(plane.config),  # what a trainer checks before it joins
         "next_step": plane.next_step, "served_max_step": plane.served_max,
         "planned_through": planned_through,
         "plans_ahead": max(planned_through - plane.next_step, 0),  # beyond next_step

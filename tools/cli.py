@@ -52,6 +52,18 @@ def _data_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from tools.report import report_command
+
+    return report_command(args.run_dir, args.out)
+
+
+def _bench_all(args: argparse.Namespace) -> int:
+    from tools.bench.all import run_all, select
+
+    return run_all(select(args.only), args.quick, Path(args.out))
+
+
 def _balance_simulate(args: argparse.Namespace) -> int:
     from tools.balance_sim import simulate_command
 
@@ -63,7 +75,7 @@ def _train(args: argparse.Namespace) -> int:
     from tools.train.launch import train
 
     train(args.config, nproc=args.nproc, resume=args.resume, sets=args.set or [],
-          progress=not args.no_progress)
+          progress=not args.no_progress, plane=args.plane, plane_token=args.token)
     return 0
 
 
@@ -148,7 +160,33 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="KEY=VALUE",
                        help="override a config key (dotted, YAML value); repeatable")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--plane", metavar="URL", help="an external data plane (`omniscale "
+                       "plane serve --dp NPROC --sp-max 1 ...`) instead of the embedded one")
+    train.add_argument("--token", help="the external plane's bearer token")
     train.set_defaults(func=_train)
+
+    report = commands.add_parser(
+        "report", help="plots of a training run (loss, throughput, mixture, load) + index.html")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (metrics.jsonl)")
+    report.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/report)")
+    report.set_defaults(func=_report)
+
+    bench = commands.add_parser("bench", help="benchmarks against their baselines")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True,
+                                          metavar="SUBCOMMAND")
+    bench_all = bench_commands.add_parser(
+        "all", help="run every tools/bench benchmark; JSON + Markdown table of headline ratios")
+    # Arguments here, not imported from tools/bench/all.py: tools/bench is not a package that
+    # an installed (non-editable) distribution carries, and --help must work without it.
+    bench_all.add_argument("--quick", action="store_true",
+                           help="each bench's quick mode (or smaller sizes where it has none)")
+    bench_all.add_argument("--only", metavar="NAME,...",
+                           help="run only these (balance, linear_ce_memory, kernels, model, "
+                                "loader, plane, gpu_check)")
+    bench_all.add_argument("--out", default="bench-results.json", metavar="FILE",
+                           help="collected JSON (default bench-results.json); the Markdown "
+                                "table goes beside it as .md")
+    bench_all.set_defaults(func=_bench_all)
 
     from tools.plane_cli import add_commands as add_plane_commands
 

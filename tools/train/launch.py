@@ -78,9 +78,34 @@ def _spawned(rank: int, world: int, job: RankJob) -> None:
         raise SystemExit(2) from None
 
 
+def check_plane(url: str, token: str | None, nproc: int, start: int) -> None:
+    """An external plane must plan for this job: ``nproc`` ranks, no sequence-parallel
+    groups (this trainer has no SP), next step = the step the trainer starts at."""
+    from dataplane.client import PlaneClient
+
+    try:
+        with PlaneClient(url, token=token, timeout=10.0, retry_for=30.0) as client:
+            status = client.status()
+    except Exception as e:  # noqa: BLE001 -- unreachable, refused, bad token: one line
+        raise UserError(f"--plane {url}: {str(e).splitlines()[0]}") from None
+    config = status.get("config", {})
+    if status["dp"] != nproc:
+        raise UserError(f"--plane {url}: the plane plans for --dp {status['dp']}, this run has "
+                        f"--nproc {nproc}")
+    if config.get("sp_max", 1) != 1:
+        raise UserError(f"--plane {url}: the plane may split samples over ranks (--sp-max "
+                        f"{config['sp_max']}); serve it with --sp-max 1 for this trainer")
+    if status["next_step"] != start:
+        raise UserError(f"--plane {url}: the plane's next step is {status['next_step']}, the "
+                        f"run starts at step {start} (restart the plane with --restore-step "
+                        f"{start})")
+
+
 def train(config: str | None, nproc: int = 1, resume: str | None = None,
-          sets: list[str] = (), progress: bool = True) -> dict:
-    """Train (and evaluate); returns ``{"run_dir", "steps", "eval"}``."""
+          sets: list[str] = (), progress: bool = True, plane: str | None = None,
+          plane_token: str | None = None) -> dict:
+    """Train (and evaluate); returns ``{"run_dir", "steps", "eval"}``. ``plane``: the URL of
+    an external data plane (``omniscale plane serve``); by default rank 0 embeds one."""
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: must be >= 1")
     cfg, run_dir = resolve_config(config, resume, list(sets))
@@ -95,9 +120,12 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
                         f"(--set steps=N to train on)")
     for stale in run_dir.glob("error-rank*.txt"):
         stale.unlink()
+    if plane is not None:
+        check_plane(plane, plane_token, nproc, start)
     with tempfile.TemporaryDirectory(prefix="omniscale-pg-") as tmp:
         job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
-                      str(found[1]) if found else None, f"file://{tmp}/store", progress)
+                      str(found[1]) if found else None, f"file://{tmp}/store", progress,
+                      plane_url=plane, plane_token=plane_token)
         if nproc == 1:
             train_rank(0, 1, job)
         else:

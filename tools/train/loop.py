@@ -144,7 +144,7 @@ def _target_mix(spec, step: int, tokens_before: int) -> dict[str, float]:
 def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec) -> None:
     cfg, rank = ctx.cfg, ctx.rank
     writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step) if rank == 0 else None
-    bar = Progress(rank == 0 and job.progress, cfg.steps, job.start_step)
+    bar = Progress(rank == 0, job.progress, cfg.steps, job.start_step, cfg.log_every)
     client = loader.client
     tokens_before = writer.tokens_before if writer is not None else 0
     try:

@@ -55,11 +55,17 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 class Progress:
-    """A rich progress bar with ETA (rank 0), showing the last loss; a no-op elsewhere."""
+    """Rank 0's progress: a rich bar with ETA on a terminal; otherwise (``--no-progress``, a log
+    file, a pipe) one plain line every ``every`` steps, ``step N/TOTAL  ...  eta``, flushed at
+    once so a supervisor (or a test) can follow the run. Other ranks: silent."""
 
-    def __init__(self, enabled: bool, total: int, start: int) -> None:
-        self.bar = None
-        if not enabled:
+    def __init__(self, rank0: bool, bar: bool, total: int, start: int, every: int = 1) -> None:
+        import sys
+        import time
+
+        self.bar, self.enabled, self.total, self.done, self.every = None, rank0, total, start, every
+        self.start_done, self.t0, self.clock = start, time.monotonic(), time.monotonic
+        if not rank0 or not bar or not sys.stdout.isatty():
             return
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
@@ -71,8 +77,14 @@ class Progress:
         self.bar.start()
 
     def update(self, info: str) -> None:
+        self.done += 1
         if self.bar is not None:
             self.bar.update(self.task, advance=1, info=info)
+        elif self.enabled and (self.done % self.every == 0 or self.done == self.total):
+            rate = (self.done - self.start_done) / max(self.clock() - self.t0, 1e-9)
+            eta = (self.total - self.done) / max(rate, 1e-9)
+            print(f"step {self.done}/{self.total}  {info}  eta {int(eta) // 60}m{int(eta) % 60:02d}s",
+                  flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,0 +1,182 @@
+"""``omniscale bench all``: the headline table from canned JSON, failure handling with stand-in
+benches, and one real quick run of the cheapest bench."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dataplane.errors import UserError
+from tools.bench import all as bench_all
+from tools.bench.all import BENCHES, Bench, Goal, Metric, headline_rows, markdown_table
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs" / "bench"
+
+
+def by_metric(rows: list[dict]) -> dict[str, dict]:
+    return {r["metric"]: r for r in rows}
+
+
+def test_every_bench_script_is_registered():
+    """A new tools/bench script must be added to BENCHES, or `bench all` would skip it."""
+    scripts = {p.name for p in (REPO / "tools" / "bench").glob("*.py")
+               if "__main__" in p.read_text() and p.name != "all.py"}
+    scripts |= {p.name for p in (REPO / "tools" / "bench").glob("*.sh")}
+    assert scripts == {b.script for b in BENCHES.values()}
+
+
+def test_headlines_from_the_committed_bench_json():
+    """docs/bench holds each bench's JSON as it writes it: the mapping must find its numbers."""
+    lce = headline_rows("linear_ce_memory",
+                        json.loads((DOCS / "linear_ce_memory.json").read_text()))
+    peak = by_metric(lce)["peak RSS bytes: fused vs unfused linear CE"]
+    assert peak["value"] == 2500304896 and peak["baseline"] == 16120573952
+    assert peak["ratio"] == pytest.approx(0.1551, abs=1e-4)
+    assert peak["target"] == "<= 0.25" and peak["met"] is True
+
+    model = headline_rows("model", json.loads((DOCS / "model.json").read_text()))
+    equal = by_metric(model)["tiny equal: tokens/s ours vs HF Qwen3-MoE"]
+    assert equal["ratio"] == pytest.approx(1.519, abs=1e-3) and equal["met"] is True
+    assert "tiny mixed: ratio vs HF bucketed" in by_metric(model)
+    assert by_metric(model)["tiny mixed: tokens/s ours vs HF padded"]["target"] is None
+
+    balance = headline_rows("balance", json.loads((DOCS / "balance.json").read_text()))
+    assert len(balance) == 9 and all(r["target"] and r["met"] in (True, False) for r in balance)
+
+    kernels = headline_rows("kernels", json.loads((DOCS / "kernels_cpu.json").read_text()))
+    rms = by_metric(kernels)["rms_norm fwd+bwd ms: torch.compile vs eager"]
+    assert rms["ratio"] == pytest.approx(2.6836, abs=1e-3)
+    assert not any("Triton" in r["metric"] for r in kernels)  # CPU JSON: no Triton rows
+
+    loader = by_metric(headline_rows("loader", json.loads((DOCS / "loader.json").read_text())))
+    assert loader["tokens/s: RankLoader vs DataLoader + webdataset"]["ratio"] == \
+        pytest.approx(1.177, abs=1e-3)
+    assert "RSS growth MiB per worker, ours, 1000 sources" in loader
+
+
+def test_headlines_of_plane_and_gpu_kernels_from_canned_json():
+    plane = {"rows": [{"what": "memory: replicated / (plane + client)", "baseline": "900 MiB",
+                       "measured": "40 MiB", "value": "22.5x", "target": ">= 20x", "met": True},
+                      {"what": "serving: latency p50 / p99", "baseline": "-",
+                       "measured": "p50 1 ms", "value": "25 ms", "target": "p99 <= 20 ms",
+                       "met": False}]}
+    rows = headline_rows("plane", plane, quick=True)  # plane's own --quick: still judged
+    assert [(r["value"], r["target"], r["met"]) for r in rows] == [
+        ("22.5x", ">= 20x", True), ("25 ms", "p99 <= 20 ms", False)]
+
+    gpu = {"rows": [{"op": "rms_norm", "ms": {"eager": 2.0, "compile": 1.0, "triton": 0.5},
+                     "compile_speedup": 2.0, "peak_fraction": {"triton": 0.61},
+                     "metric": "HBM bandwidth"}]}
+    rows = by_metric(headline_rows("gpu_check", gpu))
+    assert rows["rms_norm fwd+bwd ms: Triton vs eager"]["ratio"] == 4.0  # computed: 2.0 / 0.5
+    assert rows["rms_norm: Triton fraction of peak HBM bandwidth"]["value"] == 0.61
+
+
+def test_quick_sizes_show_targets_without_judging_them():
+    lce = json.loads((DOCS / "linear_ce_memory.json").read_text())
+    peak = headline_rows("linear_ce_memory", lce, quick=True)[0]
+    assert peak["target"] == "<= 0.25" and peak["met"] == "n/a (quick sizes)"
+
+
+def test_markdown_table_from_canned_results():
+    results = {"quick": False, "benches": {
+        "linear_ce_memory": {"status": "ok", "seconds": 12.0, "command": "python x.py",
+                             "headlines": headline_rows(
+                                 "linear_ce_memory",
+                                 json.loads((DOCS / "linear_ce_memory.json").read_text()))},
+        "loader": {"status": "failed", "seconds": 3.0, "command": "python l.py",
+                   "error": "RuntimeError: a | b"},
+        "gpu_check": {"status": "skipped", "note": "needs CUDA; none here"}}}
+    text = markdown_table(results)
+    lines = text.splitlines()
+    assert lines[2] == "| bench | metric | value | baseline | ratio | target | met? |"
+    assert ("| linear_ce_memory | peak RSS bytes: fused vs unfused linear CE | 2,500,304,896 | "
+            "16,120,573,952 | 0.1551 | <= 0.25 | yes |") in lines
+    assert "| linear_ce_memory | fused and unfused losses agree | yes | - | - | - | - |" in lines
+    assert "| loader | (failed) RuntimeError: a \\| b | - | - | - | - | - |" in lines
+    assert "| gpu_check | (skipped) needs CUDA; none here | - | - | - | - | - |" in lines
+    assert "| loader | failed | 3.0 | `python l.py` |" in lines
+    # every row of the first table has the header's seven cells (escaped pipes are text)
+    first_table = lines[2:lines.index("", 2)]
+    assert len(first_table) == 7
+    assert all(len(re.split(r"(?<!\\)\|", line)) == 9 for line in first_table)
+
+
+def write_script(path: Path, body: str) -> str:
+    path.write_text("import argparse, json, sys\n"
+                    "p = argparse.ArgumentParser(); p.add_argument('--out'); "
+                    "p.add_argument('--small', action='store_true'); a = p.parse_args()\n" + body)
+    return str(path)  # an absolute script path: BENCH_DIR / it is itself
+
+
+def test_a_failing_bench_is_recorded_and_the_rest_still_run(tmp_path, capsys):
+    metric = (Metric("speed-up", value="ours", baseline="base", ratio="ratio",
+                     target=Goal(">=", 1.5)),)
+    benches = {
+        "boom": Bench(write_script(tmp_path / "boom.py",
+                                   "print('working', flush=True)\n"
+                                   "print('Traceback ...\\nOSError: disk on fire', "
+                                   "file=sys.stderr)\nsys.exit(3)\n"), metrics=metric),
+        "fine": Bench(write_script(tmp_path / "fine.py",
+                                   "assert a.small\n"
+                                   "json.dump({'ours': 3.0, 'base': 1.5, 'ratio': 2.0}, "
+                                   "open(a.out, 'w'))\n"),
+                      metrics=metric, quick_args=("--small",), quick_is_own_flag=True),
+        "missed": Bench(write_script(tmp_path / "missed.py",
+                                     "json.dump({'ours': 1.0, 'base': 1.0, 'ratio': 1.0}, "
+                                     "open(a.out, 'w')); sys.exit(1)\n"),
+                        metrics=metric, quick_is_own_flag=True, missed_exit_code=1),
+    }
+    out = tmp_path / "results" / "bench-results.json"
+    assert bench_all.run_all(list(benches), True, out, benches) == 1
+    printed = capsys.readouterr().out
+    assert "[1/3] boom: failed in" in printed and "OSError: disk on fire" in printed
+    assert "[2/3] fine: ok in" in printed and "[3/3] missed: targets missed in" in printed
+    results = json.loads(out.read_text())["benches"]
+    assert results["boom"]["status"] == "failed"
+    assert results["boom"]["error"] == "OSError: disk on fire"
+    assert results["fine"]["headlines"][0]["met"] is True
+    assert results["fine"]["result"] == {"ours": 3.0, "base": 1.5, "ratio": 2.0}
+    assert results["missed"]["headlines"][0]["met"] is False
+    assert "--small" in results["fine"]["command"] and "$SCRATCH/result.json" in \
+        results["fine"]["command"]
+    assert "(failed) OSError: disk on fire" in out.with_suffix(".md").read_text()
+
+
+def test_gpu_check_is_skipped_without_cuda(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_all, "cuda_available", lambda: False)
+    out = tmp_path / "r.json"
+    assert bench_all.run_all(["gpu_check"], False, out) == 0
+    assert "gpu_check: skipped (needs CUDA)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["benches"]["gpu_check"]["status"] == "skipped"
+
+
+def test_only_selects_in_registry_order_and_rejects_unknown_names():
+    assert bench_all.select("plane, balance") == ["balance", "plane"]
+    with pytest.raises(UserError, match="unknown bench 'nope'"):
+        bench_all.select("balance,nope")
+
+
+def test_quick_balance_for_real(tmp_path):
+    """The cheapest bench end to end through the CLI: subprocess, JSON, table."""
+    out = tmp_path / "bench-results.json"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "all", "--only",
+                           "balance", "--quick", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert elapsed < 60, f"bench all --only balance --quick took {elapsed:.0f} s"
+    assert "[1/1] balance: running" in proc.stdout and "[1/1] balance: ok" in proc.stdout
+    record = json.loads(out.read_text())["benches"]["balance"]
+    assert record["status"] == "ok" and record["result"]["quick"] is True
+    assert any(r["metric"].startswith("planner ms/step") for r in record["headlines"])
+    table = out.with_suffix(".md").read_text()
+    assert "| balance | mean imbalance (worst case, sp_max 32) |" in table

@@ -1,0 +1,441 @@
+"""The report's figures, one PNG each, from the rows of ``metrics.jsonl``.
+
+Every plot function takes the rows and the PNG path and returns a :class:`Plot`: drawn (with
+notes on what it left out) or skipped (with the reason). Rows are read defensively -- a field
+that is missing, null or of the wrong type in a row counts as "not recorded at that step" --
+because one run's file can mix rows of different trainer versions (a resumed run).
+
+Matplotlib is used through ``Figure`` (Agg canvas, no pyplot): no global backend switch and no
+figure registry to leak from a long-lived process.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tools.report.inputs import is_number
+
+MAX_HEATMAP_COLUMNS = 1500  # longer runs are averaged into bins: a pixel per step is no use
+
+
+@dataclass
+class Plot:
+    title: str
+    file: str | None  # the PNG's name next to index.html; None when skipped
+    notes: list[str] = field(default_factory=list)
+
+
+# -- reading fields ----------------------------------------------------------------------------
+def scalar_series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the rows where ``key`` holds a number."""
+    pairs = [(r["step"], r[key]) for r in rows if is_number(r.get(key))]
+    if not pairs:
+        return np.empty(0), np.empty(0)
+    steps, values = zip(*pairs)
+    return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+
+
+def vector_series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, matrix steps × items) of the rows where ``key`` is a list of numbers; rows
+    of different lengths (a resume on another rank count) are padded with NaN."""
+    steps, lists = [], []
+    for r in rows:
+        value = r.get(key)
+        if isinstance(value, list) and value:
+            steps.append(r["step"])
+            lists.append(value)
+    if not lists:
+        return np.empty(0), np.empty((0, 0))
+    return np.asarray(steps, dtype=float), padded(lists)
+
+
+def dict_series(rows: list[dict], key: str) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """(steps, names, matrix steps × names) of the rows where ``key`` is {name: number};
+    a name absent from a row is NaN there."""
+    picked = [r for r in rows if isinstance(r.get(key), dict) and r[key]]
+    names: list[str] = []
+    for r in picked:
+        names += [str(n) for n in r[key] if str(n) not in names]
+    matrix = np.full((len(picked), len(names)), np.nan)
+    for i, r in enumerate(picked):
+        for name, value in r[key].items():
+            if is_number(value):
+                matrix[i, names.index(str(name))] = value
+    return np.asarray([r["step"] for r in picked], dtype=float), names, matrix
+
+
+def smoothed(values: np.ndarray) -> np.ndarray:
+    """Centred moving average over ~1/25 of the run, so the trend shows at any length and,
+    unlike a trailing average, does not lag behind a falling loss. Non-finite values are left
+    out of every window; windows shrink at the ends."""
+    half = int(np.clip(len(values) / 50, 0, 500))
+    finite = np.isfinite(values)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(finite)])
+    index = np.arange(len(values))
+    lo, hi = np.maximum(index - half, 0), np.minimum(index + half + 1, len(values))
+    n = counts[hi] - counts[lo]
+    return np.where(n > 0, (sums[hi] - sums[lo]) / np.maximum(n, 1), np.nan)
+
+
+@contextmanager
+def quiet_nan():
+    """All-NaN rows and zero means are expected here (a step that lacks a field, an idle rank):
+    they give NaN, which plots as a gap, without a warning per occurrence."""
+    with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def padded(lists: list[list]) -> np.ndarray:
+    """Lists of numbers (other values: NaN) as one matrix, short lists padded with NaN."""
+    matrix = np.full((len(lists), max((len(v) for v in lists), default=0)), np.nan)
+    for i, values in enumerate(lists):
+        matrix[i, :len(values)] = [v if is_number(v) else np.nan for v in values]
+    return matrix
+
+
+def per_step_mean_ratio(matrix: np.ndarray) -> np.ndarray:
+    """Each row divided by its mean: load relative to the step's mean, comparable across steps."""
+    with quiet_nan():
+        mean = np.nanmean(np.where(np.isfinite(matrix), matrix, np.nan), axis=1, keepdims=True)
+        return matrix / np.where(mean > 0, mean, np.nan)
+
+
+def on_step_grid(steps: np.ndarray, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows placed at their (integer) step, so a heatmap's columns line up with the steps of
+    the line plots below it: a step that lacks the field stays a blank column instead of
+    shifting every later one. Steps that are not integers, or too sparse to spread out,
+    are left as they are."""
+    if not len(steps) or not np.all(steps == np.round(steps)):
+        return steps, matrix
+    first, last = int(steps.min()), int(steps.max())
+    if last - first + 1 > 20 * len(steps):
+        return steps, matrix
+    grid = np.full((last - first + 1, matrix.shape[1]), np.nan)
+    grid[steps.astype(int) - first] = matrix
+    return np.arange(first, last + 1, dtype=float), grid
+
+
+def binned_columns(steps: np.ndarray, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """(steps, matrix, bin size) with at most MAX_HEATMAP_COLUMNS rows, each a bin's mean."""
+    size = max(1, -(-len(steps) // MAX_HEATMAP_COLUMNS))
+    if size == 1:
+        return steps, matrix, 1
+    n = len(steps) // size * size  # a ragged last bin is dropped: it would average fewer steps
+    shaped = matrix[:n].reshape(n // size, size, matrix.shape[1])
+    with quiet_nan():
+        return steps[:n:size], np.nanmean(shaped, axis=1), size
+
+
+# -- figures -----------------------------------------------------------------------------------
+def _figure(panels: int, width: float = 10.0, height: float = 3.0):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height * panels + 0.4), layout="constrained")
+    axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
+    return fig, list(axes)
+
+
+def _save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
+def _integer_ticks(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))  # ranks, layers, experts: no rank 0.25
+
+
+def _legend(ax, entries: int) -> None:
+    if 0 < entries <= 16:  # past that a legend hides the plot and names nothing readable
+        ax.legend(fontsize="small", loc="best")
+
+
+def plot_loss(rows: list[dict], path: Path, accounting: str | None = None) -> Plot:
+    plot = Plot("Loss", None)
+    steps, loss = scalar_series(rows, "loss")
+    src_steps, sources, src_loss = dict_series(rows, "source_loss")
+    if not len(steps) and not sources:
+        plot.notes.append("skipped: no row records `loss` or `source_loss`")
+        return plot
+    fig, axes = _figure(2 if (len(steps) and sources) else 1)
+    if len(steps):
+        ax = axes[0]
+        ax.plot(steps, loss, color="C0", alpha=0.35, lw=0.8, label="per step")
+        ax.plot(steps, smoothed(loss), color="C0", lw=1.8, label="smoothed")
+        ax.set_title("training loss (token cross-entropy)")
+        ax.set_ylabel("loss")
+        _legend(ax, 2)
+    else:
+        plot.notes.append("total `loss` not recorded")
+    if sources:
+        ax = axes[-1]
+        for i, name in enumerate(sources):
+            ax.plot(src_steps, src_loss[:, i], color=f"C{i % 10}", alpha=0.25, lw=0.7)
+            ax.plot(src_steps, smoothed(src_loss[:, i]), color=f"C{i % 10}", lw=1.5,
+                    label=name)
+        ax.set_title("loss per source (mean over its tokens in the step; bold: smoothed)")
+        ax.set_ylabel("loss")
+        _legend(ax, len(sources))
+    else:
+        plot.notes.append("per-source loss not recorded (rows have no `source_loss`)")
+    axes[-1].set_xlabel("step")
+    _save(fig, path)
+    plot.file = path.name
+    return plot
+
+
+def plot_throughput(rows: list[dict], path: Path, accounting: str | None = None) -> Plot:
+    plot = Plot("Throughput", None)
+    tokens = scalar_series(rows, "tokens_per_s")
+    times = {key: scalar_series(rows, key) for key in
+             ("step_s", "measured_step_s", "predicted_step_s")}
+    wait = scalar_series(rows, "data_wait_frac")
+    panels = [name for name, present in (("tokens", len(tokens[0])),
+                                         ("times", any(len(s) for s, _ in times.values())),
+                                         ("wait", len(wait[0]))) if present]
+    for name, field_name in (("tokens", "tokens_per_s"), ("times", "step_s"),
+                             ("wait", "data_wait_frac")):
+        if name not in panels:
+            plot.notes.append(f"`{field_name}` not recorded")
+    if not panels:
+        plot.notes.insert(0, "skipped: no throughput fields recorded")
+        return plot
+    fig, axes = _figure(len(panels), height=2.6)
+    for ax, name in zip(axes, panels):
+        if name == "tokens":
+            ax.plot(*tokens, color="C2", alpha=0.35, lw=0.8)
+            ax.plot(tokens[0], smoothed(tokens[1]), color="C2", lw=1.8)
+            ax.set_title("tokens/s (all ranks; bold: smoothed)")
+            ax.set_ylabel("tokens/s")
+        elif name == "times":
+            styles = {"step_s": ("step (compute + data wait)", "-"),
+                      "measured_step_s": ("slowest rank's compute", "-"),
+                      "predicted_step_s": ("predicted from the plan's cost", "--")}
+            for i, (key, (label, style)) in enumerate(styles.items()):
+                if len(times[key][0]):
+                    ax.plot(*times[key], style, color=f"C{i + 3}", lw=1.0, label=label)
+            ax.set_title("seconds per step")
+            ax.set_ylabel("s")
+            _legend(ax, 3)
+        else:
+            ax.plot(*wait, color="C1", lw=1.0)
+            ax.set_ylim(bottom=0)
+            ax.set_title("fraction of the step spent waiting for data (slowest rank)")
+            ax.set_ylabel("fraction")
+    axes[-1].set_xlabel("step")
+    _save(fig, path)
+    plot.file = path.name
+    return plot
+
+
+def plot_mixture(rows: list[dict], path: Path, accounting: str | None = None) -> Plot:
+    """Realized share per source against the schedule's (normalised) weights, counted in the
+    spec's unit (``accounting``): per step, and cumulative -- the cumulative target is the
+    mean of the per-step targets weighted by each step's total, so a schedule that changes
+    over the run is compared like for like."""
+    plot = Plot("Mixture: realized vs target", None)
+    key, unit = "mix_tokens", "token"
+    if accounting == "samples":
+        if any(isinstance(r.get("mix_samples"), dict) and r["mix_samples"] for r in rows):
+            key, unit = "mix_samples", "sample"
+        else:
+            plot.notes.append("the spec's weights count samples but rows have no "
+                              "`mix_samples`: token shares shown, which differ from the "
+                              "weights by each source's mean length")
+    elif accounting is None:
+        plot.notes.append("the spec's accounting is unknown (no readable config.yaml and "
+                          "spec): token shares shown")
+    steps, names, drawn = dict_series(rows, key)
+    if not names:
+        plot.notes = [f"skipped: rows have no `{key}` ({unit}s per source per step)"]
+        return plot
+    drawn = np.nan_to_num(drawn)  # a source absent from a step drew nothing there
+    mixed_rows = [r for r in rows if isinstance(r.get(key), dict) and r[key]]
+    # A source the schedule wanted but that never drew anything is the one to see: keep it.
+    for row in mixed_rows:
+        weights = row.get("mix_target")
+        for name in (weights if isinstance(weights, dict) else ()):
+            if str(name) not in names:
+                names.append(str(name))
+                drawn = np.concatenate([drawn, np.zeros((len(drawn), 1))], axis=1)
+    target = np.full(drawn.shape, np.nan)  # the same rows, in the same order, as dict_series
+    for i, row in enumerate(mixed_rows):
+        weights = row.get("mix_target")
+        if isinstance(weights, dict):
+            for j, name in enumerate(names):
+                weight = weights.get(name)
+                if is_number(weight):
+                    target[i, j] = weight
+    with quiet_nan():
+        total = drawn.sum(axis=1)
+        share = drawn / np.where(total > 0, total, np.nan)[:, None]
+        target_share = target / np.nansum(target, axis=1, keepdims=True)
+        has_target = np.isfinite(target_share).any(axis=1)
+        cumulative = np.cumsum(drawn, axis=0) / np.cumsum(total)[:, None]
+        weighted_target = np.nan_to_num(target_share) * total[:, None]
+        target_total = np.cumsum(np.where(has_target, total, 0))
+        cumulative_target = np.cumsum(weighted_target, axis=0) / \
+            np.where(target_total > 0, target_total, np.nan)[:, None]
+    if not has_target.any():
+        plot.notes.append("no `mix_target` recorded: realized shares only")
+    fig, axes = _figure(2)
+    for j, name in enumerate(names):
+        color = f"C{j % 10}"
+        axes[0].plot(steps, cumulative[:, j], color=color, lw=1.6, label=name)
+        axes[1].plot(steps, share[:, j], color=color, lw=0.8, alpha=0.6, label=name)
+        if has_target.any():
+            axes[0].plot(steps, cumulative_target[:, j], "--", color=color, lw=1.2)
+            axes[1].plot(steps, target_share[:, j], "--", color=color, lw=1.4)
+    axes[0].set_title(f"cumulative {unit} share per source (solid) vs target (dashed)")
+    axes[1].set_title(f"per step: realized {unit} share (thin) vs schedule weight, normalised "
+                      "(dashed)")
+    for ax in axes:
+        ax.set_ylabel("share")
+        ax.set_ylim(0, max(1e-3, float(np.nanmax(np.r_[share.ravel(), target_share.ravel(),
+                                                           0.0]))) * 1.08)
+    _legend(axes[0], len(names))
+    axes[-1].set_xlabel("step")
+    _save(fig, path)
+    final = ", ".join(
+        f"{name} {cumulative[-1, j]:.3f}" + (f" (target {cumulative_target[-1, j]:.3f})"
+                                             if np.isfinite(cumulative_target[-1, j]) else "")
+        for j, name in enumerate(names))
+    plot.notes.append(f"final cumulative {unit} share: {final}")
+    plot.file = path.name
+    return plot
+
+
+def _heatmap(fig, ax, steps: np.ndarray, matrix: np.ndarray, title: str, ylabel: str,
+             colorbar: str) -> None:
+    steps, matrix, size = binned_columns(*on_step_grid(steps, matrix))
+    extent = (steps[0] - 0.5 * size, steps[-1] + 0.5 * size, matrix.shape[1] - 0.5, -0.5)
+    image = ax.imshow(matrix.T, aspect="auto", interpolation="nearest", cmap="viridis",
+                      extent=extent)
+    fig.colorbar(image, ax=ax, label=colorbar)
+    _integer_ticks(ax.yaxis)
+    ax.set_title(title + (f" (bins of {size} steps)" if size > 1 else ""))
+    ax.set_ylabel(ylabel)
+
+
+def plot_rank_load(rows: list[dict], path: Path, accounting: str | None = None) -> Plot:
+    plot = Plot("Per-rank load", None)
+    measured = vector_series(rows, "rank_compute_s")
+    predicted = vector_series(rows, "rank_predicted_cost")
+    lines = {key: scalar_series(rows, key) for key in ("imbalance_measured",
+                                                       "imbalance_predicted")}
+    for key, series in (("rank_compute_s", measured), ("rank_predicted_cost", predicted)):
+        if not len(series[0]):
+            plot.notes.append(f"`{key}` not recorded")
+    for key, (s, v) in lines.items():
+        source = measured if key.endswith("measured") else predicted
+        if not len(s) and len(source[0]):  # older rows: derive max/mean from the lists
+            with quiet_nan():
+                ratio = np.nanmax(source[1], axis=1) / np.nanmean(source[1], axis=1)
+            lines[key] = (source[0], ratio)
+    heatmaps = [(label, series) for label, series in
+                (("compute seconds", measured), ("predicted cost", predicted)) if len(series[0])]
+    has_lines = any(len(s) for s, _ in lines.values())
+    if not heatmaps and not has_lines:
+        plot.notes.insert(0, "skipped: no per-rank load fields recorded")
+        return plot
+    fig, axes = _figure(len(heatmaps) + has_lines, height=2.8)
+    for ax, (label, (steps, matrix)) in zip(axes, heatmaps):
+        _heatmap(fig, ax, steps, per_step_mean_ratio(matrix),
+                 f"per-rank {label} ÷ the step's mean", "rank", "÷ step mean")
+    if has_lines:
+        ax = axes[-1]
+        for i, (key, (s, v)) in enumerate(lines.items()):
+            if len(s):
+                ax.plot(s, v, "-" if key.endswith("measured") else "--", color=f"C{i}",
+                        lw=1.0, label=key.replace("_", " ") + " (max / mean)")
+        ax.axhline(1.0, color="0.6", lw=0.6)
+        if heatmaps:
+            ax.set_xlim(axes[0].get_xlim())  # the same steps under each other
+        ax.set_title("imbalance: slowest rank over the mean")
+        ax.set_ylabel("max / mean")
+        _legend(ax, 2)
+    axes[-1].set_xlabel("step")
+    _save(fig, path)
+    plot.file = path.name
+    return plot
+
+
+def plot_expert_load(rows: list[dict], path: Path, accounting: str | None = None) -> Plot:
+    plot = Plot("Expert load", None)
+    load_rows = [r for r in rows if isinstance(r.get("expert_load"), list) and r["expert_load"]]
+    ratio_steps, ratios = vector_series(rows, "expert_load_max_over_mean")
+    total = _summed_expert_load(load_rows)
+    if not len(ratio_steps) and total is not None:  # older rows: derive it from the counts
+        ratio_steps = np.asarray([r["step"] for r in load_rows], dtype=float)
+        ratios = padded([list(_max_over_mean(_layer_matrix(r["expert_load"])))
+                         for r in load_rows])
+    if not len(ratio_steps) and total is None:
+        plot.notes.append("skipped: rows have no `expert_load` or `expert_load_max_over_mean` "
+                          "(dense model, or an older run)")
+        return plot
+    panels = (len(ratio_steps) > 0) + (total is not None)
+    fig, axes = _figure(panels, height=3.0)
+    if len(ratio_steps):
+        ax = axes[0]
+        for layer in range(ratios.shape[1]):
+            ax.plot(ratio_steps, ratios[:, layer], lw=0.9, color=f"C{layer % 10}",
+                    label=f"MoE layer {layer}")
+        ax.axhline(1.0, color="0.6", lw=0.6)
+        ax.set_title("busiest expert's tokens over the layer's mean, per step")
+        ax.set_ylabel("max / mean")
+        ax.set_xlabel("step")
+        _legend(ax, ratios.shape[1])
+    else:
+        plot.notes.append("`expert_load_max_over_mean` not recorded")
+    if total is not None:
+        ax = axes[-1]
+        relative = per_step_mean_ratio(total)
+        image = ax.imshow(relative, aspect="auto", interpolation="nearest", cmap="viridis")
+        fig.colorbar(image, ax=ax, label="÷ layer mean")
+        _integer_ticks(ax.xaxis)
+        _integer_ticks(ax.yaxis)
+        ax.set_title(f"tokens per expert summed over {len(load_rows)} steps, ÷ the layer's mean")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("MoE layer")
+    else:
+        plot.notes.append("`expert_load` (token counts per expert) not recorded")
+    _save(fig, path)
+    plot.file = path.name
+    return plot
+
+
+def _layer_matrix(layers: list) -> np.ndarray:
+    """A row's ``expert_load`` (list per layer of counts) as layers × experts, NaN-padded."""
+    return padded([layer if isinstance(layer, list) else [] for layer in layers])
+
+
+def _max_over_mean(matrix: np.ndarray) -> np.ndarray:
+    with quiet_nan():
+        return np.nanmax(per_step_mean_ratio(matrix), axis=1) if matrix.size else np.empty(0)
+
+
+def _summed_expert_load(load_rows: list[dict]) -> np.ndarray | None:
+    """Counts summed over the rows, layers × experts; None when there are none to sum."""
+    matrices = [_layer_matrix(r["expert_load"]) for r in load_rows]
+    matrices = [m for m in matrices if m.size]
+    if not matrices:
+        return None
+    shape = tuple(max(m.shape[k] for m in matrices) for k in (0, 1))
+    total = np.zeros(shape)
+    for m in matrices:
+        total[:m.shape[0], :m.shape[1]] += np.nan_to_num(m)
+    return total
+
+
+# Order of the report's sections, and each figure's file name.
+PLOTS = (("loss.png", plot_loss), ("throughput.png", plot_throughput),
+         ("mixture.png", plot_mixture), ("rank_load.png", plot_rank_load),
+         ("expert_load.png", plot_expert_load))
