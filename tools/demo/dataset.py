@@ -28,9 +28,11 @@ from tools.demo import specs, text
 from tools.demo.shards import SOURCE_IDS, SPLIT_IDS, ShardResult, ShardTask, write_shard
 from tools.demo.tokenizer import train_tokenizer
 
-VERSION = 1
+VERSION = 2  # 2: lm.yaml and video.yaml, the lm and video_gen tasks' specs
 SUMMARY_FILE = "demo.json"
 SPEC_FILES = {"train": "mix.yaml", "eval": "eval.yaml"}
+TASK_SPECS = {"lm": ("lm.yaml", ("text", "docs")),
+              "video": ("video.yaml", ("video_caption",))}
 # name -> (format, template), in the order the specs list them.
 SOURCES = {
     "text": ("webdataset", "text"), "docs": ("parquet", "text"),
@@ -166,8 +168,16 @@ def build(dest: Path, plan: Plan, seed: int = 0, workers: int = 1, progress: boo
         specs.write_spec(dest / SPEC_FILES["eval"], specs.eval_spec(seed, in_split["eval"]),
                          f"Demo held-out evaluation set (scale {scale}, seed {seed}): "
                          "disjoint from train.")
+    spec_files = {split: SPEC_FILES[split] for split in sources}
+    for task, (name, wanted) in TASK_SPECS.items():
+        chosen = {n: v for n, v in in_split["train"].items() if n in wanted}
+        if chosen:
+            specs.write_spec(dest / name, specs.task_spec(seed, chosen),
+                             f"Demo {task} mixture (scale {scale}, seed {seed}): "
+                             f"{', '.join(chosen)} at constant weight.")
+            spec_files[task] = name
     summary = {"version": VERSION, "scale": scale, "seed": seed, "tokenizer": "tokenizer.json",
-               "specs": {split: SPEC_FILES[split] for split in sources}, "sources": sources}
+               "specs": spec_files, "sources": sources}
     (dest / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -65,6 +65,15 @@ def eval_spec(seed: int, sources: dict[str, tuple[str, str]]) -> dict:
                         for n, (f, t) in sources.items()]}
 
 
+def task_spec(seed: int, sources: dict[str, tuple[str, str]]) -> dict:
+    """A single-task training spec (the ``lm`` and ``video_gen`` demos): the given train
+    sources at equal constant weight, in tokens, cycling epochs."""
+    return {"seed": seed, "tokenizer": "tokenizer.json", "accounting": "tokens",
+            "on_exhausted": "next_epoch", "media": dict(MEDIA),
+            "sources": [{**_source(n, "train", f, t), "weight": 1}
+                        for n, (f, t) in sources.items()]}
+
+
 def write_spec(path: Path, spec: dict, header: str) -> None:
     """YAML in the spec's own key order, under a ``#`` comment header."""
     comment = "".join(f"# {line}\n" for line in header.strip().splitlines())

@@ -71,7 +71,7 @@ class EvalSection(_Strict):
 
 
 class RunConfig(_Strict):
-    task: Literal["omni"] = "omni"
+    task: Literal["omni", "lm", "video_gen"] = "omni"
     seed: int = 0
     steps: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)

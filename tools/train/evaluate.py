@@ -28,6 +28,7 @@ from tools.train.build import build_model, model_config
 from tools.train.config import RunConfig
 
 IGNORE = -100
+TEXT_TEMPLATES = ("text",)  # the lm task's held-out sources (templates without media)
 
 
 def _one_source_spec(eval_spec: Path, name: str, out: Path) -> Path:
@@ -65,39 +66,66 @@ def caption_accuracy(model, batches) -> tuple[int, int, Counter]:
     return correct, total, targets
 
 
+def _batches(cfg: RunConfig, eval_spec: Path, source: str, out_dir: Path):
+    """Up to ``eval.max_samples`` held-out samples of one source, as training micro-batches."""
+    one = load_spec(_one_source_spec(eval_spec, source, out_dir / f"{source}.yaml"))
+    state = out_dir / f"plane-{source}"
+    shutil.rmtree(state, ignore_errors=True)
+    config = PlaneConfig(dp=1, micro_batch_tokens=cfg.data.micro_batch_tokens,
+                         global_batch_samples=8, sp_max=1, window=1)
+    batches, samples = [], 0
+    with start_embedded(one.path, state, config) as plane:
+        loader = RankLoader(plane.url, 0, {s.name: s.path for s in one.sources},
+                            one.tokenizer, one.media, num_workers=0)
+        try:
+            for batch in loader:
+                batches += batch.micro_batches
+                samples += batch.num_samples
+                loader.commit(batch.step)
+                if samples >= cfg.eval.max_samples:
+                    break
+        finally:
+            loader.close()
+    return batches, samples
+
+
 def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
-    """Accuracy per caption source of ``cfg.data.eval_spec`` for the run's last checkpoint."""
+    """Held-out results of the run's last checkpoint, per source of ``cfg.data.eval_spec``:
+    omni, caption-token accuracy of every ``*_caption`` source; lm, next-token accuracy of the
+    text sources; video_gen, the velocity loss of the video captions at fixed timesteps."""
     found = checkpoint.latest(run_dir)
     if found is None:
         return {}
     eval_spec = Path(cfg.data.eval_spec)
     spec = load_spec(eval_spec)
+    out_dir = run_dir / "eval"
+    out_dir.mkdir(exist_ok=True)
+    if cfg.task == "video_gen":
+        from tools.train.video_gen import build_video_model, evaluate_video_gen
+
+        model = build_video_model(cfg, spec, torch.device("cpu"))
+        checkpoint.load(found[1], model, None)
+        model.eval()
+        results = {}
+        for source in [s.name for s in spec.sources if s.template == "video_caption"]:
+            batches, samples = _batches(cfg, eval_spec, source, out_dir)
+            r = evaluate_video_gen(model, batches)
+            results[source] = {"samples": samples, **{k: float(v) for k, v in r.items()}}
+        if verbose:
+            print(f"held-out velocity loss (checkpoint step {found[0]}): " + ", ".join(
+                f"{n} {r['loss']:.4f}" for n, r in results.items()))
+        return results
     mcfg = model_config(cfg, spec.media, spec.tokenizer)
     model = build_model(mcfg, cfg.seed, torch.device("cpu"))
     checkpoint.load(found[1], model, None)
     model.eval()
-    out_dir = run_dir / "eval"
-    out_dir.mkdir(exist_ok=True)
+    if cfg.task == "lm":
+        chosen = [s.name for s in spec.sources if s.template in TEXT_TEMPLATES]
+    else:
+        chosen = [s.name for s in spec.sources if s.template.endswith("_caption")]
     results = {}
-    for source in [s.name for s in spec.sources if s.template.endswith("_caption")]:
-        one = load_spec(_one_source_spec(eval_spec, source, out_dir / f"{source}.yaml"))
-        state = out_dir / f"plane-{source}"
-        shutil.rmtree(state, ignore_errors=True)
-        config = PlaneConfig(dp=1, micro_batch_tokens=cfg.data.micro_batch_tokens,
-                             global_batch_samples=8, sp_max=1, window=1)
-        with start_embedded(one.path, state, config) as plane:
-            loader = RankLoader(plane.url, 0, {s.name: s.path for s in one.sources},
-                                one.tokenizer, one.media, num_workers=0)
-            batches, samples = [], 0
-            try:
-                for batch in loader:
-                    batches += batch.micro_batches
-                    samples += batch.num_samples
-                    loader.commit(batch.step)
-                    if samples >= cfg.eval.max_samples:
-                        break
-            finally:
-                loader.close()
+    for source in chosen:
+        batches, samples = _batches(cfg, eval_spec, source, out_dir)
         correct, total, targets = caption_accuracy(model, batches)
         majority = max(targets.values()) / total if total else 0.0
         results[source] = {"samples": samples, "tokens": total,
@@ -105,15 +133,15 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
                            "chance_uniform": 1.0 / mcfg.vocab_size,
                            "chance_majority": majority}
     if verbose:
-        _print(results, found[0])
+        _print(results, found[0], "caption" if cfg.task == "omni" else "next-token")
     return results
 
 
-def _print(results: dict, step: int) -> None:
+def _print(results: dict, step: int, what: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"held-out caption accuracy (teacher-forced, checkpoint step {step})")
+    table = Table(title=f"held-out {what} accuracy (teacher-forced, checkpoint step {step})")
     for col in ("source", "samples", "tokens", "accuracy", "chance: majority token",
                 "chance: uniform"):
         table.add_column(col, justify="left" if col == "source" else "right")

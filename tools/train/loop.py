@@ -86,33 +86,42 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
     plane = loader = None
     try:
         spec = load_spec(job.spec)
-        mcfg = model_config(cfg, spec.media, spec.tokenizer)
+        video = cfg.task == "video_gen"
+        mcfg = None if video else model_config(cfg, spec.media, spec.tokenizer)
         if rank == 0 and job.plane_url is None:
-            plane = start_embedded(job.spec, run_dir / "plane",
-                                   plane_config(cfg, world, mcfg.cost_coefficients()),
+            cost = mcfg.cost_coefficients() if mcfg is not None else None
+            plane = start_embedded(job.spec, run_dir / "plane", plane_config(cfg, world, cost),
                                    restore_step=job.start_step if job.resume_from else None)
         url = _share_url(job.plane_url or (plane.url if plane else None), rank, run_dir)
         loader = RankLoader(url, rank, {s.name: s.path for s in spec.sources}, spec.tokenizer,
                             spec.media, num_workers=cfg.data.workers,
                             prefetch_steps=cfg.data.prefetch_steps, policy=cfg.data.policy,
                             start_step=job.start_step, token=job.plane_token)
-        model = build_model(mcfg, cfg.seed, device)
+        if video:
+            from tools.train.video_gen import build_video_model, video_gen_step
+
+            model, step_fn = build_video_model(cfg, spec, device), video_gen_step
+        else:
+            model, step_fn = build_model(mcfg, cfg.seed, device), train_step
         if world > 1:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
             from parallel import ParallelDims, apply_fsdp
 
             dims = ParallelDims(dp_shard=world, world_size=world)
-            dims.validate_for(mcfg)
+            if mcfg is not None:
+                dims.validate_for(mcfg)
             apply_fsdp(model, dims.build_mesh(device.type),
                        encoder_mesh=dims.build_encoder_mesh(device.type))
-            register_fsdp_forward_method(model, "encode_items")
+            if hasattr(model, "encode_items"):
+                register_fsdp_forward_method(model, "encode_items")
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer)
-        ctx = StepContext(cfg, world, rank, [s.name for s in spec.sources],
-                          *mcfg.cost_coefficients(), peak_flops(cfg, device))
-        _loop(ctx, run_dir, job, model, optimizer, loader, spec)
+        alpha, beta = mcfg.cost_coefficients() if mcfg is not None else (0.0, 0.0)
+        ctx = StepContext(cfg, world, rank, [s.name for s in spec.sources], alpha, beta,
+                          peak_flops(cfg, device))
+        _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn)
         dist.barrier()  # nobody stops the plane while another rank still talks to it
     finally:
         if loader is not None:
@@ -141,7 +150,7 @@ def _target_mix(spec, step: int, tokens_before: int) -> dict[str, float]:
     return {k: round(v, 6) for k, v in spec.schedule.weights_at(x).items()}
 
 
-def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec) -> None:
+def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_fn) -> None:
     cfg, rank = ctx.cfg, ctx.rank
     writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step) if rank == 0 else None
     bar = Progress(rank == 0, job.progress, cfg.steps, job.start_step, cfg.log_every)
@@ -151,7 +160,7 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec) -> Non
         for step in range(job.start_step, cfg.steps):
             batch = next(loader)
             assert batch.step == step, (batch.step, step)
-            row = train_step(ctx, step, model, optimizer, batch)
+            row = step_fn(ctx, step, model, optimizer, batch)
             loader.commit(step)
             row["mix_target"] = _target_mix(spec, step, tokens_before)
             tokens_before += row["tokens"]

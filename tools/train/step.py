@@ -141,8 +141,9 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
                 loss_G, n_G, samples_G, tokens_G, float(stats[-1]), load_LE)
 
 
-def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n_G,
-         samples_G, tokens_G, router, load_LE) -> dict:
+def timing(ctx: StepContext, batch, compute_s: float) -> dict:
+    """Per-rank predicted cost vs measured seconds, the data wait, and the step time the
+    slowest rank sets (every task's row has these)."""
     meta = batch.metadata
     per_rank = torch.tensor([meta.get("predicted_cost", 0.0), compute_s, batch.data_wait_s],
                             dtype=torch.float64)
@@ -154,19 +155,25 @@ def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n
     predicted = ctx.fit.k * max(costs) if ctx.fit.k is not None else None
     ctx.fit.update(costs, secs)
     step_s = max(s + w for s, w in zip(secs, waits))
+    return {"step_s": step_s, "data_wait_frac": max(waits) / max(step_s, 1e-9),
+            "predicted_step_s": predicted, "measured_step_s": max(secs),
+            "rank_compute_s": secs, "rank_predicted_cost": costs,
+            "imbalance_predicted": meta.get("imbalance"),
+            "imbalance_measured": max(secs) / (sum(secs) / len(secs))}
+
+
+def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n_G,
+         samples_G, tokens_G, router, load_LE) -> dict:
+    times = timing(ctx, batch, compute_s)
+    step_s = times["step_s"]
     names = ctx.sources + ["(other)"]
     flops_per_s = float(counts[2]) / max(step_s, 1e-9)
     row = {"step": step, "loss": float(loss_G.sum()) / n_global,
            "router_loss": router / n_global, "lr": lr, "grad_norm": grad_norm,
            "tokens": int(counts[1]), "target_tokens": int(counts[0]),
-           "tokens_per_s": float(counts[1]) / max(step_s, 1e-9), "step_s": step_s,
-           "data_wait_frac": max(waits) / max(step_s, 1e-9),
+           "tokens_per_s": float(counts[1]) / max(step_s, 1e-9), **times,
            "tflops_per_s": flops_per_s / 1e12,
            "mfu": (flops_per_s / (ctx.peak_flops * ctx.world) if ctx.peak_flops else None),
-           "predicted_step_s": predicted, "measured_step_s": max(secs),
-           "rank_compute_s": secs, "rank_predicted_cost": costs,
-           "imbalance_predicted": meta.get("imbalance"),
-           "imbalance_measured": max(secs) / (sum(secs) / len(secs)),
            "micro_batches": len(batch.micro_batches), "skipped": int(counts[3]),
            "media_items_moved": int(counts[4]),
            "source_loss": {n: float(l / c) for n, l, c in zip(names, loss_G, n_G) if c > 0},

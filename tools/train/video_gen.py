@@ -216,3 +216,46 @@ def evaluate_video_gen(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = E
     for t in times:
         out[f"loss_t{t:g}"] = sums[t] / n if n else float("nan")
     return out
+
+
+def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
+    """One optimizer step of the video_gen task: every micro-batch's clips, loss divided by
+    the global patch count (all ranks), clip, AdamW. Time and noise come from a generator
+    seeded by (seed, step, rank): a resumed run draws what the uninterrupted one drew."""
+    import time
+
+    import torch.distributed as dist
+
+    from tools.train.build import lr_at
+    from tools.train.step import grad_norm_and_clip, placeholder, timing
+
+    cfg = ctx.cfg
+    start = time.perf_counter()
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    generator = torch.Generator().manual_seed(
+        (cfg.seed * 1_000_003 + step) * 1_009 + ctx.rank)
+    mbs = [mb if mb.num_tokens else placeholder(mb) for mb in batch.micro_batches]
+    n_local = sum(int(mb.vision_grid_thw_V3[mb.vision_kind_V == 1].prod(dim=1).sum())
+                  for mb in mbs)
+    counts = torch.tensor([n_local, len(batch.skipped)], dtype=torch.float64)
+    dist.all_reduce(counts)
+    n_global = max(float(counts[0]), 1.0)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for mb in mbs:
+        out = video_gen_loss(model, mb, generator)
+        loss = out["loss_sum"]
+        if "router_loss" in out["aux"]:
+            loss = loss + out["aux"]["router_loss"] * out["n_targets"]
+        (loss / n_global).backward()
+        loss_sum += out["loss_sum"].detach().double().cpu()
+    grad_norm = grad_norm_and_clip(model, cfg.optim.grad_clip)
+    optimizer.step()
+    compute_s = time.perf_counter() - start
+    dist.all_reduce(loss_sum)
+    times = timing(ctx, batch, compute_s)
+    return {"step": step, "loss": float(loss_sum) / n_global, "lr": lr, "grad_norm": grad_norm,
+            "tokens": int(counts[0]), "tokens_per_s": float(counts[0]) / max(times["step_s"], 1e-9),
+            **times, "micro_batches": len(mbs), "skipped": int(counts[1])}
