@@ -33,10 +33,21 @@ def unwrap(module: nn.Module) -> nn.Module:
     return getattr(module, "_checkpoint_wrapped_module", module)
 
 
+def _containers(model: nn.Module) -> list[nn.ModuleList | nn.ModuleDict]:
+    """The block containers of `model`: a decoder's `layers` list, an encoder's `blocks`,
+    and a pipeline stage's `layers` dict (keyed by layer index, parallel/pipeline.py)."""
+    return [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+
+
+def _children(container: nn.ModuleList | nn.ModuleDict) -> list[tuple[int | str, nn.Module]]:
+    return list(container.items() if isinstance(container, nn.ModuleDict) else
+                enumerate(container))
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """Every decoder block of `model`, as its parent list holds it (wrapped or not)."""
-    return [child for m in model.modules() if isinstance(m, nn.ModuleList)
-            for child in m if isinstance(unwrap(child), Block)]
+    """Every decoder block of `model`, as its parent container holds it (wrapped or not)."""
+    return [child for m in _containers(model) for _, child in _children(m)
+            if isinstance(unwrap(child), Block)]
 
 
 def encoders(model: nn.Module) -> list[nn.Module]:
@@ -80,8 +91,8 @@ def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
     kwargs = {"preserve_rng_state": False}  # blocks draw no random numbers
     if mode == "selective":
         kwargs["context_fn"] = partial(_selective_context, frozenset(_saved_ops()))
-    for parent in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for i, child in enumerate(parent):
+    for parent in _containers(model):
+        for key, child in _children(parent):
             if isinstance(child, (Block, EncoderBlock)):
-                parent[i] = checkpoint_wrapper(child, **kwargs)
+                parent[key] = checkpoint_wrapper(child, **kwargs)
     return model

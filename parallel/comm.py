@@ -4,6 +4,9 @@ The `apply_*` logic (expert.py, sequence.py, reshard.py) calls these and never t
 `torch.distributed` collectives itself (picotron's split of logic and communication).
 
 Every all-to-all goes through `all_to_all_single` (gloo has no list form of all-to-all).
+`copy_to_group` is Megatron's "f" (identity forward, gradient all-reduced): the input of a
+computation split over a tensor-parallel group, whose ranks each contribute part of its
+gradient. `all_reduce_` is the plain in-place reduction of statistics (no gradient).
 Its backward is the reverse all-to-all of the gradients: rows rank i sent to rank j come back
 from j as the gradient of those rows. A backward collective runs only when autograd reaches
 the op, so every rank must put the op's output into its loss (a `0 * out.sum()` term where a
@@ -84,3 +87,31 @@ def exchange_counts(counts_R: torch.Tensor, group: Group = None) -> torch.Tensor
     """`counts_R[j]` (ints, here) sent to rank j; returns what each rank sent here, [R].
     Not differentiable: split sizes. A `[R, C]` tensor exchanges C counts per rank pair."""
     return _exchange(counts_R, None, None, process_group(group))
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()  # reduced in place; autograd may hold the original
+        dist.all_reduce(grad, group=ctx.pg)
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """`x` itself, whose gradient is summed over `group` in backward: each rank uses `x` for
+    its own part of a split computation (its heads, its vocabulary rows) and holds only that
+    part's gradient."""
+    return _CopyToGroup.apply(x, process_group(group))
+
+
+def all_reduce_(x: torch.Tensor, op: str = "sum", group: Group = None) -> torch.Tensor:
+    """In-place all-reduce of `x` ("sum" or "max"), not differentiable: reductions of
+    statistics such as a softmax's maximum and normaliser."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    dist.all_reduce(x, op=ops[op], group=process_group(group))
+    return x

@@ -66,8 +66,14 @@ class EPDispatcher:
             y_MD = experts(x_MD[by_expert_M], recv_RL.sum(0))[torch.argsort(by_expert_M)]
         else:
             # Nothing to compute here, but the backward all-to-alls must still run on this
-            # rank and the local experts need a (zero) gradient like every other rank's.
-            y_MD = x_MD + 0.0 * (experts.gate_up_proj.sum() + experts.down_proj.sum())
+            # rank and the local experts need a (zero) gradient like every other rank's. The
+            # experts are *called* (on one zero row), not read: under FSDP their weights are
+            # gathered only around their own forward, and their gradient reduce-scatter is
+            # issued by that forward's backward on every rank of the expert-FSDP group.
+            one_1D = x_MD.new_zeros(1, x_MD.shape[1])
+            counts_L = torch.zeros(L, dtype=recv_RL.dtype, device=recv_RL.device)
+            counts_L[0] = 1
+            y_MD = x_MD + 0.0 * experts(one_1D, counts_L).sum()
 
         y_PD = all_to_all_single(y_MD, send_R, recv_R, self.group)
         if x_TD.shape[0] == 0:  # unpermute cannot view 0 rows as [0, K, D]; keep the graph

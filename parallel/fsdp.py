@@ -4,7 +4,10 @@ Units, innermost first: each decoder block's routed experts (only when an expert
 after `apply_ep` they are sharded over `ep`, so FSDP shards them over `edp_shard` instead),
 each decoder block, each encoder block and then each encoder as a whole (patch embedding,
 convolutions, projector) on the encoder mesh, and finally the root, which keeps the token
-embeddings, final norm and LM head. A unit's parameters are gathered just before its forward
+embeddings, final norm and LM head. The model may be a pipeline stage (`apply_pp`'s
+`runner.module`: its blocks, keyed by layer index, become units the same way), and may have
+been split by `apply_tp` first: FSDP then shards each TP-local parameter over the
+data-parallel axes of the same mesh (2-D parameters; the encoders' TP axis is `encoder_tp`). A unit's parameters are gathered just before its forward
 and freed after (or kept, `reshard_after_forward=False`), so peak memory holds one block.
 
 Gradients are **summed** over data-parallel ranks, not averaged: the decoder's loss is a sum

@@ -22,7 +22,13 @@ is FSDP-sharded over `dp_shard_sp` on the same ranks.
 
 Encoders run in decoupled groups (DESIGN.md): each rank encodes the items its encoder plan
 gives it, whatever its backbone coordinates, so the encoder mesh spans the whole world as
-`encoder_dp_replicate × encoder_dp_shard`, its own FSDP layout.
+`encoder_dp_replicate × encoder_dp_shard × encoder_tp`, its own FSDP layout. `encoder_tp`
+(default 1) splits each encoder's heads and FFN over adjacent ranks, which then encode the
+same items (the encoder plan treats such a group as one encoder rank).
+
+Impossible layouts fail here, before any process group exists, with one line naming the axis
+(`ValueError`); so do layouts the `apply_*` functions cannot run yet (pp with sp, pp with
+encoders), rather than hanging or failing mid-step.
 """
 
 from __future__ import annotations
@@ -34,14 +40,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 BACKBONE_AXES = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 EXPERT_AXES = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
-ENCODER_AXES = ("encoder_dp_replicate", "encoder_dp_shard")
+ENCODER_AXES = ("encoder_dp_replicate", "encoder_dp_shard", "encoder_tp")
 
 
 @dataclass
 class ParallelDims:
     """How `world_size` ranks are split. `dp_shard=-1` / `encoder_dp_shard=-1`: whatever the
-    other axes leave. Raises `ValueError` with one line naming the axis when the split is
-    impossible; `validate_for(config)` adds the checks that need the model's shapes."""
+    other axes leave (`encoder_dp_shard=-1`: world_size / encoder_tp). Raises `ValueError`
+    with one line naming the axis when the split is impossible; `validate_for(config)` adds
+    the checks that need the model's shapes."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -51,9 +58,10 @@ class ParallelDims:
     pp: int = 1
     encoder_dp_shard: int = -1
     world_size: int = 1
+    encoder_tp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "ep", "sp", "tp", "pp", "world_size"):
+        for name in ("dp_replicate", "ep", "sp", "tp", "pp", "world_size", "encoder_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("dp_shard", "encoder_dp_shard"):
@@ -67,17 +75,29 @@ class ParallelDims:
                                  f"of dp_replicate·sp·tp·pp = {others}")
             self.dp_shard = self.world_size // others
         if others * self.dp_shard != self.world_size:
+            # ep is not a factor: experts borrow dp_shard·sp ranks (a common slip to count it).
+            hint = f" (ep={self.ep} adds no ranks: it splits dp_shard·sp)" if self.ep > 1 else ""
             raise ValueError(f"dp_replicate·dp_shard·sp·tp·pp = {self.dp_replicate}·"
                              f"{self.dp_shard}·{self.sp}·{self.tp}·{self.pp} = "
-                             f"{others * self.dp_shard}: must equal world_size={self.world_size}")
+                             f"{others * self.dp_shard}: must equal world_size="
+                             f"{self.world_size}{hint}")
         if (self.dp_shard * self.sp) % self.ep:
             raise ValueError(f"ep={self.ep}: must divide dp_shard·sp = "
                              f"{self.dp_shard * self.sp} (experts borrow those ranks)")
-        if self.encoder_dp_shard == -1:
-            self.encoder_dp_shard = self.world_size
-        if self.world_size % self.encoder_dp_shard:
-            raise ValueError(f"encoder_dp_shard={self.encoder_dp_shard}: must divide "
+        if self.pp > 1 and self.sp > 1:
+            # The schedule runs every micro-batch inside one step() call, so no per-micro-batch
+            # Ulysses layout (parallel.sequence.sp_batch) can reach the stages.
+            raise ValueError(f"pp={self.pp} with sp={self.sp}: the pipeline runner carries no "
+                             f"sequence-parallel layout per micro-batch; use one of them")
+        if self.world_size % self.encoder_tp:
+            raise ValueError(f"encoder_tp={self.encoder_tp}: must divide "
                              f"world_size={self.world_size}")
+        if self.encoder_dp_shard == -1:
+            self.encoder_dp_shard = self.world_size // self.encoder_tp
+        if self.world_size % (self.encoder_dp_shard * self.encoder_tp):
+            what = f"encoder_dp_shard={self.encoder_dp_shard}" if self.encoder_tp == 1 else \
+                f"encoder_dp_shard·encoder_tp = {self.encoder_dp_shard}·{self.encoder_tp}"
+            raise ValueError(f"{what}: must divide world_size={self.world_size}")
 
     # ---- derived sizes -------------------------------------------------------------------
 
@@ -92,7 +112,7 @@ class ParallelDims:
 
     @property
     def encoder_dp_replicate(self) -> int:
-        return self.world_size // self.encoder_dp_shard
+        return self.world_size // (self.encoder_dp_shard * self.encoder_tp)
 
     def validate_for(self, config) -> None:
         """Checks against a `backbone.config.ModelConfig`: TP splits heads and FFN widths,
@@ -117,6 +137,20 @@ class ParallelDims:
             raise ValueError(f"ep={self.ep}: must divide moe.num_experts={c.moe.num_experts}")
         if self.pp > c.n_layers:
             raise ValueError(f"pp={self.pp}: more stages than n_layers={c.n_layers}")
+        if self.pp > 1 and c.tie_embeddings:
+            raise ValueError(f"pp={self.pp}: tie_embeddings=True puts the LM head on stage 0; "
+                             f"untie the embeddings to pipeline the model")
+        encoders = {name: getattr(c, name, None) for name in ("vision", "audio")}
+        encoders = {name: e for name, e in encoders.items() if e is not None}
+        if self.pp > 1 and encoders:
+            raise ValueError(f"pp={self.pp}: stage 0 takes token ids, so a model with encoders "
+                             f"({', '.join(encoders)}) cannot be pipelined yet")
+        for name, e in encoders.items():  # a dataclass, or a YAML run config's dict
+            for field in ("n_heads", "ffn_dim"):
+                value = e.get(field) if isinstance(e, dict) else getattr(e, field, None)
+                if value is not None and value % self.encoder_tp:
+                    raise ValueError(f"encoder_tp={self.encoder_tp}: must divide "
+                                     f"{name}.{field}={value}")
 
     # ---- meshes --------------------------------------------------------------------------
 
@@ -143,10 +177,11 @@ class ParallelDims:
                                               self.ep, self.tp), mesh_dim_names=EXPERT_AXES)
 
     def build_encoder_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """The encoders' own mesh over the whole world (`ENCODER_AXES`)."""
+        """The encoders' own mesh over the whole world (`ENCODER_AXES`; `encoder_tp`
+        innermost, so a TP group is adjacent ranks, as the backbone's is)."""
         self._check_world()
-        return init_device_mesh(device_type, (self.encoder_dp_replicate, self.encoder_dp_shard),
-                                mesh_dim_names=ENCODER_AXES)
+        return init_device_mesh(device_type, (self.encoder_dp_replicate, self.encoder_dp_shard,
+                                              self.encoder_tp), mesh_dim_names=ENCODER_AXES)
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -37,10 +37,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 import kernels
 from backbone.attention import rope_tables
 from backbone.decoder import MoEDecoder
+from parallel.tensor import vocab_parallel_loss
 
 IGNORE_INDEX = -100
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -89,8 +91,10 @@ class DecoderStage(nn.Module):
 
     def loss(self, hidden_TD: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy, exactly `MoEDecoder.loss` (last stage only)."""
-        ce = kernels.get("linear_cross_entropy", hidden_TD.device)
         weight_VD = (self.lm_head or self.embed_tokens).weight  # tied: pp = 1 holds both
+        if isinstance(weight_VD, DTensor):  # apply_tp split the LM head over the vocabulary
+            return vocab_parallel_loss(weight_VD, hidden_TD, labels_T)
+        ce = kernels.get("linear_cross_entropy", hidden_TD.device)
         return ce(hidden_TD, weight_VD, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
 
     @torch.no_grad()

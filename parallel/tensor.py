@@ -1,33 +1,60 @@
-"""Tensor parallelism (Megatron-style, DTensor `parallelize_module`) for the decoder blocks.
+"""Tensor parallelism (Megatron-style, DTensor `parallelize_module`): decoder blocks, the token
+embeddings and LM head, and (over their own mesh) the encoders' blocks.
 
-Per block: q/k/v projections column-wise (each TP rank owns a contiguous slice of query heads
-and of kv heads; SDPA pairs query head h with kv head h·G/H, so contiguous slices stay matched)
-and the output projection row-wise (one all-reduce); the dense SwiGLU and the MoE's shared expert
-gate/up column-wise and down row-wise. Only head and feature dimensions are split, so a packed
-varlen micro-batch keeps its whole token dimension and `cu_seqlens` on every TP rank.
+Decoder blocks: q/k/v projections column-wise (each TP rank owns a contiguous slice of query
+heads and of kv heads; SDPA pairs query head h with kv head h·G/H, so contiguous slices stay
+matched) and the output projection row-wise (one all-reduce); the dense SwiGLU and the MoE's
+shared expert gate/up column-wise and down row-wise. Only head and feature dimensions are
+split, so a packed varlen micro-batch keeps its whole token dimension and `cu_seqlens` on every
+TP rank. The per-head q/k RMSNorms (Qwen3) run on this rank's heads only, so their shared weight
+becomes a replicated DTensor over a head-sharded input, whose gradient DTensor all-reduces
+(torchtitan's `SequenceParallel(sequence_dim=heads)` trick); on GPU this needs an rms_norm
+kernel that accepts DTensors (the torch reference does).
 
-The per-head q/k RMSNorms (Qwen3) run on this rank's heads only, so their shared weight becomes
-a replicated DTensor over a head-sharded input, whose gradient DTensor all-reduces (torchtitan's
-`SequenceParallel(sequence_dim=heads)` trick); on GPU this needs an rms_norm kernel that accepts
-DTensors (the torch reference does).
+Embeddings and LM head: both weights are split over the vocabulary (`Shard(0)`). The lookup is
+row-wise (each rank embeds the ids in its vocabulary range, one all-reduce). The model's loss
+reads the LM head's weight directly (a fused linear cross-entropy, never a `lm_head(x)` call),
+so `apply_tp` gives the decoder a vocabulary-parallel `loss` (and `logits`), which a pipeline's
+last stage uses too: each rank scores its [T, V/tp] logits and the softmax's maximum,
+normaliser and target logit are all-reduced — the full [T, V] logits never exist. Tied
+embeddings share the one split weight.
+
+Encoders (only with `encoder_tp_mesh`): their blocks fuse projections — `qkv` rows are
+[q | k | v] and `gate_up` rows [gate | up] — so a contiguous `Shard(0)` of the weight (the
+layout checkpoints and FSDP see, identical to the unsplit model's) gives rank r rows that are
+not aligned with heads or SwiGLU pairs. Each forward therefore regroups the weight shards with
+one all-to-all over the TP group into [q_r | k_r | v_r] (and [gate_r | up_r]): traffic is
+proportional to the weights, like an FSDP all-gather, not to the tokens (an encoder micro-batch
+holds far more patches than it has channels). Backward sends gradient rows back the same way.
+`out` and `down` are plain row-wise layers.
 
 Left replicated on every TP rank: the block norms, the router and the routed experts (expert
-parallelism shards those: `apply_ep`), the embeddings and the LM head (the fused linear
-cross-entropy needs the whole vocabulary row), and the encoders (they run in their own groups).
-These see identical inputs and output gradients on every TP rank (column-wise layers all-reduce
-their input gradient), so their gradients agree without communication.
+parallelism shards those: `apply_ep`), the final norm, the encoders' patch embedding,
+convolutions and projectors. These see identical inputs and output gradients on every TP rank
+(column-wise layers and the loss all-reduce their input gradient), so their gradients agree
+without communication.
+
+Shape suffixes: T tokens, D width, V vocabulary, v this rank's vocabulary rows, R weight rows,
+C weight columns (+1 for the bias).
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from parallel.checkpointing import decoder_blocks, unwrap
+from backbone.decoder import MoEDecoder
+from parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
+from parallel.comm import all_reduce_, all_to_all_single, copy_to_group
+
+IGNORE_INDEX = -100
 
 # q/k norms act per head on [T, heads, K]: their one weight sees only this rank's heads, so it
 # is a replicated DTensor over a head-sharded input (its gradient is then all-reduced).
@@ -43,26 +70,192 @@ def _plan(prefix: str, styles: dict) -> dict:
     return {f"{prefix}.{name}": style() for name, style in styles.items()}
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Split every decoder block of `model` over the 1-D `tp_mesh` (`mesh["tp"]`), in place.
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh,
+             encoder_tp_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Split `model` over the 1-D `tp_mesh` (`mesh["tp"]`), in place: every decoder block,
+    and the token embeddings and LM head of every `MoEDecoder` or pipeline stage
+    (`apply_pp`'s `runner.module`) in it. Encoders are split only
+    over `encoder_tp_mesh` (`encoder_mesh["encoder_tp"]`), since they run in their own groups;
+    left out, they stay replicated as before.
 
     Apply before `apply_ac` and `apply_fsdp` (torchtitan's order). The attention modules'
     head counts become per-rank counts, since their reshapes see local tensors."""
     tp = tp_mesh.size()
-    if tp == 1:
-        return model
-    for wrapped in decoder_blocks(model):
-        block = unwrap(wrapped)
-        attn = block.attn
-        if attn.n_heads % tp or attn.n_kv_heads % tp:
-            raise ValueError(f"tp={tp}: must divide n_heads={attn.n_heads} and "
-                             f"n_kv_heads={attn.n_kv_heads}")
-        plan = _plan("attn", {k: v for k, v in ATTENTION_PLAN.items()
-                              if getattr(attn, k, None) is not None})
-        if not block.is_moe:
-            plan |= _plan("ffn", SWIGLU_PLAN)
-        elif block.ffn.shared_expert is not None:
-            plan |= _plan("ffn.shared_expert", SWIGLU_PLAN)
-        parallelize_module(block, tp_mesh, plan)
-        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+    if tp > 1:
+        for wrapped in decoder_blocks(model):
+            _split_decoder_block(unwrap(wrapped), tp_mesh)
+        from parallel.pipeline import DecoderStage  # here: pipeline imports this module
+
+        for decoder in [m for m in model.modules() if isinstance(m, (MoEDecoder, DecoderStage))]:
+            _split_vocabulary(decoder, tp_mesh)
+    if encoder_tp_mesh is not None and encoder_tp_mesh.size() > 1:
+        for encoder in encoders(model):
+            for wrapped in encoder_blocks(encoder):
+                _split_encoder_block(unwrap(wrapped), encoder_tp_mesh)
     return model
+
+
+# ---- decoder blocks ------------------------------------------------------------------------
+
+def _split_decoder_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    tp, attn = tp_mesh.size(), block.attn
+    if attn.n_heads % tp or attn.n_kv_heads % tp:
+        raise ValueError(f"tp={tp}: must divide n_heads={attn.n_heads} and "
+                         f"n_kv_heads={attn.n_kv_heads}")
+    plan = _plan("attn", {k: v for k, v in ATTENTION_PLAN.items()
+                          if getattr(attn, k, None) is not None})
+    if not block.is_moe:
+        plan |= _plan("ffn", SWIGLU_PLAN)
+    elif block.ffn.shared_expert is not None:
+        plan |= _plan("ffn.shared_expert", SWIGLU_PLAN)
+    parallelize_module(block, tp_mesh, plan)
+    attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+
+
+# ---- embeddings and LM head ----------------------------------------------------------------
+
+def _split_vocabulary(decoder: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A decoder's, or a pipeline stage's (which may hold either or neither), embeddings and
+    LM head; a stage's `loss` already handles a split weight."""
+    plan = {}
+    if decoder.embed_tokens is not None:
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(),
+                                               output_layouts=Replicate())
+    if decoder.lm_head is not None:  # a direct lm_head(x) call still gets whole logits
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    if plan:
+        parallelize_module(decoder, tp_mesh, plan)
+    if not isinstance(decoder, MoEDecoder):
+        return
+    # Instance attributes shadow the methods, as FSDP's register_fsdp_forward_method does:
+    # every caller (the omni model, a trainer, an evaluator) keeps calling decoder.loss.
+    decoder.loss = partial(_decoder_loss, decoder)
+    decoder.logits = partial(_decoder_logits, decoder)
+
+
+def _decoder_loss(decoder: MoEDecoder, hidden_TD: torch.Tensor, labels_T: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`MoEDecoder.loss` with the LM head split over the vocabulary."""
+    loss = vocab_parallel_loss(decoder.lm_weight_VD, hidden_TD, labels_T)
+    return loss, (labels_T != IGNORE_INDEX).sum()
+
+
+def _decoder_logits(decoder: MoEDecoder, hidden_TD: torch.Tensor) -> torch.Tensor:
+    """`MoEDecoder.logits` with the LM head split over the vocabulary: whole [T, V] logits
+    (gathered; for evaluation, not for the loss)."""
+    weight_VD = decoder.lm_weight_VD
+    weight_vD, _ = _vocab_shard(weight_VD)
+    local_Tv = copy_to_group(hidden_TD, weight_VD.device_mesh) @ weight_vD.T
+    T, V = hidden_TD.shape[0], weight_VD.shape[0]
+    return DTensor.from_local(local_Tv, weight_VD.device_mesh, [Shard(1)], shape=(T, V),
+                              stride=(V, 1)).full_tensor()
+
+
+def _vocab_shard(weight_VD: DTensor) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of a vocabulary weight split `Shard(0)` over a 1-D TP mesh, the first
+    vocabulary id they hold): `Shard` splits like `torch.chunk`, ceil(V / tp) rows a rank."""
+    mesh, V = weight_VD.device_mesh, weight_VD.shape[0]
+    if mesh.ndim != 1 or weight_VD.placements != (Shard(0),):
+        raise ValueError(f"vocabulary-parallel loss: expected the LM weight split Shard(0) over "
+                         f"a 1-D TP mesh, got {weight_VD.placements} over "
+                         f"{mesh.mesh_dim_names}")
+    tp = mesh.size()
+    if -(-V // tp) * (tp - 1) >= V:
+        raise ValueError(f"tp={tp}: vocab_size={V} leaves a TP rank without vocabulary rows")
+    return weight_VD.to_local(), mesh.get_local_rank() * -(-V // tp)
+
+
+def vocab_parallel_loss(weight_VD: DTensor, hidden_TD: torch.Tensor, labels_T: torch.Tensor
+                        ) -> torch.Tensor:
+    """Summed next-token cross-entropy of `hidden_TD @ weight_VD.T` (labels shifted, -100
+    ignored) for an LM weight split over the vocabulary by `apply_tp`; the same value on every
+    TP rank. Used by the decoder's `loss` and by a pipeline's last stage."""
+    weight_vD, lo = _vocab_shard(weight_VD)
+    hidden_TD = copy_to_group(hidden_TD, weight_VD.device_mesh)  # each rank: part of its grad
+    logits_Tv = hidden_TD.float() @ weight_vD.float().T
+    return _VocabParallelCrossEntropy.apply(logits_Tv, labels_T.to(logits_Tv.device), lo,
+                                            weight_VD.device_mesh.get_group())
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Σ_t cross-entropy of logits split over the vocabulary (Megatron's vocab-parallel CE):
+    log Σ_V exp(z) − z[label], from all-reduced per-token maximum, normaliser and target logit.
+    Labels outside this rank's range (or ignored) contribute no target logit here."""
+
+    @staticmethod
+    def forward(ctx, logits_Tv, labels_T, lo, pg):
+        v = logits_Tv.shape[1]
+        max_T = all_reduce_(logits_Tv.amax(-1), "max", pg)
+        exp_Tv = (logits_Tv - max_T[:, None]).exp()
+        sum_T = all_reduce_(exp_Tv.sum(-1), "sum", pg)
+        valid_T = labels_T != IGNORE_INDEX
+        local_T = labels_T - lo
+        here_T = valid_T & (local_T >= 0) & (local_T < v)
+        index_T1 = local_T.clamp(0, v - 1)[:, None]
+        target_T = torch.where(here_T, logits_Tv.gather(1, index_T1)[:, 0] - max_T, 0.0)
+        target_T = all_reduce_(target_T, "sum", pg)
+        loss_T = torch.where(valid_T, sum_T.log() - target_T, 0.0)
+        ctx.save_for_backward(exp_Tv / sum_T[:, None], index_T1, here_T, valid_T)
+        return loss_T.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d/dz: softmax − one-hot(label), on valid tokens only; no communication needed.
+        softmax_Tv, index_T1, here_T, valid_T = ctx.saved_tensors
+        grad_Tv = softmax_Tv.scatter_add(1, index_T1, -here_T[:, None].to(softmax_Tv.dtype))
+        return grad_Tv * (valid_T[:, None] * grad), None, None, None
+
+
+# ---- encoder blocks ------------------------------------------------------------------------
+
+def _split_encoder_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    tp = tp_mesh.size()
+    ffn_dim = block.down.in_features
+    if block.n_heads % tp or ffn_dim % tp:
+        raise ValueError(f"encoder_tp={tp}: must divide the encoder's n_heads={block.n_heads} "
+                         f"and ffn_dim={ffn_dim}")
+    _fused_colwise(block.qkv, tp_mesh, parts=3)
+    _fused_colwise(block.gate_up, tp_mesh, parts=2)
+    parallelize_module(block, tp_mesh, {"out": RowwiseParallel(), "down": RowwiseParallel()})
+    block.n_heads //= tp
+
+
+def _fused_colwise(linear: nn.Linear, tp_mesh: DeviceMesh, parts: int) -> None:
+    """Split a linear layer whose output rows are `parts` equal blocks (q|k|v, gate|up)
+    column-wise, keeping a contiguous `Shard(0)` weight; its forward computes block-aligned
+    rows [part_0 of rank r | part_1 of rank r | …] (module docstring)."""
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    rows = linear.out_features
+    width, share = rows // parts, rows // parts // tp
+    for name in ("weight", "bias"):
+        p = getattr(linear, name)
+        if p is not None:
+            setattr(linear, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Shard(0)]),
+                                               requires_grad=p.requires_grad))
+
+    def dest_of(global_R: torch.Tensor) -> torch.Tensor:
+        return global_R % width // share  # the TP rank whose block-aligned rows hold it
+
+    held_R = torch.arange(rank * rows // tp, (rank + 1) * rows // tp)
+    send_order_R = torch.argsort(dest_of(held_R), stable=True)
+    in_splits = torch.bincount(dest_of(held_R), minlength=tp).tolist()
+    # From each source rank, in source order: its rows bound here. Sources hold increasing row
+    # ranges, so the received rows arrive in global order: exactly [part_0 | part_1 | …] of r.
+    out_splits = [int((dest_of(torch.arange(s * rows // tp, (s + 1) * rows // tp)) == rank)
+                      .sum()) for s in range(tp)]
+    linear.forward = partial(_fused_colwise_forward, linear, tp_mesh, send_order_R, in_splits,
+                             out_splits)
+
+
+def _fused_colwise_forward(linear: nn.Linear, tp_mesh: DeviceMesh, send_order_R: torch.Tensor,
+                           in_splits: list[int], out_splits: list[int],
+                           x_TD: torch.Tensor) -> torch.Tensor:
+    weight_RD = linear.weight.to_local()
+    bias = linear.bias
+    # Weight and bias travel in one all-to-all: the bias is one more column.
+    send_RC = weight_RD if bias is None else torch.cat([weight_RD, bias.to_local()[:, None]], 1)
+    recv_RC = all_to_all_single(send_RC[send_order_R.to(send_RC.device)], out_splits,
+                                in_splits, tp_mesh)
+    D = weight_RD.shape[1]
+    return F.linear(copy_to_group(x_TD, tp_mesh), recv_RC[:, :D],
+                    None if bias is None else recv_RC[:, D])

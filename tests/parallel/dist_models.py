@@ -3,6 +3,9 @@ batch of packed sequences, its data-parallel shards, and a step whose loss is th
 token mean (each rank: its token-loss sum / the global token count, so gradients summed over
 data-parallel ranks are the single-process gradients).
 
+The omni helpers at the end build the tiny omni model (vision + audio encoders) and its
+batches from rendered demo samples.
+
 The decoder is wrapped in `TextLM` so embedding, decoder and loss run in one forward (FSDP
 gathers a unit's parameters around its forward). Only the cross-entropy is compared: the
 router's aux/z losses are per-micro-batch means, which no data split preserves.
@@ -10,12 +13,18 @@ router's aux/z losses are per-micro-batch means, which no data split preserves.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
 
 from backbone.config import ModelConfig, MoEConfig
 from backbone.decoder import MoEDecoder
+
+# The omni helpers below build real batches with tests/backbone/omni_batches.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backbone"))
 
 # One dense layer (TP's dense FFN) and one MoE layer with a shared expert (TP's shared expert).
 CONFIG = ModelConfig.preset("tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4,
@@ -133,3 +142,44 @@ def parallel_step(rank: int, world: int, dp_shard: int, tp: int, ac: str | None 
     dist.all_reduce(total, group=mesh["dp_sp"].get_group())
     grads = full_grads(model)
     return total.item(), grads if rank == 0 else None
+
+
+# ---- the tiny omni model (vision + audio encoders) on real demo batches --------------------
+
+def omni_samples(kinds: list[str], tok_path) -> tuple[int, list]:
+    """(vocabulary size, decoded demo samples) of the given kinds, through the loaders'
+    decoders (tests/backbone/omni_batches.py)."""
+    from omni_batches import decoded, render, tokenizer
+
+    rendered = render(kinds, seed=0)
+    tok = tokenizer([c for _, _, c in rendered], tok_path)
+    return tok.tokenizer.get_vocab_size(), [decoded(k, m, c, tok) for k, m, c in rendered]
+
+
+def omni_collate(triples) -> "PackedBatch":  # noqa: F821 -- loaders.collate.PackedBatch
+    """`(sample, sp_size, sp_index)` triples packed as a trainer's micro-batch."""
+    from loaders.collate import collate
+    from omni_batches import GEOMETRY
+
+    return collate(triples, GEOMETRY)
+
+
+def omni_model(vocab_size: int, **overrides):
+    from backbone.config import ModelConfig
+    from backbone.omni import OmniModel
+    from encoders.audio import AudioConfig
+    from encoders.vision import VisionConfig
+
+    torch.manual_seed(0)
+    config = ModelConfig.preset("tiny", vocab_size=vocab_size, n_layers=2, d_model=64,
+                                ffn_dim=128, vision=VisionConfig.preset("tiny"),
+                                audio=AudioConfig.preset("tiny"), **overrides)
+    return OmniModel(config)
+
+
+def omni_step(model, packed, n_global: int) -> torch.Tensor:
+    """Encode, scatter, decode, backward; this rank's part of the global token-mean loss."""
+    out = model(packed)  # idle encoders' zero term included
+    loss = out["loss_sum"] / n_global
+    loss.backward()
+    return loss

@@ -8,38 +8,14 @@ gradients must equal those of one process on the whole batch.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-import torch
-from dist_models import assert_grads_close, full_grads, parallel_step, reference
+from dist_models import assert_grads_close, full_grads, omni_model, omni_step, parallel_step
+from dist_models import reference
 from multiproc import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backbone"))
-from omni_batches import batch, decoded, render, tokenizer  # noqa: E402
+from omni_batches import batch, decoded, render, tokenizer  # tests/backbone, via dist_models
 
 OMNI_KINDS = ["image", "audio", "video", "image"]  # rank 1 of 2 has no audio: dummy path
-
-
-def omni_model(vocab_size: int):
-    from backbone.config import ModelConfig
-    from backbone.omni import OmniModel
-    from encoders.audio import AudioConfig
-    from encoders.vision import VisionConfig
-
-    torch.manual_seed(0)
-    config = ModelConfig.preset("tiny", vocab_size=vocab_size, n_layers=2, d_model=64,
-                                ffn_dim=128, vision=VisionConfig.preset("tiny"),
-                                audio=AudioConfig.preset("tiny"))
-    return OmniModel(config)
-
-
-def omni_step(model, packed, n_global: int) -> torch.Tensor:
-    out = model(packed)  # encode, scatter, decode; idle encoders' zero term included
-    loss = out["loss_sum"] / n_global
-    loss.backward()
-    return loss
 
 
 def _omni_fsdp(rank, world, vocab_size, shards, n_global):
