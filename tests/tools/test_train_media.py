@@ -50,6 +50,8 @@ def test_two_ranks_with_encoder_plan_and_reshard_match_one(demo, tmp_path):
     # the 2-rank plan moved media between ranks (otherwise the reshard was not exercised)
     assert sum(r["media_items_moved"] for r in two) > 0
     assert all(r["media_items_moved"] == 0 for r in one)
+    events = list((tmp_path / "two" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0  # the same metrics for TensorBoard
     row = two[-1]
     assert abs(sum(row["mix_target"].values()) - 1.0) < 1e-5
     assert sum(row["mix_tokens"].values()) == row["tokens"]

@@ -47,3 +47,17 @@ def test_video_gen_task_trains_the_dit_on_two_processes(demo, tmp_path):
     assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3])
     held_out = results["video_caption"]
     assert held_out["n_targets"] > 0 and math.isfinite(held_out["loss"])
+
+
+def test_ray_source_loaders_train_exactly_what_worker_processes_do(demo, tmp_path):
+    # Same plans, decoding by reference either way: the losses must be identical.
+    def run(out, loader):
+        sets = {"data.spec": demo / "mix.yaml", "data.workers": 1, "steps": 3,
+                "checkpoint_every": 3, "output_dir": out, "eval.enabled": False,
+                "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 4096,
+                "data.loader": loader, "data.ray_actor_cpus": 0.2}
+        train("configs/demo_omni.yaml", sets=[f"{k}={v}" for k, v in sets.items()],
+              progress=False)
+        return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+
+    assert run(tmp_path / "ray", "ray") == run(tmp_path / "workers", "workers")

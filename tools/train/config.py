@@ -41,6 +41,9 @@ class DataSection(_Strict):
     workers: int = Field(1, ge=0)  # decode processes per rank (0: decode in the loader thread)
     prefetch_steps: int = Field(2, ge=1)
     policy: Literal["skip", "fail"] = "skip"
+    loader: Literal["workers", "ray"] = "workers"  # DataLoader processes, or Ray source pools
+    ray_address: str | None = None  # ray.init(address=...): "auto" joins a running cluster
+    ray_actor_cpus: float = Field(1.0, gt=0)  # CPUs each Ray decoding actor reserves
 
 
 class OptimSection(_Strict):

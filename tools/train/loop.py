@@ -93,10 +93,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
             plane = start_embedded(job.spec, run_dir / "plane", plane_config(cfg, world, cost),
                                    restore_step=job.start_step if job.resume_from else None)
         url = _share_url(job.plane_url or (plane.url if plane else None), rank, run_dir)
-        loader = RankLoader(url, rank, {s.name: s.path for s in spec.sources}, spec.tokenizer,
-                            spec.media, num_workers=cfg.data.workers,
-                            prefetch_steps=cfg.data.prefetch_steps, policy=cfg.data.policy,
-                            start_step=job.start_step, token=job.plane_token)
+        loader = make_loader(cfg, url, rank, spec, job)
         if video:
             from tools.train.video_gen import build_video_model, video_gen_step
 
@@ -129,6 +126,23 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         if plane is not None:
             plane.stop()
         dist.destroy_process_group()
+
+
+def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
+    """The rank's loader: DataLoader worker processes (``data.loader: workers``) or per-source
+    Ray actor pools (``ray``: joins ``data.ray_address``, or starts a local Ray)."""
+    args = (url, rank, {s.name: s.path for s in spec.sources}, spec.tokenizer, spec.media)
+    kw = dict(num_workers=cfg.data.workers, prefetch_steps=cfg.data.prefetch_steps,
+              policy=cfg.data.policy, start_step=job.start_step, token=job.plane_token)
+    if cfg.data.loader == "workers":
+        return RankLoader(*args, **kw)
+    import ray
+
+    from loaders.ray_loaders import RayRankLoader
+
+    ray.init(address=cfg.data.ray_address, ignore_reinit_error=True, log_to_driver=False,
+             include_dashboard=False)
+    return RayRankLoader(*args, actor_cpus=cfg.data.ray_actor_cpus, **kw)
 
 
 def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:

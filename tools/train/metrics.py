@@ -1,5 +1,6 @@
-"""Per-step metrics: one JSON line per step in ``RUN_DIR/metrics.jsonl`` (rank 0), and the
-progress bar. TensorBoard is not installed in this environment, so JSONL is the only sink.
+"""Per-step metrics: one JSON line per step in ``RUN_DIR/metrics.jsonl`` (rank 0), the same
+numbers as TensorBoard scalars in ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR``;
+dicts such as ``source_loss`` become ``source_loss/<source>``), and the progress line.
 
 The step-time model: the plan predicts each rank's cost (the balancer's units); the trainer
 measures each rank's compute seconds. ``sec_per_cost`` is fitted online (least squares through
@@ -41,13 +42,32 @@ class MetricsWriter:
             path.write_text("".join(line + "\n" for line in keep))
             self.tokens_before = sum(json.loads(line).get("tokens", 0) for line in keep)
         self.file = path.open("a")
+        self.board = None  # TensorBoard's writer, opened with the first row
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        self._board(row)
+
+    def _board(self, row: dict) -> None:
+        if self.board is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(str(self.path.parent / "tensorboard"))
+        step = row["step"]
+        for name, value in row.items():
+            if isinstance(value, dict):
+                for key, v in value.items():
+                    if isinstance(v, (int, float)):
+                        self.board.add_scalar(f"{name}/{key}", v, step)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and name != "step":
+                self.board.add_scalar(name, value, step)
 
     def close(self) -> None:
         self.file.close()
+        if self.board is not None:
+            self.board.close()
 
 
 def read_metrics(path: str | Path) -> list[dict]:
