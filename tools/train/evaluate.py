@@ -93,6 +93,9 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
     """Held-out results of the run's last checkpoint, per source of ``cfg.data.eval_spec``:
     omni, caption-token accuracy of every ``*_caption`` source; lm, next-token accuracy of the
     text sources; video_gen, the velocity loss of the video captions at fixed timesteps."""
+    from tools.train.loop import quiet_torch_notices
+
+    quiet_torch_notices()
     found = checkpoint.latest(run_dir)
     if found is None:
         return {}

@@ -8,6 +8,7 @@ backbone micro-batches) or ``tools.train.video_gen`` (the rectified-flow DiT).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +75,19 @@ def _share_url(url: str | None, rank: int, run_dir: Path) -> str:
     return box[0]
 
 
+# Known, harmless torch warnings a user cannot act on: DeviceMesh's notice about slicing
+# flattened dims (parallel.mesh bookkeeps them) and DCP's single-process load notice.
+QUIET = ("Slicing a flattened dim from root mesh",
+         "torch.distributed is disabled, unavailable or uninitialized")
+
+
+def quiet_torch_notices() -> None:
+    for message in QUIET:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def train_rank(rank: int, world: int, job: RankJob) -> None:
+    quiet_torch_notices()
     cfg = RunConfig.model_validate(job.raw_config)
     run_dir = Path(job.run_dir)
     device = device_of(cfg, rank)
