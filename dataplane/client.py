@@ -8,19 +8,58 @@ through a plane restart; a refusal (bad rank, committed step, wrong token) is ra
 
 from __future__ import annotations
 
+import logging
+import random
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from dataplane import wire
 from dataplane.errors import UserError
-from dataplane.server import PLAN_STREAM
+from dataplane.server import LANE_OK, PLAN_STREAM, lane_frame
+
+log = logging.getLogger(__name__)
 
 
 class PlaneError(UserError):
     """The plane refused a request, or stayed unreachable past the retry budget."""
+
+
+def _lane_reply(sock: socket.socket) -> tuple[int, memoryview]:
+    """One reply frame from the lane: (status, payload), read to its last byte."""
+    data = sock.recv(1 << 16)
+    while 0 < len(data) < 5:
+        more = sock.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    if len(data) < 5:
+        raise ConnectionError("the plan lane closed the connection")
+    total = 4 + int.from_bytes(data[:4], "little")
+    if len(data) < total:
+        buf = bytearray(total)
+        buf[:len(data)] = data
+        view, got = memoryview(buf), len(data)
+        while got < total:
+            n = sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("the plan lane closed the connection mid-reply")
+            got += n
+        data = buf
+    elif len(data) > total:  # one request in flight: nothing may follow its reply
+        raise ConnectionError("the plan lane sent more than one reply")
+    return data[4], memoryview(data)[5:total]
+
+
+def _lane_error(data) -> str:
+    try:
+        return str(wire.decode(bytes(data)).get("error") or "refused")
+    except ValueError:
+        return "refused (unreadable reply)"
 
 
 _RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError,
@@ -37,16 +76,20 @@ def _message(e: Exception) -> str:
 
 
 class PlaneClient:
-    """``stream=True``: ``get_plan`` sends its requests over one long-lived Flight
-    ``do_exchange`` stream instead of one ``plan`` action call each (same plans, same errors,
-    about a third of the per-fetch CPU on both sides). The stream is reopened every
-    ``stream_s`` seconds and given ``stream_s + timeout`` to live, so every request keeps at
-    least ``timeout``; a server's shutdown waits for open streams, so close idle clients (or
-    expect it to wait up to that long)."""
+    """``stream=True``: ``get_plan`` keeps one connection open for its requests instead of one
+    ``plan`` action call each (same plans, same errors): the server's plan lane when it has one
+    (a plain TCP connection, no gRPC; see :mod:`dataplane.server`), else a long-lived Flight
+    ``do_exchange`` stream. A lane request times out after ``timeout`` like any call. The
+    exchange stream is reopened after a random ``stream_s/2 … stream_s`` seconds (random, so
+    that clients started together do not all reopen at once) and given ``stream_s + timeout``
+    to live, so every request keeps at least ``timeout``; a server's shutdown waits for open
+    exchange streams, so close idle clients (or expect it to wait up to that long). One thread
+    at a time uses the connection; others fall back to actions."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0,
                  retry_for: float = 60.0, stream: bool = False, stream_s: float = 5.0):
         self.url, self.timeout, self.retry_for = url, timeout, retry_for
+        self._token = token
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._client: flight.FlightClient | None = None
@@ -54,8 +97,11 @@ class PlaneClient:
         self.stream, self.stream_s = stream, stream_s
         self._stream_options = flight.FlightCallOptions(headers=headers,
                                                         timeout=stream_s + timeout)
-        self._stream: tuple | None = None  # (writer, reader, opened at)
+        self._stream: tuple | None = None  # (writer, reader, reopen at)
         self._stream_lock = threading.Lock()
+        self._lane: socket.socket | None = None
+        self._lane_port: int | None = None  # None: not asked yet; 0: the server has none
+        self._lane_frames: dict[tuple[int, int], bytes] = {}
 
     def _connect(self) -> flight.FlightClient:
         if self._client is None:
@@ -86,27 +132,106 @@ class PlaneClient:
             if len(self._plan_actions) > 4096:
                 self._plan_actions.clear()
             action = self._plan_actions[key] = flight.Action(
-                "plan", wire.encode({"step": key[0], "rank": key[1]}))
+                "plan", wire.plan_request(*key))
 
         def fetch(client):  # one IPC stream in one result ("plan" action; see server.py)
             if self.stream and self._stream_lock.acquire(blocking=False):
                 try:  # the stream serves one request at a time; other threads use actions
-                    return pa.ipc.open_stream(self._stream_fetch(client, action.body)).read_all()
+                    fresh = self._lane_port is None
+                    if fresh:
+                        self._lane_port = self._ask_lane(client)
+                    data = self._lane_fetch(key, action.body, fresh) if self._lane_port else None
+                    if data is None:
+                        data = self._stream_fetch(client, action.body)
+                    return pa.ipc.open_stream(data).read_all()
                 finally:
                     self._stream_lock.release()
             results = list(client.do_action(action, options=self._options))
             return pa.ipc.open_stream(results[0].body).read_all()
         return self._retrying(f"get_plan(step={step}, rank={rank})", fetch)
 
+    # -- the plan lane ------------------------------------------------------------------------
+    def _ask_lane(self, client: flight.FlightClient) -> int:
+        """The server's plan lane port; 0 when it has none (or the URL is not plain TCP)."""
+        if urlsplit(self.url).scheme not in ("grpc", "grpc+tcp"):
+            return 0
+        try:
+            results = list(client.do_action(flight.Action("lane", b""), options=self._options))
+        except flight.FlightServerError as e:
+            if "unknown action" in str(e):  # a server without a lane
+                return 0
+            raise
+        port = wire.decode(results[0].body).get("port") if results else 0
+        return int(port or 0)
+
+    def _lane_fetch(self, key: tuple[int, int], body: pa.Buffer, fresh: bool
+                    ) -> pa.Buffer | None:
+        """One plan request over the lane (connected on first use); the plan's IPC bytes, or
+        None when the lane port the server gave just now (``fresh``) cannot be reached although
+        Flight can (a firewall that lets only the Flight port through): this client then uses
+        the exchange stream until closed. A remembered port that refuses (a plane restarted
+        elsewhere) is asked for again."""
+        frame = self._lane_frames.get(key)
+        if frame is None:
+            if len(self._lane_frames) > 4096:
+                self._lane_frames.clear()
+            frame = self._lane_frames[key] = lane_frame(body.to_pybytes())
+        sock = self._lane
+        if sock is None:
+            try:  # a firewall that drops the lane's packets costs 5 s once, not the timeout
+                sock = socket.create_connection((urlsplit(self.url).hostname, self._lane_port),
+                                                timeout=min(self.timeout, 5.0))
+                sock.settimeout(self.timeout)
+            except OSError as e:
+                if not fresh:
+                    self._lane_port = None
+                    raise flight.FlightUnavailableError(f"plan lane: {e}") from None
+                log.warning("plane at %s: plan lane port %d unreachable (%s): using the "
+                            "Flight stream", self.url, self._lane_port, e)
+                self._lane_port = 0
+                return None
+        try:
+            if self._lane is None:
+                self._lane_hello(sock)
+            sock.sendall(frame)
+            status, data = _lane_reply(sock)
+        except socket.timeout:
+            self._close_lane()  # a late reply would answer the next request: start afresh
+            raise flight.FlightTimedOutError(f"plan lane: no reply in {self.timeout:g} s") \
+                from None
+        except OSError as e:  # the plane went away (a restart may open another lane port)
+            self._close_lane()
+            self._lane_port = None
+            raise flight.FlightUnavailableError(f"plan lane: {e}") from None
+        if status != LANE_OK:
+            raise flight.FlightServerError(_lane_error(data))
+        return pa.py_buffer(data)
+
+    def _lane_hello(self, sock: socket.socket) -> None:
+        """Present the token on a new lane connection; it becomes the client's lane."""
+        self._lane = sock  # closed by _close_lane whatever happens next
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(lane_frame(wire.encode({"token": self._token or ""})))
+        status, data = _lane_reply(sock)
+        if status != LANE_OK:
+            self._close_lane()
+            raise flight.FlightUnauthenticatedError(_lane_error(data))
+
+    def _close_lane(self) -> None:
+        sock, self._lane = self._lane, None
+        if sock is not None:
+            sock.close()
+
+    # -- the Flight exchange stream (servers without a lane) ----------------------------------
     def _stream_fetch(self, client: flight.FlightClient, body: pa.Buffer) -> pa.Buffer:
         """One plan request over the plans stream (opened or renewed as needed)."""
         now = time.monotonic()
-        if self._stream is not None and now - self._stream[2] > self.stream_s:
+        if self._stream is not None and now >= self._stream[2]:
             self._close_stream()
         if self._stream is None:
             writer, reader = client.do_exchange(
                 flight.FlightDescriptor.for_command(PLAN_STREAM), options=self._stream_options)
-            self._stream = (writer, reader, now)
+            self._stream = (writer, reader, now + self.stream_s * random.uniform(0.5, 1.0))
         writer, reader, _ = self._stream
         try:
             writer.write_metadata(body)
@@ -170,8 +295,14 @@ class PlaneClient:
     def audit(self) -> dict:
         return self._action("audit", {})
 
+    def set_costs(self, linear: float, quadratic: float) -> dict:
+        """Send a refitted cost model; it applies from the first window no rank has seen."""
+        return self._action("costs", {"linear": float(linear), "quadratic": float(quadratic)})
+
     def close(self) -> None:
         self._close_stream()
+        self._close_lane()
+        self._lane_port = None
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -10,8 +10,17 @@ point, and the snapshot of window k keeps the events of the windows after k (tho
 are already in its start state).
 
 Reports are idempotent per (step, source, shard, key, epoch) -- a small source can put the
-same key twice into one step, from two epochs, and each needs its own replacement: every rank of an SP group holding the
-sample reports it, and a client may retry; all of them get the first report's replacement.
+same key twice into one step, from two epochs, and each needs its own replacement: every rank of
+an SP group holding the sample reports it, and a client may retry; all of them get the first
+report's replacement.
+
+A replacement takes the bad sample's place in the micro-batch(es) that held it, so it must fit
+the token budget there (DESIGN: never exceeded): :func:`replacement_room` is the most LLM tokens
+it may have, given what else the step packed into those micro-batches (for a sample split over
+an SP group, on every rank of the group: the loader slices the replacement the same way). When
+the source's next sample is longer, there is no replacement (the loader leaves the sample out)
+and the source's cursor does not move, so that sample is served later as usual. The room is
+journaled with the report, so a replay draws the same.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict
+
+import numpy as np
 
 from dataplane.refs import SampleRef
 
@@ -46,14 +57,60 @@ def ref_from_json(text: str) -> SampleRef | None:
     return SampleRef(**d)
 
 
-def draw_replacement(catalog, source: str, shard: str, key: str) -> SampleRef | None:
-    """Quarantine the key and take the source's next servable sample (None: the source is gone
-    or exhausted, and the loader simply leaves the sample out)."""
+def draw_replacement(catalog, source: str, shard: str, key: str,
+                     max_tokens: int | None = None) -> SampleRef | None:
+    """Quarantine the key and take the source's next servable sample if it has at most
+    ``max_tokens`` LLM tokens (None: no limit). None when the source is gone or exhausted or
+    its next sample is too long -- the loader then simply leaves the sample out, and a sample
+    too long stays where it is in the source's order."""
     if source not in catalog:
         return None
     state = catalog[source]
     state.quarantine(shard, key)
+    ref = state.peek()
+    if ref is None or (max_tokens is not None and ref.llm_tokens > max_tokens):
+        return None
     return state.next()
+
+
+def replacement_room(plan, refs: list[SampleRef], tokens_N, sample: tuple, budget: int,
+                     occupants: dict | None = None) -> int | None:
+    """The most LLM tokens a replacement of ``sample`` ((source, shard, key, epoch) of a sample
+    the step planned) may have so that every micro-batch holding it stays within ``budget``
+    tokens; None when the step does not place that sample.
+
+    ``plan`` is the step's :class:`balancer.types.StepPlan`, ``refs`` and ``tokens_N`` the
+    window's samples (window-local index = position) and their planned LLM tokens.
+    ``occupants`` ({planned sample: its replacement or None}, :meth:`CorruptLedger.occupants`)
+    are the step's earlier replacements: a micro-batch holds those instead of the samples
+    they replaced. A sample split over an SP group of k ranks holds ceil(L/k) tokens on each;
+    a replacement of L' tokens is split the same way, so it fits where ceil(L'/k) fits on
+    every rank of the group.
+    """
+    occupants = occupants or {}
+    sample_P = np.asarray(plan.sample_P)
+    rank_P, mb_P, k_P = (np.asarray(a) for a in (plan.rank_P, plan.micro_batch_P,
+                                                  plan.sp_size_P))
+    ids = {i: (refs[i].source, refs[i].shard, refs[i].key, refs[i].epoch)
+           for i in np.unique(sample_P).tolist()}
+    at = [i for i, sid in ids.items() if sid == tuple(sample)]
+    if not at:
+        return None
+    rows = np.flatnonzero(sample_P == at[0])
+    k = int(k_P[rows[0]])
+    room = budget
+    for r in rows:
+        rank, mb = int(rank_P[r]), int(mb_P[r])
+        used = int(plan.mb_tokens_RB[rank, mb]) - -(-int(tokens_N[at[0]]) // k)  # the others
+        for o in np.flatnonzero((rank_P == rank) & (mb_P == mb)).tolist():
+            i = int(sample_P[o])
+            if i != at[0] and ids[i] in occupants:  # replaced (or left out) earlier
+                now = occupants[ids[i]]
+                k_o = int(k_P[o])
+                used += -(-(now.llm_tokens if now is not None else 0) // k_o) \
+                    - -(-int(tokens_N[i]) // k_o)
+        room = min(room, budget - used)
+    return max(room, 0) * k
 
 
 class CorruptLedger:
@@ -68,6 +125,34 @@ class CorruptLedger:
         self.events = [dict(e, applied=False) for e in events]
         self.counts = {str(k): int(v) for k, v in (counts or {}).items()}
         self.recent = [dict(r) for r in recent]
+
+    def planned_sample(self, step: int, sample: tuple) -> tuple:
+        """The sample ``step`` planned in the place ``sample`` ((source, shard, key, epoch))
+        now holds: ``sample`` itself, or what it replaced (replacements can be bad too)."""
+        seen = {tuple(sample)}
+        while True:
+            for e in self.events:
+                if e["step"] != step or not e["replacement"]:
+                    continue
+                ref = ref_from_json(e["replacement"])
+                if (ref.source, ref.shard, ref.key, ref.epoch) == tuple(sample):
+                    sample = (e["source"], e["shard"], e["key"], e["epoch"])
+                    break
+            else:
+                return tuple(sample)
+            if sample in seen:  # cannot happen (a replacement is never its own ancestor)
+                return sample
+            seen.add(sample)
+
+    def occupants(self, step: int) -> dict[tuple, SampleRef | None]:
+        """{sample ``step`` planned: what its place holds now (the last replacement of its
+        chain; None: left out)} for every place a report of ``step`` changed."""
+        out = {}
+        for e in self.events:  # in report order: a later link of a chain overrides
+            if e["step"] == step:
+                bad = (e["source"], e["shard"], e["key"], e["epoch"])
+                out[self.planned_sample(step, bad)] = ref_from_json(e["replacement"])
+        return out
 
     def find(self, step: int, source: str, shard: str, key: str, epoch: int) -> dict | None:
         for e in self.events:
@@ -88,7 +173,8 @@ class CorruptLedger:
         for e in self.events:
             if e["before_window"] != k or e["applied"]:
                 continue
-            ref = draw_replacement(catalog, e["source"], e["shard"], e["key"])
+            ref = draw_replacement(catalog, e["source"], e["shard"], e["key"],
+                                   e.get("max_tokens"))  # absent in older journals: no limit
             if ref_to_json(ref) != e["replacement"]:
                 # Only a mixture reload between the report and this draw can cause it.
                 log.warning("corrupt %s/%s at step %d: the replay drew a different replacement",

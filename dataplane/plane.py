@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,8 @@ from balancer.cost import Costs
 from balancer.planner import plan_window
 from balancer.types import PlannerConfig, StepPlan, WindowSamples
 from dataplane.catalog import Catalog
-from dataplane.corrupt import CorruptLedger, draw_replacement, ref_to_json
+from dataplane.corrupt import (CorruptLedger, draw_replacement, ref_to_json,
+                               replacement_room)
 from dataplane.errors import UserError
 from dataplane.journal import Journal
 from dataplane.mixer import Mixer, MixtureExhausted
@@ -153,6 +155,10 @@ class DataPlane:
         self.next_window, self.next_step = 0, 0
         self.dp_changes: list[list[int]] = [[0, self.config.dp]]
         self.reloads: list[list] = []  # [window, spec path], in order
+        # [window, cost_linear, cost_quadratic]: refits of the cost model (a trainer's measured
+        # step times), applied from that window on, in order; in the log, so replays agree.
+        self.cost_changes: list[list] = []
+        self.window_costs = {0: self._cost_pair()}
         self.window_states = {0: _copy(self.mixer.state_dict())}
         self.window_specs = {0: self.spec_path}
         self.corrupt = CorruptLedger()
@@ -174,6 +180,10 @@ class DataPlane:
         self.rank_commits = {int(s): set(r) for s, r in snap.get("rank_commits", {}).items()}
         self.dp_changes = [list(c) for c in snap["dp_changes"]]
         self.reloads = [list(r) for r in snap["reloads"]]
+        self.cost_changes = [list(c) for c in snap.get("cost_changes", [])]
+        if "costs" in snap:
+            self.costs = Costs.from_llm(*snap["costs"])
+        self.window_costs = {k: self._cost_pair()}
         self.window_states = {k: _copy(snap["window_state"])}
         self.window_specs = {k: self.spec_path}
         self.corrupt = CorruptLedger.from_state(snap.get("corrupt"))
@@ -207,6 +217,8 @@ class DataPlane:
             self.rank_commits.setdefault(record["step"], set()).add(record["rank"])
         elif kind == "reload":
             self.reloads.append([record["window"], record["spec"]])
+        elif kind == "costs":
+            self.cost_changes.append([record["window"], record["linear"], record["quadratic"]])
         elif kind == "dp":
             self._resize_from(record["step"], record["dp"])
         elif kind == "corrupt":
@@ -224,7 +236,15 @@ class DataPlane:
         # Ranks' commits of re-planned steps were of plans that no longer exist: void them.
         self.rank_commits = {s: r for s, r in self.rank_commits.items() if s < step}
         for window in self.windows.values():
-            window.resize(step, dp, self.costs, self.config)
+            window.resize(step, dp, self._costs_of(window.k), self.config)
+
+    def _cost_pair(self) -> tuple[float, float]:
+        return (self.costs.llm.alpha, self.costs.llm.beta)
+
+    def _costs_of(self, k: int) -> Costs:
+        """The cost model window ``k`` was planned with (a resize re-plans with the same)."""
+        pair = self.window_costs.get(k)
+        return Costs.from_llm(*pair) if pair is not None else self.costs
 
     def _log(self, record: dict) -> None:
         if not self.readonly:
@@ -252,6 +272,8 @@ class DataPlane:
             "step": step, "window": k, "window_size": self.config.window,
             "window_state": self.window_states[k], "spec": self.window_specs[k],
             "dp_changes": self.dp_changes, "reloads": [r for r in self.reloads if r[0] > k],
+            "costs": list(self.window_costs.get(k, self._cost_pair())),
+            "cost_changes": [c for c in self.cost_changes if c[0] > k],
             "committed_ahead": sorted(s for s in self.committed if s >= step),
             "rank_commits": {str(s): sorted(r) for s, r in self.rank_commits.items()
                              if s >= step},
@@ -279,6 +301,10 @@ class DataPlane:
         for window, spec in self.reloads:
             if window == k and spec != self.spec_path:
                 self._apply_reload(spec)
+        for window, linear, quadratic in self.cost_changes:
+            if window == k:
+                self.costs = Costs.from_llm(linear, quadratic)
+        self.window_costs[k] = self._cost_pair()
         self.corrupt.apply(self.mixer.catalog, k)  # reports that arrived before this window
         start = _copy(self.mixer.state_dict())
         self.window_states[k], self.window_specs[k] = start, self.spec_path
@@ -424,20 +450,43 @@ class DataPlane:
             if new.accounting != self.spec.accounting:
                 raise RequestError(f"{spec}: accounting cannot change during a run "
                                    f"({self.spec.accounting} -> {new.accounting})")
-            W = self.config.window
-            k = max(self.next_step // W, self.served_max // W) + 1
-            for j in [j for j in self.windows if j >= k]:
-                del self.windows[j]
-            if k < self.next_window:  # drawn ahead but never served: draw again under new
-                self.spec, self.spec_path = load_spec(self.window_specs[k]), self.window_specs[k]
-                self.mixer = self._mixer(self.spec)
-                self.mixer.load_state_dict(self.window_states[k])
-                self.next_window, self.exhausted_at = k, None
-                self.corrupt.unapply_after(k)
+            k = self._rewind_to_next_unserved()
             path = str(Path(spec).resolve())
             self.reloads.append([k, path])
             self._log({"t": "reload", "window": k, "spec": path})
-            return {"applies_at_step": k * W, "spec": path}
+            return {"applies_at_step": k * self.config.window, "spec": path}
+
+    def _rewind_to_next_unserved(self) -> int:
+        """The first window no rank has seen; windows from it that were drawn ahead are
+        dropped, to be drawn again under whatever changes now (a reload, new costs)."""
+        W = self.config.window
+        k = max(self.next_step // W, self.served_max // W) + 1
+        for j in [j for j in self.windows if j >= k]:
+            del self.windows[j]
+        if k < self.next_window:  # drawn ahead but never served: draw again
+            self.spec, self.spec_path = load_spec(self.window_specs[k]), self.window_specs[k]
+            self.mixer = self._mixer(self.spec)
+            self.mixer.load_state_dict(self.window_states[k])
+            self.costs = self._costs_of(k)
+            self.next_window, self.exhausted_at = k, None
+            self.corrupt.unapply_after(k)
+        return k
+
+    def set_costs(self, linear: float, quadratic: float) -> dict:
+        """A refitted cost model ``c = linear·L + quadratic·L²`` (only the ratio matters to the
+        planner) for the windows no rank has seen yet; logged, so a restart or an audit
+        replays the same plans."""
+        with self.lock:
+            values = (linear, quadratic)
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                       for v in values) or not any(values):
+                raise RequestError(f"costs: linear and quadratic must be finite, >= 0 and not "
+                                   f"both 0, got {linear!r}, {quadratic!r}")
+            k = self._rewind_to_next_unserved()
+            self.cost_changes.append([k, float(linear), float(quadratic)])
+            self._log({"t": "costs", "window": k, "linear": float(linear),
+                       "quadratic": float(quadratic)})
+            return {"applies_at_step": k * self.config.window}
 
     def report_corrupt(self, step: int, rank: int, source: str, shard: str, key: str,
                        reason: str, epoch: int = 0) -> dict:
@@ -458,12 +507,19 @@ class DataPlane:
                 raise RequestError(f"{source}/{key} ({shard}, epoch {epoch}) is not in rank "
                                    f"{rank}'s plan of step {step}")
             event = self.corrupt.find(step, source, shard, key, epoch)
-            if event is None:
-                ref = draw_replacement(self.mixer.catalog, source, shard, key)
+            if event is None:  # the replacement must fit where the planned sample was
+                window = self.windows[step // self.config.window]
+                room = replacement_room(
+                    window.plans[step - window.first_step], window.refs,
+                    window.samples.tokens_N,
+                    self.corrupt.planned_sample(step, (source, shard, key, epoch)),
+                    self.config.micro_batch_tokens, self.corrupt.occupants(step))
+                ref = draw_replacement(self.mixer.catalog, source, shard, key, room)
                 event = {"t": "corrupt", "step": step, "rank": rank, "source": source,
                          "shard": shard, "key": key, "epoch": epoch,
                          "reason": " ".join(str(reason).split()),
-                         "before_window": self.next_window, "replacement": ref_to_json(ref)}
+                         "before_window": self.next_window, "replacement": ref_to_json(ref),
+                         "max_tokens": room}
                 self._log(event)
                 self.corrupt.record(event, applied=True)
                 log.warning("corrupt sample %s/%s (step %d, rank %d): %s", source, key, step,
