@@ -31,7 +31,8 @@ def _run(demo, out, nproc):
     sets = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
             "data.workers": 0, "data.global_batch_tokens": 8192,
             "data.micro_batch_tokens": 4096, "optim.warmup_steps": 1, "optim.decay_steps": 4,
-            "eval.enabled": False, "output_dir": out, "steps": 3}
+            "eval.enabled": False, "output_dir": out, "steps": 3,
+            "data.refit_costs_every": 3}
     train("configs/demo_omni.yaml", nproc=nproc, sets=[f"{k}={v}" for k, v in sets.items()],
           progress=False)
     return read_metrics(out / "metrics.jsonl")
@@ -50,6 +51,9 @@ def test_two_ranks_with_encoder_plan_and_reshard_match_one(demo, tmp_path):
     # the 2-rank plan moved media between ranks (otherwise the reshard was not exercised)
     assert sum(r["media_items_moved"] for r in two) > 0
     assert all(r["media_items_moved"] == 0 for r in one)
+    # the cost refit ran at step 3 (deterministic run: logged, not sent to the plane)
+    assert "cost_refit" in two[2] and "cost_refit" not in two[1]
+    assert two[2]["cost_refit"] is None or "applies_at_step" not in two[2]["cost_refit"]
     events = list((tmp_path / "two" / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0  # the same metrics for TensorBoard
     row = two[-1]

@@ -44,6 +44,10 @@ class DataSection(_Strict):
     loader: Literal["workers", "ray"] = "workers"  # DataLoader processes, or Ray source pools
     ray_address: str | None = None  # ray.init(address=...): "auto" joins a running cluster
     ray_actor_cpus: float = Field(1.0, gt=0)  # CPUs each Ray decoding actor reserves
+    # Refit the balancer's cost model from measured step times every N steps (0: never) and
+    # send it to the plane -- not in deterministic mode, where plans must not depend on timing
+    # (the fit is then only logged), so that a resumed run replays bit for bit.
+    refit_costs_every: int = Field(50, ge=0)
 
 
 class OptimSection(_Strict):

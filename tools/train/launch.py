@@ -11,6 +11,7 @@ as one line (it is written to ``RUN_DIR/error-rankR.txt`` and the launcher raise
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 
@@ -104,8 +105,9 @@ def check_plane(url: str, token: str | None, nproc: int, start: int) -> None:
 def train(config: str | None, nproc: int = 1, resume: str | None = None,
           sets: list[str] = (), progress: bool = True, plane: str | None = None,
           plane_token: str | None = None) -> dict:
-    """Train (and evaluate); returns ``{"run_dir", "steps", "eval"}``. ``plane``: the URL of
-    an external data plane (``omniscale plane serve``); by default rank 0 embeds one."""
+    """Train (and evaluate); returns ``{"run_dir", "steps", "start_step", "eval", "corrupt"}``
+    (also in ``RUN_DIR/result.json``; ``corrupt``: :func:`corrupt_report`). ``plane``: the URL
+    of an external data plane (``omniscale plane serve``); by default rank 0 embeds one."""
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: must be >= 1")
     cfg, run_dir = resolve_config(config, resume, list(sets))
@@ -130,7 +132,8 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
             train_rank(0, 1, job)
         else:
             _spawn(job, nproc, run_dir)
-    result = {"run_dir": str(run_dir), "steps": cfg.steps, "start_step": start, "eval": None}
+    result = {"run_dir": str(run_dir), "steps": cfg.steps, "start_step": start, "eval": None,
+              "corrupt": corrupt_report(run_dir, cfg.steps, plane, plane_token)}
     if cfg.eval.enabled and cfg.data.eval_spec:
         from tools.train.evaluate import evaluate_run
 
@@ -139,9 +142,63 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
     return result
 
 
+MAX_LISTED = 100  # corrupt samples listed in result.json (the count is always whole)
+
+
+def corrupt_report(run_dir: Path, steps: int, plane: str | None = None,
+                   plane_token: str | None = None) -> dict:
+    """What the run skipped as corrupt (``data.policy=skip``), also told in one line:
+    ``skipped`` counts the metrics rows' skips (every step of the run directory, a resumed
+    run's earlier steps too); ``samples`` names them, in report order, from the plane's log
+    (``RUN_DIR/plane``), or an external plane's status (its last reports only)."""
+    from tools.train.metrics import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    skipped = sum(int(r.get("skipped", 0)) for r in read_metrics(path)) if path.exists() else 0
+    report = {"skipped": skipped, "distinct": 0, "samples": []}
+    if not skipped:
+        return report
+    # Loaders decode ahead of the trainer, so the plane may have heard of samples of steps
+    # never trained: those are left out.
+    events = [{n: e[n] for n in ("step", "source", "shard", "key", "reason")}
+              for e in _corrupt_events(run_dir, plane, plane_token) if e["step"] < steps]
+    report["distinct"] = len({(e["source"], e["shard"], e["key"]) for e in events})
+    report["samples"] = events[:MAX_LISTED]
+    first = (f"; first: step {events[0]['step']}: {events[0]['source']}/{events[0]['key']} "
+             f"({events[0]['shard']}): {events[0]['reason']}") if events else ""
+    print(f"omniscale train: {skipped} corrupt sample(s) skipped and replaced from the same "
+          f"source ({report['distinct']} distinct, quarantined by the plane; listed in "
+          f"{run_dir / 'result.json'}){first}", flush=True)
+    return report
+
+
+def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None) -> list[dict]:
+    if plane is None:
+        from dataplane.journal import Journal
+
+        try:
+            return [r for r in Journal(run_dir / "plane").records() if r["t"] == "corrupt"]
+        except (OSError, ValueError) as e:  # the run trained; a damaged log only costs names
+            print(f"omniscale train: cannot list the corrupt samples ({e})")
+            return []
+    from dataplane.client import PlaneClient
+
+    try:
+        with PlaneClient(plane, token=plane_token, timeout=10.0, retry_for=10.0) as client:
+            return list(client.status().get("corrupt_recent", []))
+    except Exception as e:  # noqa: BLE001 -- the plane may be gone by now: names are a bonus
+        print(f"omniscale train: cannot list the corrupt samples ({str(e).splitlines()[0]})")
+        return []
+
+
 def _spawn(job: RankJob, nproc: int, run_dir: Path) -> None:
     import torch.multiprocessing as mp
 
+    # When a rank stops (a UserError), torch logs "Terminating process N via signal SIGTERM"
+    # for each rank still waiting on it: noise beside the one line that says why.
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
     try:
         mp.start_processes(_spawned, args=(nproc, job), nprocs=nproc, join=True,
                            start_method="spawn")
@@ -150,3 +207,5 @@ def _spawn(job: RankJob, nproc: int, run_dir: Path) -> None:
         if errors:
             raise UserError(errors[0].read_text().strip()) from None
         raise
+    finally:
+        spawn_log.setLevel(level)

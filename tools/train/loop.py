@@ -177,6 +177,18 @@ def _target_mix(spec, step: int, tokens_before: int) -> dict[str, float]:
     return {k: round(v, 6) for k, v in spec.schedule.weights_at(x).items()}
 
 
+def _refit(ctx: StepContext, client) -> dict | None:
+    """Fit the cost model to the measured step times; send it to the plane unless the run
+    is deterministic (then plans depend on data alone and the fit is only logged)."""
+    fitted = ctx.refit.fit()
+    if fitted is None:
+        return None
+    if not ctx.cfg.deterministic:
+        fitted["applies_at_step"] = client.set_costs(fitted["linear"],
+                                                     fitted["quadratic"])["applies_at_step"]
+    return fitted
+
+
 def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_fn) -> None:
     cfg, rank = ctx.cfg, ctx.rank
     writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step) if rank == 0 else None
@@ -189,7 +201,11 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
             assert batch.step == step, (batch.step, step)
             row = step_fn(ctx, step, model, optimizer, batch)
             loader.commit(step)
-            row["mix_target"] = _target_mix(spec, step, tokens_before)
+            if "mix_samples" in row:
+                row["mix_target"] = _target_mix(spec, step, tokens_before)
+            if rank == 0 and cfg.data.refit_costs_every and \
+                    (step + 1) % cfg.data.refit_costs_every == 0:
+                row["cost_refit"] = _refit(ctx, client)
             tokens_before += row["tokens"]
             done = step + 1
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:

@@ -29,6 +29,37 @@ class CostFit:
             self.sxx += c * c
 
 
+class CostRefit:
+    """The balancer's LLM cost model refitted from measured step times: every (step, rank) is
+    one measurement (the lengths of the sequences the rank trained, its compute seconds);
+    ``balancer.cost.fit`` gives ``α·ΣL + β·ΣL² + γ·count`` over the last ``keep``."""
+
+    def __init__(self, keep: int = 512) -> None:
+        self.lengths: list[list[int]] = []
+        self.seconds: list[float] = []
+        self.keep = keep
+
+    def add(self, lengths_by_rank: list[list[int]], seconds_by_rank: list[float]) -> None:
+        self.lengths += lengths_by_rank
+        self.seconds += seconds_by_rank
+        del self.lengths[:-self.keep], self.seconds[:-self.keep]
+
+    def fit(self) -> dict | None:
+        """``{linear, quadratic, r2, mape}`` when the measurements determine a usable model
+        (non-negative coefficients, R² ≥ 0.5), else None."""
+        from balancer.cost import fit
+
+        try:
+            result = fit(self.lengths, self.seconds)
+        except ValueError:
+            return None
+        m = result.model
+        if m.alpha < 0 or m.beta < 0 or (m.alpha == 0 and m.beta == 0) or result.r2 < 0.5:
+            return None
+        return {"linear": m.alpha, "quadratic": m.beta, "r2": round(result.r2, 4),
+                "mape": round(result.mape, 4)}
+
+
 class MetricsWriter:
     """Appends rows; on resume, rows at or after the resumed step are dropped first so the
     file reads as one run."""

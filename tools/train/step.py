@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tools.train.build import lr_at
 from tools.train.media_step import StepMedia, gather_plans
-from tools.train.metrics import CostFit
+from tools.train.metrics import CostFit, CostRefit
 
 IGNORE = -100
 
@@ -33,6 +33,7 @@ class StepContext:
     flops_beta: float
     peak_flops: float | None  # per rank, for MFU (None: not known for this device)
     fit: CostFit = dataclasses.field(default_factory=CostFit)
+    refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
 
 
 def placeholder(empty):
@@ -73,6 +74,16 @@ def _groups(mb, sources: list[str]) -> torch.Tensor:
     refs = mb.seq_refs or [None] * (mb.cu_seqlens_S1.numel() - 1)
     return torch.tensor([index.get(r.source, len(sources)) if r is not None else 0
                          for r in refs], dtype=torch.int64)
+
+
+def _measure(ctx: StepContext, batch, seconds: list[float]) -> None:
+    """Every rank's sequence lengths of this step to rank 0, for the cost refit."""
+    lengths = [int(n) for mb in batch.micro_batches
+               for n in (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).tolist()]
+    gathered: list = [None] * ctx.world
+    dist.all_gather_object(gathered, lengths)
+    if ctx.rank == 0:
+        ctx.refit.add(gathered, seconds)
 
 
 def _flops(mbs, alpha: float, beta: float) -> float:
@@ -166,6 +177,7 @@ def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n
          samples_G, tokens_G, router, load_LE) -> dict:
     times = timing(ctx, batch, compute_s)
     step_s = times["step_s"]
+    _measure(ctx, batch, times["rank_compute_s"])
     names = ctx.sources + ["(other)"]
     flops_per_s = float(counts[2]) / max(step_s, 1e-9)
     row = {"step": step, "loss": float(loss_G.sum()) / n_global,
