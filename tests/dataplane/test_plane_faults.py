@@ -12,13 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
-import signal
-import socket
 import subprocess
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +23,7 @@ import yaml
 from dataplane.client import PlaneClient, PlaneError
 from loaders.index import index_paths
 from loaders.index_schema import read_index
+from procs import Proc as _Proc, free_port
 from tools.demo import generate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,55 +50,8 @@ def epoch(tmp_path_factory) -> Path:
     return demo / "epoch.yaml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A child process whose stdout lines are read by a thread into a queue, so the test can
-    block on "the next line" with a timeout."""
-
-    def __init__(self, args: list[str]):
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.popen = subprocess.Popen(args, cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for(self, pattern: str) -> re.Match:
-        """Block until a line matches ``pattern``; fail if the process ends or stays silent."""
-        while True:
-            try:
-                line = self.lines.get(timeout=TIMEOUT)
-            except queue.Empty:
-                pytest.fail(f"no {pattern!r} within {TIMEOUT} s:\n{''.join(self.output)}")
-            if line is None:
-                pytest.fail(f"exited before {pattern!r}:\n{''.join(self.output)}")
-            if match := re.search(pattern, line):
-                return match
-
-    def resume(self) -> None:
-        self.popen.stdin.write("\n")
-        self.popen.stdin.flush()
-
-    def finish(self) -> int:
-        rc = self.popen.wait(timeout=TIMEOUT)
-        assert rc == 0, "".join(self.output)
-        return rc
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGKILL)
-        self.popen.wait(timeout=TIMEOUT)
+def Proc(args: list[str]) -> _Proc:
+    return _Proc(args, timeout=TIMEOUT)
 
 
 def serve(spec: Path, state: Path, dp: int, port: int, *extra: str) -> tuple[Proc, str, int]:

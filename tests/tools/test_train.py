@@ -14,17 +14,6 @@ from tools.train.launch import train
 from tools.train.metrics import read_metrics
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from loaders.index import index_paths
-    from tools.demo import generate
-
-    root = tmp_path_factory.mktemp("train") / "demo"
-    generate(root, scale="tiny", progress=False)
-    index_paths([root / "mix.yaml", root / "eval.yaml"], progress=False)
-    return root
-
-
 def _sets(demo, out, **kw) -> list[str]:
     base = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
             "data.workers": 0, "data.global_batch_tokens": 4096,

@@ -9,76 +9,18 @@ trainer's "step N/M" lines), never by sleeping.
 from __future__ import annotations
 
 import json
-import os
-import queue
-import re
-import signal
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-import pytest
+from procs import Proc as _Proc, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 180  # seconds any one wait may take before the test fails (never a pacing delay)
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from loaders.index import index_paths
-    from tools.demo import generate
-
-    root = tmp_path_factory.mktemp("faults") / "demo"
-    generate(root, scale="tiny", progress=False)
-    index_paths([root / "mix.yaml", root / "eval.yaml"], progress=False)
-    return root
-
-
-class Proc:
-    """A child whose output lines a thread queues, so the test blocks on the next line."""
-
-    def __init__(self, args: list[str]):
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.popen = subprocess.Popen(args, cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for(self, pattern: str) -> re.Match:
-        while True:
-            try:
-                line = self.lines.get(timeout=TIMEOUT)
-            except queue.Empty:
-                pytest.fail(f"no {pattern!r} within {TIMEOUT} s:\n{''.join(self.output)}")
-            if line is None:
-                pytest.fail(f"exited before {pattern!r}:\n{''.join(self.output)}")
-            if match := re.search(pattern, line):
-                return match
-
-    def finish(self) -> None:
-        rc = self.popen.wait(timeout=TIMEOUT * 3)
-        self.lines.put(None)
-        assert rc == 0, "".join(self.output[-60:])
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGKILL)
-        self.popen.wait(timeout=TIMEOUT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def Proc(args: list[str]) -> _Proc:
+    return _Proc(args, timeout=TIMEOUT)
 
 
 def serve(spec: Path, state: Path, port: int) -> tuple[Proc, str]:
@@ -108,7 +50,7 @@ def test_plane_killed_mid_run_restarts_and_nothing_is_lost_or_repeated(demo, tmp
         plane, url_again = serve(demo / "mix.yaml", state, port)
         procs.append(plane)
         assert url_again == url
-        trainer.finish()
+        trainer.finish(TIMEOUT * 3)
     finally:
         for proc in procs:
             proc.kill()

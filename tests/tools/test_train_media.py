@@ -10,21 +10,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from tools.train.launch import train
 from tools.train.metrics import read_metrics
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from loaders.index import index_paths
-    from tools.demo import generate
-
-    root = tmp_path_factory.mktemp("media") / "demo"
-    generate(root, scale="tiny", progress=False)
-    index_paths([root / "mix.yaml", root / "eval.yaml"], progress=False)
-    return root
 
 
 def _run(demo, out, nproc):
