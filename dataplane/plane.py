@@ -159,6 +159,7 @@ class DataPlane:
         # step times), applied from that window on, in order; in the log, so replays agree.
         self.cost_changes: list[list] = []
         self.window_costs = {0: self._cost_pair()}
+        self.committed_fps: dict[int, list[str]] = {}
         self.window_states = {0: _copy(self.mixer.state_dict())}
         self.window_specs = {0: self.spec_path}
         self.corrupt = CorruptLedger()
@@ -181,6 +182,7 @@ class DataPlane:
         self.dp_changes = [list(c) for c in snap["dp_changes"]]
         self.reloads = [list(r) for r in snap["reloads"]]
         self.cost_changes = [list(c) for c in snap.get("cost_changes", [])]
+        self.committed_fps = {int(s): list(f) for s, f in snap.get("committed_fps", {}).items()}
         if "costs" in snap:
             self.costs = Costs.from_llm(*snap["costs"])
         self.window_costs = {k: self._cost_pair()}
@@ -212,6 +214,7 @@ class DataPlane:
         kind = record["t"]
         if kind == "commit":
             self.rank_commits.pop(record["step"], None)
+            self._remember_fps(record["step"], record["fp"])
             self._mark_committed(record["step"])
         elif kind == "rank":
             self.rank_commits.setdefault(record["step"], set()).add(record["rank"])
@@ -274,6 +277,7 @@ class DataPlane:
             "dp_changes": self.dp_changes, "reloads": [r for r in self.reloads if r[0] > k],
             "costs": list(self.window_costs.get(k, self._cost_pair())),
             "cost_changes": [c for c in self.cost_changes if c[0] > k],
+            "committed_fps": {str(s): f for s, f in self.committed_fps.items()},
             "committed_ahead": sorted(s for s in self.committed if s >= step),
             "rank_commits": {str(s): sorted(r) for s, r in self.rank_commits.items()
                              if s >= step},
@@ -391,6 +395,9 @@ class DataPlane:
         plane restart does not forget it; ``plan_fp`` (the fingerprint of the plan the rank
         trained) makes the plane refuse a commit of a plan that was re-planned since."""
         with self.lock:
+            repeated = self._repeated_commit(step, rank, plan_fp)
+            if repeated is not None:
+                return repeated
             self._check_step(step, "commit")
             self._ensure_planned(step)
             if self.exhausted_at is not None and step >= self.exhausted_at:
@@ -414,6 +421,7 @@ class DataPlane:
                     return {"step": step, "committed": False, "ranks": len(ranks), "dp": dp}
             prints = [fingerprint(self._table(step, r)) for r in range(dp)]
             self._log({"t": "commit", "step": step, "fp": prints})
+            self._remember_fps(step, prints)
             self.rank_commits.pop(step, None)
             self._mark_committed(step)
             if self.next_step - self.last_snapshot >= self.config.snapshot_every:
@@ -421,6 +429,36 @@ class DataPlane:
             self._ensure_planned(self.next_step + self.config.window
                                  * (1 + self.config.plan_ahead) - 1)
             return {"step": step, "committed": True, "next_step": self.next_step}
+
+    def _repeated_commit(self, step: int, rank: int | None, plan_fp: str | None
+                         ) -> dict | None:
+        """The reply to a commit this plane already took from the same rank for the same
+        plan: a client that lost the reply (the plane was killed after logging the commit,
+        before answering) retries, and the retry must succeed, not fail as a duplicate."""
+        if rank is None or plan_fp is None:
+            return None
+        done = self.committed_fps.get(step)
+        if done is not None and rank < len(done) and done[rank] == plan_fp:
+            return {"step": step, "committed": True, "next_step": self.next_step,
+                    "repeated": True}
+        ranks = self.rank_commits.get(step, set())
+        if rank in ranks and step in self._planned_steps() and \
+                plan_fp == fingerprint(self._table(step, rank)):
+            return {"step": step, "committed": False, "ranks": len(ranks),
+                    "dp": self.dp_at(step), "repeated": True}
+        return None
+
+    def _planned_steps(self) -> range:
+        W = self.config.window
+        return range(min(self.windows, default=0) * W, self.next_window * W)
+
+    def _remember_fps(self, step: int, prints: list[str]) -> None:
+        """Fingerprints of the recently committed steps (the last few windows): what a
+        repeated commit is recognised by."""
+        self.committed_fps[step] = list(prints)
+        horizon = step - 4 * self.config.window
+        for old in [s for s in self.committed_fps if s < horizon]:
+            del self.committed_fps[old]
 
     def _mark_committed(self, step: int) -> None:
         self.committed.add(step)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from balancer.cost import Costs
-from balancer.planner import plan_window
+from balancer.planner import plan_step
 from balancer.types import PlannerConfig, StepPlan, WindowSamples
 from dataplane.refs import SampleRef
 from loaders.geometry import MediaGeometry, audio_tokens
@@ -60,25 +60,22 @@ def subset(samples: WindowSamples, idx_n: np.ndarray, batch_n: np.ndarray
 
 def replan_tail(plans: list[StepPlan], samples: WindowSamples, from_step: int, costs: Costs,
                 config: PlannerConfig) -> list[StepPlan]:
-    """Plans whose steps ``< from_step`` are kept and whose later steps hold the same samples
-    re-planned on ``config.dp`` ranks (steps are window-local). Used when a job resumes
-    mid-window with a different number of ranks: what was trained stays trained, what was not
-    is planned anew, nothing is added or lost."""
-    tail = plans[from_step:]
-    if not tail:
-        return plans
-    idx_n = np.concatenate([p.samples() for p in tail]).astype(np.int64)
-    was_n = np.concatenate([[p.step] * len(p.samples()) for p in tail]).astype(np.int64)
-    order = np.argsort(idx_n, kind="stable")
-    idx_n, was_n = idx_n[order], was_n[order]
-    sub, item_m = subset(samples, idx_n, was_n - from_step)
-    fresh = plan_window(sub, costs, PlannerConfig(
-        dp=config.dp, micro_batch_tokens=config.micro_batch_tokens, window=len(tail),
-        sp_max=config.sp_max, epsilon=config.epsilon))
-    for plan in fresh:  # back to window numbering
-        plan.step += from_step
-        plan.sample_P = idx_n[plan.sample_P]
-        plan.item_M = item_m[plan.item_M]
-        plan.item_sample_M = idx_n[plan.item_sample_M]
-        plan.displacement_P = np.abs(plan.step - samples.batch_N[plan.sample_P]).astype(np.int32)
+    """Plans whose steps ``< from_step`` are kept and whose later steps are re-planned on
+    ``config.dp`` ranks, each step with exactly the samples it had (steps are window-local).
+    Used when a job resumes mid-window with a different number of ranks: what was trained
+    stays trained, and every later step trains the same global batch as before (DESIGN.md:
+    the same global batches re-planned onto the new ranks) -- only ranks and micro-batches
+    change, so the run's loss curve does not depend on when it was resized."""
+    one_step = PlannerConfig(dp=config.dp, micro_batch_tokens=config.micro_batch_tokens,
+                             window=1, sp_max=config.sp_max, epsilon=config.epsilon)
+    fresh = []
+    for plan in plans[from_step:]:
+        idx_n = np.sort(plan.samples()).astype(np.int64)
+        sub, item_m = subset(samples, idx_n, np.zeros(len(idx_n), np.int64))
+        new = plan_step(sub, costs, one_step, step=plan.step)
+        new.sample_P = idx_n[new.sample_P]  # back to window numbering
+        new.item_M = item_m[new.item_M]
+        new.item_sample_M = idx_n[new.item_sample_M]
+        new.displacement_P = np.abs(new.step - samples.batch_N[new.sample_P]).astype(np.int32)
+        fresh.append(new)
     return plans[:from_step] + fresh

@@ -16,13 +16,18 @@ hear "trained" from the data path.
 
 from __future__ import annotations
 
+import gc
 import queue
+import re
 import threading
 import time
+import warnings
 from collections import deque
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 
 import torch
+from torch.utils.data._utils import signal_handling
 
 from dataplane.client import PlaneClient
 from dataplane.refs import SampleRef
@@ -162,45 +167,200 @@ class RankLoader(StepLoader):
     The DataLoader's sampler is fed from the plan queue: each plan becomes one work item per
     distinct sample (one dummy item for an empty plan), so workers run ahead across step
     boundaries. Results come back in order; a step is complete after its item count.
-    ``timeout`` on the DataLoader is only a backstop behind the per-sample watchdog.
+
+    A worker that dies (``kill -9``, the OOM killer) is replaced: the whole DataLoader is,
+    since its queues may be left locked by the dead process. The new one's sampler first
+    replays every plan the old one had pulled -- the step being assembled (decoded again from
+    scratch, its partial results dropped), then the queued ones, in order -- and goes on from
+    the plan prefetcher. Decoding is by reference and pure, so the StepBatches are exactly
+    those of a run without the death. Each restart is counted in :attr:`worker_restarts` and
+    warned about; the ``max_worker_restarts + 1``-th death in a row while on the same step
+    (a sample that kills its decoder every time) ends the loader with an error.
+
+    Worker deaths are noticed by polling (the DataLoader waits ``_POLL_S`` at a time); its
+    SIGCHLD handler, which would raise in the main thread wherever the trainer happens to
+    be, is kept off these workers. ``2 * decode_timeout + 60`` seconds without a result is
+    only a backstop behind the per-sample watchdog.
     """
+
+    _POLL_S = 1.0
+
+    def __init__(self, *args, max_worker_restarts: int = 3, **kwargs) -> None:
+        if max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts: must be >= 0, got {max_worker_restarts}")
+        super().__init__(*args, **kwargs)
+        self.max_worker_restarts = int(max_worker_restarts)
+        self.worker_restarts = 0
+        self._it = None  # the current DataLoader iterator (the assembly thread's)
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the current DataLoader's worker processes (empty before the first
+        ``next()`` and with ``num_workers=0``); they change when dead workers are replaced."""
+        it = self._it
+        return [w.pid for w in getattr(it, "_workers", ())]
 
     def _decoded_steps(self):
         steps: deque = deque()  # (step, table, items), END, or an exception: sampler order
-        loader = torch.utils.data.DataLoader(
-            RefDataset(self.spec, self.decode_timeout), batch_size=None,
-            sampler=_PlanItems(self.plans, steps), num_workers=self.num_workers,
-            collate_fn=identity, pin_memory=False,
-            timeout=(2 * self.decode_timeout + 60) if self.num_workers else 0,
-            prefetch_factor=2 if self.num_workers else None)
-        it = iter(loader)  # forks the workers, which start on the first items at once
+        it = self._start(_PlanItems(self.plans, steps))
         first = None
-        while not self._stop.is_set():
-            if not steps:  # no worker processes: the sampler runs inside next()
-                first = next(it, None)
-            head = steps.popleft()
-            if head is END:
-                return
-            if isinstance(head, BaseException):
-                raise head
-            step, table, count = head
-            decoded: dict[tuple, Decoded] = {}
-            for _ in range(count):
-                _, out = first if first is not None else next(it)
-                first = None
-                if out.ref is not None:
-                    decoded[sample_id(out.ref)] = out
-            yield step, table, decoded
+        redo_step, in_a_row = None, 0  # worker deaths in a row while on one step
+        try:
+            while not self._stop.is_set():
+                if not steps:  # no worker processes: the sampler runs inside next()
+                    first = next(it, None)
+                head = steps.popleft()
+                if head is END:
+                    return
+                if isinstance(head, BaseException):
+                    raise head
+                step, table, count = head
+                decoded: dict[tuple, Decoded] = {}
+                try:
+                    for _ in range(count):
+                        if first is not None:
+                            got, first = first, None
+                        else:
+                            got = self._next_item(it)
+                            if got is None:  # closing
+                                return
+                        out = got[1]
+                        if out.ref is not None:
+                            decoded[sample_id(out.ref)] = out
+                except _WorkerDied as e:
+                    pids = e.pids
+                    in_a_row = in_a_row + 1 if step == redo_step else 1
+                    redo_step = step
+                    if in_a_row > self.max_worker_restarts:
+                        raise RuntimeError(
+                            f"rank {self.rank}: DataLoader worker (pid {pids}) died while on "
+                            f"step {step}, {in_a_row} times in a row; giving up (a sample of "
+                            f"this step or the next may kill its decoder every time)") from e
+                    replay = [head, *steps]  # every plan the dead DataLoader pulled, in order
+                    _shutdown(it)
+                    self.worker_restarts += 1
+                    warnings.warn(f"rank {self.rank}: DataLoader worker (pid {pids}) died; "
+                                  f"new workers decode again from step {step} (restart "
+                                  f"{self.worker_restarts})", RuntimeWarning, stacklevel=2)
+                    steps = deque()
+                    it = self._start(_PlanItems(self.plans, steps, replay))
+                    continue
+                yield step, table, decoded
+        finally:
+            self._it = None
+            _shutdown(it)
+
+    def _start(self, sampler: "_PlanItems"):
+        """A DataLoader over ``sampler``, iterating: forks the workers, which start on the
+        first items at once."""
+        loader = torch.utils.data.DataLoader(
+            RefDataset(self.spec, self.decode_timeout), batch_size=None, sampler=sampler,
+            num_workers=self.num_workers, collate_fn=identity, pin_memory=False,
+            timeout=self._POLL_S if self.num_workers else 0,
+            prefetch_factor=2 if self.num_workers else None)
+        it = _forked(loader)
+        if getattr(it, "_worker_pids_set", False):
+            # Off torch's SIGCHLD handler (set by any DataLoader iterated on the main thread):
+            # it would raise this death in the main thread; _next_item notices it here.
+            signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+        self._it = it
+        return it
+
+    def _next_item(self, it):
+        """The next decoded item, waiting ``_POLL_S`` at a time; None once the loader is
+        closing. A dead worker raises :class:`_WorkerDied`: torch names it when a wait times
+        out; a worker killed while handing a result over (its tensors' file descriptors) makes
+        the receive fail with a connection error first, then the worker's exit decides."""
+        backstop = 2 * self.decode_timeout + 60 if self.decode_timeout else None
+        waited = 0.0
+        while True:
+            try:
+                return next(it)
+            except RuntimeError as e:
+                pids = _dead_workers(e)
+                if pids is not None:
+                    raise _WorkerDied(pids) from e
+                if not self.num_workers or not str(e).startswith("DataLoader timed out"):
+                    raise
+            except (OSError, EOFError) as e:
+                pids = _exited_workers(it, self._POLL_S * 5)
+                if not pids:
+                    raise
+                raise _WorkerDied(pids) from e
+            if self._stop.is_set():
+                return None
+            waited += self._POLL_S
+            if backstop is not None and waited >= backstop:
+                raise RuntimeError(f"rank {self.rank}: DataLoader timed out after "
+                                   f"{backstop:g} seconds")
+
+
+class _WorkerDied(Exception):
+    """A worker process of the current DataLoader died (``pids``: torch's or our listing)."""
+
+    def __init__(self, pids: str) -> None:
+        super().__init__(f"DataLoader worker (pid {pids}) died")
+        self.pids = pids
+
+
+_DEAD_WORKER = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([0-9, ]+)\) "
+                          r"(?:exited unexpectedly|is killed by signal)")
+
+
+def _dead_workers(e: BaseException) -> str | None:
+    """The pid(s) torch names in a "DataLoader worker ... exited unexpectedly / is killed by
+    signal" RuntimeError; None for any other error."""
+    m = _DEAD_WORKER.search(str(e))
+    return m.group(1) if m else None
+
+
+def _exited_workers(it, timeout: float) -> str:
+    """The pids of ``it``'s workers that have exited or exit within ``timeout`` seconds (a
+    process killed closes its sockets just before it can be waited for); "" if none."""
+    workers = [w for w in getattr(it, "_workers", ()) if w.pid is not None]
+    ready = mp_connection.wait([w.sentinel for w in workers], timeout) if workers else []
+    return ", ".join(str(w.pid) for w in workers if w.sentinel in ready)
+
+
+def _forked(loader: torch.utils.data.DataLoader):
+    """``iter(loader)`` -- which forks its workers -- with this process's objects kept out of
+    the workers' garbage collector. A forked worker that collects garbage it inherited (a
+    closed plane client, a stopped embedded plane: Arrow Flight / gRPC objects whose threads
+    did not survive the fork) can crash with SIGSEGV; frozen objects are never collected."""
+    if not loader.num_workers:
+        return iter(loader)
+    gc.collect()  # the garbage is freed here, where its threads still run
+    ours = gc.get_freeze_count() == 0  # leave anyone else's freeze as it is
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        if ours:
+            gc.unfreeze()
+
+
+def _shutdown(it) -> None:
+    """Stop a DataLoader iterator's workers now (not whenever it is garbage-collected)."""
+    stop = getattr(it, "_shutdown_workers", None)
+    if stop is not None:
+        stop()
 
 
 class _PlanItems:
     """The sampler: work items ``((step, i), ref)`` of each plan, recording each step's item
-    count in ``steps`` before its first item leaves (the consumer reads counts from there)."""
+    count in ``steps`` before its first item leaves (the consumer reads counts from there).
+    ``replay``: entries of ``steps`` a replaced DataLoader had pulled, sent again first."""
 
-    def __init__(self, plans: PlanPrefetcher, steps: deque) -> None:
-        self.plans, self.steps = plans, steps
+    def __init__(self, plans: PlanPrefetcher, steps: deque, replay: list | None = None) -> None:
+        self.plans, self.steps, self.replay = plans, steps, list(replay or ())
 
     def __iter__(self):
+        for entry in self.replay:
+            self.steps.append(entry)
+            if entry is END or isinstance(entry, BaseException):
+                return
+            step, table, _ = entry
+            yield from _items(step, unique_refs(table) or [None])
         while True:
             try:
                 got = self.plans.get()
@@ -213,5 +373,9 @@ class _PlanItems:
             step, table = got
             refs = unique_refs(table) or [None]
             self.steps.append((step, table, len(refs)))
-            for i, ref in enumerate(refs):
-                yield (step, i), ref
+            yield from _items(step, refs)
+
+
+def _items(step: int, refs: list):
+    for i, ref in enumerate(refs):
+        yield (step, i), ref

@@ -66,7 +66,7 @@ class PlanPrefetcher:
         return False
 
     def _run(self) -> None:
-        client = PlaneClient(self.url, token=self.token)
+        client = PlaneClient(self.url, token=self.token, stream=True)  # the plan lane: cheap fetches
         delay = 0.01
         try:
             while not self.stop.is_set():

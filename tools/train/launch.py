@@ -147,48 +147,57 @@ MAX_LISTED = 100  # corrupt samples listed in result.json (the count is always w
 
 def corrupt_report(run_dir: Path, steps: int, plane: str | None = None,
                    plane_token: str | None = None) -> dict:
-    """What the run skipped as corrupt (``data.policy=skip``), also told in one line:
-    ``skipped`` counts the metrics rows' skips (every step of the run directory, a resumed
-    run's earlier steps too); ``samples`` names them, in report order, from the plane's log
-    (``RUN_DIR/plane``), or an external plane's status (its last reports only)."""
+    """What the run skipped as corrupt (``data.policy=skip``), also told in one line.
+
+    ``skipped``: samples skipped, a sample once per step that skipped it, over every step of
+    the run directory (a resumed run's earlier steps too) -- from the plane's log
+    (``RUN_DIR/plane``: one record per report however many ranks decoded the sample), or, with
+    an external plane, the metrics rows' ``skipped``. ``distinct``: how many samples that is.
+    ``samples``: the first ones, in report order (an external plane's status keeps only its
+    last reports)."""
     from tools.train.metrics import read_metrics
 
     path = run_dir / "metrics.jsonl"
-    skipped = sum(int(r.get("skipped", 0)) for r in read_metrics(path)) if path.exists() else 0
-    report = {"skipped": skipped, "distinct": 0, "samples": []}
-    if not skipped:
+    counted = sum(int(r.get("skipped", 0)) for r in read_metrics(path)) if path.exists() else 0
+    report = {"skipped": counted, "distinct": 0, "samples": []}
+    if not counted:
         return report
+    events, complete = _corrupt_events(run_dir, plane, plane_token)
     # Loaders decode ahead of the trainer, so the plane may have heard of samples of steps
     # never trained: those are left out.
     events = [{n: e[n] for n in ("step", "source", "shard", "key", "reason")}
-              for e in _corrupt_events(run_dir, plane, plane_token) if e["step"] < steps]
+              for e in events if e["step"] < steps]
+    if complete:
+        report["skipped"] = len(events)
     report["distinct"] = len({(e["source"], e["shard"], e["key"]) for e in events})
     report["samples"] = events[:MAX_LISTED]
     first = (f"; first: step {events[0]['step']}: {events[0]['source']}/{events[0]['key']} "
              f"({events[0]['shard']}): {events[0]['reason']}") if events else ""
-    print(f"omniscale train: {skipped} corrupt sample(s) skipped and replaced from the same "
-          f"source ({report['distinct']} distinct, quarantined by the plane; listed in "
-          f"{run_dir / 'result.json'}){first}", flush=True)
+    print(f"omniscale train: {report['skipped']} corrupt sample(s) skipped and replaced from "
+          f"the same source ({report['distinct']} distinct, quarantined by the plane; listed "
+          f"in {run_dir / 'result.json'}){first}", flush=True)
     return report
 
 
-def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None) -> list[dict]:
+def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None
+                    ) -> tuple[list[dict], bool]:
+    """The plane's corrupt reports, and whether that is all of them."""
     if plane is None:
         from dataplane.journal import Journal
 
         try:
-            return [r for r in Journal(run_dir / "plane").records() if r["t"] == "corrupt"]
+            return [r for r in Journal(run_dir / "plane").records() if r["t"] == "corrupt"], True
         except (OSError, ValueError) as e:  # the run trained; a damaged log only costs names
             print(f"omniscale train: cannot list the corrupt samples ({e})")
-            return []
+            return [], False
     from dataplane.client import PlaneClient
 
     try:
         with PlaneClient(plane, token=plane_token, timeout=10.0, retry_for=10.0) as client:
-            return list(client.status().get("corrupt_recent", []))
+            return list(client.status().get("corrupt_recent", [])), False
     except Exception as e:  # noqa: BLE001 -- the plane may be gone by now: names are a bonus
         print(f"omniscale train: cannot list the corrupt samples ({str(e).splitlines()[0]})")
-        return []
+        return [], False
 
 
 def _spawn(job: RankJob, nproc: int, run_dir: Path) -> None:

@@ -68,6 +68,18 @@ def grad_norm_and_clip(model: torch.nn.Module, clip: float) -> float:
     return float(total)
 
 
+def distinct_skipped(batch, world: int, reported: float) -> float:
+    """Corrupt samples skipped this step, each once: the rank training a sample and the rank
+    encoding its media both decode it, and both skip it (``reported`` is the ranks' sum)."""
+    if reported == 0 or world == 1:
+        return reported
+    from loaders.assemble import sample_id
+
+    ids: list = [None] * world
+    dist.all_gather_object(ids, sorted(sample_id(bad) for bad, _ in batch.replaced))
+    return float(len(set().union(*map(set, ids))))
+
+
 def _groups(mb, sources: list[str]) -> torch.Tensor:
     """Each sequence's source index (a source added by a reload later: the last group)."""
     index = {name: i for i, name in enumerate(sources)}
@@ -114,6 +126,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media.moved],
                           dtype=torch.float64)
     dist.all_reduce(counts)
+    counts[3] = distinct_skipped(batch, world, float(counts[3]))
     n_global = max(float(counts[0]), 1.0)
 
     loss_G = torch.zeros(n_groups, dtype=torch.float64)

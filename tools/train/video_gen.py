@@ -227,7 +227,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
     import torch.distributed as dist
 
     from tools.train.build import lr_at
-    from tools.train.step import grad_norm_and_clip, placeholder, timing
+    from tools.train.step import distinct_skipped, grad_norm_and_clip, placeholder, timing
 
     cfg = ctx.cfg
     start = time.perf_counter()
@@ -242,6 +242,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
                   for mb in mbs)
     counts = torch.tensor([n_local, len(batch.skipped)], dtype=torch.float64)
     dist.all_reduce(counts)
+    counts[1] = distinct_skipped(batch, ctx.world, float(counts[1]))
     n_global = max(float(counts[0]), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64)
     for mb in mbs:

@@ -1,0 +1,40 @@
+"""A commit whose reply was lost (the plane was killed after logging it, before answering) is
+retried by the client after the restart: the retry of the same rank's commit of the same plan
+succeeds; a commit of another plan, or without a fingerprint, is still refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataplane.plan_table import fingerprint
+from dataplane.plane import DataPlane, PlaneConfig
+from dataplane.server import RequestError
+
+CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
+                     sp_max=1, snapshot_every=3)
+
+
+@pytest.mark.parametrize("steps", [2, 3], ids=["replayed-from-log", "in-the-snapshot"])
+def test_a_retried_commit_succeeds_after_a_restart(demo, tmp_path, steps):
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    prints = {}
+    for step in range(steps):
+        for rank in range(2):
+            prints[step, rank] = fingerprint(plane.get_plan(step, rank))
+            plane.commit(step, rank, prints[step, rank])
+    half = fingerprint(plane.get_plan(steps, 0))
+    plane.commit(steps, 0, half)  # rank 0's share of the next step, logged
+
+    again = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)  # killed, restarted
+    last = steps - 1
+    reply = again.commit(last, 1, prints[last, 1])  # the lost reply's retry
+    assert reply["repeated"] and reply["committed"] and reply["next_step"] == steps
+    reply = again.commit(steps, 0, half)
+    assert reply["repeated"] and not reply["committed"]
+    with pytest.raises(RequestError, match="already committed"):
+        again.commit(last, 1)  # no fingerprint: not recognisable as a retry
+    with pytest.raises(RequestError):
+        again.commit(last, 1, prints[last, 0])  # another rank's plan
+    with pytest.raises(RequestError, match="already committed"):
+        again.commit(steps, 0)
+    assert again.commit(steps, 1, fingerprint(again.get_plan(steps, 1)))["committed"]

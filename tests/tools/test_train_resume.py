@@ -1,0 +1,132 @@
+"""``omniscale train --resume`` with real runs on the tiny demo (issue #9).
+
+* Same ``--nproc``: on CPU in deterministic mode, the 20 steps after the checkpoint train
+  exactly what an uninterrupted run trains -- every row's loss and gradient norm equal, bit for
+  bit. The checkpoint is mid-window (the plane's ``data.window`` is 4 steps).
+* Another ``--nproc``, 2 → 1 from a checkpoint at a window boundary and 1 → 2 from one
+  mid-window: the plane re-plans the global batches onto the new ranks, so the audit of
+  ``RUN_DIR/plane`` finds no sample lost or repeated and every sample trained is a committed
+  sample; each step trains the samples the uninterrupted run trains at that step, and the
+  losses stay close to its (close, not equal: FSDP sums in another order). Mid-window that
+  last part is an expected failure for now: the plane keeps the rest of the window's samples
+  but moves them between its steps.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections import Counter
+
+import pytest
+
+from dataplane.audit import audit_state_dir
+from dataplane.journal import Journal
+from tools.train.launch import train
+from tools.train.metrics import read_metrics
+
+WINDOW = 4  # data.window (the default): steps the plane plans together
+FIRST = 6  # the checkpoint resumed from: mid-window, so a resize re-plans the rest of a drawn
+# window (steps 6, 7) as well as planning later windows for the new ranks
+LAST = FIRST + 20
+CONFIG = "configs/demo_omni.yaml"
+
+
+def _sets(demo, out, steps, every=FIRST) -> list[str]:
+    # Small global batches (one micro-batch per rank at dp 2) keep a step well under a second;
+    # decay_steps is fixed so the learning rate does not depend on ``steps``.
+    sets = {"data.spec": demo / "mix.yaml", "data.eval_spec": "null", "data.workers": 0,
+            "data.global_batch_tokens": 2048, "data.micro_batch_tokens": 2048,
+            "optim.warmup_steps": 1, "optim.decay_steps": LAST, "eval.enabled": False,
+            "checkpoint_every": every, "steps": steps, "output_dir": out}
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+@pytest.fixture(scope="module")
+def straight(demo, tmp_path_factory):
+    """The uninterrupted run: LAST steps on one process."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    train(CONFIG, sets=_sets(demo, out, LAST), progress=False)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(LAST))
+    return rows
+
+
+def _audit_clean(run_dir, rows, next_step) -> dict:
+    report = audit_state_dir(run_dir / "plane")
+    assert report["duplicated"] == 0 and report["missing"] == 0, report
+    assert report["fingerprint_mismatches"] == [] and report["next_step"] == next_step, report
+    trained = sum(sum(r["mix_samples"].values()) for r in rows)
+    assert sum(r["committed"] for r in report["rows"]) == trained > 0, report
+    return report
+
+
+def _fields(row) -> tuple:
+    """What one step trained: identical for the same global batch, whatever the ranks."""
+    return row["tokens"], row["target_tokens"], row["mix_samples"], row["mix_tokens"]
+
+
+@pytest.fixture(scope="module")
+def part(demo, tmp_path_factory):
+    """A run stopped at its checkpoint of step FIRST (one process); tests resume copies."""
+    out = tmp_path_factory.mktemp("part") / "run"
+    train(CONFIG, sets=_sets(demo, out, FIRST), progress=False)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(FIRST))
+    return out
+
+
+def test_resume_continues_bit_for_bit_for_20_steps(part, straight, tmp_path):
+    run = shutil.copytree(part, tmp_path / "run")
+    result = train(None, resume=str(run), sets=[f"steps={LAST}"], progress=False)
+    assert result["start_step"] == FIRST
+    resumed = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(LAST))
+    for want, got in zip(straight, resumed):
+        assert got["loss"] == want["loss"], (got["step"], got["loss"], want["loss"])
+        assert got["grad_norm"] == want["grad_norm"], got["step"]
+        assert got["router_loss"] == want["router_loss"], got["step"]
+        assert _fields(got) == _fields(want), got["step"]
+    _audit_clean(run, resumed, LAST)
+
+
+def test_resume_mid_window_from_one_process_on_two(part, straight, tmp_path):
+    run = shutil.copytree(part, tmp_path / "run")
+    _resume_on_other_nproc(run, FIRST, 2, straight)
+
+
+def test_resume_from_two_processes_on_one(demo, straight, tmp_path):
+    part, first = tmp_path / "part", 4  # a window boundary
+    train(CONFIG, nproc=2, sets=_sets(demo, part, first, every=first), progress=False)
+    _resume_on_other_nproc(part, first, 1, straight)
+
+
+def _resume_on_other_nproc(run_dir, first, nproc, straight) -> None:
+    end = first + 4
+    result = train(None, nproc=nproc, resume=str(run_dir), sets=[f"steps={end}"],
+                   progress=False)
+    assert result["start_step"] == first
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(end))
+    assert [len(r["rank_compute_s"]) for r in rows[first:]] == [nproc] * (end - first)
+    dp = [r for r in Journal(run_dir / "plane").records() if r["t"] == "dp"]
+    assert [(r["step"], r["dp"]) for r in dp] == [(first, nproc)]  # re-planned from there
+    _audit_clean(run_dir, rows, end)
+    # The rest of the window the checkpoint is in holds the same samples, however re-planned.
+    tail = range(first, -(-first // WINDOW) * WINDOW)
+    assert _union([rows[s] for s in tail]) == _union([straight[s] for s in tail])
+    # ... and each step of it exactly the samples it had (replan_tail keeps steps whole)
+    assert [s for s in tail if _fields(rows[s]) != _fields(straight[s])] == []
+    # Each step the same samples; losses drift apart only by summation order (measured:
+    # relative 3e-4 for the loss, 3e-3 for the gradient norm by step 7 on 2 → 1).
+    for want, got in zip(straight, rows):
+        assert _fields(got) == _fields(want), got["step"]
+        assert math.isclose(got["loss"], want["loss"], rel_tol=2e-3), \
+            (got["step"], got["loss"], want["loss"])
+        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=2e-2), got["step"]
+
+
+def _union(rows) -> tuple:
+    samples = Counter()
+    for row in rows:
+        samples.update(row["mix_samples"])
+    return sum(r["tokens"] for r in rows), dict(samples)
