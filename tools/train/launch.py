@@ -2,8 +2,9 @@
 
 ``--nproc 1`` trains in this process. ``--nproc N`` spawns N processes with
 ``torch.multiprocessing`` (spawn start method) that rendezvous over a gloo/nccl process group
-through a file store in a temporary directory -- the single-machine launch; multi-node runs
-would start the same ``train_rank`` under ``torchrun`` (not wired in this first cut). Rank 0
+through a file store in a temporary directory -- the single-machine launch. Under ``torchrun``
+(any number of nodes) each process runs one rank through ``env://`` (``tools.train.torchrun``).
+Rank 0
 starts the embedded plane (dp = N) and broadcasts its URL. A rank's UserError comes back here
 as one line (it is written to ``RUN_DIR/error-rankR.txt`` and the launcher raises it).
 """
@@ -21,6 +22,7 @@ from dataplane.errors import UserError
 from tools.train import checkpoint
 from tools.train.config import RunConfig, apply_set, load_config
 from tools.train.loop import RankJob, train_rank
+from tools.train.torchrun import torchrun_layout, under_torchrun
 
 
 def resolve_config(config: str | None, resume: str | None, sets: list[str]
@@ -110,16 +112,23 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
     of an external data plane (``omniscale plane serve``); by default rank 0 embeds one."""
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: must be >= 1")
+    rank, world = torchrun_layout(nproc, plane) if under_torchrun() else (0, 1)
     cfg, run_dir = resolve_config(config, resume, list(sets))
-    ensure_data(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
-                                                        sort_keys=False))
+    if rank == 0:
+        ensure_data(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
+                                                            sort_keys=False))
+    else:  # rank 0 prepares the data before it joins the group; the others wait there
+        cfg.data.spec = str(Path(cfg.data.spec).resolve())
     found = checkpoint.latest(run_dir) if resume is not None else None
     start = found[0] if found else 0
     if start >= cfg.steps:
         raise UserError(f"--resume {run_dir}: already at step {start} of steps={cfg.steps} "
                         f"(--set steps=N to train on)")
+    if world > 1:  # under torchrun: this process is one rank
+        return _train_one_rank(cfg, run_dir, rank, world, start, found, progress, plane,
+                               plane_token)
     for stale in run_dir.glob("error-rank*.txt"):
         stale.unlink()
     if plane is not None:
@@ -132,6 +141,25 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
             train_rank(0, 1, job)
         else:
             _spawn(job, nproc, run_dir)
+    return _finish(cfg, run_dir, start, plane, plane_token)
+
+
+def _train_one_rank(cfg, run_dir: Path, rank: int, world: int, start: int, found, progress,
+                    plane, plane_token) -> dict:
+    """One rank of a torchrun launch (``tools.train.torchrun``); rank 0 evaluates after."""
+    if rank == 0 and plane is not None:
+        check_plane(plane, plane_token, world, start)
+    job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
+                  str(found[1]) if found else None, "env://", progress,
+                  plane_url=plane, plane_token=plane_token)
+    train_rank(rank, world, job)
+    if rank != 0:
+        return {"run_dir": str(run_dir), "steps": cfg.steps, "start_step": start}
+    return _finish(cfg, run_dir, start, plane, plane_token)
+
+
+def _finish(cfg, run_dir: Path, start: int, plane, plane_token) -> dict:
+    """After training: the corrupt-sample report, the held-out evaluation, result.json."""
     result = {"run_dir": str(run_dir), "steps": cfg.steps, "start_step": start, "eval": None,
               "corrupt": corrupt_report(run_dir, cfg.steps, plane, plane_token)}
     if cfg.eval.enabled and cfg.data.eval_spec:

@@ -1,0 +1,61 @@
+"""``omniscale train`` under ``torchrun``: each process is one rank (env:// rendezvous), rank 0
+prepares the data and embeds the plane on one node; several nodes need ``--plane``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dataplane.errors import UserError
+from tools.train.launch import train
+from tools.train.metrics import read_metrics
+from tools.train.torchrun import torchrun_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sets(demo, out) -> dict:
+    return {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
+            "data.global_batch_tokens": 8192, "data.micro_batch_tokens": 4096,
+            "optim.warmup_steps": 1, "steps": 2, "output_dir": out}
+
+
+def test_torchrun_two_ranks_train_what_spawned_ranks_do(demo, tmp_path):
+    out = tmp_path / "torchrun"
+    args = [a for k, v in _sets(demo, out).items() for a in ("--set", f"{k}={v}")]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
+                           "tools.cli", "train", "configs/demo_omni.yaml", "--no-progress",
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "step 2/2" in done.stdout and (out / "result.json").is_file()
+    got = read_metrics(out / "metrics.jsonl")
+    assert [len(r["rank_compute_s"]) for r in got] == [2, 2]
+
+    spawned = tmp_path / "spawned"
+    train("configs/demo_omni.yaml", nproc=2, progress=False,
+          sets=[f"{k}={v}" for k, v in _sets(demo, spawned).items()])
+    want = read_metrics(spawned / "metrics.jsonl")
+    for a, b in zip(got, want):
+        assert a["mix_samples"] == b["mix_samples"]
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6)
+    assert json.loads((out / "result.json").read_text())["steps"] == 2
+
+
+def test_several_nodes_without_an_external_plane_is_one_line(monkeypatch):
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(UserError, match=r"4 ranks on 2 nodes: give --plane URL"):
+        torchrun_layout(1, None)
+    assert torchrun_layout(1, "grpc+tcp://node0:8815") == (3, 4)
+    with pytest.raises(UserError, match="--nproc 2: under torchrun"):
+        torchrun_layout(2, "grpc+tcp://node0:8815")
