@@ -19,14 +19,14 @@ import logging
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
 from balancer.cost import Costs
 from balancer.planner import plan_window
-from balancer.types import PlannerConfig, StepPlan, WindowSamples
+from balancer.types import PlannerConfig
 from dataplane.catalog import Catalog
 from dataplane.corrupt import (CorruptLedger, draw_replacement, ref_to_json,
                                replacement_room)
@@ -34,11 +34,10 @@ from dataplane.errors import UserError
 from dataplane.journal import Journal
 from dataplane.mixer import Mixer, MixtureExhausted
 from dataplane.plan_table import fingerprint, rank_tables
-from dataplane.refs import SampleRef
 from dataplane.server import RequestError
 from dataplane.spec import MixSpec, load_spec
 from dataplane.status import plane_status
-from dataplane.windows import replan_tail, window_samples
+from dataplane.windows import Window, window_samples
 
 log = logging.getLogger(__name__)
 
@@ -84,35 +83,6 @@ class PlaneConfig:
     def batch(self) -> dict:
         return {"global_batch_tokens": self.global_batch_tokens,
                 "global_batch_samples": self.global_batch_samples}
-
-
-@dataclass
-class Window:
-    """A drawn and planned window: its samples, its plans and the state it started from."""
-
-    k: int
-    first_step: int
-    start_state: dict  # mixer state before drawing it
-    spec_path: str
-    refs: list[SampleRef]
-    samples: WindowSamples
-    plans: list[StepPlan]
-    dp_of_step: list[int]
-    tables: dict[tuple[int, int], pa.Table] = field(default_factory=dict)
-
-    @property
-    def end_step(self) -> int:
-        return self.first_step + len(self.plans)
-
-    def resize(self, step: int, dp: int, costs: Costs, config: "PlaneConfig") -> None:
-        """Re-plan the steps from ``step`` on (those in this window) for ``dp`` ranks."""
-        local = max(step - self.first_step, 0)
-        if local >= len(self.plans):
-            return
-        self.plans = replan_tail(self.plans, self.samples, local, costs,
-                                 config.planner(dp, len(self.plans) - local))
-        self.dp_of_step[local:] = [dp] * (len(self.plans) - local)
-        self.tables = {key: t for key, t in self.tables.items() if key[0] < step}
 
 
 class DataPlane:

@@ -3,12 +3,16 @@
 A window is W consecutive global batches planned together. This module turns its SampleRefs
 into a :class:`balancer.types.WindowSamples` (tokens, source, batch, and one encoder item per
 image, video clip and audio clip), runs the planner, and re-plans the tail of a window on a
-different number of ranks (an elastic restore mid-window) without touching its head.
+different number of ranks (an elastic restore mid-window) without touching its head;
+:class:`Window` is one drawn and planned window as the plane keeps it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
+import pyarrow as pa
 
 from balancer.cost import Costs
 from balancer.planner import plan_step
@@ -79,3 +83,32 @@ def replan_tail(plans: list[StepPlan], samples: WindowSamples, from_step: int, c
         new.displacement_P = np.abs(new.step - samples.batch_N[new.sample_P]).astype(np.int32)
         fresh.append(new)
     return plans[:from_step] + fresh
+
+
+@dataclass
+class Window:
+    """A drawn and planned window: its samples, its plans and the state it started from."""
+
+    k: int
+    first_step: int
+    start_state: dict  # mixer state before drawing it
+    spec_path: str
+    refs: list[SampleRef]
+    samples: WindowSamples
+    plans: list[StepPlan]
+    dp_of_step: list[int]
+    tables: dict[tuple[int, int], pa.Table] = field(default_factory=dict)
+
+    @property
+    def end_step(self) -> int:
+        return self.first_step + len(self.plans)
+
+    def resize(self, step: int, dp: int, costs: Costs, config) -> None:
+        """Re-plan the steps from ``step`` on (those in this window) for ``dp`` ranks."""
+        local = max(step - self.first_step, 0)
+        if local >= len(self.plans):
+            return
+        self.plans = replan_tail(self.plans, self.samples, local, costs,
+                                 config.planner(dp, len(self.plans) - local))
+        self.dp_of_step[local:] = [dp] * (len(self.plans) - local)
+        self.tables = {key: t for key, t in self.tables.items() if key[0] < step}
