@@ -134,7 +134,7 @@ def test_kill_9_mid_epoch_loses_and_repeats_nothing(epoch, tmp_path, dp_after):
             ranks[3].kill()  # the job comes back one rank short
         plane, url_again, resumed = serve(epoch, state, dp_after, port)
         procs += [plane]
-        assert url_again == url and resumed == 6
+        assert url_again == url and resumed == 6, "".join(plane.output)
         for rank in ranks[:3]:
             rank.resume()  # commits the plan it holds; after a resize it is refused
         for rank in ranks[:dp_after]:

@@ -62,8 +62,11 @@ def ensure_data(cfg: RunConfig) -> None:
                             f"(it writes mix.yaml and eval.yaml)")
     cfg.data.spec = str(spec)
     specs = [spec]
-    if cfg.data.eval_spec:
+    if cfg.data.eval_spec and cfg.eval.enabled:  # no evaluation: the held-out split unread
         cfg.data.eval_spec = str(Path(cfg.data.eval_spec).resolve())
+        if not Path(cfg.data.eval_spec).exists():
+            raise UserError(f"data.eval_spec: {cfg.data.eval_spec}: no such file "
+                            f"(or --set eval.enabled=false)")
         specs.append(Path(cfg.data.eval_spec))
     # Incremental (only changed shards, or an index of an older version): cheap when current.
     reports = index_paths(specs, progress=False)
