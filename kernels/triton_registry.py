@@ -1,4 +1,4 @@
-"""Registers the Triton kernels (and the CPU torch.compile backend) with the kernel registry.
+"""Registers the Triton kernels (and the CPU backends) with the kernel registry.
 
 Imported by ``kernels/__init__.py``. It names implementations by import path only, so importing
 it imports neither Triton nor torch.compile machinery; the registry imports a module when an op
@@ -7,7 +7,10 @@ is first resolved to it.
 Triton is chosen on CUDA, and on CPU only under ``TRITON_INTERPRET=1`` (tests). "compiled"
 (kernels/compiled.py) exists only for the ops where tools/bench/kernels.py showed compile
 beating eager on CPU; it is used when asked for by name (``prefer="compiled"``), never by
-default, because compiling costs seconds per new shape (see README, Kernels).
+default, because compiling costs seconds per new shape (see README, Kernels). Plain-torch
+backends that beat the reference on CPU are its default there: "chunked" (kernels/fused.py)
+for linear_cross_entropy, "eager" (kernels/eager.py) for rms_norm, add_rms_norm, rotary and
+moe_unpermute.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ TRITON_OPS = {
 # Ops where torch.compile of the reference beat eager on CPU (forward+backward), see README.
 COMPILED_OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "moe_unpermute")
 
+# Ops whose CPU default is kernels/eager.py (hand-written backward).
+EAGER_OPS = ("rms_norm", "add_rms_norm", "rotary", "moe_unpermute")
+
 
 def _cpu(device_type: str) -> bool:
     return device_type == "cpu"
@@ -36,11 +42,21 @@ def _never(device_type: str) -> bool:
     return False
 
 
+def _any(device_type: str) -> bool:
+    return True
+
+
+# CPU defaults, any device by name. Registered before Triton, so that Triton comes first
+# where it runs (CUDA; CPU under the interpreter, in tests).
+# "chunked": the Triton path's chunked algorithm in plain torch; its cache-sized chunks beat
+# the reference's whole [T, V] logits on time as well as memory (kernels/fused.py).
+register("linear_cross_entropy", "chunked", "kernels.fused:chunked_linear_cross_entropy",
+         _any, auto=_cpu)
+# "eager": the reference's math as one autograd node with a closed-form backward
+# (kernels/eager.py).
+for _op in EAGER_OPS:
+    register(_op, "eager", f"kernels.eager:{_op}", _any, auto=_cpu)
 for _op, _target in TRITON_OPS.items():
     register(_op, "triton", _target, _triton_ok)
 for _op in COMPILED_OPS:
     register(_op, "compiled", f"kernels.compiled:{_op}", _cpu, auto=_never)
-# The same chunked algorithm as the Triton path in plain torch: any device, by name only
-# (prefer="chunked"), e.g. to train a large vocabulary on CPU without [T, V] logits.
-register("linear_cross_entropy", "chunked", "kernels.fused:chunked_linear_cross_entropy",
-         lambda device_type: True, auto=_never)

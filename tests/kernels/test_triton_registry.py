@@ -1,6 +1,7 @@
-"""How the Triton, compiled and chunked backends are registered: Triton chosen on CPU only in
-the interpreter (and on CUDA), importing ``kernels`` imports no Triton, ``describe`` lists the
-choice per op, and the CPU "compiled" backend matches the reference."""
+"""How the Triton, compiled, chunked and eager backends are registered: Triton chosen on CPU
+only in the interpreter (and on CUDA), chunked and eager the CPU defaults otherwise, importing
+``kernels`` imports no Triton, ``describe`` lists the choice per op, and the CPU "compiled"
+backend matches the reference."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ def test_triton_chosen_in_interpreter_and_on_cuda(monkeypatch):
     torch.testing.assert_close(kernels.get("rms_norm", "cpu")(x, w), reference.rms_norm(x, w))
     monkeypatch.delenv("TRITON_INTERPRET")
     kernels.registry._resolve.cache_clear()
-    assert set(kernels.describe("cpu").values()) == {"reference"}
+    # the CPU choices that are not the reference: plain torch, faster there
+    cpu_defaults = {"linear_cross_entropy": "chunked", "rms_norm": "eager",
+                    "add_rms_norm": "eager", "rotary": "eager", "moe_unpermute": "eager"}
+    assert kernels.describe("cpu") == {op: cpu_defaults.get(op, "reference")
+                                       for op in kernels.registry.CANDIDATES}
     described = kernels.describe("cuda")
     assert set(described) == set(kernels.registry.CANDIDATES)
     assert all(described[op] == "triton" for op in TRITON_OPS)
@@ -38,13 +43,14 @@ def test_importing_kernels_imports_no_triton():
                    cwd=Path(__file__).resolve().parents[2])
 
 
-def test_compiled_and_chunked_only_by_name(monkeypatch):
+def test_compiled_only_by_name_and_cpu_defaults_by_name_anywhere(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     kernels.registry._resolve.cache_clear()
     compiled = kernels.describe("cpu", prefer="compiled")
     assert {op for op, b in compiled.items() if b == "compiled"} == set(COMPILED_OPS)
     assert kernels.backend_of("linear_cross_entropy", "cpu", prefer="chunked") == "chunked"
     assert kernels.backend_of("linear_cross_entropy", "cuda", prefer="chunked") == "chunked"
+    assert kernels.backend_of("rms_norm", "cuda", prefer="eager") == "eager"
 
 
 @pytest.mark.slow  # one CPU torch.compile, forward and backward: ~15 s on 2 cores

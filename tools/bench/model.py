@@ -5,8 +5,11 @@ built with the same shapes, on the same batch, in the same run.
 
 Fairness. Both models get the same parameter count (checked), the same dtype, the same tokens
 and a loss that includes the router's auxiliary loss (HF: `output_router_logits=True`), and
-both are run with their defaults otherwise (HF: SDPA attention, its default experts
-implementation; ours: the kernel registry's CPU choice). Two batches:
+both are run with their defaults otherwise (HF: SDPA attention, which on an unmasked batch is
+the same fused causal CPU kernel with native GQA that ours calls, and its default experts
+implementation, `grouped_mm` in transformers 5.x; ours: the kernel registry's CPU choice).
+`--hf-experts grouped_mm,eager` also times HF's per-expert loop; every ratio is then also given
+against the fastest HF variant (`ratio_vs_hf_best_<ours>`). Two batches:
 - `equal`: S sequences of the same length L. HF gets them as a [S, L] batch (no padding, no
   mask), we get them packed with cu_seqlens: identical FLOPs, so this ratio is the headline.
 - `mixed`: the same number of tokens in sequences of varied lengths (1024, 512, 256, 128, 128).
@@ -19,12 +22,15 @@ Steps alternate between the models after the warm-up, so drift hits both equally
 median step time is reported (robust to other processes on a shared machine).
 
 Our kernels. `--ours default,compiled` measures our model once per kernel choice in the same
-alternation: `default` is the registry's automatic CPU choice (torch references), `compiled`
-is `ModelConfig(kernels={"*": "compiled"})`, the torch.compile'd CPU backends of
-kernels/compiled.py for the ops that have one (rms_norm, add_rms_norm, rotary, swiglu,
-moe_unpermute; README, Kernels); HF stays eager (it has no such switch). `ratio` is the first
-variant's, `ratio_<variant>` each one's. `--compile-blocks` instead wraps every decoder layer
-of both models in `torch.compile` (same treatment both sides; compile time is not timed).
+alternation: `default` is the registry's automatic CPU choice (`kernels.describe("cpu")`:
+torch references, the chunked linear cross-entropy, norms and rotary with hand-written
+backward), `compiled` is `ModelConfig(kernels={"*": "compiled"})`, the torch.compile'd CPU
+backends of kernels/compiled.py for the ops that have one (rms_norm, add_rms_norm, rotary,
+swiglu, moe_unpermute; README, Kernels); HF stays eager (it has no such switch). `ratio` is the
+first variant's, `ratio_<variant>` each one's; the JSON records the backend of every op
+(`our_kernels`) and HF's attention and experts implementations. `--compile-blocks` instead
+wraps every decoder layer of both models in `torch.compile` (same treatment both sides;
+compile time is not timed).
 
     .venv/bin/python tools/bench/model.py --ours default,compiled --out docs/bench/model.json
 """
@@ -44,13 +50,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backbone.config import ModelConfig  # noqa: E402
+from backbone.config import KERNEL_OPS, ModelConfig, kernel  # noqa: E402
 from backbone.decoder import MoEDecoder  # noqa: E402
+from kernels import backend_of  # noqa: E402
 
 MIXED_FRACTIONS = (0.5, 0.125, 0.25, 0.0625, 0.0625)  # of the total, longest first
 
 
-def hf_model(config: ModelConfig, dtype: torch.dtype):
+def hf_model(config: ModelConfig, dtype: torch.dtype, experts: str | None = None):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     m = config.moe
     hf_config = Qwen3MoeConfig(
@@ -64,7 +71,18 @@ def hf_model(config: ModelConfig, dtype: torch.dtype):
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         output_router_logits=True, router_aux_loss_coef=m.aux_loss_coef,
         max_position_embeddings=65536, attn_implementation="sdpa")
-    return Qwen3MoeForCausalLM(hf_config).to(dtype)
+    model = Qwen3MoeForCausalLM(hf_config).to(dtype)
+    if experts is not None:
+        model.set_experts_implementation(experts)
+    return model
+
+
+def kernels_used(config: ModelConfig) -> dict[str, str]:
+    """The backend our model runs each op on, on CPU (as the model resolves them)."""
+    used = {op: getattr(kernel(op, "cpu", config.kernel_backend(op)), "_omniscale_backend")
+            for op in KERNEL_OPS}
+    used["varlen_attention"] = backend_of("varlen_attention", "cpu", config.attention_backend)
+    return used
 
 
 def lengths_for(kind: str, total: int, n_seqs: int) -> list[int]:
@@ -143,11 +161,15 @@ def measure(preset: str, kind: str, args, dtype: torch.dtype) -> dict:
         config = ModelConfig.preset(preset, kernels=OUR_KERNELS[variant])
         torch.manual_seed(0)
         ours[variant] = MoEDecoder(config).to(dtype)
-    theirs = hf_model(config, dtype)
+    hf_variants = args.hf_experts.split(",") if args.hf_experts else [None]
+    hf_models = {("hf" if i == 0 else f"hf_{v}"): hf_model(config, dtype, v)
+                 for i, v in enumerate(hf_variants)}
+    theirs = hf_models["hf"]
     if args.compile_blocks:
         for model in ours.values():
             compile_blocks(model.layers)
-        compile_blocks(theirs.model.layers)
+        for model in hf_models.values():
+            compile_blocks(model.model.layers)
     n_ours = sum(p.numel() for p in ours[variants[0]].parameters())
     n_hf = sum(p.numel() for p in theirs.parameters())
     if n_ours != n_hf:
@@ -156,7 +178,8 @@ def measure(preset: str, kind: str, args, dtype: torch.dtype) -> dict:
     lengths = lengths_for(kind, args.tokens, args.n_seqs)
     our_batch, hf_batch = batches(lengths, config.vocab_size)
     runs = {f"ours_{v}": (lambda m=m: our_step(m, *our_batch)) for v, m in ours.items()}
-    runs["hf"] = lambda: hf_step(theirs, *hf_batch)
+    for name, model in hf_models.items():
+        runs[name] = lambda m=model: hf_step(m, *hf_batch)
     if kind != "equal":
         buckets = buckets_of(lengths, hf_batch[0])
         runs["hf_bucketed"] = lambda: hf_bucketed_step(theirs, buckets)
@@ -173,9 +196,14 @@ def measure(preset: str, kind: str, args, dtype: torch.dtype) -> dict:
     seconds = {name: statistics.median(times) for name, times in step_times.items()}
     tokens = sum(lengths)
     first = f"ours_{variants[0]}"
+    hf_best = min(hf_models, key=lambda name: seconds[name])
     result = {"preset": preset, "batch": kind, "lengths": lengths, "dtype": str(dtype),
               "params_ours": n_ours, "params_hf": n_hf,
+              "hf_attn_implementation": theirs.config._attn_implementation,
               "hf_experts_implementation": theirs.config._experts_implementation,
+              "hf_variants": {name: m.config._experts_implementation
+                              for name, m in hf_models.items()},
+              "our_kernels": {v: kernels_used(m.config) for v, m in ours.items()},
               "compile_blocks": args.compile_blocks,
               "step_seconds_all": step_times,
               **{f"{name}_tokens_per_s": tokens / t for name, t in seconds.items()},
@@ -183,6 +211,7 @@ def measure(preset: str, kind: str, args, dtype: torch.dtype) -> dict:
               "ratio": seconds["hf"] / seconds[first]}
     for v in variants:
         result[f"ratio_{v}"] = seconds["hf"] / seconds[f"ours_{v}"]
+        result[f"ratio_vs_hf_best_{v}"] = seconds[hf_best] / seconds[f"ours_{v}"]
         # per alternation round (same load for both): the median of hf/ours step ratios
         result[f"ratio_paired_{v}"] = statistics.median(
             h / o for h, o in zip(step_times["hf"], step_times[f"ours_{v}"]))
@@ -192,14 +221,20 @@ def measure(preset: str, kind: str, args, dtype: torch.dtype) -> dict:
         result["ratio_bucketed"] = seconds["hf_bucketed"] / seconds[first]
     line = (f"{preset:6s} {kind:6s} {str(dtype)[6:]:8s}"
             f"{'  blocks compiled' if args.compile_blocks else ''}   HF Qwen3-MoE "
+            f"({theirs.config._attn_implementation}, {theirs.config._experts_implementation}) "
             f"{'padded ' if kind != 'equal' else ''}{tokens / seconds['hf']:7.0f} tok/s"
             + (f", bucketed {tokens / seconds['hf_bucketed']:7.0f} tok/s"
                if "hf_bucketed" in seconds else ""))
+    for name, model in list(hf_models.items())[1:]:
+        line += (f"\n    HF Qwen3-MoE ({model.config._experts_implementation}) "
+                 f"{'padded ' if kind != 'equal' else ''}{tokens / seconds[name]:7.0f} tok/s")
     for v in variants:
         line += (f"\n    ours ({v:8s}) {tokens / seconds[f'ours_{v}']:7.0f} tok/s   ratio "
                  f"{result[f'ratio_{v}']:.2f} (paired median {result[f'ratio_paired_{v}']:.2f})")
         if "hf_bucketed" in seconds:
             line += f"   vs bucketed {result[f'ratio_bucketed_{v}']:.2f}"
+        if len(hf_models) > 1:
+            line += f"   vs fastest HF ({hf_best}) {result[f'ratio_vs_hf_best_{v}']:.2f}"
     print(line, flush=True)
     return result
 
@@ -216,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ours", default="default",
                    help=f"our kernel choices, comma-separated ({', '.join(OUR_KERNELS)})")
+    p.add_argument("--hf-experts", default="",
+                   help="HF experts implementations to time, comma-separated, e.g. "
+                        "grouped_mm,eager (default: HF's default only)")
     p.add_argument("--compile-blocks", action="store_true",
                    help="torch.compile every decoder layer, ours and HF's")
     p.add_argument("--out", type=Path)
