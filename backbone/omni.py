@@ -64,28 +64,15 @@ class OmniModel(nn.Module):
         ``media_index_M``, ``media_num_tokens_M``)."""
         device = self.decoder.embed_tokens.weight.device
         zero = torch.zeros((), device=device)
-        vision_rows: list[torch.Tensor] = []
-        audio_rows: list[torch.Tensor] = []
-        if self.vision is not None:
-            grids = batch.vision_grid_thw_V3
-            if grids.shape[0]:
-                out_ND = self.vision(batch.pixel_patches_PD.to(device), grids)
-                vision_rows = list(out_ND.split(self.vision.output_lengths(grids).tolist()))
-            else:
-                zero = zero + 0.0 * self.vision(*self.vision.dummy_inputs(device)).sum()
-        elif batch.vision_grid_thw_V3.shape[0]:
-            raise ValueError("batch has images or videos but the model has no vision encoder "
-                             "(config.vision is None)")
-        if self.audio is not None:
-            frames = batch.audio_frames_A
-            if frames.shape[0]:
-                out_ND = self.audio(batch.audio_mel_AF.to(device), frames)
-                audio_rows = list(out_ND.split(self.audio.output_lengths(frames).tolist()))
-            else:
-                zero = zero + 0.0 * self.audio(*self.audio.dummy_inputs(device)).sum()
-        elif batch.audio_frames_A.shape[0]:
-            raise ValueError("batch has audio but the model has no audio encoder "
-                             "(config.audio is None)")
+        rows: dict[str, list[torch.Tensor]] = {"vision": [], "audio": []}
+        outputs = self.encode_items(batch.pixel_patches_PD, batch.vision_grid_thw_V3,
+                                    batch.audio_mel_AF, batch.audio_frames_A)
+        for name, (out_ND, lengths) in outputs.items():
+            if lengths:
+                rows[name] = list(out_ND.split(lengths))
+            else:  # a dummy input's output: joins the loss with weight 0
+                zero = zero + 0.0 * out_ND.sum()
+        vision_rows, audio_rows = rows["vision"], rows["audio"]
 
         items = []
         for kind, index, n in zip(batch.media_kind_M.tolist(), batch.media_index_M.tolist(),

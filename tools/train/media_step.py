@@ -65,11 +65,15 @@ class _Inputs:
     mels: list[torch.Tensor]
     frames: list[int]
 
+    seen: set = dataclasses.field(default_factory=set)  # each item encoded once
+
     def add(self, key: ItemKey, tensor: torch.Tensor, grid, frames) -> None:
+        if key in self.seen:
+            return
+        self.seen.add(key)
         if key[3] == KINDS.index("audio"):
-            if key not in self.audio_keys:
-                self.audio_keys.append(key), self.mels.append(tensor), self.frames.append(frames)
-        elif key not in self.vision_keys:
+            self.audio_keys.append(key), self.mels.append(tensor), self.frames.append(frames)
+        else:
             self.vision_keys.append(key), self.patches.append(tensor)
             self.grids.append(tuple(grid))
 
