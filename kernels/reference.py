@@ -71,28 +71,34 @@ def varlen_attention(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tens
     are one batched call ([n, H, L, K]: the same per-sequence math, one kernel launch, no
     per-sequence gradient buffers); tokens outside every sequence get zeros."""
     del max_seqlen  # part of the shared signature (flash-attn needs it)
-    gqa = q_THK.shape[1] != k_THK.shape[1]
-    T, H, K = q_THK.shape
-    runs = _equal_length_runs(cu_seqlens_S1.tolist(), T)
+    T = q_THK.shape[0]
+    runs = equal_length_runs(cu_seqlens_S1.tolist(), T)
     if len(runs) == 1:  # one run covers every token: no split (and no split backward)
         parts = [(q_THK, k_THK, v_THK)]
     else:
         sizes = [n * length if n else length for n, length in runs]
         parts = list(zip(*(t.split(sizes) for t in (q_THK, k_THK, v_THK))))
-    outs = []
-    for (n, length), (q, k, v) in zip(runs, parts):
-        if n == 0:  # tokens outside every sequence
-            outs.append(q.new_zeros(q.shape))
-            continue
-        # [n, H, L, K] with native GQA: SDPA then takes its fused CPU kernel; 3-D inputs or
-        # repeated k/v heads cost 2-5x more fwd+bwd on CPU (math path / extra copies).
-        q, k, v = (t.view(n, length, t.shape[1], K).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-        outs.append(o.transpose(1, 2).reshape(n * length, H, K))
+    outs = [attend_run(q, k, v, n, length, causal)
+            for (n, length), (q, k, v) in zip(runs, parts)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _equal_length_runs(bounds: list[int], total: int) -> list[tuple[int, int]]:
+def attend_run(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tensor, n: int,
+               length: int, causal: bool = True) -> torch.Tensor:
+    """One piece of `equal_length_runs`: n sequences of `length` packed back to back (n = 0:
+    tokens outside every sequence, which get zeros), as one batched SDPA call."""
+    if n == 0:
+        return q_THK.new_zeros(q_THK.shape)
+    T, H, K = q_THK.shape
+    # [n, H, L, K] with native GQA: SDPA then takes its fused CPU kernel; 3-D inputs or
+    # repeated k/v heads cost 2-5x more fwd+bwd on CPU (math path / extra copies).
+    q, k, v = (t.view(n, length, t.shape[1], K).transpose(1, 2)
+               for t in (q_THK, k_TGK, v_TGK))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H != k.shape[1])
+    return o.transpose(1, 2).reshape(n * length, H, K)
+
+
+def equal_length_runs(bounds: list[int], total: int) -> list[tuple[int, int]]:
     """The tokens [0, total) in order as (n, L) pieces of n·L tokens: maximal runs of n
     consecutive sequences of length L (`bounds`: cu_seqlens; empty sequences dropped), and
     tokens outside every sequence as (0, size) pieces."""

@@ -103,8 +103,19 @@ def _tag(fn: Callable, backend: str) -> Callable:
     return wrapper
 
 
+def _cpu(device_type: str) -> bool:
+    return device_type == "cpu"
+
+
+def _any(device_type: str) -> bool:
+    return True
+
+
 # Attention backends, fastest first: flash-attn on CUDA when installed, else flex attention on
-# CUDA; on CPU the SDPA reference, with flex (forward only) selectable by prefer="flex".
+# CUDA; on CPU "blocked" (row-blocked matrix products, kernels/blocked_attention.py; SDPA for
+# long sequences), with flex (forward only) and the SDPA reference selectable by prefer=.
+register("varlen_attention", "blocked", "kernels.blocked_attention:varlen_attention", _any,
+         auto=_cpu)
 register("varlen_attention", "flex", "kernels.flex:varlen_attention", _flex_ok, auto=_cuda)
 register("varlen_attention", "flash", "kernels.flash:varlen_attention", _flash_ok)
 

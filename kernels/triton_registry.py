@@ -15,7 +15,7 @@ moe_unpermute.
 
 from __future__ import annotations
 
-from kernels.registry import _triton_ok, register
+from kernels.registry import _any, _cpu, _triton_ok, register
 
 TRITON_OPS = {
     "rms_norm": "kernels.triton_rms_norm:rms_norm",
@@ -34,16 +34,8 @@ COMPILED_OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "moe_unpermute")
 EAGER_OPS = ("rms_norm", "add_rms_norm", "rotary", "moe_unpermute")
 
 
-def _cpu(device_type: str) -> bool:
-    return device_type == "cpu"
-
-
 def _never(device_type: str) -> bool:
     return False
-
-
-def _any(device_type: str) -> bool:
-    return True
 
 
 # CPU defaults, any device by name. Registered before Triton, so that Triton comes first

@@ -35,9 +35,10 @@ def test_sequence_ids():
 
 
 def test_selection():
-    assert kernels.backend_of("varlen_attention", "cpu") == "reference"
+    assert kernels.backend_of("varlen_attention", "cpu") == "blocked"
     assert kernels.backend_of("varlen_attention", "cpu", prefer="flex") == "flex"
     assert kernels.backend_of("varlen_attention", "cpu", prefer="flash") == "reference"
+    assert kernels.backend_of("varlen_attention", "cpu", prefer="reference") == "reference"
     assert kernels.backend_of("varlen_attention", "cuda") in ("flash", "flex")
     assert kernels.backend_of("varlen_attention", "cuda", prefer="flex") == "flex"
 

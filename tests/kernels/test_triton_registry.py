@@ -29,7 +29,8 @@ def test_triton_chosen_in_interpreter_and_on_cuda(monkeypatch):
     kernels.registry._resolve.cache_clear()
     # the CPU choices that are not the reference: plain torch, faster there
     cpu_defaults = {"linear_cross_entropy": "chunked", "rms_norm": "eager",
-                    "add_rms_norm": "eager", "rotary": "eager", "moe_unpermute": "eager"}
+                    "add_rms_norm": "eager", "rotary": "eager", "moe_unpermute": "eager",
+                    "varlen_attention": "blocked"}
     assert kernels.describe("cpu") == {op: cpu_defaults.get(op, "reference")
                                        for op in kernels.registry.CANDIDATES}
     described = kernels.describe("cuda")

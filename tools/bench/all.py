@@ -110,11 +110,18 @@ BENCHES: dict[str, Bench] = {
             Metric("{preset} {batch}: tokens/s ours vs HF Qwen3-MoE", each="results",
                    value="ours_tokens_per_s", baseline="hf_tokens_per_s", ratio="ratio",
                    target=Goal(">=", 1.2), where=("batch", "equal")),
+            Metric("{preset} {batch}: ratio vs the faster HF experts implementation",
+                   each="results", value="ratio_vs_hf_best_default", target=Goal(">=", 1.2),
+                   where=("batch", "equal")),
             Metric("{preset} {batch}: tokens/s ours vs HF padded", each="results",
                    value="ours_tokens_per_s", baseline="hf_tokens_per_s", ratio="ratio",
                    where=("batch", "mixed")),
             Metric("{preset} {batch}: ratio vs HF bucketed", each="results",
                    value="ratio_bucketed"))),
+    "attention": Bench(
+        "attention.py", quick_args=("--reps", "3", "--cases", "tiny 4x512,small 4x512"),
+        metrics=(Metric("{case} fwd+bwd ms: blocked vs SDPA", each="rows", value="ms.blocked",
+                        baseline="ms.sdpa", ratio="speedup"),)),
     "loader": Bench(
         "loader.py", quick_args=("--steps", "8", "--sources", "10", "100"),
         metrics=(

@@ -5,11 +5,11 @@ built with the same shapes, on the same batch, in the same run.
 
 Fairness. Both models get the same parameter count (checked), the same dtype, the same tokens
 and a loss that includes the router's auxiliary loss (HF: `output_router_logits=True`), and
-both are run with their defaults otherwise (HF: SDPA attention, which on an unmasked batch is
-the same fused causal CPU kernel with native GQA that ours calls, and its default experts
-implementation, `grouped_mm` in transformers 5.x; ours: the kernel registry's CPU choice).
-`--hf-experts grouped_mm,eager` also times HF's per-expert loop; every ratio is then also given
-against the fastest HF variant (`ratio_vs_hf_best_<ours>`). Two batches:
+both are run with their defaults otherwise (HF: SDPA attention, SDPA's fused causal CPU kernel
+with native GQA on an unmasked batch, and its default experts implementation, `grouped_mm` in
+transformers 5.x; ours: the kernel registry's CPU choice, kernels.describe("cpu")). HF is also
+timed with its per-expert loop (`--hf-experts`, default `grouped_mm,eager`): `ratio` is against
+HF's default, `ratio_vs_hf_best_<ours>` against the faster of the two. Two batches:
 - `equal`: S sequences of the same length L. HF gets them as a [S, L] batch (no padding, no
   mask), we get them packed with cu_seqlens: identical FLOPs, so this ratio is the headline.
 - `mixed`: the same number of tokens in sequences of varied lengths (1024, 512, 256, 128, 128).
@@ -23,7 +23,7 @@ median step time is reported (robust to other processes on a shared machine).
 
 Our kernels. `--ours default,compiled` measures our model once per kernel choice in the same
 alternation: `default` is the registry's automatic CPU choice (`kernels.describe("cpu")`:
-torch references, the chunked linear cross-entropy, norms and rotary with hand-written
+the blocked causal attention, the chunked linear cross-entropy, norms and rotary with hand-written
 backward), `compiled` is `ModelConfig(kernels={"*": "compiled"})`, the torch.compile'd CPU
 backends of kernels/compiled.py for the ops that have one (rms_norm, add_rms_norm, rotary,
 swiglu, moe_unpermute; README, Kernels); HF stays eager (it has no such switch). `ratio` is the
@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ours", default="default",
                    help=f"our kernel choices, comma-separated ({', '.join(OUR_KERNELS)})")
-    p.add_argument("--hf-experts", default="",
-                   help="HF experts implementations to time, comma-separated, e.g. "
-                        "grouped_mm,eager (default: HF's default only)")
+    p.add_argument("--hf-experts", default="grouped_mm,eager",
+                   help="HF experts implementations to time, comma-separated; the first is "
+                        "`ratio`'s baseline, the fastest `ratio_vs_hf_best_*`'s")
     p.add_argument("--compile-blocks", action="store_true",
                    help="torch.compile every decoder layer, ours and HF's")
     p.add_argument("--out", type=Path)
