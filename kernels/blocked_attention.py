@@ -7,8 +7,8 @@ matrix products, and its backward recomputes the probabilities. Here each block 
 query rows (per head) is two bmm calls forward and four backward against only the keys it
 can see (those up to the block's last row, so about half the product is skipped), and the
 probabilities are kept for the backward. At the `tiny` and `small` decoders' shapes (4 × 512
-tokens, head dim 32, 2 threads) fwd+bwd takes 0.74× and 0.66× of SDPA's time
-(tools/bench/attention.py; docs/bench/attention_cpu.json).
+tokens, head dim 32, 2 threads) fwd+bwd ran 1.3-1.5× and 1.5-1.9× faster than SDPA over
+several runs (tools/bench/attention.py; docs/bench/attention_cpu.json).
 
 The price is memory: the kept probabilities grow with L², so longer sequences, and calls whose
 kept probabilities would exceed `MAX_SAVED` elements, go to SDPA (kernels/reference.py).
