@@ -26,5 +26,12 @@ def varlen_attention(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tens
     out_THK = flash_attn_varlen_func(
         q_THK.to(compute), k_TGK.to(compute), v_TGK.to(compute),
         cu_seqlens_q=cu_S1, cu_seqlens_k=cu_S1, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, dropout_p=0.0, causal=causal)
-    return out_THK.to(dtype)
+        max_seqlen_k=max_seqlen, dropout_p=0.0, causal=causal).to(dtype)
+    # flash-attn leaves rows outside every sequence (padding before the first or after the
+    # last) as it allocated them; the contract is zeros there, as unwritten memory can hold
+    # NaN, which the MoE router would spread into the aux loss.
+    # (no host sync: the mask is built on the device)
+    t_T = torch.arange(out_THK.shape[0], device=out_THK.device)
+    outside_T = (t_T < cu_S1[0]) | (t_T >= cu_S1[-1])
+    out_THK = out_THK.masked_fill(outside_T[:, None, None], 0.0)
+    return out_THK

@@ -42,10 +42,15 @@ def varlen_attention(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tens
             "flex attention has no CPU backward in this torch; train on CPU with the "
             "reference backend (attention_backend=None or 'reference')")
     T = q_THK.shape[0]
-    seq_T = sequence_ids(cu_seqlens_S1.to(device), T)
+    cu_S1 = cu_seqlens_S1.to(device)
+    seq_T = sequence_ids(cu_S1, T)
+    # tokens before the first sequence or after the last belong to none: they attend to
+    # nothing and get zeros (the reference's contract)
+    t_T = torch.arange(T, device=device)
+    inside_T = (t_T >= cu_S1[0]) & (t_T < cu_S1[-1])
 
     def mask_mod(b, h, q_idx, kv_idx):
-        same = seq_T[q_idx] == seq_T[kv_idx]
+        same = (seq_T[q_idx] == seq_T[kv_idx]) & inside_T[q_idx] & inside_T[kv_idx]
         return same & (q_idx >= kv_idx) if causal else same
 
     on_cuda = device.type == "cuda"
@@ -57,4 +62,4 @@ def varlen_attention(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tens
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         out = attend(q, k, v, block_mask=block_mask,
                      enable_gqa=q_THK.shape[1] != k_TGK.shape[1])
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).masked_fill(~inside_T[:, None, None], 0.0)

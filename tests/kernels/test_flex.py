@@ -1,5 +1,7 @@
 """The attention backends registered beside the reference: flex (tested against the SDPA
-reference here, forward on CPU) and flash (CUDA only; its selection is tested here)."""
+reference here, forward on CPU) and flash (CUDA only: its selection and the adapter's own
+handling of dtypes and of tokens outside every sequence are tested here, against flash-attn
+itself only on a GPU, by tools/bench/gpu_check.sh through the `gpu` marker)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import flex, reference
+from kernels import flash, flex, reference
 
 
 def qkv(lengths, heads=4, kv_heads=2, dim=16, requires_grad=False):
@@ -26,6 +28,17 @@ def test_flex_equals_reference(lengths, causal):
     with torch.no_grad():
         out = flex.varlen_attention(q, k, v, cu, max(lengths), causal)
         ref = reference.varlen_attention(q, k, v, cu, max(lengths), causal)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_gives_zeros_outside_every_sequence(causal):
+    q, k, v, _ = qkv([3, 5, 4, 2])  # 14 tokens: 3 before the sequences, 2 after
+    cu = torch.tensor([3, 8, 12], dtype=torch.int32)
+    with torch.no_grad():
+        out = flex.varlen_attention(q, k, v, cu, 5, causal)
+        ref = reference.varlen_attention(q, k, v, cu, 5, causal)
+    assert out[:3].eq(0).all() and out[12:].eq(0).all()
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
@@ -49,6 +62,7 @@ def test_flex_refuses_cpu_backward_clearly():
         flex.varlen_attention(q, k, v, cu, 8)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["flex", "flash"])
 def test_gpu_backend_matches_reference_with_grads(backend):
@@ -67,3 +81,34 @@ def test_gpu_backend_matches_reference_with_grads(backend):
     ref.backward(g)
     for a, b in zip((q, k, v), ref_inputs):
         torch.testing.assert_close(a.grad.float(), b.grad, atol=5e-2, rtol=5e-2)
+
+
+def test_flash_adapter_zeroes_tokens_outside_every_sequence(monkeypatch):
+    """flash-attn's varlen call writes only the rows its cu_seqlens cover. A stand-in with
+    that behaviour (the reference inside the sequences, NaN in every other row, as unwritten
+    memory may hold) checks what the adapter adds: bf16 compute for fp32 inputs, the output
+    back in fp32, and zeros outside every sequence, as the reference gives."""
+    import sys
+    import types
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, max_seqlen_q, causal, **_):
+        assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+        assert cu_seqlens_q.dtype == torch.int32
+        out = torch.full_like(q, float("nan"))
+        first, last = int(cu_seqlens_q[0]), int(cu_seqlens_q[-1])
+        out[first:last] = reference.varlen_attention(
+            q[first:last].float(), k[first:last].float(), v[first:last].float(),
+            cu_seqlens_q - first, max_seqlen_q, causal).to(q.dtype)
+        return out
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
+        flash_attn_varlen_func=flash_attn_varlen_func))
+    q, k, v, _ = qkv([3, 5, 4, 2], requires_grad=True)  # 14 tokens
+    cu = torch.tensor([3, 8, 12], dtype=torch.int64)  # 3 before, 2 after
+    out = flash.varlen_attention(q, k, v, cu, 5)
+    ref = reference.varlen_attention(q, k, v, cu, 5)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    assert out[:3].eq(0).all() and out[12:].eq(0).all()
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)  # bf16 inside
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
