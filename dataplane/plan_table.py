@@ -8,8 +8,10 @@ saying which sample:
   ``encode_ranks`` lists, per encoder item of the sample, the rank that encodes it (the
   reshard map seen from the consumer);
 - ``role = "encode"``: an encoder item this rank encodes — item ``item_index`` of kind
-  ``item_kind`` of that sample — whose embeddings go to ``consume_rank`` (the reshard map seen
-  from the producer).
+  ``item_kind`` of that sample — whose embeddings go to ranks ``consume_rank`` ..
+  ``consume_rank + consume_span - 1`` (the sample's SP group; one rank when it is not split):
+  the reshard map seen from the producer. Each side of the exchange can be derived from the
+  rank's own table (parallel.reshard.local_reshard_plan).
 
 Table metadata (key ``omniscale``, JSON): step, rank, dp, num_micro_batches, predicted cost of
 this rank and of the step's slowest rank, lower bound, imbalance, whether the step reshards.
@@ -38,6 +40,7 @@ PLAN_FIELDS = [
     ("item_kind", pa.string()),
     ("item_index", pa.int32()),
     ("consume_rank", pa.int32()),
+    ("consume_span", pa.int32()),
 ]
 PLAN_SCHEMA = pa.schema(list(REF_SCHEMA) + [pa.field(n, t) for n, t in PLAN_FIELDS])
 METADATA_KEY = b"omniscale"
@@ -97,7 +100,10 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
         if (encode_ranks < 0).any():
             raise KeyError(int(ids[np.flatnonzero(encode_ranks < 0)[0]]))
 
-    # Encoder rows: which item of which kind (images, then videos, then audio clips).
+    # Encoder rows: which item of which kind (images, then videos, then audio clips), and
+    # how many ranks (the sample's SP group) consume it.
+    span_of = dict(zip(sample_P.tolist(), np.asarray(plan.sp_size_P, np.int64).tolist()))
+    span_M = np.array([span_of[s] for s in item_sample_M.tolist()], np.int64)
     j_M = item_M - first_item_N[item_sample_M]
     img_M, vid_M = img_U[pos_M], vid_U[pos_M]
     kind_M = np.where(j_M < img_M, 0, np.where(j_M < img_M + vid_M, 1, 2))
@@ -131,6 +137,7 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
                               type=pa.string()),
         "item_index": ints(np.concatenate([zeros_P, index_M]), llm_X),
         "consume_rank": ints(np.concatenate([zeros_P, plan.consume_rank_M]), llm_X),
+        "consume_span": ints(np.concatenate([zeros_P, span_M]), llm_X),
     }
     take = pa.array(order)
     rows = ref_table.take(pa.array(np.concatenate([pos_P, pos_M])[order]))
@@ -149,17 +156,6 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
         out.append(table.slice(int(starts_R[r]), int(counts_R[r]))
                    .replace_schema_metadata({METADATA_KEY: json.dumps(meta)}))
     return out
-
-
-def _table(rows: list[tuple[SampleRef, dict]], step: int, rank: int, meta: dict) -> pa.Table:
-    refs = refs_to_table([ref for ref, _ in rows])
-    columns = {name: [extra.get(name) for _, extra in rows] for name, _ in PLAN_FIELDS}
-    columns["step"] = [step] * len(rows)
-    columns["rank"] = [rank] * len(rows)
-    columns["encode_ranks"] = [extra.get("encode_ranks") for _, extra in rows]
-    extra = pa.Table.from_pydict(columns, schema=pa.schema([pa.field(n, t) for n, t in PLAN_FIELDS]))
-    table = pa.Table.from_arrays(refs.columns + extra.columns, schema=PLAN_SCHEMA)
-    return table.replace_schema_metadata({METADATA_KEY: json.dumps(meta)})
 
 
 def plan_metadata(table: pa.Table) -> dict:

@@ -3,10 +3,12 @@ that encoded it (the encoder plan) to the ranks whose sequences hold its placeho
 
 The plan is the data plane's reshard map (`dataplane.plan_table`): an `llm` row lists, per
 encoder item of its sample (images, then videos, then audio clips:
-`dataplane.plan_table.item_kinds`), the rank encoding it. Every rank derives the same
-exchange from every rank's plan table: the pairs (item, encoding rank e, consuming rank c),
+`dataplane.plan_table.item_kinds`), the rank encoding it; an `encode` row, the ranks consuming
+the item it encodes. Each rank derives its side of the exchange from its own plan table
+(`local_reshard_plan`: what a step of training costs, whatever the number of ranks): items are
 sent by e in (c, item) order and received by c in (e, item) order, so the two sides agree
-without sending any identifiers. An item of a sample split over an SP group goes to every rank
+without sending any identifiers. `reshard_plan` derives the same from every rank's table and
+checks that the producer and consumer sides agree (tests, debugging). An item of a sample split over an SP group goes to every rank
 of the group (each has an `llm` row for its slice; `scatter_media` keeps the rows inside its
 slice) — the k copies' gradients add up on the encoding rank in backward.
 
@@ -21,6 +23,7 @@ Shape suffixes: N embedding rows (all items), D LLM width, R ranks.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -88,6 +91,39 @@ def reshard_plan(tables: list[pa.Table], rank: int) -> ReshardPlan:
         send_counts=[sum(1 for c, _ in send if c == r) for r in range(world)],
         recv_items=[item for _, item in recv],
         recv_counts=[sum(1 for e, _ in recv if e == r) for r in range(world)])
+
+
+def local_reshard_plan(table: pa.Table, rank: int, world: int) -> ReshardPlan:
+    """`rank`'s side of the exchange from its own plan table alone: what it sends from its
+    `encode` rows (each item to `consume_rank` .. `consume_rank + consume_span - 1`), what it
+    receives from its `llm` rows' `encode_ranks`. Equals `reshard_plan(all tables, rank)`."""
+    send, recv = set(), set()
+    columns = ["role", "source", "shard", "key", "image_patches", "video_patches",
+               "audio_frames", "encode_ranks", "item_kind", "item_index", "consume_rank",
+               "consume_span"]
+    for row in table.select(columns).to_pylist():
+        if row["role"] == "encode":
+            item = (row["source"], row["shard"], row["key"],
+                    ENCODER_KINDS.index(row["item_kind"]), row["item_index"])
+            first, span = row["consume_rank"], row["consume_span"] or 1
+            send.update((c, item) for c in range(first, first + span))
+            continue
+        items = _items(row)
+        if len(items) != len(row["encode_ranks"]):
+            raise ValueError(f"plan of rank {rank}: sample {row['key']!r} has {len(items)} "
+                             f"encoder items but {len(row['encode_ranks'])} encode_ranks")
+        recv.update(zip(row["encode_ranks"], items))
+    for what, pairs in (("sends to", send), ("receives from", recv)):
+        bad = sorted({r for r, _ in pairs if not 0 <= r < world})
+        if bad:
+            raise ValueError(f"plan of rank {rank}: {what} rank(s) {bad[:3]}, outside the "
+                             f"{world} ranks")
+    send_counts, recv_counts = Counter(c for c, _ in send), Counter(e for e, _ in recv)
+    return ReshardPlan(
+        send_items=[item for _, item in sorted(send)],
+        send_counts=[send_counts[r] for r in range(world)],
+        recv_items=[item for _, item in sorted(recv)],
+        recv_counts=[recv_counts[r] for r in range(world)])
 
 
 @dataclass

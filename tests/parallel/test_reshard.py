@@ -1,7 +1,9 @@
 """Encoder→LLM reshard on real gloo processes, from plan tables the data plane builds
 (`dataplane.plan_table.rank_tables`): forward then backward equal a single-process run that
 encodes every item where it is consumed — with uneven item sizes, a rank that encodes nothing,
-a rank that consumes nothing, and (4 ranks) an SP-split sample whose items reach both slices."""
+a rank that consumes nothing, and (4 ranks) an SP-split sample whose items reach both slices.
+Each rank derives its side from its own table; that equals the side derived (and checked)
+from every rank's table."""
 
 from __future__ import annotations
 
@@ -70,9 +72,9 @@ def _encoder():
 
 
 def _rank(rank, world):
-    from parallel.reshard import reshard, reshard_plan
+    from parallel.reshard import local_reshard_plan, reshard
 
-    plan = reshard_plan(_tables(world), rank)
+    plan = local_reshard_plan(_tables(world)[rank], rank, world)  # what the trainer derives
     W = _encoder()
     inputs = {item: _input(item).requires_grad_() for item in plan.send_items}
     embeddings = {item: torch.tanh(x @ W) for item, x in inputs.items()}
@@ -133,3 +135,14 @@ def test_plan_rejects_encode_rows_that_disagree():
     tables = _tables(2)
     with pytest.raises(ValueError, match="plan of rank 0: its encode rows disagree"):
         reshard_plan([tables[1], tables[0]], 0)  # rank 0 reading rank 1's encode rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_derives_its_side_from_its_own_table(world):
+    from parallel.reshard import local_reshard_plan, reshard_plan
+
+    tables = _tables(world)
+    for rank in range(world):
+        assert local_reshard_plan(tables[rank], rank, world) == reshard_plan(tables, rank)
+    with pytest.raises(ValueError, match="outside the 1 ranks"):
+        local_reshard_plan(tables[0], 0, 1)  # a table planned for more ranks than the group

@@ -3,9 +3,9 @@ embeddings to the ranks whose sequences hold their placeholders, and give every 
 its blocks (DESIGN.md "Data flow": encoders → reshard → backbone).
 
 The plane's plan says which rank encodes each media item (``encode`` rows, the encoder plan,
-balanced on its own) and which rank decodes it (``llm`` rows); every rank derives the same
-exchange from every rank's plan table (``parallel.reshard_plan``), so the tables are gathered
-once per step (small: a few rows per sample).
+balanced on its own, with the ranks consuming it) and which rank decodes it (``llm`` rows,
+with the rank encoding each item); each rank derives its side of the exchange from its own
+plan table (``parallel.reshard.local_reshard_plan``), so nothing is gathered across ranks.
 
 Items the plan does not cover are encoded locally in the same encoder call: the media of a
 replacement sample (the planned one was corrupt: ``loaders.assemble``) and everything when the
@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
-import torch.distributed as dist
 
 from loaders.collate import PackedBatch
-from parallel.reshard import ItemKey, reshard, reshard_plan
+from parallel.reshard import ItemKey, local_reshard_plan, reshard
 
 KINDS = ("image", "video", "audio")  # kind ids as in loaders.sequence.KINDS
 IGNORE = -100
@@ -43,15 +42,6 @@ IGNORE = -100
 
 def item_key(ref, kind_id: int, index: int) -> ItemKey:
     return (ref.source, ref.shard, ref.key, kind_id, index)
-
-
-def gather_plans(plan: pa.Table, world: int) -> list[pa.Table]:
-    """Every rank's plan table of this step (rank order)."""
-    if world == 1:
-        return [plan]
-    tables: list = [None] * world
-    dist.all_gather_object(tables, plan)
-    return tables
 
 
 @dataclass
@@ -99,10 +89,11 @@ class StepMedia:
     """The step's media embeddings: built (forward) on construction, ``items_for`` each
     micro-batch, ``backward`` once after every micro-batch's backward."""
 
-    def __init__(self, model, batch, tables: list[pa.Table], rank: int, group=None) -> None:
+    def __init__(self, model, batch, table: pa.Table, rank: int, world: int,
+                 group=None) -> None:
         config = model.config
         self.dim = config.d_model
-        plan = reshard_plan(tables, rank)
+        plan = local_reshard_plan(table, rank, world)
         received_keys = set(plan.recv_items)
         # items encoded here for another rank (what the encoder plan moved)
         self.moved = sum(n for r, n in enumerate(plan.send_counts) if r != rank)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tools.train.build import lr_at
-from tools.train.media_step import StepMedia, gather_plans
+from tools.train.media_step import StepMedia
 from tools.train.metrics import CostFit, CostRefit
 
 IGNORE = -100
@@ -114,7 +114,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
 
-    media = StepMedia(model, batch, gather_plans(batch.plan, world), ctx.rank)
+    media = StepMedia(model, batch, batch.plan, ctx.rank, world)
     prepared = []
     for mb in batch.micro_batches:
         mb, items = media.items_for(mb)
