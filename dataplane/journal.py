@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -42,16 +43,42 @@ class Journal:
         self.snapshots.mkdir(parents=True, exist_ok=True)
         self.wal = self.dir / "wal.jsonl"
         self.wal.touch(exist_ok=True)
+        # Group commit: records are written under `_write_lock`; `sync_to` fsyncs under
+        # `_sync_lock`, and one fsync makes every record written before it durable, so
+        # concurrent writers waiting for durability share fsyncs instead of queueing one each.
+        self._write_lock, self._sync_lock = threading.Lock(), threading.Lock()
+        self.written = self.synced = self.size()  # bytes written / known durable
+        self.fsyncs = 0
 
     # -- log ------------------------------------------------------------------------------
-    def append(self, record: dict) -> int:
-        """Append one record durably; returns the log's size after it (a replay offset)."""
+    def append(self, record: dict, sync: bool = True) -> int:
+        """Append one record; returns the log's size after it (a replay offset). Durable on
+        return, or with ``sync=False`` once ``sync_to`` that offset returned."""
         line = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode()
-        with open(self.wal, "ab") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-            return f.tell()
+        with self._write_lock:
+            with open(self.wal, "ab") as f:
+                f.write(line)
+                f.flush()
+                self.written = f.tell()
+            offset = self.written
+        if sync:
+            self.sync_to(offset)
+        return offset
+
+    def sync_to(self, offset: int) -> None:
+        """Make the log durable up to ``offset`` (at least): one fsync, unless another caller's
+        fsync already covered it."""
+        with self._sync_lock:
+            if self.synced >= offset:
+                return
+            with self._write_lock:
+                target = self.written
+            fd = os.open(self.wal, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # the inode's dirty pages: whichever descriptor wrote them
+            finally:
+                os.close(fd)
+            self.synced, self.fsyncs = max(self.synced, target), self.fsyncs + 1
 
     def records(self, offset: int = 0) -> list[dict]:
         """Every complete record from byte ``offset`` on; a torn last line is dropped."""
@@ -86,9 +113,11 @@ class Journal:
         n = len(list(self.dir.glob("wal.rolled-back-*.jsonl")))
         kept = self.dir / f"wal.rolled-back-{n}.jsonl"
         kept.write_bytes(tail)
-        with open(self.wal, "r+b") as f:
-            f.truncate(offset)
-            os.fsync(f.fileno())
+        with self._sync_lock, self._write_lock:
+            with open(self.wal, "r+b") as f:
+                f.truncate(offset)
+                os.fsync(f.fileno())
+            self.written = self.synced = offset
         return kept
 
     # -- snapshots ------------------------------------------------------------------------

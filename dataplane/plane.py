@@ -219,9 +219,11 @@ class DataPlane:
         pair = self.window_costs.get(k)
         return Costs.from_llm(*pair) if pair is not None else self.costs
 
-    def _log(self, record: dict) -> None:
+    def _log(self, record: dict, sync: bool = True) -> None:
+        """Append to the log; with ``sync=False`` the caller makes it durable (``sync_to``)
+        before it answers, outside the plane's lock."""
         if not self.readonly:
-            self.journal.append(record)
+            self.journal.append(record, sync=sync)
 
     def _mixer(self, spec: MixSpec) -> Mixer:
         return Mixer.from_spec(spec, Catalog.from_spec(spec, max_tokens=self.cap),
@@ -241,6 +243,9 @@ class DataPlane:
         step = self.next_step
         k = step // self.config.window
         self._ensure_state_of(k)
+        # the log the snapshot follows must be on disk first (commits are synced after the
+        # lock): a crash must not leave a snapshot whose wal_offset lies past the log's end
+        self.journal.sync_to(self.journal.written)
         path = self.journal.write_snapshot({
             "step": step, "window": k, "window_size": self.config.window,
             "window_state": self.window_states[k], "spec": self.window_specs[k],
@@ -363,7 +368,17 @@ class DataPlane:
         """Mark ``step`` trained, or only ``rank``'s share of it (the step is trained once
         every rank committed). A rank's commit is logged before it is acknowledged, so a
         plane restart does not forget it; ``plan_fp`` (the fingerprint of the plan the rank
-        trained) makes the plane refuse a commit of a plan that was re-planned since."""
+        trained) makes the plane refuse a commit of a plan that was re-planned since.
+
+        Group commit: the record is written under the lock and made durable after it, so the
+        commits of many ranks arriving together share fsyncs (one each would serialise a
+        step's commits behind the disk: ~5 ms × ranks on a slow one). The reply waits for
+        everything written before it, a repeated commit's original record included."""
+        reply = self._commit(step, rank, plan_fp)
+        self.journal.sync_to(self.journal.written)
+        return reply
+
+    def _commit(self, step: int, rank: int | None, plan_fp: str | None) -> dict:
         with self.lock:
             repeated = self._repeated_commit(step, rank, plan_fp)
             if repeated is not None:
@@ -383,14 +398,14 @@ class DataPlane:
                 if plan_fp is not None and plan_fp != fingerprint(self._table(step, rank)):
                     raise RequestError(f"step {step} was re-planned for {dp} ranks since rank "
                                        f"{rank} fetched it: fetch it again")
-                if len(ranks) + 1 < dp:  # durable before acknowledged
-                    self._log({"t": "rank", "step": step, "rank": rank})
+                if len(ranks) + 1 < dp:  # durable before acknowledged (commit())
+                    self._log({"t": "rank", "step": step, "rank": rank}, sync=False)
                 ranks.add(rank)
                 self.clients[rank] = (time.monotonic(), step)
                 if len(ranks) < dp:
                     return {"step": step, "committed": False, "ranks": len(ranks), "dp": dp}
             prints = [fingerprint(self._table(step, r)) for r in range(dp)]
-            self._log({"t": "commit", "step": step, "fp": prints})
+            self._log({"t": "commit", "step": step, "fp": prints}, sync=False)
             self._remember_fps(step, prints)
             self.rank_commits.pop(step, None)
             self._mark_committed(step)

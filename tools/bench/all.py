@@ -122,6 +122,11 @@ BENCHES: dict[str, Bench] = {
         "attention.py", quick_args=("--reps", "3", "--cases", "tiny 4x512,small 4x512"),
         metrics=(Metric("{case} fwd+bwd ms: blocked vs SDPA", each="rows", value="ms.blocked",
                         baseline="ms.sdpa", ratio="speedup"),)),
+    "commit": Bench(
+        "commit.py", quick_args=("--ranks", "64", "--steps", "2"),
+        metrics=(Metric("a step's rank commits, fsync +{fsync_extra_ms} ms: group commit vs "
+                        "an fsync per record (s)", each="rows", value="group_commit_s",
+                        baseline="fsync_each_s", ratio="speedup"),)),
     "loader": Bench(
         "loader.py", quick_args=("--steps", "8", "--sources", "10", "100"),
         metrics=(
