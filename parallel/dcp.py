@@ -8,6 +8,13 @@ model: each rank reads just the slices its own shards cover.
 
 `extra` holds small tensor-valued trainer state (step counter, RNG offsets): tensors only, so
 nothing is pickled and loading never needs `torch.load` beyond weights.
+
+Expert parallelism keeps each rank's slice of the experts as a plain tensor (FSDP then shards
+it over `edp_shard`), which DCP would save as E/ep experts under one name from every ep rank.
+The checkpoint therefore presents each EP-sharded expert weight (and its optimizer state) as
+one DTensor over all E experts on the expert mesh: sharded over `ep` first (contiguous blocks
+of experts, as `apply_ep` deals them), then over `edp_shard` within a block (FSDP's shard),
+which DTensor spells `_StridedShard` on `edp_shard` (the right-to-left order FSDP+TP uses).
 """
 
 from __future__ import annotations
@@ -38,14 +45,78 @@ class TrainState(Stateful):
         state = {"model": model_sd, "extra": dict(self.extra)}
         if self.optimizer is not None:
             state["optimizer"] = optim_sd
+        self._ep_originals = _globalize_experts(self.model, state)
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        for where, key, original in self._ep_originals:  # back to the model's layout
+            with torch.no_grad():
+                _local(original).copy_(where[key].to_local())
+            where[key] = original
         optimizers = [self.optimizer] if self.optimizer is not None else []
         set_state_dict(self.model, optimizers, model_state_dict=state["model"],
                        optim_state_dict=state.get("optimizer", {}))
         for key, value in state["extra"].items():
             self.extra[key].copy_(value)
+
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _clean(name: str) -> str:
+    """A module's name as state dicts spell it (no activation-checkpoint / compile prefixes)."""
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _globalize_experts(model: nn.Module, state: dict) -> list:
+    """Replace, in `state`, every EP-sharded expert weight and its optimizer state by a DTensor
+    over all experts (module docstring); returns (dict, key, the replaced tensor) of each."""
+    originals = {}
+    for name, module in model.named_modules():
+        global_experts = getattr(module, "num_global_experts", None)
+        if global_experts is None:
+            continue
+        for param_name in ("gate_up_proj", "down_proj"):
+            fqn = f"{_clean(name)}.{param_name}"
+            places = [(state["model"], fqn)]
+            if fqn in state.get("optimizer", {}).get("state", {}):
+                # copies: get_state_dict may hand out the optimizer's own per-param dicts
+                optim = state["optimizer"] = {**state["optimizer"]}
+                optim["state"] = {**optim["state"]}
+                param_state = optim["state"][fqn] = {**optim["state"][fqn]}
+                places += [(param_state, k) for k, v in param_state.items()
+                           if isinstance(v, torch.Tensor) and v.dim() == 3]
+            for where, key in places:
+                originals[(id(where), key)] = (where, key, where[key])
+                where[key] = _expert_dtensor(where[key], module, global_experts)
+    return list(originals.values())
+
+
+def _expert_dtensor(tensor: torch.Tensor, experts: nn.Module, global_experts: int):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    ep_mesh = getattr(experts, "ep_mesh", None)
+    if ep_mesh is None:
+        raise ValueError("checkpoint: expert-parallel experts need apply_ep(model, "
+                         "expert_mesh['ep']) (a DeviceMesh, not a process group) to be saved")
+    root, ep = ep_mesh._get_root_mesh(), ep_mesh.size()
+    if isinstance(tensor, DTensor):  # FSDP-sharded over edp_shard (HSDP: and replicated)
+        names = tuple(tensor.device_mesh.mesh_dim_names) + ("ep",)
+        placements = [Replicate() if isinstance(p, Replicate) else _StridedShard(0, split_factor=ep)
+                      for p in tensor.placements] + [Shard(0)]
+        local = tensor.to_local()
+    else:
+        names, placements, local = ("ep",), [Shard(0)], tensor
+    shape = torch.Size((global_experts, *local.shape[1:]))
+    return DTensor.from_local(local.detach(), root[names], placements, run_check=False,
+                              shape=shape, stride=torch.empty(shape, device="meta").stride())
 
 
 def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

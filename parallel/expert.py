@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from backbone.config import kernel
 from backbone.moe import MoE
@@ -104,5 +105,7 @@ def apply_ep(model: nn.Module, ep_mesh: Group) -> nn.Module:
             experts.down_proj = nn.Parameter(experts.down_proj[lo:hi].clone())
         experts.num_experts, experts.num_global_experts, experts.ep_offset = hi - lo, \
             module.num_experts, lo
+        # checkpoints (parallel/dcp.py) describe the slices over the mesh the group came from
+        experts.ep_mesh = ep_mesh if isinstance(ep_mesh, DeviceMesh) else None
         module.dispatcher = dispatcher
     return model

@@ -1,6 +1,8 @@
 """Distributed checkpoints reshard: saved by 4 ranks under FSDP × TP (2 × 2), loaded by 2 ranks
 under FSDP alone, training continues with the losses that continuing on 4 ranks gives — the
-next step's (model state) and the one after an optimizer step (AdamW state)."""
+next step's (model state) and the one after an optimizer step (AdamW state). The same for
+expert parallelism: saved by 4 ranks with ep=2 (experts also FSDP-sharded over edp_shard=2),
+loaded by 2 ranks with ep=2 and without EP, and by one process."""
 
 from __future__ import annotations
 
@@ -50,3 +52,51 @@ def test_saved_on_4_ranks_loads_on_2_and_continues_alike(tmp_path):
     assert [s for s, _ in on_2] == [1, 2]  # the step counter came back too
     assert [loss for _, loss in on_2] == pytest.approx([loss for _, loss in on_4[1:]],
                                                        rel=1e-5)
+
+
+def _train_ep(rank, world, ep, path, save_after, load, seed):
+    """As `_train`, with the MoE layer's experts sharded over `ep` (inside dp_shard = world)."""
+    import torch
+    import torch.distributed as dist
+    from dist_models import build, sequences
+
+    from parallel import ParallelDims, apply_ep, apply_fsdp, load_checkpoint, save_checkpoint
+
+    dims = ParallelDims(dp_shard=world, ep=ep, world_size=world)
+    mesh, experts = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
+    model = build(seed)
+    if ep > 1:
+        apply_ep(model, experts["ep"])
+    if world > 1:
+        apply_fsdp(model, mesh, expert_mesh=experts if ep > 1 else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torch.zeros((), dtype=torch.long)
+    if load:
+        load_checkpoint(path, model, optimizer, extra={"step": step})
+    losses = []
+    while int(step) < 3:
+        if save_after is not None and int(step) == save_after:
+            save_checkpoint(path, model, optimizer, extra={"step": step})
+            save_after = None
+        seqs = sequences(int(step))
+        loss = step_loss(model, shard(seqs, mesh["dp"].get_local_rank(), dims.dp),
+                         global_tokens(seqs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach()
+        if world > 1:
+            dist.all_reduce(total, group=mesh["dp_sp"].get_group())
+        losses.append((int(step), total.item()))
+        step += 1
+    return losses
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (2, 1), (1, 1)])
+def test_expert_parallel_checkpoint_loads_on_any_layout(tmp_path, world, ep):
+    path = str(tmp_path / "ckpt")
+    on_4 = run_ranks(_train_ep, 4, 2, path, 1, False, 0)[0]
+    again = run_ranks(_train_ep, world, ep, path, None, True, 123)[0]
+    assert [s for s, _ in again] == [1, 2]
+    assert [loss for _, loss in again] == pytest.approx([loss for _, loss in on_4[1:]],
+                                                        rel=1e-5)
