@@ -68,7 +68,9 @@ class OptimSection(_Strict):
 
 class ParallelSection(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dp_shard: int = -1  # FSDP over every process (the only layout of this first cut)
+    dp_shard: int = -1  # FSDP over every process
+    ep: int = Field(1, ge=1)  # expert parallelism: each MoE layer's experts split over ep
+    #                           processes (ep divides --nproc; data parallelism stays --nproc)
     peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU (GPUs known by name)
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dataplane.embedded import start_embedded
+from dataplane.errors import UserError
 from dataplane.plane import PlaneConfig
 from dataplane.spec import load_spec
 from loaders.pipeline import RankLoader
@@ -113,15 +114,16 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
             model, step_fn = build_model(mcfg, cfg.seed, device), train_step
+        dims = parallel_dims(cfg, world, mcfg)
         if world > 1:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
-            from parallel import ParallelDims, apply_fsdp
+            from parallel import apply_ep, apply_fsdp
 
-            dims = ParallelDims(dp_shard=world, world_size=world)
-            if mcfg is not None:
-                dims.validate_for(mcfg)
-            apply_fsdp(model, dims.build_mesh(device.type),
+            experts = dims.build_expert_mesh(device.type) if dims.ep > 1 else None
+            if experts is not None:
+                apply_ep(model, experts["ep"])
+            apply_fsdp(model, dims.build_mesh(device.type), expert_mesh=experts,
                        encoder_mesh=dims.build_encoder_mesh(device.type))
             if hasattr(model, "encode_items"):
                 register_fsdp_forward_method(model, "encode_items")
@@ -139,6 +141,23 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         if plane is not None:
             plane.stop()
         dist.destroy_process_group()
+
+
+def parallel_dims(cfg: RunConfig, world: int, mcfg):
+    """The run's layout: FSDP over every process, experts split over ``parallel.ep`` of them
+    (a one-line UserError when that cannot work)."""
+    from parallel import ParallelDims
+
+    ep = cfg.parallel.ep
+    if ep > 1 and mcfg is None:
+        raise UserError(f"parallel.ep={ep}: expert parallelism is for the omni and lm tasks")
+    try:
+        dims = ParallelDims(dp_shard=world, ep=ep, world_size=world)
+        if mcfg is not None:
+            dims.validate_for(mcfg)
+    except ValueError as e:
+        raise UserError(f"parallel: {e} (with --nproc {world})") from None
+    return dims
 
 
 def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):

@@ -53,16 +53,23 @@ def placeholder(empty):
 def grad_norm_and_clip(model: torch.nn.Module, clip: float) -> float:
     """Clip by the global gradient norm. Encoders and backbone are sharded over different
     meshes, so the norm is taken per mesh (each a DTensor reduced to a full scalar) and
-    combined, then every gradient is scaled by the same factor."""
+    combined, then every gradient is scaled by the same factor. Expert-parallel experts are
+    different parameters on each rank of their ep group: their squares are summed over it."""
     params = [p for p in model.parameters() if p.grad is not None]
+    ep_mesh_of = {id(p): m.ep_mesh for m in model.modules()
+                  if getattr(m, "num_global_experts", None) is not None for p in m.parameters()}
     by_mesh: dict = {}
     for p in params:
-        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+        key = (getattr(p.grad, "device_mesh", None), ep_mesh_of.get(id(p)))
+        by_mesh.setdefault(key, []).append(p.grad)
     squares = []
-    for grads in by_mesh.values():
+    for (_, ep_mesh), grads in by_mesh.items():
         norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squares.append(norm.double() ** 2)
+        square = norm.double() ** 2
+        if ep_mesh is not None:
+            dist.all_reduce(square, group=ep_mesh.get_group())
+        squares.append(square)
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
     torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
     return float(total)
