@@ -19,20 +19,20 @@ import logging
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
 
 from balancer.cost import Costs
 from balancer.planner import plan_window
-from balancer.types import PlannerConfig
 from dataplane.catalog import Catalog
 from dataplane.corrupt import (CorruptLedger, draw_replacement, ref_to_json,
                                replacement_room)
 from dataplane.errors import UserError
 from dataplane.journal import Journal
 from dataplane.mixer import Mixer, MixtureExhausted
+from dataplane.plane_config import PlaneConfig  # noqa: F401  (public here too)
 from dataplane.plan_table import fingerprint, rank_tables
 from dataplane.server import RequestError
 from dataplane.spec import MixSpec, load_spec
@@ -40,49 +40,6 @@ from dataplane.status import plane_status
 from dataplane.windows import Window, window_samples
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PlaneConfig:
-    dp: int
-    micro_batch_tokens: int = 16384
-    window: int = 4
-    global_batch_tokens: int | None = None
-    global_batch_samples: int | None = None
-    sp_max: int = 8
-    epsilon: float = 0.05
-    snapshot_every: int = 100
-    plan_ahead: int = 2  # windows planned beyond the one holding the first uncommitted step
-    cost_linear: float = 24576.0
-    cost_quadratic: float = 1.0
-    # Longer samples are truncated (text only) or skipped (with media); default: the most one
-    # SP group can hold, micro_batch_tokens x min(sp_max, ranks rounded down to a power of 2).
-    max_sample_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if (self.global_batch_tokens is None) == (self.global_batch_samples is None):
-            raise UserError("give exactly one of --global-batch-tokens and "
-                            "--global-batch-samples")
-        for name in ("dp", "micro_batch_tokens", "window", "snapshot_every"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')}: must be >= 1")
-        PlannerConfig(dp=self.dp, micro_batch_tokens=self.micro_batch_tokens,
-                      window=self.window, sp_max=self.sp_max, epsilon=self.epsilon)
-
-    def planner(self, dp: int, window: int) -> PlannerConfig:
-        return PlannerConfig(dp=dp, micro_batch_tokens=self.micro_batch_tokens, window=window,
-                             sp_max=self.sp_max, epsilon=self.epsilon)
-
-    @property
-    def sample_cap(self) -> int:
-        if self.max_sample_tokens is not None:
-            return self.max_sample_tokens
-        return self.micro_batch_tokens * min(self.sp_max, 1 << (self.dp.bit_length() - 1))
-
-    @property
-    def batch(self) -> dict:
-        return {"global_batch_tokens": self.global_batch_tokens,
-                "global_batch_samples": self.global_batch_samples}
 
 
 class DataPlane:
