@@ -14,15 +14,25 @@ from multiproc import run_ranks
 def _train(rank, world, dp_shard, tp, path, save_after, load, seed):
     """Steps with AdamW on a (dp_shard × tp) mesh; returns the global loss of each step run.
     `save_after`: save once that many steps are done; `load`: start from the checkpoint."""
-    import torch
-    import torch.distributed as dist
-    from dist_models import build, sequences
+    from dist_models import build
 
-    from parallel import ParallelDims, apply_fsdp, apply_tp, load_checkpoint, save_checkpoint
+    from parallel import ParallelDims, apply_fsdp, apply_tp
 
     dims = ParallelDims(dp_shard=dp_shard, tp=tp, world_size=world)
     mesh = dims.build_mesh("cpu")
     model = apply_fsdp(apply_tp(build(seed), mesh["tp"]), mesh)
+    return _steps(model, mesh, dims, path, save_after, load)
+
+
+def _steps(model, mesh, dims, path, save_after, load):
+    """Train to step 3 (from the checkpoint at `path` when `load`, saving there after
+    `save_after` steps); the global loss of each step run."""
+    import torch
+    import torch.distributed as dist
+    from dist_models import sequences
+
+    from parallel import load_checkpoint, save_checkpoint
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = torch.zeros((), dtype=torch.long)
     if load:
@@ -39,7 +49,8 @@ def _train(rank, world, dp_shard, tp, path, save_after, load, seed):
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach()
-        dist.all_reduce(total, group=mesh["dp_sp"].get_group())
+        if dims.world_size > 1:
+            dist.all_reduce(total, group=mesh["dp_sp"].get_group())
         losses.append((int(step), total.item()))
         step += 1
     return losses
@@ -56,11 +67,9 @@ def test_saved_on_4_ranks_loads_on_2_and_continues_alike(tmp_path):
 
 def _train_ep(rank, world, ep, path, save_after, load, seed):
     """As `_train`, with the MoE layer's experts sharded over `ep` (inside dp_shard = world)."""
-    import torch
-    import torch.distributed as dist
-    from dist_models import build, sequences
+    from dist_models import build
 
-    from parallel import ParallelDims, apply_ep, apply_fsdp, load_checkpoint, save_checkpoint
+    from parallel import ParallelDims, apply_ep, apply_fsdp
 
     dims = ParallelDims(dp_shard=world, ep=ep, world_size=world)
     mesh, experts = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
@@ -69,27 +78,7 @@ def _train_ep(rank, world, ep, path, save_after, load, seed):
         apply_ep(model, experts["ep"])
     if world > 1:
         apply_fsdp(model, mesh, expert_mesh=experts if ep > 1 else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = torch.zeros((), dtype=torch.long)
-    if load:
-        load_checkpoint(path, model, optimizer, extra={"step": step})
-    losses = []
-    while int(step) < 3:
-        if save_after is not None and int(step) == save_after:
-            save_checkpoint(path, model, optimizer, extra={"step": step})
-            save_after = None
-        seqs = sequences(int(step))
-        loss = step_loss(model, shard(seqs, mesh["dp"].get_local_rank(), dims.dp),
-                         global_tokens(seqs))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach()
-        if world > 1:
-            dist.all_reduce(total, group=mesh["dp_sp"].get_group())
-        losses.append((int(step), total.item()))
-        step += 1
-    return losses
+    return _steps(model, mesh, dims, path, save_after, load)
 
 
 @pytest.mark.parametrize("world,ep", [(2, 2), (2, 1), (1, 1)])
