@@ -19,7 +19,8 @@ Grouped-query attention without repeating k/v: the r query heads of one k/v head
 as rows of one matrix, so every product runs against that k/v head once.
 
 Shape suffixes: N sequences of one length L, H query heads, G key/value heads (r = H/G), K head
-dim, B = N·G products in a batch, R rows of a block (r heads × n rows), C keys a block sees.
+dim, B = N·G products in a batch, X = L·r query rows of a k/v head (position, head), R rows of
+a block (n positions × r heads), C keys a block sees, Y columns of the mask buffer.
 """
 
 from __future__ import annotations
