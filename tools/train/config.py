@@ -71,6 +71,8 @@ class ParallelSection(_Strict):
     dp_shard: int = -1  # FSDP over every process
     ep: int = Field(1, ge=1)  # expert parallelism: each MoE layer's experts split over ep
     #                           processes (ep divides --nproc; data parallelism stays --nproc)
+    sp_max: int = Field(1, ge=1)  # sequence parallelism (Ulysses, long-short): a sample longer
+    #                               than a micro-batch is split over up to sp_max processes
     peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU (GPUs known by name)
 
 

@@ -49,11 +49,11 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
     """The embedded plane's settings; ``cost``: the model's (α, β) FLOPs per sequence, the
     balancer's cost model (``ModelConfig.cost_coefficients``)."""
     d = cfg.data
-    # sp_max=1: the trainer has no sequence parallelism yet, so no sample is split over ranks
-    # (longer text is truncated to a micro-batch, longer media samples skipped by the plane).
+    # parallel.sp_max: the plane may split a sample over an aligned group of up to that many
+    # ranks; longer text is truncated to what such a group holds, longer media samples skipped.
     extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0} if cost else {}
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
-                       global_batch_tokens=d.global_batch_tokens, sp_max=1,
+                       global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp_max,
                        snapshot_every=cfg.checkpoint_every, **extra)
 
 
@@ -102,6 +102,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         spec = load_spec(job.spec)
         video = cfg.task == "video_gen"
         mcfg = None if video else model_config(cfg, spec.media, spec.tokenizer)
+        dims = parallel_dims(cfg, world, mcfg)  # every rank, before the plane starts
         if rank == 0 and job.plane_url is None:
             cost = mcfg.cost_coefficients() if mcfg is not None else None
             plane = start_embedded(job.spec, run_dir / "plane", plane_config(cfg, world, cost),
@@ -114,16 +115,18 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
             model, step_fn = build_model(mcfg, cfg.seed, device), train_step
-        dims = parallel_dims(cfg, world, mcfg)
         if world > 1:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
-            from parallel import apply_ep, apply_fsdp
+            from parallel import apply_ep, apply_fsdp, apply_sp
 
+            mesh = dims.build_mesh(device.type)
             experts = dims.build_expert_mesh(device.type) if dims.ep > 1 else None
             if experts is not None:
                 apply_ep(model, experts["ep"])
-            apply_fsdp(model, dims.build_mesh(device.type), expert_mesh=experts,
+            if cfg.parallel.sp_max > 1:  # the plane's aligned groups of the data-parallel ranks
+                apply_sp(model, mesh["dp"], cfg.parallel.sp_max)
+            apply_fsdp(model, mesh, expert_mesh=experts,
                        encoder_mesh=dims.build_encoder_mesh(device.type))
             if hasattr(model, "encode_items"):
                 register_fsdp_forward_method(model, "encode_items")
@@ -144,13 +147,17 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
 
 
 def parallel_dims(cfg: RunConfig, world: int, mcfg):
-    """The run's layout: FSDP over every process, experts split over ``parallel.ep`` of them
-    (a one-line UserError when that cannot work)."""
+    """The run's layout: FSDP over every process, experts split over ``parallel.ep`` of them,
+    long samples over up to ``parallel.sp_max`` (a one-line UserError when that cannot work)."""
     from parallel import ParallelDims
 
-    ep = cfg.parallel.ep
-    if ep > 1 and mcfg is None:
-        raise UserError(f"parallel.ep={ep}: expert parallelism is for the omni and lm tasks")
+    ep, sp_max = cfg.parallel.ep, cfg.parallel.sp_max
+    for name, value in (("ep", ep), ("sp_max", sp_max)):
+        if value > 1 and mcfg is None:  # the DiT attends with its own blocks
+            raise UserError(f"parallel.{name}={value}: for the omni and lm tasks only")
+    if sp_max & (sp_max - 1) or world % sp_max:
+        raise UserError(f"parallel.sp_max={sp_max}: must be a power of two dividing --nproc "
+                        f"{world}")
     try:
         dims = ParallelDims(dp_shard=world, ep=ep, world_size=world)
         if mcfg is not None:

@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from parallel.sequence import sp_batch
 from tools.train.build import lr_at
 from tools.train.media_step import StepMedia
 from tools.train.metrics import CostFit, CostRefit
@@ -130,8 +131,11 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     n_local = sum(int((mb.labels_T != IGNORE).sum()) for mb, _ in prepared)
     tokens_local = sum(mb.num_tokens for mb in batch.micro_batches)
     flops = _flops(batch.micro_batches, ctx.flops_alpha, ctx.flops_beta)
-    counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media.moved],
-                          dtype=torch.float64)
+    # slices of samples split over an SP group, counted where slice 0 is
+    split_local = sum(int(((mb.seq_sp_size_S > 1) & (mb.seq_sp_index_S == 0)).sum())
+                      for mb in batch.micro_batches if mb.seq_refs is not None)
+    counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media.moved,
+                           split_local], dtype=torch.float64)
     dist.all_reduce(counts)
     counts[3] = distinct_skipped(batch, world, float(counts[3]))
     n_global = max(float(counts[0]), 1.0)
@@ -144,7 +148,9 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     load_LE = None
     for mb, items in prepared:
         groups_S = _groups(mb, ctx.sources)
-        out = model.forward_with_media(mb, items, seq_group_S=groups_S, num_groups=n_groups)
+        with sp_batch(model, mb):  # split sequences' attention over their SP group
+            out = model.forward_with_media(mb, items, seq_group_S=groups_S,
+                                           num_groups=n_groups)
         n_mb = out["n_tokens"].detach()
         loss = (out["loss_sum"] + out["aux"]["router_loss"] * n_mb) / n_global
         loss.backward()  # phase 1: the backbone; the encoders' turn is media.backward()
@@ -152,7 +158,8 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
         n_G += out["n_tokens_G"].detach().double().cpu()
         if mb.seq_refs is not None:
             lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
-            samples_G += torch.bincount(groups_S, minlength=n_groups).double()
+            first_S = (mb.seq_sp_index_S == 0).double()  # a split sample counts once
+            samples_G += torch.bincount(groups_S, weights=first_S, minlength=n_groups)
             tokens_G += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
         router += (out["aux"]["router_loss"].detach() * n_mb).double().cpu()
         load = out["aux"]["load_LE"].detach().cpu().to(torch.float64)
@@ -207,7 +214,7 @@ def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n
            "tflops_per_s": flops_per_s / 1e12,
            "mfu": (flops_per_s / (ctx.peak_flops * ctx.world) if ctx.peak_flops else None),
            "micro_batches": len(batch.micro_batches), "skipped": int(counts[3]),
-           "media_items_moved": int(counts[4]),
+           "media_items_moved": int(counts[4]), "sp_split_samples": int(counts[5]),
            "source_loss": {n: float(l / c) for n, l, c in zip(names, loss_G, n_G) if c > 0},
            "mix_samples": {n: int(s) for n, s in zip(names, samples_G) if s > 0},
            "mix_tokens": {n: int(t) for n, t in zip(names, tokens_G) if t > 0}}

@@ -1,0 +1,54 @@
+"""``parallel.sp_max``: the plane splits samples longer than a micro-batch over an aligned group
+of processes and the trainer attends over them with Ulysses. Two processes with micro-batches
+of M tokens and sp_max=2 train what one process with micro-batches of 2M does: both plan
+samples of up to 2M tokens, so the plane draws the same global batches (windows of one step:
+a longer window deals its samples to steps by the ranks' budgets), and losses and gradient
+norms agree.
+An sp_max that cannot work is one line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dataplane.errors import UserError
+from tools.train.launch import train
+from tools.train.metrics import read_metrics
+
+
+def _sets(demo, out, **kw):
+    base = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
+            "data.workers": 0, "data.global_batch_tokens": 4096, "data.window": 1,
+            # no router losses: they are per-micro-batch means, and the two runs' micro-batches
+            # differ, which would leave the gradients close rather than equal
+            "model.overrides.moe.aux_loss_coef": 0, "model.overrides.moe.z_loss_coef": 0,
+            "optim.warmup_steps": 1,
+            "optim.decay_steps": 4, "eval.enabled": False, "output_dir": out, "steps": 3}
+    return [f"{k}={v}" for k, v in {**base, **kw}.items()]
+
+
+def test_split_samples_train_what_one_process_does(demo, tmp_path):
+    train("configs/demo_omni.yaml", progress=False,
+          sets=_sets(demo, tmp_path / "one", **{"data.micro_batch_tokens": 512}))
+    train("configs/demo_omni.yaml", nproc=2, progress=False,
+          sets=_sets(demo, tmp_path / "sp", **{"data.micro_batch_tokens": 256,
+                                                 "parallel.sp_max": 2}))
+    one = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    sp = read_metrics(tmp_path / "sp" / "metrics.jsonl")
+    assert sum(r["sp_split_samples"] for r in sp) > 0  # samples were split over the pair
+    assert [r["mix_samples"] for r in one] == [r["mix_samples"] for r in sp]
+    # the same trained tokens (a split sample is padded to a multiple of its group size)
+    assert [r["target_tokens"] for r in one] == [r["target_tokens"] for r in sp]
+    for a, b in zip(one, sp, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), \
+            (a["grad_norm"], b["grad_norm"])
+
+
+@pytest.mark.parametrize("nproc, sp_max", [(2, 3), (2, 4)])
+def test_impossible_sp_max_is_one_line(demo, tmp_path, nproc, sp_max):
+    with pytest.raises(UserError, match=f"parallel.sp_max={sp_max}: must be a power of two "
+                                        f"dividing --nproc {nproc}"):
+        train("configs/demo_omni.yaml", nproc=nproc, progress=False,
+              sets=_sets(demo, tmp_path / "bad", **{"parallel.sp_max": sp_max}))
