@@ -125,7 +125,8 @@ class OmniModel(nn.Module):
         scored apart, so the split costs no extra logits)."""
         embeds_TD = self.decoder.embed_tokens(batch.input_ids_T.to(
             self.decoder.embed_tokens.weight.device))
-        embeds_TD = scatter_media(embeds_TD, batch.media_token_start_M, items)
+        embeds_TD = scatter_media(embeds_TD, batch.media_token_start_M, items,
+                                  batch.media_sample_M, batch.cu_seqlens_S1)
         if zero is not None:
             embeds_TD = embeds_TD + zero.to(embeds_TD.dtype)
         device = embeds_TD.device
@@ -165,14 +166,22 @@ def _config(cls, value):
 
 
 def scatter_media(embeds_TD: torch.Tensor, token_start_M: torch.Tensor,
-                  items: list[torch.Tensor]) -> torch.Tensor:
+                  items: list[torch.Tensor], seq_M: torch.Tensor | None = None,
+                  cu_seqlens_S1: torch.Tensor | None = None) -> torch.Tensor:
     """``embeds_TD`` with rows ``start_m .. start_m + len(items[m])`` replaced by item m's
-    embeddings (out of place, differentiable in both). A block may overhang the batch when the
-    batch is a sequence-parallel slice of its sample: only the rows inside ``[0, T)`` land."""
+    embeddings (out of place, differentiable in both). A block may overhang its sequence when
+    that is a sequence-parallel slice of its sample: only the rows inside the sequence land
+    (item m's sequence ``seq_M[m]``, bounded by ``cu_seqlens_S1``; without them, the batch),
+    never those of the sequences packed beside it."""
     T = embeds_TD.shape[0]
+    if seq_M is None:
+        bounds = [(0, T)] * len(items)
+    else:
+        cu = cu_seqlens_S1.tolist()
+        bounds = [(cu[s], cu[s + 1]) for s in seq_M.tolist()]
     positions, rows = [], []
-    for start, block_ND in zip(token_start_M.tolist(), items):
-        lo, hi = max(start, 0), min(start + block_ND.shape[0], T)
+    for start, block_ND, (first, end) in zip(token_start_M.tolist(), items, bounds):
+        lo, hi = max(start, first), min(start + block_ND.shape[0], end)
         if hi <= lo:
             continue
         positions.append(torch.arange(lo, hi))

@@ -48,6 +48,16 @@ def test_scatter_media_places_blocks_and_clips_overhang():
     assert (out[9] == 3.0).all()  # block 2 overhangs the end: only its first row lands
 
 
+def test_scatter_media_keeps_an_sp_slice_block_inside_its_sequence():
+    """Sequences 0 = [0, 4), 1 = [4, 7) (an SP slice), 2 = [7, 10): a block of sequence 1 that
+    starts before the slice and one that runs past it land only on rows 4..6."""
+    embeds_TD = torch.zeros(10, 1)
+    items = [torch.full((4, 1), 1.0), torch.full((3, 1), 2.0)]
+    cu = torch.tensor([0, 4, 7, 10], dtype=torch.int32)
+    out = scatter_media(embeds_TD, torch.tensor([2, 6]), items, torch.tensor([1, 1]), cu)
+    assert out[:, 0].tolist() == [0, 0, 0, 0, 1, 1, 2, 0, 0, 0]
+
+
 def test_every_block_lands_on_exactly_its_placeholders(demo):
     tok, samples = demo
     b = batch(samples)

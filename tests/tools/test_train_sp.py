@@ -3,7 +3,8 @@ of processes and the trainer attends over them with Ulysses. Two processes with 
 of M tokens and sp_max=2 train what one process with micro-batches of 2M does: both plan
 samples of up to 2M tokens, so the plane draws the same global batches (windows of one step:
 a longer window deals its samples to steps by the ranks' budgets), and losses and gradient
-norms agree.
+norms agree: on the demo mix (text samples split) and on its media sources alone (video and
+audio blocks cut by the slice boundary; each slice keeps only its own rows of a block).
 An sp_max that cannot work is one line."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import yaml
 
 from dataplane.errors import UserError
 from tools.train.launch import train
@@ -28,12 +30,26 @@ def _sets(demo, out, **kw):
     return [f"{k}={v}" for k, v in {**base, **kw}.items()]
 
 
-def test_split_samples_train_what_one_process_does(demo, tmp_path):
+def media_only(demo, out) -> str:
+    """The demo's video, audio and interleaved sources at equal weights: samples whose media
+    blocks straddle the slice boundaries when split."""
+    spec = yaml.safe_load((demo / "mix.yaml").read_text())
+    spec.pop("schedule", None)
+    spec["tokenizer"] = str(demo / spec["tokenizer"])
+    spec["sources"] = [dict(s, path=str(demo / s["path"]), weight=1) for s in spec["sources"]
+                       if s["name"] in ("video_caption", "audio_caption", "interleaved")]
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(out)
+
+
+@pytest.mark.parametrize("media, micro", [(False, 256), (True, 128)], ids=["text", "media"])
+def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro):
+    spec = {"data.spec": media_only(demo, tmp_path / "media.yaml")} if media else {}
     train("configs/demo_omni.yaml", progress=False,
-          sets=_sets(demo, tmp_path / "one", **{"data.micro_batch_tokens": 512}))
+          sets=_sets(demo, tmp_path / "one", **spec, **{"data.micro_batch_tokens": 2 * micro}))
     train("configs/demo_omni.yaml", nproc=2, progress=False,
-          sets=_sets(demo, tmp_path / "sp", **{"data.micro_batch_tokens": 256,
-                                                 "parallel.sp_max": 2}))
+          sets=_sets(demo, tmp_path / "sp", **spec, **{"data.micro_batch_tokens": micro,
+                                                        "parallel.sp_max": 2}))
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")
     sp = read_metrics(tmp_path / "sp" / "metrics.jsonl")
     assert sum(r["sp_split_samples"] for r in sp) > 0  # samples were split over the pair
@@ -42,7 +58,7 @@ def test_split_samples_train_what_one_process_does(demo, tmp_path):
     assert [r["target_tokens"] for r in one] == [r["target_tokens"] for r in sp]
     for a, b in zip(one, sp, strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), \
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=2e-4), \
             (a["grad_norm"], b["grad_norm"])
 
 

@@ -54,7 +54,7 @@ def caption_accuracy(model, batches) -> tuple[int, int, Counter]:
             continue
         media = model.encode_media(mb)
         embeds_TD = scatter_media(dec.embed_tokens(mb.input_ids_T), mb.media_token_start_M,
-                                  media.items)
+                                  media.items, mb.media_sample_M, mb.cu_seqlens_S1)
         hidden_TD, _ = dec(embeds_TD, mb.position_ids_T, mb.cu_seqlens_S1, mb.max_seqlen,
                            mrope_3T=mb.mrope_3T)
         mask = mb.labels_T != IGNORE
