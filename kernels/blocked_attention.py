@@ -138,18 +138,15 @@ def varlen_attention(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tens
     that `fits` (causal, short enough) go through blocks, the rest through the reference's
     SDPA."""
     del max_seqlen
+    return reference.by_runs(q_THK, k_TGK, v_TGK, cu_seqlens_S1, causal, _attend_run)
+
+
+def _attend_run(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tensor, n: int,
+                length: int, causal: bool) -> torch.Tensor:
+    """One piece of `reference.equal_length_runs`: through blocks when it `fits`, else SDPA."""
     T, H, K = q_THK.shape
+    if not n or not fits(n, length, H, causal, q_THK.dtype):
+        return reference.attend_run(q_THK, k_TGK, v_TGK, n, length, causal)
     G = k_TGK.shape[1]
-    runs = reference.equal_length_runs(cu_seqlens_S1.tolist(), T)
-    sizes = [n * length if n else length for n, length in runs]
-    parts = zip(*(t.split(sizes) for t in (q_THK, k_TGK, v_TGK))) if len(runs) > 1 else \
-        [(q_THK, k_TGK, v_TGK)]
-    outs = []
-    for (n, length), (q, k, v) in zip(runs, parts):
-        if n and fits(n, length, H, causal, q.dtype):
-            o = attend_run(q.view(n, length, H, K), k.view(n, length, G, K),
-                           v.view(n, length, G, K))
-            outs.append(o.view(n * length, H, K))
-        else:
-            outs.append(reference.attend_run(q, k, v, n, length, causal))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return attend_run(q_THK.view(n, length, H, K), k_TGK.view(n, length, G, K),
+                      v_TGK.view(n, length, G, K)).view(T, H, K)

@@ -71,15 +71,20 @@ def varlen_attention(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tens
     are one batched call ([n, H, L, K]: the same per-sequence math, one kernel launch, no
     per-sequence gradient buffers); tokens outside every sequence get zeros."""
     del max_seqlen  # part of the shared signature (flash-attn needs it)
-    T = q_THK.shape[0]
-    runs = equal_length_runs(cu_seqlens_S1.tolist(), T)
+    return by_runs(q_THK, k_THK, v_THK, cu_seqlens_S1, causal, attend_run)
+
+
+def by_runs(q_THK: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tensor,
+            cu_seqlens_S1: torch.Tensor, causal: bool, attend) -> torch.Tensor:
+    """Varlen attention as `attend(q, k, v, n, length, causal)` on each piece of
+    `equal_length_runs` (its tokens, packed), the outputs concatenated in token order."""
+    runs = equal_length_runs(cu_seqlens_S1.tolist(), q_THK.shape[0])
     if len(runs) == 1:  # one run covers every token: no split (and no split backward)
-        parts = [(q_THK, k_THK, v_THK)]
+        parts = [(q_THK, k_TGK, v_TGK)]
     else:
         sizes = [n * length if n else length for n, length in runs]
-        parts = list(zip(*(t.split(sizes) for t in (q_THK, k_THK, v_THK))))
-    outs = [attend_run(q, k, v, n, length, causal)
-            for (n, length), (q, k, v) in zip(runs, parts)]
+        parts = list(zip(*(t.split(sizes) for t in (q_THK, k_TGK, v_TGK))))
+    outs = [attend(q, k, v, n, length, causal) for (n, length), (q, k, v) in zip(runs, parts)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
