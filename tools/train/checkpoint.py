@@ -5,11 +5,19 @@ the plane snapshot of the same step in ``RUN_DIR/plane``.
 A checkpoint at step s means s steps are trained and committed; the plane's snapshot of step s
 is "next step to train: s". ``meta.json`` is written last, by rank 0, so a directory without it
 (a crash while saving) is never resumed from.
+
+Checkpoints are trusted input: torch DCP unpickles ``.metadata`` when loading. ``meta.json``
+therefore carries a manifest (``files``: size and SHA-256 of every other file of the directory)
+and :func:`load` checks it before DCP reads anything. The plane snapshot is not in it: it lives
+in ``RUN_DIR/plane`` (rewritten there by the plane's own schedule), is JSON, never unpickled, and
+carries its own SHA-256, which the plane checks when it restores.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -29,8 +37,96 @@ def latest(run_dir: Path) -> tuple[int, Path] | None:
     found = []
     for d in (run_dir / "checkpoints").glob("step-*"):
         if (d / "meta.json").exists():
-            found.append((json.loads((d / "meta.json").read_text())["step"], d))
+            found.append((_meta(d)["step"], d))
     return max(found) if found else None
+
+
+# Why a checkpoint that does not match its manifest is refused (the tail of every such error).
+TAMPERED = ("the checkpoint was changed after it was written; checkpoints are trusted input: "
+            "torch DCP unpickles its metadata")
+
+
+def _meta(path: Path) -> dict:
+    """``meta.json`` of checkpoint ``path`` (JSON: safe to read before the manifest is checked)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        meta["step"] = int(meta["step"])
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{path}: meta.json: unreadable ({str(e).splitlines()[0]})") from None
+    return meta
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):  # streamed: shards can be many GB
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(path: Path) -> dict[str, dict]:
+    """Size and SHA-256 of every file of checkpoint ``path`` but ``meta.json``."""
+    return {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(path.iterdir()) if f.name != "meta.json"}
+
+
+def _check(path: Path, files: dict, names: list[str]) -> str | None:
+    """The first problem with the files ``names`` of the manifest ``files``, or None."""
+    for name in names:
+        f = path / name
+        try:
+            if not f.is_file():
+                return f"{path}: {name}: missing ({TAMPERED})"
+            if f.stat().st_size != files[name]["size"]:
+                return f"{path}: {name}: size does not match the manifest ({TAMPERED})"
+            if _sha256(f) != files[name]["sha256"]:
+                return f"{path}: {name}: checksum does not match the manifest ({TAMPERED})"
+        except OSError as e:
+            return f"{path}: {name}: cannot read ({e.strerror or e})"
+    return None
+
+
+def verify(path: Path) -> None:
+    """Refuse, in one line, checkpoint ``path`` unless its files are exactly its manifest.
+
+    Called by every rank before DCP loads. Under a process group each rank hashes its share of
+    the files and the verdicts are gathered, so every rank fails alike (none waits in DCP for
+    one that stopped) and the checkpoint is read once. The manifest guards against a checkpoint
+    changed, damaged or swapped after it was written; it is no signature: whoever can rewrite
+    the run directory can rewrite ``meta.json`` too."""
+    group = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
+    try:
+        problem = _problem(path, rank, world)
+    except UserError as e:  # meta.json unreadable: still join the gather below
+        problem = str(e)
+    if group:
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, problem)
+        problem = next((v for v in verdicts if v is not None), None)
+    if problem is not None:
+        raise UserError(problem)
+
+
+def _problem(path: Path, rank: int, world: int) -> str | None:
+    files = _meta(path).get("files")
+    if not isinstance(files, dict) or not files:
+        return (f"{path}: meta.json: no manifest of checksums (a checkpoint of an older "
+                f"OmniScale, or changed after it was written; checkpoints are trusted input: "
+                f"torch DCP unpickles its metadata, so it is not loaded)")
+    for name, entry in files.items():
+        if ("/" in name or name in ("", ".", "..") or not isinstance(entry, dict)
+                or not isinstance(entry.get("size"), int)
+                or not isinstance(entry.get("sha256"), str)):
+            return f"{path}: meta.json: malformed manifest entry {name!r} ({TAMPERED})"
+    try:
+        extra = sorted(f.name for f in path.iterdir() if f.name != "meta.json"
+                       and f.name not in files)
+    except OSError as e:
+        return f"{path}: cannot list ({e.strerror or e})"
+    if extra:
+        return f"{path}: {extra[0]}: not in the manifest ({TAMPERED})"
+    return _check(path, files, sorted(files)[rank::world])
 
 
 def _extra(step: int) -> dict[str, torch.Tensor]:
@@ -46,14 +142,23 @@ def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int) ->
     snapshot = plane_client.snapshot(step) if rank == 0 else None
     save_checkpoint(path, model, optimizer, extra=_extra(step))
     dist.barrier()
-    if rank == 0:
-        (path / "meta.json").write_text(json.dumps(
-            {"step": step, "plane_snapshot": snapshot["path"] if snapshot else None}) + "\n")
+    if rank == 0:  # every rank's files are written and fsynced (DCP) before the barrier
+        meta = {"step": step, "plane_snapshot": snapshot["path"] if snapshot else None,
+                "files": _manifest(path)}
+        tmp = path / "meta.json.tmp"  # renamed into place: a crash leaves no partial meta.json
+        with open(tmp, "w") as f:
+            f.write(json.dumps(meta, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / "meta.json")
     return path
 
 
-def load(path: Path, model, optimizer) -> int:
-    """Restore model, optimizer and RNG in place; returns the steps done."""
+def load(path: Path, model, optimizer, verified: bool = False) -> int:
+    """Restore model, optimizer and RNG in place; returns the steps done. ``verified``: the
+    caller has just run :func:`verify` on every rank (a resume does, before the plane starts)."""
+    if not verified:
+        verify(path)  # before DCP unpickles anything
     extra = _extra(0)
     try:
         load_checkpoint(path, model, optimizer, extra=extra)

@@ -103,6 +103,8 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         video = cfg.task == "video_gen"
         mcfg = None if video else model_config(cfg, spec.media, spec.tokenizer)
         dims = parallel_dims(cfg, world, mcfg)  # every rank, before the plane starts
+        if job.resume_from:  # a refused checkpoint leaves RUN_DIR/plane as it was
+            checkpoint.verify(Path(job.resume_from))
         if rank == 0 and job.plane_url is None:
             cost = mcfg.cost_coefficients() if mcfg is not None else None
             plane = start_embedded(job.spec, run_dir / "plane", plane_config(cfg, world, cost),
@@ -132,7 +134,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
                 register_fsdp_forward_method(model, "encode_items")
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
-            checkpoint.load(Path(job.resume_from), model, optimizer)
+            checkpoint.load(Path(job.resume_from), model, optimizer, verified=True)
         alpha, beta = mcfg.cost_coefficients() if mcfg is not None else (0.0, 0.0)
         ctx = StepContext(cfg, world, rank, [s.name for s in spec.sources], alpha, beta,
                           peak_flops(cfg, device))
