@@ -9,8 +9,10 @@ through a plane restart; a refusal (bad rank, committed step, wrong token) is ra
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
+import ssl
 import threading
 import time
 from urllib.parse import urlsplit
@@ -19,8 +21,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dataplane import wire
+from dataplane.auth import TLS_ROOT_ENV, read_pem
 from dataplane.errors import UserError
-from dataplane.server import LANE_OK, PLAN_STREAM, lane_frame
+from dataplane.lane import LANE_OK, lane_frame
+from dataplane.server import PLAN_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +88,22 @@ class PlaneClient:
     that clients started together do not all reopen at once) and given ``stream_s + timeout``
     to live, so every request keeps at least ``timeout``; a server's shutdown waits for open
     exchange streams, so close idle clients (or expect it to wait up to that long). One thread
-    at a time uses the connection; others fall back to actions."""
+    at a time uses the connection; others fall back to actions.
+
+    A ``grpc+tls://`` URL is verified against ``tls_root`` (a PEM file: the CA, or the plane's
+    own self-signed certificate), else $OMNISCALE_PLANE_TLS_ROOT, else the system's CAs; the
+    plan lane is then TLS too, checked the same way."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0,
-                 retry_for: float = 60.0, stream: bool = False, stream_s: float = 5.0):
+                 retry_for: float = 60.0, stream: bool = False, stream_s: float = 5.0,
+                 tls_root: str | None = None):
         self.url, self.timeout, self.retry_for = url, timeout, retry_for
         self._token = token
+        self._tls = urlsplit(url).scheme == "grpc+tls"
+        self.tls_root = (tls_root or os.environ.get(TLS_ROOT_ENV)) if self._tls else None
+        self._root_pem = None if self.tls_root is None else read_pem(
+            self.tls_root, "--tls-root" if tls_root else f"${TLS_ROOT_ENV}")
+        self._ssl: ssl.SSLContext | None = None
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._client: flight.FlightClient | None = None
@@ -105,7 +119,8 @@ class PlaneClient:
 
     def _connect(self) -> flight.FlightClient:
         if self._client is None:
-            self._client = flight.FlightClient(self.url)
+            extra = {} if self._root_pem is None else {"tls_root_certs": self._root_pem}
+            self._client = flight.FlightClient(self.url, **extra)
         return self._client
 
     def _retrying(self, what: str, fn):
@@ -152,8 +167,8 @@ class PlaneClient:
 
     # -- the plan lane ------------------------------------------------------------------------
     def _ask_lane(self, client: flight.FlightClient) -> int:
-        """The server's plan lane port; 0 when it has none (or the URL is not plain TCP)."""
-        if urlsplit(self.url).scheme not in ("grpc", "grpc+tcp"):
+        """The server's plan lane port; 0 when it has none (or the URL is not TCP or TLS)."""
+        if urlsplit(self.url).scheme not in ("grpc", "grpc+tcp", "grpc+tls"):
             return 0
         try:
             results = list(client.do_action(flight.Action("lane", b""), options=self._options))
@@ -178,11 +193,16 @@ class PlaneClient:
             frame = self._lane_frames[key] = lane_frame(body.to_pybytes())
         sock = self._lane
         if sock is None:
+            host, raw = urlsplit(self.url).hostname, None
             try:  # a firewall that drops the lane's packets costs 5 s once, not the timeout
-                sock = socket.create_connection((urlsplit(self.url).hostname, self._lane_port),
-                                                timeout=min(self.timeout, 5.0))
+                sock = raw = socket.create_connection((host, self._lane_port),
+                                                      timeout=min(self.timeout, 5.0))
+                if self._tls:  # the handshake: within the same 5 s
+                    sock = self._lane_tls().wrap_socket(raw, server_hostname=host)
                 sock.settimeout(self.timeout)
-            except OSError as e:
+            except OSError as e:  # ssl.SSLError included
+                if raw is not None:
+                    raw.close()
                 if not fresh:
                     self._lane_port = None
                     raise flight.FlightUnavailableError(f"plan lane: {e}") from None
@@ -216,6 +236,15 @@ class PlaneClient:
         if status != LANE_OK:
             self._close_lane()
             raise flight.FlightUnauthenticatedError(_lane_error(data))
+
+    def _lane_tls(self) -> ssl.SSLContext:
+        """The lane's client TLS context: the same roots and host check as Flight's."""
+        if self._ssl is None:
+            context = ssl.create_default_context(
+                cadata=None if self._root_pem is None else self._root_pem.decode("ascii"))
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            self._ssl = context
+        return self._ssl
 
     def _close_lane(self) -> None:
         sock, self._lane = self._lane, None

@@ -6,7 +6,9 @@ is registered in a registry of its own (never prometheus_client's global one), s
 planes -- or tests -- in one process do not collide.
 
 The endpoint is plain, unauthenticated HTTP, as Prometheus scrapes expect; it serves counts
-and shares only, and binds the host it is given (the plane's own, loopback by default).
+and shares only, and binds the host it is given: ``--metrics-host``, 127.0.0.1 by default, not
+the plane's ``--host`` -- a plane served to the network with a token and TLS does not put its
+metrics there too unless told to (bind them where only the scraper reaches).
 """
 
 from __future__ import annotations

@@ -170,3 +170,9 @@ def fingerprint(table: pa.Table) -> str:
                       table.column("key").to_pylist(), table.column("role").to_pylist(),
                       table.column("sp_index").to_pylist()), key=str)
     return hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16]
+
+
+def step_fingerprint(prints: list[str]) -> str:
+    """A whole step's fingerprint: every rank's :func:`fingerprint`, in rank order. A commit
+    of the whole step at once carries it, proving the committer holds every rank's plan."""
+    return hashlib.sha256("\n".join(prints).encode()).hexdigest()[:16]

@@ -1,296 +1,175 @@
 """The data plane: one per job; owns the mixture, plans every step for every rank, and
 remembers what was trained, so that nothing is lost or repeated across crashes and resizes.
 
-Steps are grouped into windows of W global batches (window k = steps kW … kW+W-1). A window
-is drawn from the mixer and planned by the balancer as a whole, ahead of the trainers, so a
-``get_plan`` is a lookup. Everything is deterministic from (spec, seed, mixer state at the
-window's start, ranks), which is what the journal relies on: it stores that state at a window
-start (snapshots) and the events since (commits, reloads, resizes), never the plans.
-
-Elasticity: a restore with a different number of ranks keeps the global batches; the steps of
-the current window not yet committed are re-planned onto the new ranks (windows.replan_tail)
-and later windows are planned for them from the start.
+:class:`DataPlane` is the service around the state machine of :mod:`dataplane.plane_state`:
+it opens the state dir (:mod:`dataplane.restore`), validates every state-changing request and
+tries it on the state *before* the request reaches the log (a refused request changes nothing
+and is one line), runs the commit protocol, and answers status. The log is the truth; snapshots
+only shorten a restart's replay.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+import os
+import re
+import stat
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
 
-from balancer.cost import Costs
-from balancer.planner import plan_window
-from dataplane.catalog import Catalog
-from dataplane.corrupt import (CorruptLedger, draw_replacement, ref_to_json,
-                               replacement_room)
+from dataplane.corrupt import draw_replacement, ref_to_json, replacement_room
 from dataplane.errors import UserError
 from dataplane.journal import Journal
-from dataplane.mixer import Mixer, MixtureExhausted
+from dataplane.plan_table import fingerprint, step_fingerprint
 from dataplane.plane_config import PlaneConfig  # noqa: F401  (public here too)
-from dataplane.plan_table import fingerprint, rank_tables
+from dataplane.plane_state import PlaneState
+from dataplane.restore import open_state, start_for
 from dataplane.server import RequestError
-from dataplane.spec import MixSpec, load_spec
+from dataplane.spec import SpecError, spec_from_text
 from dataplane.status import plane_status
-from dataplane.windows import Window, window_samples
 
 log = logging.getLogger(__name__)
 
+MAX_SPEC_BYTES = 1 << 20  # a mixing spec is a few KiB; a reload reads no more than this
+MAX_COST = 1e12  # cost coefficients above this overflow the planner's sums long before use
 
-class DataPlane:
+
+class DataPlane(PlaneState):
     """Implements dataplane.server.PlaneService. Thread-safe: one lock around the state."""
 
     def __init__(self, spec: str | Path | None, state_dir: str | Path, config: PlaneConfig,
-                 restore_step: int | None = None, readonly: bool = False):
-        """Start fresh from ``spec`` or, when ``state_dir`` has snapshots, carry on from the
-        latest (replaying the log after it) -- or from ``restore_step``'s snapshot, rolling the
-        log back to it (a trainer resuming from its checkpoint of that step). ``readonly``:
-        write nothing and replay nothing (audits replay the log themselves)."""
+                 restore_step: int | None = None, spec_root: str | Path | None = None):
+        """Start fresh from ``spec`` or, when ``state_dir`` has a log, carry on where it
+        ends -- or from ``restore_step``'s snapshot, rolling the log back to it (a trainer
+        resuming from its checkpoint of that step). ``spec_root``: the directory a ``reload``
+        may read specs under (default: the starting spec's directory)."""
         self.config = config
-        self.readonly = readonly
-        self.costs = Costs.from_llm(config.cost_linear, config.cost_quadratic)
         self.journal = Journal(state_dir)
         self.lock = threading.RLock()
-        self.windows: dict[int, Window] = {}
-        self.rank_commits: dict[int, set[int]] = {}
-        self.committed: set[int] = set()
         self.served_max = -1
-        self.exhausted_at: int | None = None
+        self.served: dict[int, set[int]] = {}  # step -> ranks it was served to (this process)
         self.clients: dict[int, tuple[float, int]] = {}  # rank -> (monotonic time, step)
-        snapshot = self.journal.load_snapshot(restore_step)
-        if snapshot is None:
-            if spec is None:
-                raise UserError(f"{state_dir}: no snapshot to restore and no --spec to start")
-            self._start_fresh(Path(spec).resolve())
-        else:
-            self._restore(snapshot, rolled_back=restore_step is not None)
-        if readonly:
-            return
-        self._ensure_planned(self.next_step + config.window * (1 + config.plan_ahead) - 1)
-
-    # -- start, restore, persist ------------------------------------------------------------
-    def _start_fresh(self, spec_path: Path) -> None:
-        self.spec_path = str(spec_path)
-        self.spec = load_spec(spec_path)
-        self.cap = self.config.sample_cap  # fixed for the job: plans must not depend on dp
-        self.mixer = self._mixer(self.spec)
-        self.next_window, self.next_step = 0, 0
-        self.dp_changes: list[list[int]] = [[0, self.config.dp]]
-        self.reloads: list[list] = []  # [window, spec path], in order
-        # [window, cost_linear, cost_quadratic]: refits of the cost model (a trainer's measured
-        # step times), applied from that window on, in order; in the log, so replays agree.
-        self.cost_changes: list[list] = []
-        self.window_costs = {0: self._cost_pair()}
-        self.committed_fps: dict[int, list[str]] = {}
-        self.window_states = {0: _copy(self.mixer.state_dict())}
-        self.window_specs = {0: self.spec_path}
-        self.corrupt = CorruptLedger()
         self.last_snapshot = -1
-        self._write_snapshot()  # step 0: where audits start their replay
-
-    def _restore(self, snap: dict, rolled_back: bool) -> None:
-        step, k = int(snap["step"]), int(snap["window"])
-        if snap["window_size"] != self.config.window:
-            raise UserError(f"--window {self.config.window}: the state dir was planned with "
-                            f"windows of {snap['window_size']} steps")
-        self.spec_path = snap["spec"]
-        self.spec = load_spec(self.spec_path)
-        self.cap = int(snap["sample_cap"])
-        self.mixer = self._mixer(self.spec)
-        self.mixer.load_state_dict(snap["window_state"])
-        self.next_window, self.next_step = k, step
-        self.committed = set(snap["committed_ahead"])
-        self.rank_commits = {int(s): set(r) for s, r in snap.get("rank_commits", {}).items()}
-        self.dp_changes = [list(c) for c in snap["dp_changes"]]
-        self.reloads = [list(r) for r in snap["reloads"]]
-        self.cost_changes = [list(c) for c in snap.get("cost_changes", [])]
-        self.committed_fps = {int(s): list(f) for s, f in snap.get("committed_fps", {}).items()}
-        if "costs" in snap:
-            self.costs = Costs.from_llm(*snap["costs"])
-        self.window_costs = {k: self._cost_pair()}
-        self.window_states = {k: _copy(snap["window_state"])}
-        self.window_specs = {k: self.spec_path}
-        self.corrupt = CorruptLedger.from_state(snap.get("corrupt"))
-        self.last_snapshot = step
-        if self.readonly:
-            return
-        if rolled_back:
-            kept = self.journal.roll_back(snap["wal_offset"])
-            self._retire_snapshots_after(step)
-            if kept:
-                log.warning("restored step %d: later log records moved to %s", step, kept)
+        opened = open_state(self.journal, config, restore_step)
+        if opened is None:
+            if spec is None:
+                raise UserError(f"{state_dir}: a new state dir needs --spec to start")
+            self._start_fresh(Path(spec))
         else:
-            for record in self.journal.records(snap["wal_offset"]):
-                self._replay(record)
-        if self.dp_at(self.next_step) != self.config.dp:
-            hold = self.config.micro_batch_tokens * min(
-                self.config.sp_max, 1 << (self.config.dp.bit_length() - 1))
-            if hold < self.cap:
-                raise UserError(
-                    f"--dp {self.config.dp}: this job plans samples of up to {self.cap} tokens, "
-                    f"more than {self.config.dp} rank(s) can hold with --micro-batch-tokens "
-                    f"{self.config.micro_batch_tokens} and --sp-max {self.config.sp_max}")
-            self._change_dp(self.next_step, self.config.dp)
+            state, offset = opened
+            self._become(state)
+            if restore_step is not None:
+                self._roll_back_to(restore_step, offset)
+            self.last_snapshot = max(self.journal.snapshot_steps(), default=-1)
+            self._apply_dp(config.dp)
+        root = spec_root if spec_root is not None else Path(self.start_spec_file).parent
+        self.spec_root = Path(os.path.realpath(root))
+        self.plan_through(self._horizon())
 
-    def _replay(self, record: dict) -> None:
-        kind = record["t"]
-        if kind == "commit":
-            self.rank_commits.pop(record["step"], None)
-            self._remember_fps(record["step"], record["fp"])
-            self._mark_committed(record["step"])
-        elif kind == "rank":
-            self.rank_commits.setdefault(record["step"], set()).add(record["rank"])
-        elif kind == "reload":
-            self.reloads.append([record["window"], record["spec"]])
-        elif kind == "costs":
-            self.cost_changes.append([record["window"], record["linear"], record["quadratic"]])
-        elif kind == "dp":
-            self._resize_from(record["step"], record["dp"])
-        elif kind == "corrupt":
-            self.corrupt.record(record, applied=False)
+    # -- opening ----------------------------------------------------------------------------
+    def _become(self, state: PlaneState) -> None:
+        """Take over ``state``'s fields (built by restore.open_state; the service's own
+        fields -- journal, lock, clients -- are not in it)."""
+        vars(self).update(vars(state))
 
-    def _change_dp(self, step: int, dp: int) -> None:
-        log.warning("resizing: steps from %d are planned for %d ranks (were %d)", step, dp,
-                    self.dp_at(step))
-        self._resize_from(step, dp)
-        self._log({"t": "dp", "step": step, "dp": dp})
+    def _start_fresh(self, spec_path: Path) -> None:
+        text = _read_spec_file(spec_path, limit=None)
+        ref = self._spec_ref(text, spec_path)
+        spec_from_text(text, ref["file"], root=Path(ref["root"]))  # its own one-line errors
+        start = start_for(ref, self.config)
+        self._become(PlaneState.fresh(start, self.journal, self.config))
+        self.plan_through(self._horizon())  # plans, or refuses before anything is logged
+        self.journal.append(start)
+        self._write_snapshot()  # step 0: a restart's shortcut
 
-    def _resize_from(self, step: int, dp: int) -> None:
-        """Record the change and re-plan whatever is already drawn from ``step`` on."""
-        self.dp_changes.append([step, dp])
-        # Ranks' commits of re-planned steps were of plans that no longer exist: void them.
-        self.rank_commits = {s: r for s, r in self.rank_commits.items() if s < step}
-        for window in self.windows.values():
-            window.resize(step, dp, self._costs_of(window.k), self.config)
+    def _spec_ref(self, text: str, path: Path) -> dict:
+        """Copy the spec into the state dir (content-addressed); its ref for the log."""
+        path = Path(os.path.abspath(path))
+        return {"sha256": self.journal.store_spec(text), "root": str(path.parent),
+                "file": str(path)}
 
-    def _cost_pair(self) -> tuple[float, float]:
-        return (self.costs.llm.alpha, self.costs.llm.beta)
+    @property
+    def start_spec_file(self) -> str:
+        first = self.journal.first_record()
+        return first[1]["spec"]["file"] if first else self.spec_ref["file"]
 
-    def _costs_of(self, k: int) -> Costs:
-        """The cost model window ``k`` was planned with (a resize re-plans with the same)."""
-        pair = self.window_costs.get(k)
-        return Costs.from_llm(*pair) if pair is not None else self.costs
+    @property
+    def spec_path(self) -> str:
+        return self.spec_ref["file"]
 
-    def _log(self, record: dict, sync: bool = True) -> None:
-        """Append to the log; with ``sync=False`` the caller makes it durable (``sync_to``)
-        before it answers, outside the plane's lock."""
-        if not self.readonly:
-            self.journal.append(record, sync=sync)
-
-    def _mixer(self, spec: MixSpec) -> Mixer:
-        return Mixer.from_spec(spec, Catalog.from_spec(spec, max_tokens=self.cap),
-                               **self.config.batch)
-
-    def _retire_snapshots_after(self, step: int) -> None:
+    def _roll_back_to(self, step: int, offset: int) -> None:
+        kept = self.journal.roll_back(offset)
         aside = self.journal.snapshots / "rolled-back"
         for s in self.journal.snapshot_steps():
             if s > step:
                 aside.mkdir(exist_ok=True)
                 path = self.journal.snapshots / f"snap-{s:010d}.json"
                 path.rename(aside / path.name)
+        if kept:
+            log.warning("restored step %d: later log records moved to %s", step, kept)
 
-    def _write_snapshot(self) -> Path | None:
-        if self.readonly:
-            return None
-        step = self.next_step
-        k = step // self.config.window
-        self._ensure_state_of(k)
+    def _apply_dp(self, dp: int) -> None:
+        """A restart with another number of ranks: re-plan from the next step, then log it."""
+        if self.dp_at(self.next_step) == dp:
+            return
+        hold = self.config.micro_batch_tokens * min(self.config.sp_max,
+                                                    1 << (dp.bit_length() - 1))
+        if hold < self.cap:
+            raise UserError(
+                f"--dp {dp}: this job plans samples of up to {self.cap} tokens, more than "
+                f"{dp} rank(s) can hold with --micro-batch-tokens "
+                f"{self.config.micro_batch_tokens} and --sp-max {self.config.sp_max}")
+        log.warning("resizing: steps from %d are planned for %d ranks (were %d)",
+                    self.next_step, dp, self.dp_at(self.next_step))
+        self.resize_from(self.next_step, dp)
+        try:
+            self.plan_through(self._horizon())
+        except Exception as e:  # noqa: BLE001 -- refused: nothing was logged
+            raise UserError(f"--dp {dp}: the next windows do not plan on {dp} ranks "
+                            f"({_one_line(e)})") from None
+        self._log({"t": "dp", "step": self.next_step, "dp": dp})
+
+    def _reopen(self) -> None:
+        """Back to what the log says (a change failed after it touched the state)."""
+        state, _ = open_state(self.journal, self.config)
+        self._become(state)
+        self.plan_through(self._horizon())
+
+    def _horizon(self) -> int:
+        return self.next_step + self.config.window * (1 + self.config.plan_ahead) - 1
+
+    # -- persistence --------------------------------------------------------------------------
+    def _log(self, record: dict, sync: bool = True) -> None:
+        """Append to the log; with ``sync=False`` the caller makes it durable (``sync_to``)
+        before it answers, outside the plane's lock."""
+        self.journal.append(record, sync=sync)
+
+    def _write_snapshot(self) -> Path:
         # the log the snapshot follows must be on disk first (commits are synced after the
         # lock): a crash must not leave a snapshot whose wal_offset lies past the log's end
         self.journal.sync_to(self.journal.written)
-        path = self.journal.write_snapshot({
-            "step": step, "window": k, "window_size": self.config.window,
-            "window_state": self.window_states[k], "spec": self.window_specs[k],
-            "dp_changes": self.dp_changes, "reloads": [r for r in self.reloads if r[0] > k],
-            "costs": list(self.window_costs.get(k, self._cost_pair())),
-            "cost_changes": [c for c in self.cost_changes if c[0] > k],
-            "committed_fps": {str(s): f for s, f in self.committed_fps.items()},
-            "committed_ahead": sorted(s for s in self.committed if s >= step),
-            "rank_commits": {str(s): sorted(r) for s, r in self.rank_commits.items()
-                             if s >= step},
-            "wal_offset": self.journal.size(), "config": asdict(self.config),
-            "corrupt": self.corrupt.state(k),
-            "sample_cap": self.cap})
-        self.last_snapshot = step
+        path = self.journal.write_snapshot(self.snapshot_body(self.journal.written))
+        self.last_snapshot = self.next_step
         return path
 
-    def _ensure_state_of(self, k: int) -> None:
-        if k not in self.window_states:
-            self._ensure_planned(k * self.config.window)
-
-    # -- planning ---------------------------------------------------------------------------
-    def dp_at(self, step: int) -> int:
-        return [dp for s, dp in self.dp_changes if s <= step][-1]
-
-    def _ensure_planned(self, step: int) -> None:
-        """Draw and plan windows until ``step`` is planned or the data runs out."""
-        while self.exhausted_at is None and self.next_window * self.config.window <= step:
-            self._draw_window(self.next_window)
-
-    def _draw_window(self, k: int) -> None:
-        W = self.config.window
-        for window, spec in self.reloads:
-            if window == k and spec != self.spec_path:
-                self._apply_reload(spec)
-        for window, linear, quadratic in self.cost_changes:
-            if window == k:
-                self.costs = Costs.from_llm(linear, quadratic)
-        self.window_costs[k] = self._cost_pair()
-        self.corrupt.apply(self.mixer.catalog, k)  # reports that arrived before this window
-        start = _copy(self.mixer.state_dict())
-        self.window_states[k], self.window_specs[k] = start, self.spec_path
-        batches = []
-        for j in range(W):
-            try:
-                batches.append(self.mixer.next_batch(k * W + j))
-            except MixtureExhausted:
-                break
-        self.next_window = k + 1
-        if len(batches) < W:
-            self.exhausted_at = k * W + len(batches)
-            log.info("the mixture is exhausted: the last step is %d", self.exhausted_at - 1)
-        if not batches:
-            return
-        samples = window_samples(batches, self.spec.media)
-        first = k * W
-        plans = plan_window(samples, self.costs, self.config.planner(self.dp_at(first),
-                                                                      len(batches)))
-        window = Window(k, first, start, self.spec_path, [r for b in batches for r in b],
-                        samples, plans, [self.dp_at(first)] * len(plans))
-        for step, dp in self.dp_changes:
-            if first < step < window.end_step and dp != window.dp_of_step[step - first]:
-                window.resize(step, dp, self.costs, self.config)
-        self.windows[k] = window
-
-    def _apply_reload(self, spec_path: str) -> None:
-        new = load_spec(spec_path)
-        state = self.mixer.state_dict()
-        catalog = self.mixer.catalog
-        mixer = Mixer(catalog, new.schedule, new.accounting, **self.config.batch)
-        mixer.load_state_dict(state)
-        for source in new.sources:
-            if source.name not in catalog:
-                catalog.add(source.name, source.path, source.on_exhausted)
-        for name in list(catalog.names):
-            if name not in new.source_names:
-                catalog.remove(name)
-        self.mixer, self.spec, self.spec_path = mixer, new, spec_path
-        log.info("mixture reloaded from %s", spec_path)
-
-    def _table(self, step: int, rank: int) -> pa.Table:
-        window = self.windows[step // self.config.window]
-        if (step, rank) not in window.tables:
-            plan = window.plans[step - window.first_step]
-            dp = window.dp_of_step[step - window.first_step]
-            first_item_N = window.samples.item_offsets_N1[:-1]
-            for r, table in enumerate(rank_tables(plan, window.refs, first_item_N, step, dp)):
-                window.tables[(step, r)] = table
-        return window.tables[(step, rank)]
+    def _change(self, what: str, record: dict, k: int) -> None:
+        """Try a change (already made to the state from window ``k`` on) by planning window
+        ``k`` with it, then log it; a failure restores the state from the log and refuses."""
+        try:
+            self.plan_through(k * self.config.window)
+        except Exception as e:  # noqa: BLE001 -- whatever broke, the change is refused
+            self._reopen()
+            raise RequestError(f"{what}: refused, window {k} does not plan with it "
+                               f"({_one_line(e)})") from None
+        try:
+            self._log(record)
+        except BaseException:
+            self._reopen()
+            raise
 
     # -- the service ------------------------------------------------------------------------
     def get_plan(self, step: int, rank: int) -> pa.Table:
@@ -300,14 +179,12 @@ class DataPlane:
             if not 0 <= rank < dp:
                 raise RequestError(f"rank {rank}: step {step} is planned for {dp} ranks "
                                    f"(0..{dp - 1})")
-            self._ensure_planned(step)
-            if self.exhausted_at is not None and step >= self.exhausted_at:
-                raise RequestError(f"step {step}: the mixture is exhausted (the last step is "
-                                   f"{self.exhausted_at - 1})")
+            self._check_planned(step, "step {step}: the mixture is exhausted (the last step "
+                                      "is {last})")
             self.served_max = max(self.served_max, step)
-            table = self._table(step, rank)
+            self.served.setdefault(step, set()).add(rank)
             self.clients[rank] = (time.monotonic(), step)  # for status: who is connected
-            return table
+            return self.table(step, rank)
 
     def _check_step(self, step: int, what: str) -> None:
         if step < 0:
@@ -321,11 +198,18 @@ class DataPlane:
             raise RequestError(f"step {step} is too far ahead: plans reach step "
                                f"{horizon} while step {self.next_step} is not committed")
 
+    def _check_planned(self, step: int, message: str) -> None:
+        self.plan_through(step)
+        if self.exhausted_at is not None and step >= self.exhausted_at:
+            raise RequestError(message.format(step=step, last=self.exhausted_at - 1))
+
     def commit(self, step: int, rank: int | None = None, plan_fp: str | None = None) -> dict:
-        """Mark ``step`` trained, or only ``rank``'s share of it (the step is trained once
-        every rank committed). A rank's commit is logged before it is acknowledged, so a
-        plane restart does not forget it; ``plan_fp`` (the fingerprint of the plan the rank
-        trained) makes the plane refuse a commit of a plan that was re-planned since.
+        """Mark ``rank``'s share of ``step`` trained (the step is trained once every rank
+        committed), or the whole step when ``rank`` is None. ``plan_fp``: the fingerprint of
+        what was trained -- the rank's plan (plan_table.fingerprint; a rank may leave it out
+        only for a plan this plane served it), or for the whole step every rank's
+        (plan_table.step_fingerprint; required). A commit of a plan that was re-planned since
+        is refused. Logged before it is acknowledged, so a restart does not forget it.
 
         Group commit: the record is written under the lock and made durable after it, so the
         commits of many ranks arriving together share fsyncs (one each would serialise a
@@ -341,18 +225,28 @@ class DataPlane:
             if repeated is not None:
                 return repeated
             self._check_step(step, "commit")
-            self._ensure_planned(step)
-            if self.exhausted_at is not None and step >= self.exhausted_at:
-                raise RequestError(f"step {step} was never planned (the mixture is "
-                                   f"exhausted after step {self.exhausted_at - 1})")
+            self._check_planned(step, "step {step} was never planned (the mixture is "
+                                       "exhausted after step {last})")
             dp = self.dp_at(step)
-            if rank is not None:
+            prints = [fingerprint(self.table(step, r)) for r in range(dp)]
+            if rank is None:
+                if plan_fp is None:
+                    raise RequestError(f"step {step}: a whole-step commit needs plan_fp, the "
+                                       "step fingerprint of every rank's plan "
+                                       "(plan_table.step_fingerprint)")
+                if plan_fp != step_fingerprint(prints):
+                    raise RequestError(f"step {step}: plan_fp does not match the step's plans "
+                                       f"on {dp} ranks: fetch them again")
+            else:
                 if not 0 <= rank < dp:
                     raise RequestError(f"rank {rank}: step {step} has {dp} ranks (0..{dp - 1})")
                 ranks = self.rank_commits.setdefault(step, set())
                 if rank in ranks:
                     raise RequestError(f"rank {rank} already committed step {step}")
-                if plan_fp is not None and plan_fp != fingerprint(self._table(step, rank)):
+                if plan_fp is None and rank not in self.served.get(step, ()):
+                    raise RequestError(f"step {step} was never served to rank {rank}: fetch "
+                                       "its plan first (or send its plan_fp)")
+                if plan_fp is not None and plan_fp != prints[rank]:
                     raise RequestError(f"step {step} was re-planned for {dp} ranks since rank "
                                        f"{rank} fetched it: fetch it again")
                 if len(ranks) + 1 < dp:  # durable before acknowledged (commit())
@@ -361,31 +255,30 @@ class DataPlane:
                 self.clients[rank] = (time.monotonic(), step)
                 if len(ranks) < dp:
                     return {"step": step, "committed": False, "ranks": len(ranks), "dp": dp}
-            prints = [fingerprint(self._table(step, r)) for r in range(dp)]
             self._log({"t": "commit", "step": step, "fp": prints}, sync=False)
-            self._remember_fps(step, prints)
-            self.rank_commits.pop(step, None)
-            self._mark_committed(step)
+            self.apply({"t": "commit", "step": step, "fp": prints})
+            for s in [s for s in self.served if s < self.next_step]:
+                del self.served[s]
             if self.next_step - self.last_snapshot >= self.config.snapshot_every:
                 self._write_snapshot()
-            self._ensure_planned(self.next_step + self.config.window
-                                 * (1 + self.config.plan_ahead) - 1)
+            self.plan_through(self._horizon())
             return {"step": step, "committed": True, "next_step": self.next_step}
 
     def _repeated_commit(self, step: int, rank: int | None, plan_fp: str | None
                          ) -> dict | None:
-        """The reply to a commit this plane already took from the same rank for the same
-        plan: a client that lost the reply (the plane was killed after logging the commit,
-        before answering) retries, and the retry must succeed, not fail as a duplicate."""
-        if rank is None or plan_fp is None:
+        """The reply to a commit this plane already took for the same plan: a client that lost
+        the reply (the plane was killed after logging the commit, before answering) retries,
+        and the retry must succeed, not fail as a duplicate."""
+        if plan_fp is None:
             return None
         done = self.committed_fps.get(step)
-        if done is not None and rank < len(done) and done[rank] == plan_fp:
+        if done is not None and (plan_fp == step_fingerprint(done) if rank is None else
+                                 rank < len(done) and done[rank] == plan_fp):
             return {"step": step, "committed": True, "next_step": self.next_step,
                     "repeated": True}
         ranks = self.rank_commits.get(step, set())
         if rank in ranks and step in self._planned_steps() and \
-                plan_fp == fingerprint(self._table(step, rank)):
+                plan_fp == fingerprint(self.table(step, rank)):
             return {"step": step, "committed": False, "ranks": len(ranks),
                     "dp": self.dp_at(step), "repeated": True}
         return None
@@ -393,25 +286,6 @@ class DataPlane:
     def _planned_steps(self) -> range:
         W = self.config.window
         return range(min(self.windows, default=0) * W, self.next_window * W)
-
-    def _remember_fps(self, step: int, prints: list[str]) -> None:
-        """Fingerprints of the recently committed steps (the last few windows): what a
-        repeated commit is recognised by."""
-        self.committed_fps[step] = list(prints)
-        horizon = step - 4 * self.config.window
-        for old in [s for s in self.committed_fps if s < horizon]:
-            del self.committed_fps[old]
-
-    def _mark_committed(self, step: int) -> None:
-        self.committed.add(step)
-        while self.next_step in self.committed:
-            self.committed.discard(self.next_step)
-            self.next_step += 1
-        done = self.next_step // self.config.window
-        for k in [k for k in self.windows if k < done - 1]:
-            del self.windows[k]  # fully trained; its start state stays until a snapshot
-        for k in [k for k in self.window_states if k < done - 1]:
-            del self.window_states[k], self.window_specs[k]
 
     def snapshot(self, step: int | None = None) -> dict:
         with self.lock:
@@ -422,34 +296,42 @@ class DataPlane:
             return {"step": self.next_step, "path": str(path)}
 
     def reload(self, spec: str) -> dict:
+        """Apply the mixing spec at ``spec`` (a path on the plane's host) from the first window
+        no rank has seen. Only a regular file under ``spec_root`` of at most MAX_SPEC_BYTES is
+        read, outside the lock; errors name the file and field, never its contents."""
+        path = self._reload_path(spec)
+        try:
+            text = _read_spec_file(path, limit=MAX_SPEC_BYTES)  # names the file, no contents
+        except SpecError as e:
+            raise RequestError(str(e)) from None
+        try:
+            new = spec_from_text(text, str(path), root=path.parent)
+        except SpecError as e:
+            log.warning("reload refused: %s", e)
+            raise RequestError(_redacted(e, str(path))) from None
         with self.lock:
-            try:
-                new = load_spec(spec)
-            except UserError as e:
-                raise RequestError(str(e)) from None
             if new.accounting != self.spec.accounting:
-                raise RequestError(f"{spec}: accounting cannot change during a run "
+                raise RequestError(f"{path}: accounting cannot change during a run "
                                    f"({self.spec.accounting} -> {new.accounting})")
+            ref = self._spec_ref(text, path)
             k = self._rewind_to_next_unserved()
-            path = str(Path(spec).resolve())
-            self.reloads.append([k, path])
-            self._log({"t": "reload", "window": k, "spec": path})
-            return {"applies_at_step": k * self.config.window, "spec": path}
+            self.reloads.append([k, ref])
+            self._change(f"reload {path}", {"t": "reload", "window": k, "spec": ref}, k)
+            return {"applies_at_step": k * self.config.window, "spec": str(path)}
+
+    def _reload_path(self, spec: str) -> Path:
+        path = Path(os.path.realpath(self.spec_root / spec))
+        if path != self.spec_root and self.spec_root not in path.parents:
+            raise RequestError(f"{spec}: reload reads specs only under {self.spec_root} "
+                               "(the plane's --spec-root)")
+        return path
 
     def _rewind_to_next_unserved(self) -> int:
         """The first window no rank has seen; windows from it that were drawn ahead are
         dropped, to be drawn again under whatever changes now (a reload, new costs)."""
         W = self.config.window
         k = max(self.next_step // W, self.served_max // W) + 1
-        for j in [j for j in self.windows if j >= k]:
-            del self.windows[j]
-        if k < self.next_window:  # drawn ahead but never served: draw again
-            self.spec, self.spec_path = load_spec(self.window_specs[k]), self.window_specs[k]
-            self.mixer = self._mixer(self.spec)
-            self.mixer.load_state_dict(self.window_states[k])
-            self.costs = self._costs_of(k)
-            self.next_window, self.exhausted_at = k, None
-            self.corrupt.unapply_after(k)
+        self.rewind_to(k)
         return k
 
     def set_costs(self, linear: float, quadratic: float) -> dict:
@@ -458,14 +340,15 @@ class DataPlane:
         replays the same plans."""
         with self.lock:
             values = (linear, quadratic)
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= MAX_COST
                        for v in values) or not any(values):
-                raise RequestError(f"costs: linear and quadratic must be finite, >= 0 and not "
-                                   f"both 0, got {linear!r}, {quadratic!r}")
+                raise RequestError(f"costs: linear and quadratic must be finite, in [0, "
+                                   f"{MAX_COST:g}] and not both 0, got {linear!r}, "
+                                   f"{quadratic!r}")
             k = self._rewind_to_next_unserved()
             self.cost_changes.append([k, float(linear), float(quadratic)])
-            self._log({"t": "costs", "window": k, "linear": float(linear),
-                       "quadratic": float(quadratic)})
+            self._change("costs", {"t": "costs", "window": k, "linear": float(linear),
+                                   "quadratic": float(quadratic)}, k)
             return {"applies_at_step": k * self.config.window}
 
     def report_corrupt(self, step: int, rank: int, source: str, shard: str, key: str,
@@ -475,10 +358,8 @@ class DataPlane:
         source has none left). Journaled before acknowledged; see :mod:`dataplane.corrupt`."""
         with self.lock:
             self._check_step(step, "report_corrupt")
-            self._ensure_planned(step)
-            if self.exhausted_at is not None and step >= self.exhausted_at:
-                raise RequestError(f"step {step} was never planned")
-            table = self._table(step, rank) if 0 <= rank < self.dp_at(step) else None
+            self._check_planned(step, "step {step} was never planned")
+            table = self.table(step, rank) if 0 <= rank < self.dp_at(step) else None
             known = set() if table is None else set(zip(*(
                 table.column(c).to_pylist() for c in ("source", "shard", "key", "epoch"))))
             known |= {(*r.uid, r.epoch) for _, r in self.corrupt.replaced_at(step)
@@ -488,16 +369,15 @@ class DataPlane:
                                    f"{rank}'s plan of step {step}")
             event = self.corrupt.find(step, source, shard, key, epoch)
             if event is None:  # the replacement must fit where the planned sample was
-                window = self.windows[step // self.config.window]
+                window, local = self.window_of(step)
                 room = replacement_room(
-                    window.plans[step - window.first_step], window.refs,
-                    window.samples.tokens_N,
+                    window.plans[local], window.refs, window.samples.tokens_N,
                     self.corrupt.planned_sample(step, (source, shard, key, epoch)),
                     self.config.micro_batch_tokens, self.corrupt.occupants(step))
                 ref = draw_replacement(self.mixer.catalog, source, shard, key, room)
                 event = {"t": "corrupt", "step": step, "rank": rank, "source": source,
                          "shard": shard, "key": key, "epoch": epoch,
-                         "reason": " ".join(str(reason).split()),
+                         "reason": " ".join(str(reason).split())[:500],
                          "before_window": self.next_window, "replacement": ref_to_json(ref),
                          "max_tokens": room}
                 self._log(event)
@@ -517,12 +397,52 @@ class DataPlane:
             return status
 
     def audit(self) -> dict:
+        """Replays the log from its start on a state of its own: off the plane's lock, so a
+        long audit does not stall fetches and commits."""
         from dataplane.audit import audit_state_dir
 
-        with self.lock:
-            return audit_state_dir(self.journal.dir, self.config)
+        return audit_state_dir(self.journal.dir)
 
 
-def _copy(state: dict) -> dict:
-    """A deep, JSON-clean copy (states go into snapshots verbatim)."""
-    return json.loads(json.dumps(state))
+def _read_spec_file(path: Path, limit: int | None) -> str:
+    """A spec's text: a regular file (never a FIFO or device: opened without blocking and
+    checked after opening), at most ``limit`` bytes, UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise SpecError(f"{path}: file not found") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SpecError(f"{path}: not a regular file")
+        if limit is not None and info.st_size > limit:
+            raise SpecError(f"{path}: {info.st_size} bytes; a spec may have at most {limit}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(-1 if limit is None else limit + 1)
+    finally:
+        os.close(fd)
+    if limit is not None and len(data) > limit:
+        raise SpecError(f"{path}: more than {limit} bytes; a spec may have at most {limit}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not UTF-8 text") from None
+
+
+_FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*$")
+
+
+def _redacted(error: SpecError, file: str) -> str:
+    """A spec error for a remote client: the file and the field, never the file's text
+    (a YAML or validation message may quote it; the plane's own log has the whole line)."""
+    rest = str(error).removeprefix(f"{file}: ")
+    field = rest.split(": ", 1)[0]
+    where = f"{field}: invalid" if _FIELD.match(field) and field != rest else \
+        "not a valid mixing spec"
+    return f"{file}: {where} (details in the plane's log; `omniscale data inspect` checks a spec)"
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__

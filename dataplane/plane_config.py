@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from balancer.types import PlannerConfig
 from dataplane.errors import UserError
 
+MAX_DP = 1 << 16
+
 
 @dataclass(frozen=True)
 class PlaneConfig:
@@ -34,6 +36,9 @@ class PlaneConfig:
         for name in ("dp", "micro_batch_tokens", "window", "snapshot_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}: must be >= 1")
+        if self.dp > MAX_DP:
+            raise UserError(f"--dp {self.dp}: at most {MAX_DP} ranks (every step plans a "
+                            "table per rank)")
         PlannerConfig(dp=self.dp, micro_batch_tokens=self.micro_batch_tokens,
                       window=self.window, sp_max=self.sp_max, epsilon=self.epsilon)
 

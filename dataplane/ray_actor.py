@@ -7,9 +7,10 @@ through Ray calls, so plans still cross the wire as Arrow IPC only and the train
 not depend on Ray. Ray only places the process and keeps it alive.
 
 Placement: a plane bound to loopback is pinned to the caller's node (its URL is only reachable
-there). Bound to another address (with a token), it may run on any node; bound to all
-interfaces (``0.0.0.0``), it advertises its node's IP. Its state dir must then be storage that
-node can reach. Ray is imported lazily: it takes seconds to import.
+there). Bound to another address (with a token, and TLS unless ``insecure``), it may run on any
+node; bound to all interfaces (``0.0.0.0``), it advertises its node's IP (which its TLS
+certificate must then name). Its state dir, and its certificate and key files, must then be
+storage that node can reach. Ray is imported lazily: it takes seconds to import.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
+from dataplane.auth import check_bind, is_loopback
 from dataplane.errors import UserError
 from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.server import PlaneServer, is_loopback
+from dataplane.server import PlaneServer
 
 
 class PlaneActor:
@@ -30,17 +32,21 @@ class PlaneActor:
     without Ray)."""
 
     def __init__(self, spec: str | None, state_dir: str, config: dict, host: str = "127.0.0.1",
-                 port: int = 0, token: str | None = None, restore_step: int | None = None):
+                 port: int = 0, token: str | None = None, restore_step: int | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 insecure: bool = False, spec_root: str | None = None):
         # config travels as a plain dict: Ray ships arguments between processes, and a dict
         # does not tie the actor to this module's dataclass pickling.
         self.plane = DataPlane(spec, state_dir, PlaneConfig(**config),
-                               restore_step=restore_step)
-        self.server = PlaneServer(self.plane, host, port, token).start()
+                               restore_step=restore_step, spec_root=spec_root)
+        self.server = PlaneServer(self.plane, host, port, token, tls_cert=tls_cert,
+                                  tls_key=tls_key, insecure=insecure).start()
         self._url = self.server.url
         if _unspecified(host):
             import ray  # inside the actor, Ray is already imported
 
-            self._url = f"grpc+tcp://{_bracket(ray.util.get_node_ip_address())}:" \
+            scheme = self._url.split("://", 1)[0]
+            self._url = f"{scheme}://{_bracket(ray.util.get_node_ip_address())}:" \
                         f"{self.server.port}"
 
     def url(self) -> str:
@@ -59,22 +65,25 @@ class PlaneActor:
 def start_on_ray(spec: str | Path | None, state_dir: str | Path, config: PlaneConfig,
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  restore_step: int | None = None, num_cpus: float = 1,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, tls_cert: str | Path | None = None,
+                 tls_key: str | Path | None = None, insecure: bool = False,
+                 spec_root: str | Path | None = None):
     """Start a plane actor on the Ray cluster this process is connected to (``ray.init``
     first); returns ``(actor_handle, url)`` once the plane is serving. Stop it with
     ``ray.get(actor.stop.remote())`` then ``ray.kill(actor)``."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if not is_loopback(host) and not token:
-        raise UserError(f"--host {host}: binding anything but loopback requires --token")
+    check_bind(host, token, tls_cert is not None, insecure)
     options: dict = {"num_cpus": num_cpus}
     if is_loopback(host):
         here = ray.get_runtime_context().get_node_id()
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
     actor = ray.remote(PlaneActor).options(**options).remote(
         None if spec is None else str(Path(spec).resolve()), str(Path(state_dir).resolve()),
-        asdict(config), host, port, token, restore_step)
+        asdict(config), host, port, token, restore_step,
+        *(None if p is None else str(Path(p).resolve()) for p in (tls_cert, tls_key)), insecure,
+        None if spec_root is None else str(Path(spec_root).resolve()))
     try:
         url = ray.get(actor.url.remote(), timeout=timeout)
     except ray.exceptions.RayActorError as e:

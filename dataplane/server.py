@@ -13,23 +13,23 @@ bottleneck (tools/bench/plane.py measures the CPU per fetch of each transport). 
 the very same bytes -- the ``plan`` action's request (a one-row Arrow IPC record) and its reply
 (the plan's IPC stream, cached per (step, rank)) -- over one persistent TCP connection per
 client, framed by a 4-byte length, and one thread serves every connection from a selector loop:
-no gRPC and no thread hand-off per fetch. It binds where the Flight server binds and asks for the
-same token (the first frame of a connection); refusals are the same one-line messages.
-Everything else stays on Flight.
+no gRPC and no thread hand-off per fetch. It binds where the Flight server binds, asks for the
+same token (the first frame of a connection), and is TLS when Flight is (same certificate);
+refusals are the same one-line messages. Everything else stays on Flight. The lane itself, its
+frames and its limits (connection cap, hello and idle time-outs) are in :mod:`dataplane.lane`.
 
 Transport only: a :class:`PlaneService` (the data plane itself) does the work. Requests and
-replies are Arrow IPC (:mod:`dataplane.wire`). The server binds loopback unless told otherwise,
-and binding anything else requires a bearer token that every call must present.
+replies are Arrow IPC (:mod:`dataplane.wire`). The server binds loopback unless told otherwise;
+binding anything else requires a bearer token that every call must present, and TLS
+(``tls_cert``/``tls_key``: ``grpc+tls://``) unless ``insecure``. Flight methods the plane does
+not serve answer a one-line refusal.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
-import selectors
-import socket
-import struct
+import ssl
 import threading
 from typing import Protocol
 
@@ -37,7 +37,13 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dataplane import wire
+from dataplane.auth import check_bind, is_loopback, read_pem
 from dataplane.errors import UserError
+from dataplane.lane import (LANE_MAX_REQUEST, LANE_OK, LANE_REFUSED, LaneLimits, PlanLane,
+                            lane_frame)
+
+__all__ = ["ACTIONS", "LANE_MAX_REQUEST", "LANE_OK", "LANE_REFUSED", "PLAN_STREAM", "LaneLimits",
+           "PlanLane", "PlaneServer", "PlaneService", "RequestError", "is_loopback", "lane_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +58,7 @@ ACTIONS = {
              "seen: {linear, quadratic}",
     "report_corrupt": "a planned sample does not decode: quarantine it, get a replacement from "
                       "its source: {step, rank, source, shard, key, reason, epoch}",
-    "lane": "the TCP port of the plan lane (plan fetches without gRPC; see dataplane.server): "
+    "lane": "the TCP port of the plan lane (plan fetches without gRPC; see dataplane.lane): "
             "{} -> {port} (0: no lane)",
 }
 
@@ -76,29 +82,29 @@ class PlaneService(Protocol):
     def audit(self) -> dict: ...
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:  # a host name: loopback only if every address it resolves to is
-            infos = socket.getaddrinfo(host, None)
-        except OSError:
-            return False
-        return all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+class _Gate(flight.ServerMiddlewareFactory):
+    """Runs before every call's handler: checks the token (if the server has one), then refuses
+    the Flight methods the plane does not serve -- here, because pyarrow wraps what a
+    ``get_schema`` handler raises, a FlightError included, with its traceback."""
 
+    UNSERVED = {flight.FlightMethod.LIST_FLIGHTS: "list_flights",
+                flight.FlightMethod.GET_FLIGHT_INFO: "get_flight_info",
+                flight.FlightMethod.GET_SCHEMA: "get_schema",
+                flight.FlightMethod.DO_PUT: "do_put"}
 
-class _TokenCheck(flight.ServerMiddlewareFactory):
-    def __init__(self, token: str):
+    def __init__(self, token: str | None):
         super().__init__()
-        self._expected = f"Bearer {token}".encode()
+        self._expected = None if token is None else f"Bearer {token}".encode()
 
     def start_call(self, info, headers):
-        given = (headers.get("authorization") or [""])[0]
-        given = given.encode() if isinstance(given, str) else given
-        if not hmac.compare_digest(given, self._expected):
-            raise flight.FlightUnauthenticatedError("missing or wrong token")
+        if self._expected is not None:
+            given = (headers.get("authorization") or [""])[0]
+            given = given.encode() if isinstance(given, str) else given
+            if not hmac.compare_digest(given, self._expected):
+                raise flight.FlightUnauthenticatedError("missing or wrong token")
+        name = self.UNSERVED.get(info.method)
+        if name is not None:
+            raise _not_served(name)
         return None
 
 
@@ -106,20 +112,32 @@ class PlaneServer(flight.FlightServerBase):
     """Serves one :class:`PlaneService`; ``url`` is where clients connect."""
 
     def __init__(self, service: PlaneService, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, lane: bool = True):
-        """``lane``: also open the plan lane (a second, ephemeral port on ``host``)."""
-        if not is_loopback(host) and not token:
-            raise UserError(f"--host {host}: binding anything but loopback requires --token")
-        middleware = {"auth": _TokenCheck(token)} if token else None
+                 token: str | None = None, lane: bool = True, *, tls_cert: str | None = None,
+                 tls_key: str | None = None, insecure: bool = False,
+                 lane_limits: LaneLimits | None = None):
+        """``lane``: also open the plan lane (a second, ephemeral port on ``host``), within
+        ``lane_limits``. ``tls_cert``/``tls_key`` (PEM files): serve ``grpc+tls://``, and the
+        lane over TLS with the same pair. Off loopback a token is required, and TLS unless
+        ``insecure`` (see :func:`dataplane.auth.check_bind`)."""
+        if (tls_cert is None) != (tls_key is None):
+            raise UserError("--tls-cert and --tls-key go together (a certificate and its key)")
+        check_bind(host, token, tls_cert is not None, insecure)
+        middleware = {"gate": _Gate(token or None)}
         shown = f"[{host}]" if ":" in host else host  # an IPv6 address goes in brackets
-        super().__init__(f"grpc+tcp://{shown}:{port}", middleware=middleware)
+        scheme, options, context = "grpc+tcp", {}, None
+        if tls_cert is not None:
+            pair = read_pem(tls_cert, "--tls-cert"), read_pem(tls_key, "--tls-key")
+            context = _server_context(tls_cert, tls_key)
+            scheme, options = "grpc+tls", {"tls_certificates": [flight.CertKeyPair(*pair)]}
+        super().__init__(f"{scheme}://{shown}:{port}", middleware=middleware, **options)
         self.service = service
-        self.url = f"grpc+tcp://{shown}:{self.port}"
+        self.url = f"{scheme}://{shown}:{self.port}"
         self._thread: threading.Thread | None = None
         # step -> rank -> (the table the service returned, its IPC bytes)
         self._plans: dict[int, dict[int, tuple[pa.Table, pa.Buffer]]] = {}
         self._plans_lock = threading.Lock()
-        self.lane: PlanLane | None = PlanLane(self._plan_ipc, host, token) if lane else None
+        self.lane: PlanLane | None = PlanLane(self._plan_ipc, host, token, context,
+                                              lane_limits) if lane else None
 
     def start(self) -> "PlaneServer":
         """Serve from a daemon thread (the embedded mode); returns self."""
@@ -176,7 +194,8 @@ class PlaneServer(flight.FlightServerBase):
         same Flight error the action raises (the client opens a new one)."""
         if descriptor.command != PLAN_STREAM:
             raise flight.FlightServerError(
-                f"do_exchange: unknown command {descriptor.command!r} (expected {PLAN_STREAM!r})")
+                f"do_exchange: unknown command {descriptor.command!r:.60} (the plane serves "
+                f"only {PLAN_STREAM!r})")
         plan_ipc, write = self._plan_ipc, writer.write_metadata
         while True:
             try:
@@ -240,184 +259,36 @@ class PlaneServer(flight.FlightServerBase):
     def list_actions(self, context):
         return list(ACTIONS.items())
 
+    # Flight methods the plane has no use for: a one-line refusal (from _Gate, before
+    # these run), not pyarrow's NotImplementedError, whose traceback would reach the client.
+    def list_flights(self, context, criteria):
+        raise _not_served("list_flights")
 
-# -- the plan lane -----------------------------------------------------------------------------
-# A frame, both ways: u32 little-endian n, then n bytes. Client to server: first a hello (an Arrow
-# IPC record {token}), then plan requests (the ``plan`` action's body). Server to client: one
-# status byte (LANE_OK or LANE_REFUSED) then Arrow IPC -- the plan's stream, an empty record
-# (hello accepted) or {error} (the one-line refusal; after a refused hello the server closes).
-LANE_OK, LANE_REFUSED = 0, 1
-LANE_MAX_REQUEST = 1 << 16  # a plan request is ~400 bytes; anything bigger is not one
-_U32 = struct.Struct("<I")
-_REPLY = struct.Struct("<IB")
-_LISTENER, _WAKE = object(), object()  # selector keys' data besides connections
+    def get_flight_info(self, context, descriptor):
+        raise _not_served("get_flight_info")
 
+    def get_schema(self, context, descriptor):
+        raise _not_served("get_schema")
 
-def lane_frame(payload: bytes) -> bytes:
-    return _U32.pack(len(payload)) + payload
+    def do_put(self, context, descriptor, reader, writer):
+        raise _not_served("do_put")
 
 
-class _Conn:
-    __slots__ = ("sock", "inbuf", "out", "authed", "closing")
-
-    def __init__(self, sock: socket.socket):
-        self.sock, self.inbuf, self.out = sock, bytearray(), []
-        self.authed = self.closing = False
+def _not_served(method: str) -> flight.FlightServerError:
+    return flight.FlightServerError(f"{method}: not served by the OmniScale plane (use the plan "
+                                    f"action or do_get; list_actions names the actions)")
 
 
-class PlanLane:
-    """One thread serving plan requests on every lane connection from a selector loop.
-
-    ``plan_ipc(request bytes) -> IPC bytes`` is the server's own handler (so the lane and the
-    ``plan`` action cannot drift apart); Flight errors it raises become refusals. A connection
-    is read only while its replies are flushed, so a client that does not read cannot make the
-    plane buffer without bound; a malformed frame closes the connection."""
-
-    def __init__(self, plan_ipc, host: str, token: str | None):
-        self._plan_ipc, self._token = plan_ipc, token
-        family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-        self._listener = socket.create_server(address[:2], family=family, backlog=1024)
-        self._listener.setblocking(False)
-        self.port: int = self._listener.getsockname()[1]
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
-        self._thread: threading.Thread | None = None
-        self.running = self._closed = False
-
-    def start(self) -> None:
-        self.running = True
-        self._thread = threading.Thread(target=self._run, name="omniscale-plane-lane",
-                                        daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Close the port and every connection (clients see the plane gone and retry)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread is not None and self.running:
-            self.running = False
-            self._wake_w.send(b"x")
-            self._thread.join(timeout=10)
-        for key in list(self._sel.get_map().values()):
-            key.fileobj.close()
-        self._sel.close()
-        self._wake_w.close()
-
-    def _run(self) -> None:
-        select = self._sel.select
-        while True:
-            for key, events in select():
-                conn = key.data
-                if conn is _LISTENER:
-                    self._accept()
-                elif conn is _WAKE:
-                    return
-                else:
-                    try:
-                        if events & selectors.EVENT_READ:
-                            self._read(conn)
-                        if events & selectors.EVENT_WRITE and conn.sock.fileno() >= 0:
-                            self._flush(conn)
-                    except Exception:  # noqa: BLE001 -- one bad connection, not the lane
-                        log.exception("plan lane: dropping a connection")
-                        self._drop(conn)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:  # out of descriptors and such: keep serving the others
-                log.warning("plan lane: accept failed: %s", e)
-                return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sel.register(sock, selectors.EVENT_READ, _Conn(sock))
-
-    def _drop(self, conn: _Conn) -> None:
-        try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
-
-    def _read(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(conn)
-            return
-        inbuf = conn.inbuf
-        inbuf += data
-        while len(inbuf) >= 4 and not conn.closing:
-            size = _U32.unpack_from(inbuf)[0]
-            if size > LANE_MAX_REQUEST:
-                self._drop(conn)
-                return
-            if len(inbuf) < 4 + size:
-                break
-            body = bytes(inbuf[4:4 + size])
-            del inbuf[:4 + size]
-            self._answer(conn, body)
-        self._flush(conn)
-
-    def _answer(self, conn: _Conn, body: bytes) -> None:
-        if not conn.authed:
-            try:
-                given = str(wire.decode(body).get("token") or "")
-            except ValueError:
-                given = None
-            if given is None or (self._token and not hmac.compare_digest(
-                    given.encode(), self._token.encode())):
-                self._refuse(conn, "missing or wrong token")
-                conn.closing = True
-                return
-            conn.authed = True
-            reply = pa.py_buffer(wire.encode({}))
-        else:
-            try:
-                reply = self._plan_ipc(body)
-            except flight.FlightError as e:
-                self._refuse(conn, str(e))
-                return
-        conn.out += (_REPLY.pack(reply.size + 1, LANE_OK), memoryview(reply))
-
-    def _refuse(self, conn: _Conn, message: str) -> None:
-        reply = wire.encode({"error": message})
-        conn.out += (_REPLY.pack(len(reply) + 1, LANE_REFUSED), reply)
-
-    def _flush(self, conn: _Conn) -> None:
-        out = conn.out
-        while out:
-            try:
-                sent = conn.sock.sendmsg(out)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._drop(conn)
-                return
-            while sent:
-                size = len(out[0])
-                if sent >= size:
-                    del out[0]
-                    sent -= size
-                else:
-                    out[0] = memoryview(out[0])[sent:]
-                    sent = 0
-        if not out and conn.closing:
-            self._drop(conn)
-            return
-        wanted = selectors.EVENT_WRITE if out else selectors.EVENT_READ
-        if self._sel.get_key(conn.sock).events != wanted:
-            self._sel.modify(conn.sock, wanted, conn)
+def _server_context(cert: str, key: str) -> ssl.SSLContext:
+    """The lane's TLS context: the Flight port's certificate and key."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise UserError(f"--tls-cert {cert} / --tls-key {key}: not a certificate and its key "
+                        f"({getattr(e, 'reason', None) or e})") from None
+    return context
 
 
 def _int(body: dict, field: str) -> int:

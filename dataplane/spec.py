@@ -168,12 +168,18 @@ def load_spec(path: str | Path, check_paths: bool = True) -> MixSpec:
         raise SpecError(f"{file}: not UTF-8 text") from None
     except OSError as e:
         raise SpecError(f"{file}: cannot read ({e.strerror})") from None
+    return spec_from_text(text, file, root=Path(os.path.abspath(path)).parent,
+                          check_paths=check_paths)
+
+
+def spec_from_text(text: str, file: str, *, root: Path, check_paths: bool = True) -> MixSpec:
+    """A spec from its YAML text (read elsewhere: the plane reads with limits, or from its
+    state dir's copy); ``file`` names it in errors, ``root`` anchors its relative paths."""
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise SpecError(f"{file}: {_yaml_problem(e)}") from None
-    return parse_spec(data, file, root=Path(os.path.abspath(path)).parent,
-                      check_paths=check_paths)
+    return parse_spec(data, file, root=root, check_paths=check_paths)
 
 
 def parse_spec(data: Any, file: str = "mix.yaml", *, root: Path | None = None,

@@ -72,10 +72,18 @@ def _balance_simulate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import os
+
+    from dataplane.auth import TLS_ROOT_ENV, read_pem
+    from tools.plane_cli import token_from
     from tools.train.launch import train
 
+    token = token_from(args) if args.plane else None
+    if args.tls_root:  # through the environment: every rank's clients (spawned ones too) read it
+        read_pem(args.tls_root, "--tls-root")
+        os.environ[TLS_ROOT_ENV] = str(Path(args.tls_root).resolve())
     train(args.config, nproc=args.nproc, resume=args.resume, sets=args.set or [],
-          progress=not args.no_progress, plane=args.plane, plane_token=args.token)
+          progress=not args.no_progress, plane=args.plane, plane_token=token)
     return 0
 
 
@@ -162,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--plane", metavar="URL", help="an external data plane (`omniscale "
                        "plane serve --dp NPROC --sp-max 1 ...`) instead of the embedded one")
-    train.add_argument("--token", help="the external plane's bearer token")
+    from tools.plane_cli import add_tls_root_argument, add_token_arguments
+
+    add_token_arguments(train)  # --token-file, --token (else $OMNISCALE_PLANE_TOKEN)
+    add_tls_root_argument(train)
     train.set_defaults(func=_train)
 
     report = commands.add_parser(

@@ -21,8 +21,14 @@ def add_commands(commands) -> None:
     serve.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=0, help="0: any free port")
-    serve.add_argument("--token", help="bearer token every client must send (required "
-                                       "when --host is not loopback)")
+    add_token_arguments(serve, ": every client must send it (required when --host is not "
+                               "loopback)")
+    serve.add_argument("--tls-cert", metavar="PEM", help="serve grpc+tls:// (and the plan lane "
+                       "over TLS) with this certificate (required off loopback, with --tls-key)")
+    serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    serve.add_argument("--insecure", action="store_true",
+                       help="off loopback, serve plain TCP without TLS (the token then crosses "
+                            "the network in clear text)")
     serve.add_argument("--window", type=int, default=4, help="global batches planned together")
     batch = serve.add_mutually_exclusive_group(required=True)
     batch.add_argument("--global-batch-tokens", type=int)
@@ -33,10 +39,16 @@ def add_commands(commands) -> None:
                        help="longer text is truncated, longer media samples skipped "
                             "(default: micro-batch tokens x SP group)")
     serve.add_argument("--snapshot-every", type=int, default=100)
+    serve.add_argument("--spec-root", default=None,
+                       help="`plane reload` reads specs only under this directory (default: "
+                            "the directory of the starting spec)")
     serve.add_argument("--restore-step", type=int, default=None,
                        help="resume from this step's snapshot, rolling back later commits")
     serve.add_argument("--metrics-port", type=int, default=None,
-                       help="also serve status as Prometheus metrics on this port (on --host)")
+                       help="also serve status as Prometheus metrics on this port "
+                            "(unauthenticated HTTP, on --metrics-host)")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="where --metrics-port binds (default 127.0.0.1, whatever --host is)")
     serve.add_argument("--ray", action="store_true",
                        help="run the plane as an actor on a Ray cluster (RAY_ADDRESS, or a "
                             "local instance) and wait; Ctrl-C stops it")
@@ -46,7 +58,8 @@ def add_commands(commands) -> None:
                            ("reload", "apply a new mixing spec at the next window boundary")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("url")
-        p.add_argument("--token")
+        add_token_arguments(p)
+        add_tls_root_argument(p)
         p.add_argument("--json", action="store_true", help="print JSON")
         if name == "reload":
             p.add_argument("--spec", required=True)
@@ -58,12 +71,45 @@ def add_commands(commands) -> None:
     audit.set_defaults(func=_audit)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from dataplane.plane import PlaneConfig
-    from dataplane.server import is_loopback
+def add_token_arguments(parser, note: str = "") -> None:
+    """--token-file and --token (one of them; else $OMNISCALE_PLANE_TOKEN): see
+    :func:`token_from`."""
+    from dataplane.auth import TOKEN_ENV
 
-    if not is_loopback(args.host) and not args.token:
-        raise UserError(f"--host {args.host}: binding anything but loopback requires --token")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--token-file", metavar="FILE",
+                       help=f"a file holding the plane's bearer token{note} (or set {TOKEN_ENV})")
+    group.add_argument("--token", help=f"the token itself: other users see it in `ps`; prefer "
+                                       f"--token-file or {TOKEN_ENV}")
+
+
+def add_tls_root_argument(parser) -> None:
+    from dataplane.auth import TLS_ROOT_ENV
+
+    parser.add_argument("--tls-root", metavar="PEM",
+                        help="for a grpc+tls:// plane: the CA certificate to check it against "
+                             f"(its own, if self-signed; or set {TLS_ROOT_ENV}; default: the "
+                             "system's CAs)")
+
+
+def token_from(args: argparse.Namespace) -> str | None:
+    """The token of --token-file, --token or $OMNISCALE_PLANE_TOKEN (in that order)."""
+    from dataplane.auth import resolve_token
+
+    return resolve_token(args.token, args.token_file)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dataplane.auth import check_bind, read_pem
+    from dataplane.plane import PlaneConfig
+
+    args.token = token_from(args)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UserError("--tls-cert and --tls-key go together (a certificate and its key)")
+    if args.tls_cert is not None:
+        read_pem(args.tls_cert, "--tls-cert")
+        read_pem(args.tls_key, "--tls-key")
+    check_bind(args.host, args.token, args.tls_cert is not None, args.insecure)
     config = PlaneConfig(
         dp=args.dp, micro_batch_tokens=args.micro_batch_tokens, window=args.window,
         global_batch_tokens=args.global_batch_tokens,
@@ -76,8 +122,10 @@ def _serve_here(args: argparse.Namespace, config) -> int:
     from dataplane.plane import DataPlane
     from dataplane.server import PlaneServer
 
-    plane = DataPlane(args.spec, args.state_dir, config, restore_step=args.restore_step)
-    server = PlaneServer(plane, args.host, args.port, args.token).start()
+    plane = DataPlane(args.spec, args.state_dir, config, restore_step=args.restore_step,
+                      spec_root=args.spec_root)
+    server = PlaneServer(plane, args.host, args.port, args.token, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key, insecure=args.insecure).start()
     print(f"omniscale plane: serving {server.url} (step {plane.next_step}, "
           f"{plane.dp_at(plane.next_step)} ranks, state in {args.state_dir})", flush=True)
     metrics = _metrics(plane, args)
@@ -95,6 +143,7 @@ def _serve_on_ray(args: argparse.Namespace, config) -> int:
 
     import ray
 
+    from dataplane.auth import TLS_ROOT_ENV
     from dataplane.client import PlaneClient
     from dataplane.ray_actor import start_on_ray
 
@@ -106,11 +155,16 @@ def _serve_on_ray(args: argparse.Namespace, config) -> int:
     try:
         actor, url = start_on_ray(args.spec, args.state_dir, config, host=args.host,
                                   port=args.port, token=args.token,
-                                  restore_step=args.restore_step)
+                                  restore_step=args.restore_step, tls_cert=args.tls_cert,
+                                  tls_key=args.tls_key, insecure=args.insecure,
+                                  spec_root=args.spec_root)
         print(f"omniscale plane: serving {url} from a Ray actor (state in {args.state_dir})",
               flush=True)
-        # The metrics endpoint stays in this process and reads status over Flight.
-        metrics = _metrics(PlaneClient(url, token=args.token, timeout=10, retry_for=5), args)
+        # The metrics endpoint stays in this process and reads status over Flight (TLS:
+        # checked against $OMNISCALE_PLANE_TLS_ROOT, else the plane's own certificate).
+        root = os.environ.get(TLS_ROOT_ENV) or args.tls_cert
+        metrics = _metrics(PlaneClient(url, token=args.token, timeout=10, retry_for=5,
+                                       tls_root=root), args)
         _wait_for_signal()
         if metrics is not None:
             metrics.shutdown()
@@ -128,7 +182,7 @@ def _metrics(plane, args: argparse.Namespace):
         return None
     from dataplane.metrics import serve_metrics
 
-    server = serve_metrics(plane, args.host, args.metrics_port)
+    server = serve_metrics(plane, args.metrics_host, args.metrics_port)
     print(f"omniscale plane: metrics at {server.url}", flush=True)
     return server
 
@@ -143,7 +197,8 @@ def _wait_for_signal() -> None:
 def _client(args):
     from dataplane.client import PlaneClient
 
-    return PlaneClient(args.url, token=args.token, timeout=10, retry_for=5)
+    return PlaneClient(args.url, token=token_from(args), timeout=10, retry_for=5,
+                       tls_root=args.tls_root)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -176,12 +231,16 @@ def _audit(args: argparse.Namespace) -> int:
         from rich.table import Table
 
         table = Table(title=f"{args.state_dir}: audit through step {report['next_step'] - 1}")
-        columns = ("epoch", "planned", "committed", "in_flight", "duplicated", "missing")
+        columns = ("epoch", "planned", "committed", "in_flight", "not_drawn", "duplicated",
+                   "missing")
         table.add_column("source")
         for col in columns:
             table.add_column(col, justify="right")
+        table.add_column("complete")
+        shown = {True: "yes", False: "no", None: "-"}  # None: the source left the mixture
         for row in report["rows"]:
-            table.add_row(row["source"], *(str(row[c]) for c in columns))
+            table.add_row(row["source"], *(str(row[c]) for c in columns),
+                          shown[row["complete"]])
         Console(width=None if sys.stdout.isatty() else 100).print(table)
         print(f"duplicated {report['duplicated']}, missing {report['missing']}, fingerprint "
               f"mismatches {len(report['fingerprint_mismatches'])}")

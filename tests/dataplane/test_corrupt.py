@@ -15,6 +15,7 @@ from dataplane.corrupt import CorruptLedger, ref_from_json, ref_to_json, replace
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.refs import SampleRef, table_to_refs
 from tools.bench.plane_data import write_spec
+from plane_steps import commit_step
 
 T = 100  # tokens of a short sample; long ones have 2T
 BUDGET = 2 * T  # a micro-batch holds two short samples or one long one
@@ -79,8 +80,8 @@ def test_a_replacement_fits_the_micro_batch_or_there_is_none(spec, tmp_path):
     # the windows it draws after the reports are the ones this plane draws.
     again = DataPlane(spec, tmp_path / "state", config())
     for step in range(4):
-        plane.commit(step)
-        again.commit(step)
+        commit_step(plane, step)
+        commit_step(again, step)
     for step in range(4, 10):
         for rank in range(2):
             assert again.get_plan(step, rank).equals(plane.get_plan(step, rank))

@@ -17,6 +17,7 @@ import pytest
 from dataplane.client import PlaneClient
 from dataplane.metrics import serve_metrics
 from dataplane.plane import DataPlane, PlaneConfig
+from plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
@@ -47,7 +48,7 @@ def test_metrics_follow_the_plane(demo, tmp_path):
         for step in range(5):
             for rank in range(2):
                 plane.get_plan(step, rank)
-            plane.commit(step)
+            commit_step(plane, step)
         after = scrape(server.url)
     finally:
         server.shutdown()
@@ -107,7 +108,7 @@ def test_serve_command_with_metrics_port(demo, tmp_path):
         with PlaneClient(url) as client:
             client.get_plan(0, 0)
             client.get_plan(0, 1)
-            client.commit(0)
+            commit_step(client, 0)
         samples = scrape(metrics)
         assert samples["omniscale_plane_next_step"] == 1
         assert samples["omniscale_plane_clients"] == 2

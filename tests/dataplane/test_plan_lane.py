@@ -14,7 +14,8 @@ import pytest
 
 from dataplane import wire
 from dataplane.client import PlaneClient, PlaneError, _lane_reply
-from dataplane.server import LANE_OK, LANE_REFUSED, PlaneServer, RequestError, lane_frame
+from dataplane.lane import LANE_OK, LANE_REFUSED, lane_frame
+from dataplane.server import PlaneServer, RequestError
 
 
 class PlanService:

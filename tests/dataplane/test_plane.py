@@ -13,6 +13,7 @@ from dataplane.audit import audit_state_dir
 from dataplane.errors import UserError
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.server import RequestError
+from plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2, snapshot_every=4)
@@ -24,7 +25,7 @@ def train(plane: DataPlane, start: int, stop: int) -> dict[int, list]:
     plans = {}
     for step in range(start, stop):
         plans[step] = [plane.get_plan(step, r) for r in range(plane.dp_at(step))]
-        plane.commit(step)
+        commit_step(plane, step)
     return plans
 
 
@@ -96,7 +97,7 @@ def test_refusals(demo, tmp_path):
     train(plane, 0, 2)
     cases = [(lambda: plane.get_plan(2, 5), "rank 5: step 2 is planned for 2 ranks (0..1)"),
              (lambda: plane.get_plan(1, 0), "step 1 is already committed"),
-             (lambda: plane.commit(0), "step 0 is already committed"),
+             (lambda: commit_step(plane, 0), "step 0 is already committed"),
              (lambda: plane.get_plan(500, 0), "step 500 is too far ahead"),
              (lambda: plane.reload(str(demo / "nope.yaml")), "nope.yaml: file not found"),
              (lambda: plane.reload(str(demo / "eval.yaml")), "accounting cannot change"),
@@ -104,6 +105,14 @@ def test_refusals(demo, tmp_path):
     for call, message in cases:
         with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
             call()
+    # commits must prove the plan: served to the rank, or every rank's fingerprint
+    for call, message in [(lambda: plane.commit(2, rank=0), "step 2 was never served to rank 0"),
+                          (lambda: plane.commit(2), "a whole-step commit needs plan_fp"),
+                          (lambda: plane.commit(2, plan_fp="0" * 16), "plan_fp does not match")]:
+        with pytest.raises(RequestError, match=message):
+            call()
+    assert plane.next_step == 2 and not plane.rank_commits.get(2)
+    plane.get_plan(2, 0), plane.get_plan(2, 1)
     plane.commit(2, rank=0)
     with pytest.raises(RequestError, match="rank 0 already committed step 2"):
         plane.commit(2, rank=0)

@@ -8,6 +8,7 @@ import pytest
 from dataplane.audit import audit_state_dir
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.server import RequestError
+from plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=1, snapshot_every=4)
@@ -17,7 +18,7 @@ def _train(plane, start, stop):
     plans = {}
     for step in range(start, stop):
         plans[step] = [plane.get_plan(step, r) for r in range(2)]
-        plane.commit(step)
+        commit_step(plane, step)
     return plans
 
 

@@ -22,6 +22,7 @@ from dataplane.mixer import Mixer
 from dataplane.plan_table import fingerprint
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.schedule import Schedule, Segment
+from plane_steps import commit_step
 
 STEPS = 12
 GOLDEN = {
@@ -59,7 +60,7 @@ def plan_digest(spec: Path, state_dir: Path, dp: int, batch: dict) -> str:
     prints = []
     for step in range(STEPS):
         prints.append([fingerprint(plane.get_plan(step, r)) for r in range(dp)])
-        plane.commit(step)
+        commit_step(plane, step)
     return hashlib.sha256(json.dumps(prints).encode()).hexdigest()[:16]
 
 

@@ -20,6 +20,7 @@ from dataplane.client import PlaneClient
 from dataplane.errors import UserError
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.ray_actor import start_on_ray
+from plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
@@ -45,7 +46,7 @@ def test_actor_serves_the_same_plans_and_stops_with_a_snapshot(cluster, demo, tm
             for step in range(5):
                 for rank in range(2):
                     assert client.get_plan(step, rank) == local.get_plan(step, rank)
-                assert client.commit(step)["committed"]
+                assert commit_step(client, step)["committed"]
             client.get_plan(5, 1)
             status = client.status()
         assert status["next_step"] == 5 and status["dp"] == 2
@@ -92,7 +93,7 @@ def test_serve_command_joins_the_cluster(cluster, demo, tmp_path):
         with PlaneClient(url, timeout=10, retry_for=5) as client:
             client.get_plan(0, 0)
             client.get_plan(0, 1)
-            client.commit(0)
+            commit_step(client, 0)
         proc.send_signal(signal.SIGINT)
         next_line(r"stopped at step 1")
         assert proc.wait(timeout=TIMEOUT) == 0

@@ -19,6 +19,7 @@ from dataplane.embedded import start_embedded
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.status import CLIENT_WINDOW_S, plane_status
 from tools.plane_status import print_status
+from plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
@@ -34,7 +35,7 @@ def trained(demo, tmp_path_factory):
     for step in range(6):
         for rank in range(2):
             plane.get_plan(step, rank)
-        plane.commit(step)
+        commit_step(plane, step)
     plane.get_plan(6, 0)
     return plane
 
@@ -96,7 +97,7 @@ def test_status_command_against_an_embedded_plane(demo, tmp_path):
         for step in range(3):
             for rank in range(2):
                 client.get_plan(step, rank)
-            client.commit(step)
+            commit_step(client, step)
         shown = cli("status", plane.url)
         as_json = cli("status", plane.url, "--json")
     assert shown.returncode == 0, shown.stderr

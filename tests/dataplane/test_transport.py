@@ -116,3 +116,11 @@ def test_client_rides_through_a_restart_on_the_same_port():
         assert client.get_plan(1, 0).num_rows == 3
     finally:
         second.stop()
+
+
+def test_the_lane_names_stay_importable_from_the_server():
+    from dataplane import lane, server
+
+    assert (server.LANE_OK, server.lane_frame, server.PlanLane) == \
+        (lane.LANE_OK, lane.lane_frame, lane.PlanLane)
+    assert server.PLAN_STREAM == b"plans"

@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from dataplane.embedded import start_embedded
+from dataplane.plan_table import fingerprint
 from loaders import pipeline
 from loaders.pipeline import RankLoader
 from loaders.worker import RefDataset
@@ -45,7 +46,8 @@ def run(spec, state_dir, kill: bool):
                 batches.append(batch)
                 loader.commit(step)
                 # the other rank commits too, so the plane keeps planning ahead
-                loader.client.commit(step, 1 - RANK)
+                other = loader.client.get_plan(step, 1 - RANK)
+                loader.client.commit(step, 1 - RANK, plan_fp=fingerprint(other))
             pids = loader.worker_pids()
     return batches, loader, killed, pids
 

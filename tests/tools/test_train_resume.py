@@ -108,7 +108,7 @@ def _resume_on_other_nproc(run_dir, first, nproc, straight) -> None:
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(end))
     assert [len(r["rank_compute_s"]) for r in rows[first:]] == [nproc] * (end - first)
-    dp = [r for r in Journal(run_dir / "plane").records() if r["t"] == "dp"]
+    dp = [r for _, r in Journal(run_dir / "plane", readonly=True).records() if r["t"] == "dp"]
     assert [(r["step"], r["dp"]) for r in dp] == [(first, nproc)]  # re-planned from there
     _audit_clean(run_dir, rows, end)
     # The rest of the window the checkpoint is in holds the same samples, however re-planned.

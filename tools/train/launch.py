@@ -218,8 +218,9 @@ def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None
         from dataplane.journal import Journal
 
         try:
-            return [r for r in Journal(run_dir / "plane").records() if r["t"] == "corrupt"], True
-        except (OSError, ValueError) as e:  # the run trained; a damaged log only costs names
+            records = Journal(run_dir / "plane", readonly=True).records()
+            return [r for _, r in records if r["t"] == "corrupt"], True
+        except (OSError, ValueError, UserError) as e:  # the run trained; a bad log costs names
             print(f"omniscale train: cannot list the corrupt samples ({e})")
             return [], False
     from dataplane.client import PlaneClient

@@ -1,0 +1,288 @@
+"""The plane's state machine: what the log's records do, and nothing else.
+
+Steps are grouped into windows of W global batches (window k = steps kW … kW+W-1). A window
+is drawn from the mixer and planned by the balancer as a whole, ahead of the trainers.
+Everything is deterministic from (spec, seed, mixer state at the window's start, ranks, cost
+model), which is what the journal relies on: it stores that state at a window start (a
+:class:`WindowStart`, in snapshots) and the records since, never the plans.
+
+:class:`PlaneState` is built from the log's ``start`` record (:meth:`PlaneState.fresh`) or a
+snapshot (:meth:`PlaneState.from_snapshot`) and advanced one record at a time by
+:meth:`PlaneState.apply` -- the public replay API the plane's restart, ``plane audit`` and the
+benchmarks share. It takes no locks and writes nothing: :class:`dataplane.plane.DataPlane`
+adds the service (validation, the log, locking) around it.
+
+Elasticity: a change of the number of ranks keeps the global batches; the steps of a drawn
+window not yet committed are re-planned onto the new ranks (windows.replan_tail) and later
+windows are planned for them from the start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from balancer.cost import Costs
+from balancer.planner import plan_window
+from dataplane.catalog import Catalog
+from dataplane.corrupt import CorruptLedger
+from dataplane.journal import Journal
+from dataplane.mixer import Mixer, MixtureExhausted
+from dataplane.plan_table import rank_tables
+from dataplane.plane_config import PlaneConfig
+from dataplane.spec import MixSpec, spec_from_text
+from dataplane.windows import Window, window_samples
+
+log = logging.getLogger(__name__)
+
+RECORD_KINDS = ("start", "commit", "rank", "reload", "costs", "dp", "corrupt")
+
+
+@dataclass
+class WindowStart:
+    """Everything a window's draw starts from: the mixer's state, the spec and the cost model
+    in force (after the reloads, refits and corrupt reports that apply at this window)."""
+
+    mixer_state: dict
+    spec: dict  # a spec ref: {sha256, root, file} (the copy in the state dir's specs/)
+    costs: tuple[float, float]
+
+    def to_json(self) -> dict:
+        return {"mixer_state": self.mixer_state, "spec": self.spec, "costs": list(self.costs)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "WindowStart":
+        return cls(d["mixer_state"], d["spec"], tuple(d["costs"]))
+
+
+class PlaneState:
+    """The deterministic part of a plane; see the module docstring."""
+
+    def __init__(self, config: PlaneConfig, store: Journal, cap: int, spec_ref: dict):
+        self.config, self.store, self.cap = config, store, cap
+        self.spec_ref = spec_ref
+        self.spec = self.load_spec(spec_ref)
+        self.mixer = Mixer.from_spec(self.spec, Catalog.from_spec(self.spec, max_tokens=cap),
+                                     **config.batch)
+        self.costs = Costs.from_llm(config.cost_linear, config.cost_quadratic)
+        self.next_window = self.next_step = 0
+        self.exhausted_at: int | None = None
+        self.windows: dict[int, Window] = {}
+        self.starts: dict[int, WindowStart] = {}
+        self.committed: set[int] = set()  # committed steps past next_step
+        self.rank_commits: dict[int, set[int]] = {}
+        self.committed_fps: dict[int, list[str]] = {}
+        self.dp_changes: list[list[int]] = [[0, config.dp]]
+        self.reloads: list[list] = []  # [window, spec ref], in order
+        # [window, linear, quadratic]: refits of the cost model, applied from that window on.
+        self.cost_changes: list[list] = []
+        self.corrupt = CorruptLedger()
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def fresh(cls, start: dict, store: Journal, config: PlaneConfig | None = None
+              ) -> "PlaneState":
+        """The state at step 0 from the log's ``start`` record (``config``: this run's
+        settings, which may differ from the start's in dp only)."""
+        state = cls(config or PlaneConfig(**start["config"]), store, int(start["sample_cap"]),
+                    start["spec"])
+        state.dp_changes = [[0, int(start["config"]["dp"])]]
+        return state
+
+    @classmethod
+    def from_snapshot(cls, snap: dict, store: Journal, config: PlaneConfig) -> "PlaneState":
+        k = int(snap["window"])
+        start = WindowStart.from_json(snap["start"])
+        state = cls(config, store, int(snap["sample_cap"]), start.spec)
+        state.mixer.load_state_dict(start.mixer_state)
+        state.costs = Costs.from_llm(*start.costs)
+        state.next_window, state.next_step = k, int(snap["step"])
+        state.starts = {k: start}
+        state.committed = set(snap["committed_ahead"])
+        state.rank_commits = {int(s): set(r) for s, r in snap["rank_commits"].items()}
+        state.committed_fps = {int(s): list(f) for s, f in snap["committed_fps"].items()}
+        state.dp_changes = [list(c) for c in snap["dp_changes"]]
+        state.reloads = [list(r) for r in snap["reloads"]]
+        state.cost_changes = [list(c) for c in snap["cost_changes"]]
+        state.corrupt = CorruptLedger.from_state(snap["corrupt"])
+        return state
+
+    def snapshot_body(self, wal_offset: int) -> dict:
+        """What :meth:`from_snapshot` needs to stand at ``next_step`` again: the start of its
+        window and the changes that apply from a later window."""
+        step = self.next_step
+        k = step // self.config.window
+        if k not in self.starts:
+            self.plan_through(k * self.config.window)
+        return {
+            "step": step, "window": k, "window_size": self.config.window,
+            "start": self.starts[k].to_json(), "sample_cap": self.cap,
+            "dp_changes": self.dp_changes, "reloads": [r for r in self.reloads if r[0] > k],
+            "cost_changes": [c for c in self.cost_changes if c[0] > k],
+            "committed_fps": {str(s): f for s, f in self.committed_fps.items()},
+            "committed_ahead": sorted(s for s in self.committed if s >= step),
+            "rank_commits": {str(s): sorted(r) for s, r in self.rank_commits.items()
+                             if s >= step},
+            "wal_offset": wal_offset, "config": asdict(self.config),
+            "corrupt": self.corrupt.state(k)}
+
+    def load_spec(self, ref: dict) -> MixSpec:
+        """A spec the plane applied, from its copy in the state dir."""
+        return spec_from_text(self.store.spec_text(ref["sha256"]), ref["file"],
+                              root=Path(ref["root"]))
+
+    # -- replay ---------------------------------------------------------------------------
+    def apply(self, record: dict) -> None:
+        """Advance by one logged record (a restart's or an audit's replay)."""
+        kind = record["t"]
+        if kind == "commit":
+            self.rank_commits.pop(record["step"], None)
+            self.remember_fps(record["step"], record["fp"])
+            self.mark_committed(record["step"])
+        elif kind == "rank":
+            self.rank_commits.setdefault(record["step"], set()).add(record["rank"])
+        elif kind == "reload":
+            self.reloads.append([record["window"], record["spec"]])
+        elif kind == "costs":
+            self.cost_changes.append([record["window"], record["linear"], record["quadratic"]])
+        elif kind == "dp":
+            self.resize_from(record["step"], record["dp"])
+        elif kind == "corrupt":
+            self.corrupt.record(record, applied=False)
+        elif kind == "start":
+            raise ValueError("a second start record")
+        else:
+            raise ValueError(f"unknown record kind {kind!r}")
+
+    def remember_fps(self, step: int, prints: list[str]) -> None:
+        """Fingerprints of the recently committed steps (the last few windows): what a
+        repeated commit is recognised by."""
+        self.committed_fps[step] = list(prints)
+        horizon = step - 4 * self.config.window
+        for old in [s for s in self.committed_fps if s < horizon]:
+            del self.committed_fps[old]
+
+    def mark_committed(self, step: int) -> None:
+        self.committed.add(step)
+        while self.next_step in self.committed:
+            self.committed.discard(self.next_step)
+            self.next_step += 1
+        done = self.next_step // self.config.window
+        for k in [k for k in self.windows if k < done - 1]:
+            del self.windows[k]  # fully trained; its start stays until a snapshot
+        for k in [k for k in self.starts if k < done - 1]:
+            del self.starts[k]
+
+    def resize_from(self, step: int, dp: int) -> None:
+        """Record the change and re-plan whatever is already drawn from ``step`` on."""
+        self.dp_changes.append([step, dp])
+        # Ranks' commits of re-planned steps were of plans that no longer exist: void them.
+        self.rank_commits = {s: r for s, r in self.rank_commits.items() if s < step}
+        for window in self.windows.values():
+            window.resize(step, dp, self.costs_of(window.k), self.config)
+
+    # -- planning -------------------------------------------------------------------------
+    def dp_at(self, step: int) -> int:
+        return [dp for s, dp in self.dp_changes if s <= step][-1]
+
+    def costs_of(self, k: int) -> Costs:
+        """The cost model window ``k`` was planned with (a resize re-plans with the same)."""
+        start = self.starts.get(k)
+        return Costs.from_llm(*start.costs) if start is not None else self.costs
+
+    def plan_through(self, step: int) -> None:
+        """Draw and plan windows until ``step`` is planned or the data runs out."""
+        while self.exhausted_at is None and self.next_window * self.config.window <= step:
+            self._draw_window(self.next_window)
+
+    def _draw_window(self, k: int) -> None:
+        W = self.config.window
+        for window, ref in self.reloads:
+            if window == k and ref != self.spec_ref:
+                self._apply_reload(ref)
+        for window, linear, quadratic in self.cost_changes:
+            if window == k:
+                self.costs = Costs.from_llm(linear, quadratic)
+        self.corrupt.apply(self.mixer.catalog, k)  # reports that arrived before this window
+        start = WindowStart(_copy(self.mixer.state_dict()), self.spec_ref,
+                            (self.costs.llm.alpha, self.costs.llm.beta))
+        self.starts[k] = start
+        batches = []
+        for j in range(W):
+            try:
+                batches.append(self.mixer.next_batch(k * W + j))
+            except MixtureExhausted:
+                break
+        self.next_window = k + 1
+        if len(batches) < W:
+            self.exhausted_at = k * W + len(batches)
+            log.info("the mixture is exhausted: the last step is %d", self.exhausted_at - 1)
+        if not batches:
+            return
+        samples = window_samples(batches, self.spec.media)
+        first = k * W
+        plans = plan_window(samples, self.costs, self.config.planner(self.dp_at(first),
+                                                                      len(batches)))
+        window = Window(k, first, start.mixer_state, self.spec_ref,
+                        [r for b in batches for r in b], samples, plans,
+                        [self.dp_at(first)] * len(plans))
+        for step, dp in self.dp_changes:
+            if first < step < window.end_step and dp != window.dp_of_step[step - first]:
+                window.resize(step, dp, self.costs, self.config)
+        self.windows[k] = window
+
+    def _apply_reload(self, ref: dict) -> None:
+        new = self.load_spec(ref)
+        state = self.mixer.state_dict()
+        catalog = self.mixer.catalog
+        mixer = Mixer(catalog, new.schedule, new.accounting, **self.config.batch)
+        mixer.load_state_dict(state)
+        for source in new.sources:
+            if source.name not in catalog:
+                catalog.add(source.name, source.path, source.on_exhausted)
+        for name in list(catalog.names):
+            if name not in new.source_names:
+                catalog.remove(name)
+        self.mixer, self.spec, self.spec_ref = mixer, new, ref
+        log.info("mixture reloaded from %s", ref["file"])
+
+    def rewind_to(self, k: int) -> None:
+        """Drop windows from ``k`` on (drawn ahead, never served) to draw them again under
+        whatever changes now (a reload, new costs)."""
+        for j in [j for j in self.windows if j >= k]:
+            del self.windows[j]
+        if k < self.next_window:
+            start = self.starts[k]
+            self.spec_ref, self.spec = start.spec, self.load_spec(start.spec)
+            self.mixer = Mixer.from_spec(self.spec,
+                                         Catalog.from_spec(self.spec, max_tokens=self.cap),
+                                         **self.config.batch)
+            self.mixer.load_state_dict(start.mixer_state)
+            self.costs = Costs.from_llm(*start.costs)
+            self.next_window, self.exhausted_at = k, None
+            self.corrupt.unapply_after(k)
+        for j in [j for j in self.starts if j > k]:
+            del self.starts[j]
+
+    def window_of(self, step: int) -> tuple[Window, int]:
+        """The drawn window holding ``step`` and the step's index in it."""
+        window = self.windows[step // self.config.window]
+        return window, step - window.first_step
+
+    def table(self, step: int, rank: int) -> pa.Table:
+        window, local = self.window_of(step)
+        if (step, rank) not in window.tables:
+            plan, dp = window.plans[local], window.dp_of_step[local]
+            first_item_N = window.samples.item_offsets_N1[:-1]
+            for r, table in enumerate(rank_tables(plan, window.refs, first_item_N, step, dp)):
+                window.tables[(step, r)] = table
+        return window.tables[(step, rank)]
+
+
+def _copy(state: dict) -> dict:
+    """A deep, JSON-clean copy (states go into snapshots verbatim)."""
+    return json.loads(json.dumps(state))
