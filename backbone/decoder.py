@@ -18,6 +18,7 @@ from backbone.config import ModelConfig, kernel
 from backbone.ffn import FeedForward
 from backbone.moe import Experts, MoE
 from backbone.norm import RMSNorm
+from kernels.reference import IGNORE_INDEX
 
 
 class Block(nn.Module):
@@ -110,13 +111,13 @@ class MoEDecoder(nn.Module):
     def loss(self, hidden_TD: torch.Tensor, labels_T: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed cross-entropy, number of counted tokens). Labels are already shifted
-        (label t is the token after t); -100 is ignored. A sum, so micro-batches and ranks
+        (label t is the token after t); IGNORE_INDEX is ignored. A sum, so micro-batches and ranks
         add up exactly before the one division by the global token count."""
         ce = kernel("linear_cross_entropy", hidden_TD.device,
                     self.config.kernel_backend("linear_cross_entropy"))
-        loss_sum = ce(hidden_TD, self.lm_weight_VD, labels_T, ignore_index=-100,
+        loss_sum = ce(hidden_TD, self.lm_weight_VD, labels_T, ignore_index=IGNORE_INDEX,
                       reduction="sum")
-        return loss_sum, (labels_T != -100).sum()
+        return loss_sum, (labels_T != IGNORE_INDEX).sum()
 
     @torch.no_grad()
     def update_bias(self, load_LE: torch.Tensor) -> None:

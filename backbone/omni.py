@@ -31,10 +31,11 @@ import torch.nn as nn
 
 from backbone.config import ModelConfig
 from backbone.decoder import MoEDecoder
+from balancer.types import ENCODER_KINDS
 from encoders.audio import AudioConfig, AudioEncoder
 from encoders.vision import VisionConfig, VisionEncoder
 
-IMAGE, VIDEO, AUDIO = 0, 1, 2  # media kind ids (loaders.sequence.KINDS)
+AUDIO = ENCODER_KINDS.index("audio")  # media_kind_M id of an audio clip
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Every call has a timeout. While the plane is unreachable (restarting after a crash, not up
 yet) calls retry with exponential backoff for up to ``retry_for`` seconds, so a trainer rides
 through a plane restart; a refusal (bad rank, committed step, wrong token) is raised at once as
-:class:`PlaneError` carrying the plane's one-line message.
+:class:`PlaneError` carrying the plane's one-line message and its ``reason``
+(:class:`dataplane.server.Reason`), which is what code branches on.
 """
 
 from __future__ import annotations
@@ -24,13 +25,21 @@ from dataplane import wire
 from dataplane.auth import TLS_ROOT_ENV, read_pem
 from dataplane.errors import UserError
 from dataplane.lane import LANE_OK, lane_frame
-from dataplane.server import PLAN_STREAM
+from dataplane.server import PLAN_STREAM, Reason
 
 log = logging.getLogger(__name__)
 
 
 class PlaneError(UserError):
-    """The plane refused a request, or stayed unreachable past the retry budget."""
+    """The plane refused a request, or stayed unreachable past the retry budget; ``reason``
+    (a :class:`Reason`) says which, e.g. ``Reason.EXHAUSTED`` or ``Reason.UNREACHABLE``."""
+
+    def __init__(self, message: str, reason: Reason = Reason.REFUSED):
+        super().__init__(message)
+        self.reason = Reason(reason)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.reason)
 
 
 def _lane_reply(sock: socket.socket) -> tuple[int, memoryview]:
@@ -59,11 +68,27 @@ def _lane_reply(sock: socket.socket) -> tuple[int, memoryview]:
     return data[4], memoryview(data)[5:total]
 
 
-def _lane_error(data) -> str:
+def _lane_error(data) -> tuple[str, bytes]:
+    """A lane refusal's message and its reason, as a Flight error's (message, extra_info)."""
     try:
-        return str(wire.decode(bytes(data)).get("error") or "refused")
+        reply = wire.decode(bytes(data))
     except ValueError:
-        return "refused (unreadable reply)"
+        return "refused (unreadable reply)", b""
+    return str(reply.get("error") or "refused"), str(reply.get("reason") or "").encode()
+
+
+def _reason(e: flight.FlightError) -> Reason:
+    """The plane's reason for a refusal (the error's extra_info), else the one its type
+    implies: a plane without reasons, or an error from gRPC itself."""
+    try:
+        return Reason(bytes(e.extra_info or b"").decode())
+    except ValueError:  # none, or one this client does not know
+        pass
+    if isinstance(e, flight.FlightUnauthenticatedError):
+        return Reason.UNAUTHENTICATED
+    if isinstance(e, flight.FlightInternalError):
+        return Reason.INTERNAL
+    return Reason.REFUSED
 
 
 _RETRYABLE = (flight.FlightUnavailableError, flight.FlightTimedOutError,
@@ -132,12 +157,14 @@ class PlaneClient:
             except _RETRYABLE as e:
                 if time.monotonic() + delay > deadline:
                     raise PlaneError(f"plane at {self.url}: {what} failed for "
-                                     f"{self.retry_for:g} s: {_message(e)}") from None
+                                     f"{self.retry_for:g} s: {_message(e)}",
+                                     Reason.UNREACHABLE) from None
                 self.close()  # a fresh channel after a server restart
                 time.sleep(delay)  # backoff between attempts, not synchronisation
                 delay = min(delay * 2, 2.0)
             except flight.FlightError as e:
-                raise PlaneError(f"plane at {self.url}: {what}: {_message(e)}") from None
+                raise PlaneError(f"plane at {self.url}: {what}: {_message(e)}",
+                                 _reason(e)) from None
 
     def get_plan(self, step: int, rank: int) -> pa.Table:
         """This rank's plan for ``step``: one row per LLM placement or encoder item."""
@@ -172,10 +199,8 @@ class PlaneClient:
             return 0
         try:
             results = list(client.do_action(flight.Action("lane", b""), options=self._options))
-        except flight.FlightServerError as e:
-            if "unknown action" in str(e):  # a server without a lane
-                return 0
-            raise
+        except flight.FlightServerError:  # a server without the lane action (it raises no
+            return 0  # other FlightServerError): fetch over the exchange stream instead
         port = wire.decode(results[0].body).get("port") if results else 0
         return int(port or 0)
 
@@ -224,7 +249,8 @@ class PlaneClient:
             self._lane_port = None
             raise flight.FlightUnavailableError(f"plan lane: {e}") from None
         if status != LANE_OK:
-            raise flight.FlightServerError(_lane_error(data))
+            message, reason = _lane_error(data)
+            raise flight.FlightServerError(message, extra_info=reason)
         return pa.py_buffer(data)
 
     def _lane_hello(self, sock: socket.socket) -> None:
@@ -235,7 +261,7 @@ class PlaneClient:
         status, data = _lane_reply(sock)
         if status != LANE_OK:
             self._close_lane()
-            raise flight.FlightUnauthenticatedError(_lane_error(data))
+            raise flight.FlightUnauthenticatedError(_lane_error(data)[0])
 
     def _lane_tls(self) -> ssl.SSLContext:
         """The lane's client TLS context: the same roots and host check as Flight's."""

@@ -5,7 +5,8 @@ one thread from a selector loop -- no gRPC and no thread hand-off per fetch (see
 A frame, both ways: u32 little-endian n, then n bytes. Client to server: first a hello (an Arrow
 IPC record {token}), then plan requests (the ``plan`` action's body). Server to client: one
 status byte (LANE_OK or LANE_REFUSED) then Arrow IPC -- the plan's stream, an empty record
-(hello accepted) or {error} (the one-line refusal; after a refused hello the server closes).
+(hello accepted) or {error, reason?} (the one-line refusal and its ``server.Reason``; after a
+refused hello the server closes).
 
 Under abuse (see :class:`LaneLimits`): at most ``max_connections`` connections (more are closed
 as soon as they are accepted); a connection that has not sent a valid hello (with TLS: finished
@@ -296,13 +297,13 @@ class PlanLane:
         else:
             try:
                 reply = self._plan_ipc(body)
-            except flight.FlightError as e:
-                self._refuse(conn, str(e))
+            except flight.FlightError as e:  # its extra_info: the refusal's Reason
+                self._refuse(conn, str(e), bytes(e.extra_info or b"").decode(errors="replace"))
                 return
         conn.out += (_REPLY.pack(reply.size + 1, LANE_OK), memoryview(reply))
 
-    def _refuse(self, conn: _Conn, message: str) -> None:
-        reply = wire.encode({"error": message})
+    def _refuse(self, conn: _Conn, message: str, reason: str = "") -> None:
+        reply = wire.encode({"error": message} | ({"reason": reason} if reason else {}))
         conn.out += (_REPLY.pack(len(reply) + 1, LANE_REFUSED), reply)
 
     # -- plain TCP ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dataplane.plan_table import fingerprint, step_fingerprint
 from dataplane.plane_config import PlaneConfig  # noqa: F401  (public here too)
 from dataplane.plane_state import PlaneState
 from dataplane.restore import open_state, start_for
-from dataplane.server import RequestError
+from dataplane.server import Reason, RequestError
 from dataplane.spec import SpecError, spec_from_text
 from dataplane.status import plane_status
 
@@ -164,7 +164,7 @@ class DataPlane(PlaneState):
         except Exception as e:  # noqa: BLE001 -- whatever broke, the change is refused
             self._reopen()
             raise RequestError(f"{what}: refused, window {k} does not plan with it "
-                               f"({_one_line(e)})") from None
+                               f"({_one_line(e)})", Reason.UNPLANNABLE) from None
         try:
             self._log(record)
         except BaseException:
@@ -178,7 +178,7 @@ class DataPlane(PlaneState):
             dp = self.dp_at(step)
             if not 0 <= rank < dp:
                 raise RequestError(f"rank {rank}: step {step} is planned for {dp} ranks "
-                                   f"(0..{dp - 1})")
+                                   f"(0..{dp - 1})", Reason.UNKNOWN_RANK)
             self._check_planned(step, "step {step}: the mixture is exhausted (the last step "
                                       "is {last})")
             self.served_max = max(self.served_max, step)
@@ -188,20 +188,22 @@ class DataPlane(PlaneState):
 
     def _check_step(self, step: int, what: str) -> None:
         if step < 0:
-            raise RequestError(f"step {step} is negative")
+            raise RequestError(f"step {step} is negative", Reason.INVALID)
         if step < self.next_step or step in self.committed:
             raise RequestError(f"step {step} is already committed (the next step to "
-                               f"train is {self.next_step})")
+                               f"train is {self.next_step})", Reason.COMMITTED)
         horizon = (self.next_step // self.config.window + 1 + self.config.plan_ahead) \
             * self.config.window - 1
         if step > horizon:
             raise RequestError(f"step {step} is too far ahead: plans reach step "
-                               f"{horizon} while step {self.next_step} is not committed")
+                               f"{horizon} while step {self.next_step} is not committed",
+                               Reason.TOO_FAR_AHEAD)
 
     def _check_planned(self, step: int, message: str) -> None:
         self.plan_through(step)
         if self.exhausted_at is not None and step >= self.exhausted_at:
-            raise RequestError(message.format(step=step, last=self.exhausted_at - 1))
+            raise RequestError(message.format(step=step, last=self.exhausted_at - 1),
+                               Reason.EXHAUSTED)
 
     def commit(self, step: int, rank: int | None = None, plan_fp: str | None = None) -> dict:
         """Mark ``rank``'s share of ``step`` trained (the step is trained once every rank
@@ -233,22 +235,24 @@ class DataPlane(PlaneState):
                 if plan_fp is None:
                     raise RequestError(f"step {step}: a whole-step commit needs plan_fp, the "
                                        "step fingerprint of every rank's plan "
-                                       "(plan_table.step_fingerprint)")
+                                       "(plan_table.step_fingerprint)", Reason.INVALID)
                 if plan_fp != step_fingerprint(prints):
                     raise RequestError(f"step {step}: plan_fp does not match the step's plans "
-                                       f"on {dp} ranks: fetch them again")
+                                       f"on {dp} ranks: fetch them again", Reason.REPLANNED)
             else:
                 if not 0 <= rank < dp:
-                    raise RequestError(f"rank {rank}: step {step} has {dp} ranks (0..{dp - 1})")
+                    raise RequestError(f"rank {rank}: step {step} has {dp} ranks (0..{dp - 1})",
+                                       Reason.UNKNOWN_RANK)
                 ranks = self.rank_commits.setdefault(step, set())
                 if rank in ranks:
-                    raise RequestError(f"rank {rank} already committed step {step}")
+                    raise RequestError(f"rank {rank} already committed step {step}",
+                                       Reason.RANK_COMMITTED)
                 if plan_fp is None and rank not in self.served.get(step, ()):
                     raise RequestError(f"step {step} was never served to rank {rank}: fetch "
-                                       "its plan first (or send its plan_fp)")
+                                       "its plan first (or send its plan_fp)", Reason.NOT_SERVED)
                 if plan_fp is not None and plan_fp != prints[rank]:
                     raise RequestError(f"step {step} was re-planned for {dp} ranks since rank "
-                                       f"{rank} fetched it: fetch it again")
+                                       f"{rank} fetched it: fetch it again", Reason.REPLANNED)
                 if len(ranks) + 1 < dp:  # durable before acknowledged (commit())
                     self._log({"t": "rank", "step": step, "rank": rank}, sync=False)
                 ranks.add(rank)
@@ -291,7 +295,7 @@ class DataPlane(PlaneState):
         with self.lock:
             if step is not None and step != self.next_step:
                 raise RequestError(f"step {step}: only the next step to train "
-                                   f"({self.next_step}) can be snapshotted")
+                                   f"({self.next_step}) can be snapshotted", Reason.INVALID)
             path = self._write_snapshot()
             return {"step": self.next_step, "path": str(path)}
 
@@ -303,16 +307,16 @@ class DataPlane(PlaneState):
         try:
             text = _read_spec_file(path, limit=MAX_SPEC_BYTES)  # names the file, no contents
         except SpecError as e:
-            raise RequestError(str(e)) from None
+            raise RequestError(str(e), Reason.SPEC) from None
         try:
             new = spec_from_text(text, str(path), root=path.parent)
         except SpecError as e:
             log.warning("reload refused: %s", e)
-            raise RequestError(_redacted(e, str(path))) from None
+            raise RequestError(_redacted(e, str(path)), Reason.SPEC) from None
         with self.lock:
             if new.accounting != self.spec.accounting:
                 raise RequestError(f"{path}: accounting cannot change during a run "
-                                   f"({self.spec.accounting} -> {new.accounting})")
+                                   f"({self.spec.accounting} -> {new.accounting})", Reason.SPEC)
             ref = self._spec_ref(text, path)
             k = self._rewind_to_next_unserved()
             self.reloads.append([k, ref])
@@ -323,7 +327,7 @@ class DataPlane(PlaneState):
         path = Path(os.path.realpath(self.spec_root / spec))
         if path != self.spec_root and self.spec_root not in path.parents:
             raise RequestError(f"{spec}: reload reads specs only under {self.spec_root} "
-                               "(the plane's --spec-root)")
+                               "(the plane's --spec-root)", Reason.SPEC)
         return path
 
     def _rewind_to_next_unserved(self) -> int:
@@ -344,7 +348,7 @@ class DataPlane(PlaneState):
                        for v in values) or not any(values):
                 raise RequestError(f"costs: linear and quadratic must be finite, in [0, "
                                    f"{MAX_COST:g}] and not both 0, got {linear!r}, "
-                                   f"{quadratic!r}")
+                                   f"{quadratic!r}", Reason.INVALID)
             k = self._rewind_to_next_unserved()
             self.cost_changes.append([k, float(linear), float(quadratic)])
             self._change("costs", {"t": "costs", "window": k, "linear": float(linear),
@@ -366,7 +370,7 @@ class DataPlane(PlaneState):
                       if r is not None}  # a replacement may be bad too
             if table is None or (source, shard, key, epoch) not in known:
                 raise RequestError(f"{source}/{key} ({shard}, epoch {epoch}) is not in rank "
-                                   f"{rank}'s plan of step {step}")
+                                   f"{rank}'s plan of step {step}", Reason.UNKNOWN_SAMPLE)
             event = self.corrupt.find(step, source, shard, key, epoch)
             if event is None:  # the replacement must fit where the planned sample was
                 window, local = self.window_of(step)

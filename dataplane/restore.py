@@ -70,8 +70,9 @@ def open_state(journal: Journal, config: PlaneConfig, restore_step: int | None =
         state, offset = PlaneState.fresh(start, journal, config), start_end
     else:
         state, offset = PlaneState.from_snapshot(snap, journal, config), snap["wal_offset"]
-    for offset, record in journal.records(offset):
+    for end, record in journal.records(offset):
         state.apply(record)
+        offset = end
     newest = max(journal.snapshot_steps(), default=0)
     if state.next_step < newest:
         raise JournalError(f"{journal.wal}: replays to step {state.next_step}, but a snapshot "

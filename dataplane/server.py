@@ -31,6 +31,7 @@ import hmac
 import logging
 import ssl
 import threading
+from enum import StrEnum
 from typing import Protocol
 
 import pyarrow as pa
@@ -43,7 +44,8 @@ from dataplane.lane import (LANE_MAX_REQUEST, LANE_OK, LANE_REFUSED, LaneLimits,
                             lane_frame)
 
 __all__ = ["ACTIONS", "LANE_MAX_REQUEST", "LANE_OK", "LANE_REFUSED", "PLAN_STREAM", "LaneLimits",
-           "PlanLane", "PlaneServer", "PlaneService", "RequestError", "is_loopback", "lane_frame"]
+           "PlanLane", "PlaneServer", "PlaneService", "Reason", "RequestError", "is_loopback",
+           "lane_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,39 @@ PLAN_CACHE_STEPS = 32  # steps whose served plans' IPC bytes are kept
 _NO_PLANS: dict = {}
 
 
+class Reason(StrEnum):
+    """Why a request failed, for code to branch on (never on the message's words). The plane
+    sends it beside its one-line message: as the Flight error's ``extra_info``, in a lane
+    refusal's ``reason`` field; the client (PlaneError.reason) adds UNREACHABLE, and without
+    a reason on the wire goes by the error's type (UNAUTHENTICATED, INTERNAL, else REFUSED)."""
+
+    REFUSED = "refused"  # nothing more specific: a malformed request, a service's ValueError
+    EXHAUSTED = "exhausted"  # past the mixture's last step
+    TOO_FAR_AHEAD = "too_far_ahead"  # not planned until earlier steps commit: ask again later
+    COMMITTED = "committed"  # the step is already committed
+    RANK_COMMITTED = "rank_committed"  # this rank's share of the step is already committed
+    REPLANNED = "replanned"  # what was trained is no longer the step's plan: fetch it again
+    NOT_SERVED = "not_served"  # a commit without plan_fp of a plan this rank never fetched
+    UNKNOWN_RANK = "unknown_rank"  # the rank is outside the step's ranks
+    UNKNOWN_SAMPLE = "unknown_sample"  # a corrupt report of a sample not in the rank's plan
+    INVALID = "invalid"  # a value out of range: a negative step, costs, a snapshot step …
+    SPEC = "spec"  # a reload's spec: unreadable, invalid, outside --spec-root, or incompatible
+    UNPLANNABLE = "unplannable"  # a change (reload, costs) the next window does not plan with
+    UNREACHABLE = "unreachable"  # the plane did not answer within the client's retry budget
+    UNAUTHENTICATED = "unauthenticated"  # a missing or wrong token
+    INTERNAL = "internal"  # a bug in the plane (its log has the traceback)
+
+
 class RequestError(UserError):
-    """A request the plane refuses (unknown rank, step already committed, bad spec …)."""
+    """A request the plane refuses (unknown rank, step already committed, bad spec …);
+    ``reason`` says which kind of refusal it is."""
+
+    def __init__(self, message: str, reason: Reason = Reason.REFUSED):
+        super().__init__(message)
+        self.reason = Reason(reason)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.reason)
 
 
 class PlaneService(Protocol):
@@ -299,13 +332,16 @@ def _int(body: dict, field: str) -> int:
 
 
 def _call(fn, *args):
-    """Run a handler; refusals become one-line Flight errors, bugs are logged with traceback."""
+    """Run a handler; refusals become one-line Flight errors carrying their Reason (as
+    ``extra_info``), bugs are logged with traceback."""
     try:
         return fn(*args)
     except (RequestError, UserError, ValueError) as e:
-        raise flight.FlightServerError(str(e)) from None
+        reason = e.reason if isinstance(e, RequestError) else Reason.REFUSED
+        raise flight.FlightServerError(str(e), extra_info=reason.encode()) from None
     except flight.FlightError:
         raise
     except Exception as e:  # noqa: BLE001 -- the server must keep serving other requests
         log.exception("plane: internal error in %s", getattr(fn, "__name__", fn))
-        raise flight.FlightInternalError(f"internal error: {type(e).__name__}: {e}") from None
+        raise flight.FlightInternalError(f"internal error: {type(e).__name__}: {e}",
+                                         extra_info=Reason.INTERNAL.encode()) from None

@@ -124,7 +124,8 @@ def linear_cross_entropy_chunked(hidden_TD: torch.Tensor, weight_VD: torch.Tenso
 
 
 def chunked_linear_cross_entropy(hidden_TD: torch.Tensor, weight_VD: torch.Tensor,
-                                 labels_T: torch.Tensor, ignore_index: int = -100,
+                                 labels_T: torch.Tensor,
+                                 ignore_index: int = reference.IGNORE_INDEX,
                                  reduction: str = "sum") -> torch.Tensor:
     """Linear + cross-entropy without materialising [T, V] logits, pure torch (any device);
     the signature of kernels.reference.linear_cross_entropy."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+IGNORE_INDEX = -100  # the label the loss skips (media, the last token, padding); torch's default
+
 
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / rms(x) * weight, computed in fp32 and returned in x's dtype."""
@@ -125,7 +127,7 @@ def equal_length_runs(bounds: list[int], total: int) -> list[tuple[int, int]]:
 
 
 def linear_cross_entropy(hidden_TD: torch.Tensor, weight_VD: torch.Tensor,
-                         labels_T: torch.Tensor, ignore_index: int = -100,
+                         labels_T: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                          reduction: str = "sum") -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against labels; the reference materialises the
     full [T, V] logits (the fused kernel never does)."""

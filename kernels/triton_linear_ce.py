@@ -14,6 +14,7 @@ import torch
 import triton.language as tl
 
 from kernels.fused import linear_cross_entropy_chunked
+from kernels.reference import IGNORE_INDEX
 from kernels.triton_launch import block, jit, warps
 
 BLOCK_V = 4096
@@ -61,7 +62,7 @@ def triton_chunk_step(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: fl
 
 
 def linear_cross_entropy(hidden_TD: torch.Tensor, weight_VD: torch.Tensor,
-                         labels_T: torch.Tensor, ignore_index: int = -100,
+                         labels_T: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                          reduction: str = "sum") -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` without materialising the [T, V] logits."""
     return linear_cross_entropy_chunked(hidden_TD, weight_VD, labels_T, ignore_index,

@@ -13,6 +13,7 @@ import queue
 import threading
 
 from dataplane.client import PlaneClient, PlaneError
+from dataplane.server import Reason
 
 END = "end"  # the queue's last item when the mixture is exhausted
 
@@ -73,11 +74,10 @@ class PlanPrefetcher:
                 try:
                     table = client.get_plan(self.next_step, self.rank)
                 except PlaneError as e:
-                    text = str(e)
-                    if "exhausted" in text:
+                    if e.reason == Reason.EXHAUSTED:
                         self._put(END)
                         return
-                    if "too far ahead" in text:  # wait for the trainer's commits
+                    if e.reason == Reason.TOO_FAR_AHEAD:  # wait for the trainer's commits
                         self.stop.wait(delay)
                         delay = min(delay * 2, 0.5)
                         continue

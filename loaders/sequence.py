@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from balancer.types import ENCODER_KINDS as KINDS  # kind id = position (plan_table.item_kinds)
+from kernels.reference import IGNORE_INDEX
 from loaders.decode_text import TextTokenizer
-
-IGNORE_INDEX = -100
-KINDS = ("image", "video", "audio")  # kind id = position (plan_table.item_kinds)
 
 
 @dataclass(frozen=True)

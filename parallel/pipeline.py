@@ -42,9 +42,9 @@ from torch.distributed.tensor import DTensor
 import kernels
 from backbone.attention import rope_tables
 from backbone.decoder import MoEDecoder
+from kernels.reference import IGNORE_INDEX
 from parallel.tensor import vocab_parallel_loss
 
-IGNORE_INDEX = -100
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 

@@ -51,10 +51,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
 from backbone.decoder import MoEDecoder
+from kernels.reference import IGNORE_INDEX
 from parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
 from parallel.comm import all_reduce_, all_to_all_single, copy_to_group
-
-IGNORE_INDEX = -100
 
 # q/k norms act per head on [T, heads, K]: their one weight sees only this rank's heads, so it
 # is a replicated DTensor over a head-sharded input (its gradient is then all-reduced).
@@ -167,9 +166,9 @@ def _vocab_shard(weight_VD: DTensor) -> tuple[torch.Tensor, int]:
 
 def vocab_parallel_loss(weight_VD: DTensor, hidden_TD: torch.Tensor, labels_T: torch.Tensor
                         ) -> torch.Tensor:
-    """Summed next-token cross-entropy of `hidden_TD @ weight_VD.T` (labels shifted, -100
-    ignored) for an LM weight split over the vocabulary by `apply_tp`; the same value on every
-    TP rank. Used by the decoder's `loss` and by a pipeline's last stage."""
+    """Summed next-token cross-entropy of `hidden_TD @ weight_VD.T` (labels shifted,
+    IGNORE_INDEX ignored) for an LM weight split over the vocabulary by `apply_tp`; the same
+    value on every TP rank. Used by the decoder's `loss` and by a pipeline's last stage."""
     weight_vD, lo = _vocab_shard(weight_VD)
     hidden_TD = copy_to_group(hidden_TD, weight_VD.device_mesh)  # each rank: part of its grad
     logits_Tv = hidden_TD.float() @ weight_vD.float().T

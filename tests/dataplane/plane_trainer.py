@@ -11,12 +11,14 @@ plane at a known point).
 
 Faults it rides through, as a real trainer would:
 - the plane restarting (kill -9): PlaneClient retries with backoff; a commit whose reply was
-  lost arrives twice and the second is refused as already committed, which means done;
+  lost arrives twice and the second is refused as already committed (Reason.COMMITTED or
+  RANK_COMMITTED), which means done;
 - a resize (the plane restarted with fewer ranks): the plans of uncommitted steps changed, so a
-  commit of an old plan is refused ("re-planned"), and a fetched plan for a different number
-  of ranks than the last one means the same. Either way the rank goes back to the plane's next
-  step to train and fetches again;
-- running ahead of slower ranks ("too far ahead"): backs off and asks again (flow control).
+  commit of an old plan is refused (Reason.REPLANNED), and a fetched plan for a different
+  number of ranks than the last one means the same. Either way the rank goes back to the
+  plane's next step to train and fetches again;
+- running ahead of slower ranks (Reason.TOO_FAR_AHEAD): backs off and asks again (flow
+  control).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 
 from dataplane.client import PlaneClient, PlaneError
 from dataplane.plan_table import fingerprint, plan_metadata
+from dataplane.server import Reason
 
 COLUMNS = ("source", "shard", "key", "role", "sp_index", "item_kind", "item_index")
 
@@ -39,9 +42,9 @@ def train(url: str, rank: int, record_path: str, pause: int | None = None) -> No
             try:
                 table = client.get_plan(step, rank)
             except PlaneError as e:
-                if "the mixture is exhausted" in str(e):
+                if e.reason == Reason.EXHAUSTED:
                     return
-                if "too far ahead" in str(e):  # slower ranks hold the plane back: wait
+                if e.reason == Reason.TOO_FAR_AHEAD:  # slower ranks hold the plane back: wait
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 0.5)
                     continue
@@ -62,10 +65,10 @@ def train(url: str, rank: int, record_path: str, pause: int | None = None) -> No
             try:
                 client.commit(step, rank, plan_fp=fingerprint(table))
             except PlaneError as e:
-                if "re-planned" in str(e):
+                if e.reason == Reason.REPLANNED:
                     dp, step = None, client.status()["next_step"]
                     continue
-                if "already committed" not in str(e):
+                if e.reason not in (Reason.COMMITTED, Reason.RANK_COMMITTED):
                     raise
             print(f"committed {step}", flush=True)
             step += 1

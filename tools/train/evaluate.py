@@ -22,12 +22,12 @@ from backbone.omni import scatter_media
 from dataplane.embedded import start_embedded
 from dataplane.plane import PlaneConfig
 from dataplane.spec import load_spec
+from kernels.reference import IGNORE_INDEX
 from loaders.pipeline import RankLoader
 from tools.train import checkpoint
 from tools.train.build import build_model, model_config
 from tools.train.config import RunConfig
 
-IGNORE = -100
 TEXT_TEMPLATES = ("text",)  # the lm task's held-out sources (templates without media)
 
 
@@ -57,7 +57,7 @@ def caption_accuracy(model, batches) -> tuple[int, int, Counter]:
                                   media.items, mb.media_sample_M, mb.cu_seqlens_S1)
         hidden_TD, _ = dec(embeds_TD, mb.position_ids_T, mb.cu_seqlens_S1, mb.max_seqlen,
                            mrope_3T=mb.mrope_3T)
-        mask = mb.labels_T != IGNORE
+        mask = mb.labels_T != IGNORE_INDEX
         pred = (hidden_TD[mask] @ dec.lm_weight_VD.T).argmax(-1)
         labels = mb.labels_T[mask]
         correct += int((pred == labels).sum())

@@ -26,8 +26,6 @@ from tools.train.config import RunConfig
 from tools.train.metrics import MetricsWriter, Progress
 from tools.train.step import StepContext, train_step
 
-IGNORE = -100
-
 
 @dataclass
 class RankJob:

@@ -33,11 +33,10 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from balancer.types import ENCODER_KINDS
+from kernels.reference import IGNORE_INDEX
 from loaders.collate import PackedBatch
 from parallel.reshard import ItemKey, local_reshard_plan, reshard
-
-KINDS = ("image", "video", "audio")  # kind ids as in loaders.sequence.KINDS
-IGNORE = -100
 
 
 def item_key(ref, kind_id: int, index: int) -> ItemKey:
@@ -61,7 +60,7 @@ class _Inputs:
         if key in self.seen:
             return
         self.seen.add(key)
-        if key[3] == KINDS.index("audio"):
+        if key[3] == ENCODER_KINDS.index("audio"):
             self.audio_keys.append(key), self.mels.append(tensor), self.frames.append(frames)
         else:
             self.vision_keys.append(key), self.patches.append(tensor)
@@ -77,7 +76,7 @@ def _batch_items(mb: PackedBatch):
     for kind, seq, row, index in zip(mb.media_kind_M.tolist(), mb.media_sample_M.tolist(),
                                      mb.media_index_M.tolist(), mb.media_item_M.tolist()):
         key = item_key(mb.seq_refs[seq], kind, index)
-        if kind == KINDS.index("audio"):
+        if kind == ENCODER_KINDS.index("audio"):
             a, b = audio_starts[row], audio_starts[row + 1]
             yield key, mb.audio_mel_AF[a:b], None, audio_rows[row]
         else:
@@ -99,7 +98,7 @@ class StepMedia:
         self.moved = sum(n for r, n in enumerate(plan.send_counts) if r != rank)
         inputs = _Inputs([], [], [], [], [], [])
         for item in batch.encode_items:  # the plan's encode rows (the producer side)
-            inputs.add(item_key(item.ref, KINDS.index(item.kind), item.index), item.tensor,
+            inputs.add(item_key(item.ref, ENCODER_KINDS.index(item.kind), item.index), item.tensor,
                        item.grid_thw, item.frames)
         for mb in batch.micro_batches:  # what no other rank sends: encode here
             if mb.seq_refs is None:
@@ -153,7 +152,7 @@ class StepMedia:
             cu = mb.cu_seqlens_S1.tolist()
             labels_T = mb.labels_T.clone()
             for seq in sorted(lost):
-                labels_T[cu[seq]:cu[seq + 1]] = IGNORE
+                labels_T[cu[seq]:cu[seq + 1]] = IGNORE_INDEX
                 ref = mb.seq_refs[seq]
                 warnings.warn(f"{ref.source}/{ref.key}: a media item did not arrive from its "
                               f"encoding rank; the sample is not trained this step",

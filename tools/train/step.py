@@ -14,12 +14,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from kernels.reference import IGNORE_INDEX
 from parallel.sequence import sp_batch
 from tools.train.build import lr_at
 from tools.train.media_step import StepMedia
 from tools.train.metrics import CostFit, CostRefit
-
-IGNORE = -100
 
 
 @dataclasses.dataclass
@@ -43,7 +42,7 @@ def placeholder(empty):
     takes other code paths; its label is ignored, so it adds nothing to the loss."""
     one = torch.zeros(1, dtype=torch.int64)
     return dataclasses.replace(
-        empty, input_ids_T=one, labels_T=torch.full((1,), IGNORE, dtype=torch.int64),
+        empty, input_ids_T=one, labels_T=torch.full((1,), IGNORE_INDEX, dtype=torch.int64),
         position_ids_T=one, mrope_3T=torch.zeros(3, 1, dtype=torch.int64),
         cu_seqlens_S1=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1,
         seq_len_full_S=torch.ones(1, dtype=torch.int64),
@@ -128,7 +127,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
         mb, items = media.items_for(mb)
         prepared.append((mb if mb.num_tokens else placeholder(mb), items))
     n_groups = len(ctx.sources) + 1
-    n_local = sum(int((mb.labels_T != IGNORE).sum()) for mb, _ in prepared)
+    n_local = sum(int((mb.labels_T != IGNORE_INDEX).sum()) for mb, _ in prepared)
     tokens_local = sum(mb.num_tokens for mb in batch.micro_batches)
     flops = _flops(batch.micro_batches, ctx.flops_alpha, ctx.flops_beta)
     # slices of samples split over an SP group, counted where slice 0 is

@@ -4,7 +4,7 @@ the same data path as the omni task.
 The plane plans the steps and ``loaders.pipeline.RankLoader`` yields the usual
 ``PackedBatch`` micro-batches; this module turns each one into the DiT's inputs:
 
-- **clips**: the micro-batch's *video* items (``vision_kind_V == 1``). Their patches are the
+- **clips**: the micro-batch's *video* items (``vision_kind_V == VIDEO``). Their patches are the
   vision encoder's (``loaders.decode_image.patchify``: CLIP-normalised pixels, a patch vector
   laid out (channel, frame, row, col), patches in Qwen2-VL *merge-window* order). The DiT is
   built with the same patch and temporal patch size as the spec's ``media:`` geometry, so a
@@ -40,13 +40,14 @@ from dataclasses import dataclass
 import torch
 
 from backbone.dit import DiTConfig, VideoDiT
+from balancer.types import ENCODER_KINDS
 from dataplane.errors import UserError
 from dataplane.spec import MixSpec
 from loaders.collate import PackedBatch
 from loaders.decode_text import load_tokenizer
 from tools.train.config import RunConfig
 
-VIDEO = 1  # vision_kind_V / media_kind_M id of a video (loaders.sequence.KINDS)
+VIDEO = ENCODER_KINDS.index("video")  # vision_kind_V / media_kind_M id of a video
 EVAL_TIMES = (0.25, 0.5, 0.75)  # evaluate_video_gen's fixed flow times
 EVAL_SEED = 1234  # noise of held-out batch i: torch.Generator().manual_seed(EVAL_SEED + i)
 
@@ -238,7 +239,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
     generator = torch.Generator().manual_seed(
         (cfg.seed * 1_000_003 + step) * 1_009 + ctx.rank)
     mbs = [mb if mb.num_tokens else placeholder(mb) for mb in batch.micro_batches]
-    n_local = sum(int(mb.vision_grid_thw_V3[mb.vision_kind_V == 1].prod(dim=1).sum())
+    n_local = sum(int(mb.vision_grid_thw_V3[mb.vision_kind_V == VIDEO].prod(dim=1).sum())
                   for mb in mbs)
     counts = torch.tensor([n_local, len(batch.skipped)], dtype=torch.float64)
     dist.all_reduce(counts)
