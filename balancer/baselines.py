@@ -1,18 +1,37 @@
 """Per-step placement policies the planner is measured against, as other systems do it.
 
-Each policy places one global batch (every sample of ``samples``, as drawn: no window, no
-sequence-parallel split) on ``config.dp`` ranks and packs each rank into micro-batches under
-``config.micro_batch_tokens``. A sample longer than the budget still runs, alone in its
-micro-batch: the simulator counts that as a budget violation instead of refusing the policy.
+Each policy places one global batch (every sample of ``samples``, as drawn: no window) on
+``config.dp`` ranks and packs each rank into micro-batches under ``config.micro_batch_tokens``.
 Every plan has the same micro-batch count on every rank (empty trailing slots) and fills the
 cost grid, lower bound and encoder cost the way the planner does, so metrics treat all alike.
+Encoder items are encoded where they are consumed (no reshard).
 
-- ``strided``: DistributedSampler: sample j to rank j mod dp, consecutive micro-batches;
+Two variants of each policy:
+
+- no split (``BASELINES_NO_SPLIT``): every sample whole on one rank. A sample longer than the
+  budget still runs, alone in its micro-batch: the simulator counts that as a budget violation
+  instead of refusing the policy.
+- ``+split`` (``BASELINES_SPLIT``): first the planner's own long-short split (`split_sizes`:
+  a sample costlier than a micro-batch slot's share, or longer than the budget, runs on an
+  aligned SP group of k ranks, ``sp_max`` caps k, each rank carrying c/k plus its all-to-all
+  cost); then the policy places whole samples and SP groups its own way. A group's k slices
+  share one micro-batch slot on its k ranks. The split keeps every slice within the budget,
+  so these plans never violate it.
+
+The policies (their ``+split`` rule for SP groups in brackets):
+
+- ``strided``: DistributedSampler: sample j to rank j mod dp, consecutive micro-batches [a
+  cursor walks the ranks; a group takes the next aligned k ranks from it];
 - ``first_fit``: VeOmni-like dynamic batching: each rank takes a contiguous chunk of the
-  batch and packs it first-fit in arrival order;
-- ``token_lpt``: longest-processing-time on token counts, first-fit-decreasing packing;
+  batch and packs it first-fit in arrival order [a group takes the aligned k ranks around its
+  chunk's rank];
+- ``token_lpt``: longest-processing-time on token counts, first-fit-decreasing packing [groups
+  first, widest then longest, each onto the aligned group with the fewest tokens on its
+  fullest rank; then whole samples by LPT on tokens];
 - ``kk_cost``: verl-like equal-size Karmarkar–Karp on the cost ``α·L + β·L²`` (every rank
-  gets the same number of samples, ±1), first-fit-decreasing packing.
+  gets the same number of samples, ±1), first-fit-decreasing packing [groups first, each onto
+  the aligned group whose costliest rank is cheapest; whole samples partitioned by KK, the
+  costliest part onto the least loaded rank].
 """
 
 from __future__ import annotations
@@ -23,15 +42,17 @@ from types import MappingProxyType
 import numba
 import numpy as np
 
+from balancer.assign import lpt, place_sp_groups
+from balancer.split import choose_sp_size, slot_share, unit_cost
 from balancer.stream import item_costs, llm_costs
-from balancer.types import PlannerConfig, StepPlan, WindowSamples
+from balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
 
 
 def strided(samples: WindowSamples, costs, config: PlannerConfig) -> StepPlan:
     """DistributedSampler-like: round-robin ranks, consecutive samples fill micro-batches."""
     n = samples.num_samples
     rank_N = (np.arange(n) % config.dp).astype(np.int64)
-    mb_N = _pack(samples.tokens_N, rank_N, np.arange(n), config.dp,
+    mb_N = _pack(samples.tokens_N, rank_N, _ones(n), np.arange(n), config.dp,
                  config.micro_batch_tokens, False)
     return assemble(samples, costs, config, rank_N, mb_N)
 
@@ -40,7 +61,7 @@ def first_fit(samples: WindowSamples, costs, config: PlannerConfig) -> StepPlan:
     """Dynamic batching: contiguous chunks per rank, first-fit under the token budget."""
     n = samples.num_samples
     rank_N = np.arange(n, dtype=np.int64) * config.dp // max(n, 1)
-    mb_N = _pack(samples.tokens_N, rank_N, np.arange(n), config.dp,
+    mb_N = _pack(samples.tokens_N, rank_N, _ones(n), np.arange(n), config.dp,
                  config.micro_batch_tokens, True)
     return assemble(samples, costs, config, rank_N, mb_N)
 
@@ -49,7 +70,8 @@ def token_lpt(samples: WindowSamples, costs, config: PlannerConfig) -> StepPlan:
     """Longest first onto the rank with the fewest tokens; first-fit-decreasing packing."""
     order_N = np.argsort(-samples.tokens_N, kind="stable")
     rank_N = _lpt(samples.tokens_N.astype(np.float64), order_N, config.dp)
-    mb_N = _pack(samples.tokens_N, rank_N, order_N, config.dp, config.micro_batch_tokens, True)
+    mb_N = _pack(samples.tokens_N, rank_N, _ones(len(rank_N)), order_N, config.dp,
+                 config.micro_batch_tokens, True)
     return assemble(samples, costs, config, rank_N, mb_N)
 
 
@@ -57,12 +79,140 @@ def kk_cost(samples: WindowSamples, costs, config: PlannerConfig) -> StepPlan:
     """Equal-size Karmarkar–Karp on the LLM cost (as verl balances its batches)."""
     rank_N = karmarkar_karp_equal(llm_costs(samples, costs), config.dp)
     order_N = np.argsort(-samples.tokens_N, kind="stable")
-    mb_N = _pack(samples.tokens_N, rank_N, order_N, config.dp, config.micro_batch_tokens, True)
+    mb_N = _pack(samples.tokens_N, rank_N, _ones(len(rank_N)), order_N, config.dp,
+                 config.micro_batch_tokens, True)
     return assemble(samples, costs, config, rank_N, mb_N)
 
 
-BASELINES = MappingProxyType({
+def split_sizes(samples: WindowSamples, costs, config: PlannerConfig,
+                n_steps: int = 1) -> np.ndarray:
+    """SP group size of every sample (int64, 1 = whole) by the planner's rule (see
+    ``planner._split``): the slot share of ``n_steps`` steps of these samples on
+    ``config.dp`` ranks, ``sp_max`` and the budget, the SP all-to-all priced by ``costs``."""
+    cost_N = llm_costs(samples, costs)
+    share = slot_share(cost_N, samples.tokens_N, n_steps, config.dp, config.micro_batch_tokens)
+    return choose_sp_size(cost_N, samples.tokens_N, share, sp_max=config.sp_max, dp=config.dp,
+                          micro_batch_tokens=config.micro_batch_tokens,
+                          sp_comm_per_token=costs.sp_comm_per_token).astype(np.int64)
+
+
+def _pieces(samples, costs, config, sp_size_N):
+    """(k, tokens per rank, cost per rank) of every sample under the split."""
+    k_N = split_sizes(samples, costs, config) if sp_size_N is None \
+        else np.asarray(sp_size_N, np.int64)
+    slice_N = np.asarray(slice_tokens(samples.tokens_N, k_N), np.int64)
+    unit_N = unit_cost(llm_costs(samples, costs), samples.tokens_N, k_N,
+                       costs.sp_comm_per_token)
+    return k_N, slice_N, unit_N
+
+
+def strided_split(samples: WindowSamples, costs, config: PlannerConfig,
+                  sp_size_N=None) -> StepPlan:
+    """Round-robin in arrival order; a split sample takes the next aligned group of k ranks."""
+    k_N, slice_N, _ = _pieces(samples, costs, config, sp_size_N)
+    first_N = _strided_groups(k_N, config.dp)
+    n = samples.num_samples
+    return _pack_groups(samples, costs, config, first_N, k_N, slice_N, np.arange(n), False)
+
+
+def first_fit_split(samples: WindowSamples, costs, config: PlannerConfig,
+                    sp_size_N=None) -> StepPlan:
+    """Contiguous chunks; a split sample on the aligned group holding its chunk's rank."""
+    k_N, slice_N, _ = _pieces(samples, costs, config, sp_size_N)
+    n = samples.num_samples
+    rank_N = np.arange(n, dtype=np.int64) * config.dp // max(n, 1)
+    first_N = np.minimum(rank_N // k_N, config.dp // k_N - 1) * k_N  # groups fit in dp
+    return _pack_groups(samples, costs, config, first_N, k_N, slice_N, np.arange(n), True)
+
+
+def token_lpt_split(samples: WindowSamples, costs, config: PlannerConfig,
+                    sp_size_N=None) -> StepPlan:
+    """Groups (widest, then longest first) on the aligned group with the fewest tokens on its
+    fullest rank, then whole samples by LPT on tokens; first-fit-decreasing packing."""
+    k_N, slice_N, _ = _pieces(samples, costs, config, sp_size_N)
+    first_N = _groups_then_lpt(slice_N.astype(np.float64), k_N, config.dp)
+    order_N = _widest_heaviest_first(slice_N.astype(np.float64), k_N)
+    return _pack_groups(samples, costs, config, first_N, k_N, slice_N, order_N, True)
+
+
+def kk_cost_split(samples: WindowSamples, costs, config: PlannerConfig,
+                  sp_size_N=None) -> StepPlan:
+    """Groups (widest, then costliest first) on the aligned group whose costliest rank is
+    cheapest; whole samples in dp equal-count Karmarkar–Karp parts, the costliest part onto
+    the least loaded rank; first-fit-decreasing packing on tokens."""
+    k_N, slice_N, unit_N = _pieces(samples, costs, config, sp_size_N)
+    dp = config.dp
+    split_N = k_N > 1
+    load_R = np.zeros(dp, np.float64)
+    first_N = place_sp_groups(unit_N, k_N, _widest_heaviest_first(unit_N, k_N)[
+        :int(split_N.sum())], load_R)
+    whole = np.flatnonzero(~split_N)
+    part_W = karmarkar_karp_equal(unit_N[whole], dp)
+    part_R = np.bincount(part_W, weights=unit_N[whole], minlength=dp)
+    rank_of_part = np.empty(dp, np.int64)
+    rank_of_part[np.argsort(-part_R, kind="stable")] = np.argsort(load_R, kind="stable")
+    first_N[whole] = rank_of_part[part_W]
+    order_N = _widest_heaviest_first(slice_N.astype(np.float64), k_N)
+    return _pack_groups(samples, costs, config, first_N, k_N, slice_N, order_N, True)
+
+
+BASELINES_NO_SPLIT = MappingProxyType({
     "strided": strided, "first_fit": first_fit, "token_lpt": token_lpt, "kk_cost": kk_cost})
+SPLIT_SUFFIX = "+split"
+BASELINES_SPLIT = MappingProxyType({
+    "strided" + SPLIT_SUFFIX: strided_split, "first_fit" + SPLIT_SUFFIX: first_fit_split,
+    "token_lpt" + SPLIT_SUFFIX: token_lpt_split, "kk_cost" + SPLIT_SUFFIX: kk_cost_split})
+BASELINES = MappingProxyType({**BASELINES_NO_SPLIT, **BASELINES_SPLIT})
+
+
+def may_split(name: str) -> bool:
+    """Whether the named baseline applies the long-short split."""
+    return name.endswith(SPLIT_SUFFIX)
+
+
+def _pack_groups(samples, costs, config, first_N, k_N, slice_N, order_N, first) -> StepPlan:
+    """Pack the placed pieces (`_pack`) and assemble the plan; every group must lie on aligned
+    ranks inside dp (checked here: the numba packer does not check bounds)."""
+    if len(k_N) and ((first_N < 0).any() or (first_N % k_N).any()
+                     or (first_N + k_N > config.dp).any()):
+        raise ValueError("baseline placed an SP group off its aligned ranks")
+    mb_N = _pack(slice_N, first_N, k_N, order_N, config.dp, config.micro_batch_tokens, first)
+    return assemble(samples, costs, config, first_N, mb_N, k_N)
+
+
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, np.int64)
+
+
+def _widest_heaviest_first(weight_N: np.ndarray, k_N: np.ndarray) -> np.ndarray:
+    """Split samples first (widest group, then heaviest), then whole ones, heaviest first;
+    ties by index."""
+    return np.lexsort((np.arange(len(k_N)), -weight_N, -k_N))
+
+
+def _groups_then_lpt(weight_N: np.ndarray, k_N: np.ndarray, dp: int) -> np.ndarray:
+    """First rank of every sample: groups onto aligned groups, then whole samples by LPT, all
+    on ``weight_N`` per rank."""
+    order_N = _widest_heaviest_first(weight_N, k_N)
+    n_split = int((k_N > 1).sum())
+    load_R = np.zeros(dp, np.float64)
+    first_N = place_sp_groups(weight_N, k_N, order_N[:n_split], load_R)
+    rank_N = lpt(weight_N, order_N[n_split:], load_R)
+    return np.where(k_N > 1, first_N, rank_N)
+
+
+def _strided_groups(k_N: np.ndarray, dp: int) -> np.ndarray:
+    """First rank of every sample, in arrival order: a cursor walks the ranks round-robin; a
+    sample of k takes the aligned group at or after the cursor (wrapping to rank 0 when none
+    is left before rank dp), and the cursor moves past it."""
+    first_N = np.zeros(len(k_N), np.int64)
+    cursor = 0
+    for i, k in enumerate(k_N.tolist()):
+        a = -(-cursor // k) * k
+        a = 0 if a + k > dp else a
+        first_N[i] = a
+        cursor = (a + k) % dp
+    return first_N
 
 
 def karmarkar_karp_equal(value_N: np.ndarray, parts: int) -> np.ndarray:
@@ -104,32 +254,43 @@ def karmarkar_karp_equal(value_N: np.ndarray, parts: int) -> np.ndarray:
 
 
 def assemble(samples: WindowSamples, costs, config: PlannerConfig, rank_N: np.ndarray,
-             mb_N: np.ndarray) -> StepPlan:
-    """The StepPlan of whole samples at (rank, micro-batch), costs and bound filled in.
+             mb_N: np.ndarray, sp_size_N: np.ndarray | None = None) -> StepPlan:
+    """The StepPlan of samples at (rank, micro-batch), costs and bound filled in.
 
-    The lower bound is that of any placement without splitting: the mean rank cost and the
-    dearest sample. Encoder items are encoded where they are consumed (no reshard).
+    ``sp_size_N`` (default all 1): a sample of k > 1 runs on ranks ``rank_N .. rank_N + k - 1``
+    (slices 0..k-1, one slot), each carrying c/k plus its all-to-all cost. The lower bound is
+    the planner's for these pieces: the mean rank cost, and the dearest piece (a whole sample
+    or one slice). Encoder items are encoded where they are consumed, on the rank of slice 0
+    (no reshard).
     """
     n, dp = samples.num_samples, config.dp
-    cost_N = llm_costs(samples, costs)
+    k_N = np.ones(n, np.int64) if sp_size_N is None else np.asarray(sp_size_N, np.int64)
+    unit_N = unit_cost(llm_costs(samples, costs), samples.tokens_N, k_N,
+                       costs.sp_comm_per_token)
+    slice_N = np.asarray(slice_tokens(samples.tokens_N, k_N), np.int64)
+    group_P = np.repeat(np.arange(n, dtype=np.int64), k_N)
+    index_P = np.arange(len(group_P)) - (np.cumsum(k_N) - k_N)[group_P]
+    rank_P = rank_N[group_P] + index_P
+    slot_P = mb_N[group_P]
     slots = int(mb_N.max()) + 1 if n else 0
     mb_cost_RB = np.zeros((dp, slots), np.float64)
     mb_tokens_RB = np.zeros((dp, slots), np.int64)
-    np.add.at(mb_cost_RB, (rank_N, mb_N), cost_N)
-    np.add.at(mb_tokens_RB, (rank_N, mb_N), samples.tokens_N)
+    np.add.at(mb_cost_RB, (rank_P, slot_P), unit_N[group_P])
+    np.add.at(mb_tokens_RB, (rank_P, slot_P), slice_N[group_P])
     item_sample_M = np.repeat(np.arange(n, dtype=np.int64), np.diff(samples.item_offsets_N1))
     consume_rank_M = rank_N[item_sample_M].astype(np.int32)
     encoder_cost_R = np.bincount(consume_rank_M, weights=item_costs(samples, costs),
                                  minlength=dp).astype(np.float64)
     return StepPlan(
-        step=0, sample_P=np.arange(n, dtype=np.int64), rank_P=rank_N.astype(np.int32),
-        micro_batch_P=mb_N.astype(np.int32), sp_size_P=np.ones(n, np.int32),
-        sp_index_P=np.zeros(n, np.int32), num_micro_batches=slots, mb_cost_RB=mb_cost_RB,
+        step=0, sample_P=group_P, rank_P=rank_P.astype(np.int32),
+        micro_batch_P=slot_P.astype(np.int32), sp_size_P=k_N[group_P].astype(np.int32),
+        sp_index_P=index_P.astype(np.int32), num_micro_batches=slots, mb_cost_RB=mb_cost_RB,
         mb_tokens_RB=mb_tokens_RB,
-        lower_bound=float(max(cost_N.sum() / dp, cost_N.max())) if n else 0.0,
+        lower_bound=float(max((unit_N * k_N).sum() / dp, unit_N.max())) if n else 0.0,
         item_M=np.arange(samples.num_items, dtype=np.int64), item_sample_M=item_sample_M,
         encode_rank_M=consume_rank_M, consume_rank_M=consume_rank_M.copy(),
-        encoder_cost_R=encoder_cost_R, reshard=False, displacement_P=np.zeros(n, np.int32))
+        encoder_cost_R=encoder_cost_R, reshard=False,
+        displacement_P=np.zeros(len(group_P), np.int32))
 
 
 @numba.njit(cache=True)
@@ -145,33 +306,39 @@ def _lpt(weight_N, order_N, ranks):
 
 
 @numba.njit(cache=True)
-def _pack(tokens_N, rank_N, order_N, ranks, budget, first):
-    """Micro-batch of each sample, taking each rank's samples in ``order_N``.
+def _pack(tokens_N, first_N, k_N, order_N, ranks, budget, first):
+    """Micro-batch of each sample, taking the samples in ``order_N``; sample i holds
+    ``tokens_N[i]`` tokens on each of the ranks ``first_N[i] .. first_N[i] + k_N[i] - 1``, all
+    in one slot.
 
-    ``first``: first fit (the lowest slot with room, else a new one); otherwise consecutive
-    (a new slot when the current one would overflow). A sample over the budget gets a slot of
-    its own; nothing else joins it.
+    ``first``: first fit (the lowest slot with room on all its ranks, else a new one);
+    otherwise consecutive (the last slot opened on its ranks if it has room on all of them,
+    else a new one). A new slot is one past the last opened on any of its ranks, so empty on
+    all of them. A sample over the budget gets a slot of its own; nothing else joins it.
     """
     n = len(tokens_N)
-    count_R = np.zeros(ranks, np.int64)
-    for i in range(n):
-        count_R[rank_N[i]] += 1
-    load_RB = np.zeros((ranks, max(1, count_R.max())), np.int64)
+    load_RB = np.zeros((ranks, max(1, n)), np.int64)
     used_R = np.zeros(ranks, np.int64)
     mb_N = np.zeros(n, np.int64)
     for i in order_N:
-        r, t = rank_N[i], tokens_N[i]
+        a, k, t = first_N[i], k_N[i], tokens_N[i]
+        top = 0
+        for r in range(a, a + k):
+            top = max(top, used_R[r])
         slot = -1
-        if first:
-            for b in range(used_R[r]):
-                if load_RB[r, b] + t <= budget:
-                    slot = b
+        for b in range(top - 1 if not first and top else 0, top):
+            fits = True
+            for r in range(a, a + k):
+                if load_RB[r, b] + t > budget:
+                    fits = False
                     break
-        elif used_R[r] and load_RB[r, used_R[r] - 1] + t <= budget:
-            slot = used_R[r] - 1
+            if fits:
+                slot = b
+                break
         if slot < 0:
-            slot = used_R[r]
-            used_R[r] += 1
-        load_RB[r, slot] += t
+            slot = top
+        for r in range(a, a + k):
+            load_RB[r, slot] += t
+            used_R[r] = max(used_R[r], slot + 1)
         mb_N[i] = slot
     return mb_N

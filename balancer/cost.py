@@ -60,12 +60,83 @@ VIDEO_WINDOW_PATCHES = 1024
 
 
 @dataclass(frozen=True)
+class CommModel:
+    """What the two collectives cost: bytes from a model config, over a bandwidth, in cost units.
+
+    Ulysses SP (a sample of L tokens split over k ranks): per layer, the forward re-lays out
+    q, k, v and the attention output with an all-to-all each; every rank holds a slice of
+    s = ⌈L/k⌉ tokens × `hidden` values and sends (k−1)/k of it, so one rank sends
+    4·s·hidden·dtype_bytes·(k−1)/k bytes per layer forward, and as much again backward
+    (the transposed all-to-alls): `sp_bytes_per_token` × s × (k−1)/k over all layers. q, k and
+    v are counted at full width (grouped-query k, v are narrower, so this over-charges SP).
+
+    Reshard (encoder output on another rank than its consumer): each LLM token of an item is
+    one embedding row of `hidden` values, sent forward and its gradient sent back.
+
+    Bytes become time at `bandwidth` bytes/s per rank (what one rank sends, and receives, in
+    an all-to-all; `inf` makes both collectives free) and time becomes cost units at
+    `unit_seconds` per unit. Defaults: a 7B-like shape, hidden 4096, 32 layers, bf16 (2 bytes);
+    25 GB/s; and the simulations' cost `24576·L + L²` read as FLOPs / (6·32·4096): β = 1 is
+    this config's causal attention term, 6·layers·hidden FLOPs (`CostModel.from_dims`), so a
+    unit is 786,432 FLOPs, 1.97 ns at 400 TFLOP/s sustained (α = 24576 units then means 3.2B
+    active matmul parameters, an MoE's active count at this shape).
+    """
+
+    hidden: int = 4096
+    layers: int = 32
+    dtype_bytes: int = 2
+    bandwidth: float = 25e9  # bytes/s per rank
+    unit_seconds: float = 6 * 32 * 4096 / 400e12  # seconds one cost unit takes
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "dtype_bytes", "bandwidth", "unit_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+    @property
+    def sp_bytes_per_token(self) -> float:
+        """Bytes one rank sends per token of its slice, all layers, forward + backward, as k
+        grows (a group of k sends (k−1)/k of it): 2 × 4 tensors × layers × hidden × bytes."""
+        return 2.0 * 4 * self.layers * self.hidden * self.dtype_bytes
+
+    @property
+    def reshard_bytes_per_token(self) -> float:
+        """Bytes per LLM token of a resharded item: its embedding out, its gradient back."""
+        return 2.0 * self.hidden * self.dtype_bytes
+
+    def units(self, nbytes) -> np.ndarray | float:
+        """Cost units of moving `nbytes` at `bandwidth` (0 when the bandwidth is infinite)."""
+        return np.asarray(nbytes, np.float64) / self.bandwidth / self.unit_seconds
+
+    def sp_comm(self, tokens, sp_size) -> np.ndarray:
+        """Cost units one rank of an SP group of k pays for a sample of `tokens` (0 if k = 1)."""
+        k = np.asarray(sp_size, np.int64)
+        s = -(-np.asarray(tokens, np.int64) // k)
+        return self.units(self.sp_bytes_per_token * s * (k - 1) / k)
+
+    def collectives(self) -> dict:
+        """`sp_comm_per_token` and `reshard_per_token` (cost units) for `Costs`."""
+        return {"sp_comm_per_token": float(self.units(self.sp_bytes_per_token)),
+                "reshard_per_token": float(self.units(self.reshard_bytes_per_token))}
+
+    def describe(self) -> dict:
+        """JSON-ready parameters and the derived per-token costs."""
+        return {"hidden": self.hidden, "layers": self.layers, "dtype_bytes": self.dtype_bytes,
+                "bandwidth_bytes_per_s": self.bandwidth, "unit_seconds": self.unit_seconds,
+                "sp_bytes_per_token": self.sp_bytes_per_token,
+                "reshard_bytes_per_token": self.reshard_bytes_per_token,
+                **self.collectives()}
+
+
+@dataclass(frozen=True)
 class Costs:
     """Everything the planner prices: the LLM, each encoder kind, and the two collectives.
 
-    `sp_comm_per_token`: cost one rank of an SP group pays per token of its slice for the
-    Ulysses all-to-alls (0 for a sample that is not split). `reshard_per_token`: cost of moving
-    one LLM-token embedding from the rank that encoded it to the rank that consumes it.
+    `sp_comm_per_token`: cost one rank of an SP group of k pays per token of its slice for the
+    Ulysses all-to-alls, times (k−1)/k, the part of its slice a rank sends (0 for a sample
+    that is not split). `reshard_per_token`: cost of moving one LLM-token embedding from the
+    rank that encoded it to the rank that consumes it. `CommModel.collectives` derives both
+    from a model config and a bandwidth.
     """
 
     llm: CostModel

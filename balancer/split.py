@@ -3,7 +3,8 @@
 A sample much costlier than what one rank carries in a step would set the step time alone, and
 a sample longer than the micro-batch budget cannot run on one rank at all. Such a sample is
 split over an aligned group of k ranks (k a power of two); each rank then holds
-`slice_tokens(L, k)` tokens and carries `c/k` plus the Ulysses all-to-all cost of its slice.
+`slice_tokens(L, k)` tokens and carries `c/k` plus the Ulysses all-to-all cost of its slice
+(`cost.CommModel`).
 
 Shape suffix: N samples.
 """
@@ -35,10 +36,11 @@ def slot_share(cost_N: np.ndarray, tokens_N: np.ndarray, n_steps: int, dp: int,
 
 def unit_cost(cost_N: np.ndarray, tokens_N: np.ndarray, sp_size_N: np.ndarray,
               sp_comm_per_token: float) -> np.ndarray:
-    """Cost one rank carries for a sample: c for a whole sample, c/k + comm for a split one."""
+    """Cost one rank carries for a sample: c for a whole sample, c/k + comm for a split one
+    (comm: `sp_comm_per_token` × its slice × (k−1)/k, the part of the slice it sends)."""
     sp_size_N = np.asarray(sp_size_N, np.int64)
-    comm_N = np.where(sp_size_N > 1,
-                      sp_comm_per_token * slice_tokens(tokens_N, sp_size_N), 0.0)
+    comm_N = np.where(sp_size_N > 1, sp_comm_per_token * slice_tokens(tokens_N, sp_size_N)
+                      * (sp_size_N - 1) / sp_size_N, 0.0)
     return cost_N / sp_size_N + comm_N
 
 

@@ -3,13 +3,17 @@
 Options are checked up front (every bad value is one UserError line), the samples come from a
 lengths file or a built-in generator, every policy plans the same steps, and the comparison is
 printed as a table (or JSON), optionally drawn (per-rank load per step for each policy) and
-our plan written as one Parquet row per placement.
+our plan written as one Parquet row per placement. The baselines run twice, without the
+long-short split (labelled "no split") and with ours (``+split``); the SP all-to-all and the
+encoder reshard are charged to every policy from ``--bandwidth`` and the model shape
+(`balancer.cost.CommModel`). The headline ratio is against the best baseline that may split.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from balancer.baselines import may_split
+from balancer.cost import CommModel
 from balancer.simulate import ALL_POLICIES, OURS, PolicyRun, compare, rank_loads, run_policy
 from balancer.split import largest_sp_size
 from balancer.types import PlannerConfig, WindowSamples
@@ -35,6 +41,7 @@ class SimOptions:
     config: PlannerConfig
     alpha: float
     beta: float
+    comm: CommModel
     steps: int | None
     samples_per_rank: int | None
     global_batch_tokens: int | None
@@ -63,6 +70,12 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         raise UserError("--cost-linear, --cost-quadratic: must be >= 0 and not both 0")
     if args.seed < 0:
         raise UserError(f"--seed: must be >= 0, got {args.seed}")
+    if not args.bandwidth > 0:  # NaN fails too
+        raise UserError(f"--bandwidth: must be > 0 GB/s (inf: free), got {args.bandwidth}")
+    for flag in ("hidden_size", "layers", "dtype_bytes", "unit_seconds"):
+        value = getattr(args, flag)
+        if not value > 0 or math.isinf(value):
+            raise UserError(f"--{flag.replace('_', '-')}: must be > 0, got {value}")
     per_rank = args.samples_per_rank
     if per_rank is None and args.global_batch_tokens is None:
         per_rank = DEFAULT_SAMPLES_PER_RANK
@@ -70,17 +83,35 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         lengths=Path(args.lengths) if args.lengths else None, dist=args.dist,
         config=PlannerConfig(dp=args.dp, micro_batch_tokens=args.micro_batch_tokens,
                              window=args.window, sp_max=args.sp_max, epsilon=args.epsilon),
-        alpha=args.cost_linear, beta=args.cost_quadratic, steps=args.steps,
+        alpha=args.cost_linear, beta=args.cost_quadratic,
+        comm=CommModel(hidden=args.hidden_size, layers=args.layers,
+                       dtype_bytes=args.dtype_bytes, bandwidth=args.bandwidth * 1e9,
+                       unit_seconds=args.unit_seconds),
+        steps=args.steps,
         samples_per_rank=per_rank, global_batch_tokens=args.global_batch_tokens,
         seed=args.seed, json=args.json, plot=Path(args.plot) if args.plot else None,
         plan_out=Path(args.plan_out) if args.plan_out else None)
 
 
-def default_costs(alpha: float, beta: float):
-    """LLM cost ``α·L + β·L²``; encoders priced relative to it (Costs.from_llm)."""
+def default_costs(alpha: float, beta: float, comm: CommModel | None = None):
+    """LLM cost ``α·L + β·L²``; encoders priced relative to it (Costs.from_llm); the two
+    collectives priced by ``comm`` (free when None)."""
     from balancer.cost import Costs
 
-    return Costs.from_llm(alpha, beta)
+    return Costs.from_llm(alpha, beta, **(comm.collectives() if comm is not None else {}))
+
+
+def comm_json(comm: CommModel) -> dict:
+    """CommModel.describe() with an infinite bandwidth as null (JSON has no infinity)."""
+    d = comm.describe()
+    if math.isinf(d["bandwidth_bytes_per_s"]):
+        d["bandwidth_bytes_per_s"] = None
+    return d
+
+
+def bandwidth_label(bandwidth: float) -> str:
+    """25 GB/s, or free for an infinite bandwidth (bytes/s in)."""
+    return "free" if math.isinf(bandwidth) else f"{bandwidth / 1e9:g} GB/s"
 
 
 def samples_for(options: SimOptions) -> tuple[WindowSamples, np.ndarray, np.ndarray]:
@@ -116,11 +147,12 @@ def simulate_command(args: argparse.Namespace, console: Console | None = None) -
     options = options_from_args(args)
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     stream, offsets_S1, row_N = samples_for(options)
-    costs = default_costs(options.alpha, options.beta)
+    costs = default_costs(options.alpha, options.beta, options.comm)
     runs = [run_policy(name, stream, offsets_S1, costs, options.config) for name in ALL_POLICIES]
     result = compare(runs, stream, offsets_S1, costs, options.config)
     result["input"] = str(options.lengths) if options.lengths else f"dist:{options.dist}"
     result["cost"] = {"linear": options.alpha, "quadratic": options.beta}
+    result["comm"] = comm_json(options.comm)
     if options.plot is not None:
         write_plot(options.plot, runs, result["ideal_time"] / max(result["steps"], 1))
         result["plot"] = str(options.plot)
@@ -135,26 +167,40 @@ def simulate_command(args: argparse.Namespace, console: Console | None = None) -
 
 
 def print_result(result: dict, console: Console) -> None:
-    """Which policies ran, the table, and our speed-up over the best baseline."""
+    """Which policies ran, the table, and our speed-up over the best baseline that may split
+    (and, labelled, over the best no-split one)."""
+    comm = result.get("comm")
+    priced = "" if comm is None else (
+        f", comm {bandwidth_label(comm['bandwidth_bytes_per_s'] or math.inf)} per rank")
     console.print(f"policies: {', '.join(result['policies'])}  ({result['input']}: "
                   f"{result['samples']:,} samples, {result['items']:,} encoder items, "
                   f"{result['steps']} steps on {result['dp']} ranks, window {result['window']}, "
-                  f"sp_max {result['sp_max']}, budget {result['micro_batch_tokens']:,} tokens)")
-    table = Table(title="balance simulate: per policy (time / ideal: ideal = all cost / ranks)")
-    for col in ("policy", "imb mean", "imb p95", "max/LB", "DDP/ideal", "FSDP/ideal",
+                  f"sp_max {result['sp_max']}, budget {result['micro_batch_tokens']:,} tokens"
+                  f"{priced})")
+    table = Table(title="balance simulate: per policy (time / ideal: ideal = all compute / "
+                        "ranks; comm = SP + reshard all-to-all per rank / ideal)")
+    for col in ("policy", "imb mean", "imb p95", "max/LB", "DDP/ideal", "FSDP/ideal", "comm",
                 "disp mean", "disp max", "ms/step", "violations", "exactly once"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    ideal = result["ideal_time"] or 1.0
     for name, p in result["policies"].items():
-        table.add_row(name, f"{p['imbalance_mean']:.3f}", f"{p['imbalance_p95']:.3f}",
+        label = name if p.get("may_split", True) else f"{name} (no split)"
+        table.add_row(label, f"{p['imbalance_mean']:.3f}", f"{p['imbalance_p95']:.3f}",
                       f"{p['max_over_lb_mean']:.3f}", f"{p['ddp_over_ideal']:.3f}",
-                      f"{p['fsdp_over_ideal']:.3f}", f"{p['displacement_mean']:.2f}",
+                      f"{p['fsdp_over_ideal']:.3f}",
+                      f"{(p.get('sp_comm_per_rank', 0) + p.get('reshard_comm', 0)) / ideal:.3f}",
+                      f"{p['displacement_mean']:.2f}",
                       str(p["displacement_max"]), f"{p['planner_ms_per_step']:.2f}",
                       str(p["violations"]), "yes" if p["exactly_once"] else "NO")
     console.print(table)
-    for objective, speedup in result["speedup_vs_best_baseline"].items():
-        best = result["best_baseline"][objective]
-        console.print(f"{OURS} {objective.upper()} step time: {speedup:.2f}x faster than the "
-                      f"best baseline ({best})")
+    for key, best_key, which in (
+            ("speedup_vs_best_baseline", "best_baseline", "the best baseline"),
+            ("speedup_vs_best_no_split_baseline", "best_baseline_no_split",
+             "the best no-split baseline")):
+        for objective, speedup in result.get(key, {}).items():
+            best = result[best_key][objective]
+            console.print(f"{OURS} {objective.upper()} step time: {speedup:.2f}x faster than "
+                          f"{which} ({best})")
     for key in ("plot", "plan_out"):
         if key in result:
             console.print(f"wrote {result[key]}")

@@ -145,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest sequence-parallel group, a power of two (default 8)")
     sim.add_argument("--steps", type=int, default=None,
                      help="global batches to plan (default: 16 with --dist, all with --lengths)")
+    comm = sim.add_argument_group(
+        "communication (SP all-to-all, encoder reshard), charged to every policy")
+    comm.add_argument("--bandwidth", type=float, default=25.0, metavar="GB/s",
+                      help="all-to-all bandwidth per rank in GB/s (default 25; inf: free)")
+    comm.add_argument("--hidden-size", type=int, default=4096,
+                      help="model hidden size: bytes per token (default 4096)")
+    comm.add_argument("--layers", type=int, default=32, help="model layers (default 32)")
+    comm.add_argument("--dtype-bytes", type=int, default=2,
+                      help="bytes per activation value (default 2, bf16)")
+    comm.add_argument("--unit-seconds", type=float, default=6 * 32 * 4096 / 400e12,
+                      help="seconds one cost unit takes (default 1.966e-9: 6*32*4096 FLOPs, "
+                           "the default cost's L^2 term for this shape, at 400 TFLOP/s)")
     batch = sim.add_argument_group("global batch (at most one; default 8 samples per rank)")
     batch.add_argument("--samples-per-rank", type=int, default=None)
     batch.add_argument("--global-batch-tokens", type=int, default=None,

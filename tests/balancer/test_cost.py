@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from balancer.cost import CostModel, Costs, fit
+from balancer.cost import CommModel, CostModel, Costs, fit
+from balancer.split import unit_cost
 
 
 def test_cost_model_is_quadratic():
@@ -57,3 +58,36 @@ def test_fit_refuses_too_few_measurements():
         fit([100, 100, 100, 100], [1.0, 1.0, 1.1, 0.9])
     with pytest.raises(ValueError, match="times_T"):
         fit([1, 2, 3], [1.0, 2.0])
+
+
+# One sample of 1000 tokens split over k = 2 ranks; hidden 1024, 2 layers, 2 bytes a value,
+# 1 GB/s, a cost unit = 1 µs. Each rank holds 500 tokens and sends half of them (k-1)/k: per
+# layer and direction 4 tensors (q, k, v, out) x 250 tokens x 1024 x 2 bytes = 2,048,000
+# bytes; x 2 layers x 2 (forward, backward) = 8,192,000 bytes = 8.192 ms = 8192 units.
+HAND = CommModel(hidden=1024, layers=2, dtype_bytes=2, bandwidth=1e9, unit_seconds=1e-6)
+
+
+def test_sp_comm_of_a_hand_computed_split():
+    assert HAND.sp_bytes_per_token == 2 * 4 * 2 * 1024 * 2
+    assert HAND.sp_comm(1000, 2) == pytest.approx(8192.0)
+    assert HAND.sp_comm(1000, 1) == 0.0  # whole: no all-to-all
+    # k = 4: 250 tokens a rank, 3/4 sent: 4 x 187.5 x 1024 x 2 x 2 x 2 B = 6.144 ms
+    assert HAND.sp_comm(1000, 4) == pytest.approx(6144.0)
+    costs = Costs.from_llm(10.0, 0.0, **HAND.collectives())
+    # per token of a rank's slice when it sends all of it: 8192 units / (500 x 1/2)
+    assert costs.sp_comm_per_token == pytest.approx(8192.0 / 250)
+    # what one rank of the group carries: half the compute plus its all-to-all
+    assert unit_cost(np.array([10_000.0]), np.array([1000]), np.array([2]),
+                     costs.sp_comm_per_token)[0] == pytest.approx(5000.0 + 8192.0)
+
+
+def test_reshard_bytes_and_free_bandwidth():
+    # an item's 100 LLM tokens: 100 x 1024 x 2 bytes out, the gradient back: 409,600 B
+    assert HAND.collectives()["reshard_per_token"] * 100 == pytest.approx(409.6)
+    free = CommModel(bandwidth=float("inf"))
+    assert free.collectives() == {"sp_comm_per_token": 0.0, "reshard_per_token": 0.0}
+    default = CommModel()  # 7B-like shape, bf16, 25 GB/s, 6*32*4096 FLOPs at 400 TFLOP/s
+    assert default.sp_bytes_per_token == 2 * 4 * 32 * 4096 * 2
+    assert default.unit_seconds == pytest.approx(1.96608e-9)
+    with pytest.raises(ValueError, match="bandwidth"):
+        CommModel(bandwidth=0.0)

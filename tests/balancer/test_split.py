@@ -21,10 +21,15 @@ def test_smallest_k_that_fits_the_share():
 def test_comm_cost_can_raise_k():
     cost = np.array([100.0])
     tokens = np.array([64])
-    # k=4: 25 + 0.25·16 = 29 ≤ 30; k=2 would be 50 + 8 = 58.
+    # A rank sends (k-1)/k of its slice. k=4: 25 + 0.25·16·3/4 = 28 ≤ 30; k=2 would be
+    # 50 + 0.25·32·1/2 = 54.
     assert choose_sp_size(cost, tokens, 30.0, sp_max=8, dp=8, micro_batch_tokens=100,
                           sp_comm_per_token=0.25)[0] == 4
-    assert unit_cost(cost, tokens, np.array([4]), 0.25)[0] == pytest.approx(29.0)
+    assert unit_cost(cost, tokens, np.array([4]), 0.25)[0] == pytest.approx(28.0)
+    assert unit_cost(cost, tokens, np.array([2]), 0.25)[0] == pytest.approx(54.0)
+    # with 1.0 per token, k=4 costs 25 + 12 = 37 > 30, k=8 costs 12.5 + 7 = 19.5
+    assert choose_sp_size(cost, tokens, 30.0, sp_max=8, dp=8, micro_batch_tokens=100,
+                          sp_comm_per_token=1.0)[0] == 8
     assert unit_cost(cost, tokens, np.array([1]), 0.25)[0] == 100.0  # whole: no comm
 
 

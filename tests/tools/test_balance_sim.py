@@ -27,8 +27,11 @@ def test_table_plot_and_plan_out(tmp_path):
     proc = run("--dist", "lognormal", "--dp", "8", "--steps", "4", "--samples-per-rank", "8",
                "--plot", str(plot), "--plan-out", str(plan))
     assert proc.returncode == 0, proc.stderr
-    for name in ("omniscale", "strided", "first_fit", "token_lpt", "kk_cost", "imb mean",
-                 "DDP/ideal", "violations", "faster than the best baseline"):
+    for name in ("omniscale", "strided (no split)", "first_fit (no split)",
+                 "token_lpt (no split)", "kk_cost (no split)", "strided+split", "first_fit+split",
+                 "token_lpt+split", "kk_cost+split", "imb mean", "DDP/ideal", "violations",
+                 "comm 25 GB/s per rank", "faster than the best baseline (",
+                 "faster than the best no-split baseline ("):
         assert name in proc.stdout
     assert plot.stat().st_size > 0
     table = pq.read_table(plan)
@@ -63,7 +66,11 @@ def test_json_from_an_index_skips_corrupt_rows(tmp_path, capsys):
     assert result["items"] == sum(1 for i in range(n) if i % 2 and i < 65 and i != 3) + 2 * sum(
         1 for i in range(n) if i % 7 == 0 and i < 65)
     assert set(result["policies"]) == {"omniscale", "strided", "first_fit", "token_lpt",
-                                       "kk_cost"}
+                                       "kk_cost", "strided+split", "first_fit+split",
+                                       "token_lpt+split", "kk_cost+split"}
+    assert result["best_baseline"]["ddp"].endswith("+split")
+    assert not result["best_baseline_no_split"]["ddp"].endswith("+split")
+    assert result["comm"]["bandwidth_bytes_per_s"] == 25e9
     assert all(p["exactly_once"] for p in result["policies"].values())
     samples = set(pq.read_table(plan)["sample"].to_pylist())
     assert 3 not in samples and samples == set(range(65)) - {3}
@@ -92,6 +99,9 @@ def test_jsonl_with_encoder_patches_and_token_batches(tmp_path, capsys):
     (["--dist", "lognormal", "--samples-per-rank", "2", "--global-batch-tokens", "9"],
      "at most one"),
     (["--dist", "lognormal", "--micro-batch-tokens", "1000", "--sp-max", "1"], "raise"),
+    (["--dist", "lognormal", "--bandwidth", "0"], "--bandwidth: must be > 0"),
+    (["--dist", "lognormal", "--layers", "0"], "--layers: must be > 0"),
+    (["--dist", "lognormal", "--unit-seconds", "-1"], "--unit-seconds: must be > 0"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["balance", "simulate", *args]) == 2
@@ -115,3 +125,57 @@ def test_parser_defaults():
     args = build_parser().parse_args(["balance", "simulate", "--dist", "omni"])
     assert (args.dp, args.window, args.cost_linear, args.cost_quadratic, args.sp_max,
             args.epsilon) == (8, 4, 24576.0, 1.0, 8, 0.05)
+    assert (args.bandwidth, args.hidden_size, args.layers, args.dtype_bytes) == (25.0, 4096, 32, 2)
+    assert args.unit_seconds == pytest.approx(6 * 32 * 4096 / 400e12)
+
+
+def test_bandwidth_changes_only_what_communication_costs(capsys):
+    """Free communication (inf) against 12.5 GB/s: the no-split baselines move no bytes, so
+    they time the same; everyone that splits pays, and the ideal (compute only) stays."""
+    results = {}
+    for bandwidth in ("inf", "12.5"):
+        assert main(["balance", "simulate", "--dist", "lognormal", "--dp", "8", "--steps", "4",
+                     "--bandwidth", bandwidth, "--json"]) == 0
+        results[bandwidth] = json.loads(capsys.readouterr().out)
+    free, slow = results["inf"], results["12.5"]
+    assert free["comm"]["bandwidth_bytes_per_s"] is None and free["comm"]["sp_comm_per_token"] == 0
+    assert slow["comm"]["bandwidth_bytes_per_s"] == 12.5e9
+    assert free["ideal_time"] == slow["ideal_time"]
+    for name in ("strided", "token_lpt"):
+        assert free["policies"][name]["ddp_time"] == slow["policies"][name]["ddp_time"]
+    for name in ("omniscale", "token_lpt+split"):
+        assert free["policies"][name]["sp_comm_per_rank"] == 0
+        assert slow["policies"][name]["sp_comm_per_rank"] > 0
+        assert slow["policies"][name]["ddp_time"] > free["policies"][name]["ddp_time"]
+
+
+@pytest.mark.slow  # a real quick bench run: ~10 s on 2 cores
+def test_bench_quick_writes_the_fair_comparison(tmp_path):
+    """tools/bench/balance.py --quick: baselines with and without the split, a bandwidth sweep,
+    the headline against the best baseline that may split, and where the figures come from."""
+    out = tmp_path / "balance.json"
+    proc = subprocess.run([sys.executable, "tools/bench/balance.py", "--quick", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["quick"] and len(result["git_commit"] or "x" * 40) == 40
+    assert len(result["load_avg_at_start"]) == 3 and "noisy" in result["timing_note"]
+    assert result["bandwidths"] == ["free", "200 GB/s", "25 GB/s", "12.5 GB/s"]
+    assert result["default_bandwidth"] == "25 GB/s"
+    assert result["comm_model"]["hidden"] == 4096 and result["comm_model"]["layers"] == 32
+    assert len(result["targets"]) == 9
+    for case in result["cases"]:
+        assert set(case["no_split_baselines"]) == {"strided", "first_fit", "token_lpt",
+                                                   "kk_cost"}
+        assert not any(p["may_split"] for p in case["no_split_baselines"].values())
+        assert len(case["runs"]) == 4 * 2  # bandwidths x sp_max
+        for run in case["runs"]:
+            assert set(run["split_baselines"]) == {"strided+split", "first_fit+split",
+                                                   "token_lpt+split", "kk_cost+split"}
+            assert run["best_baseline"]["ddp"] in run["split_baselines"]
+            assert run["best_baseline_no_split"]["ddp"] in case["no_split_baselines"]
+            assert set(run["speedup_vs_best_baseline"]) == {"ddp", "fsdp"}
+            assert set(run["speedup_vs_best_no_split_baseline"]) == {"ddp", "fsdp"}
+            assert all(p["violations"] == 0 and p["exactly_once"]
+                       for p in [run["ours"], *run["split_baselines"].values()])
+            assert (run["comm"]["sp_comm_per_token"] == 0) == (run["bandwidth"] == "free")
