@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import ray
 
@@ -51,16 +52,18 @@ def probe_refs(source: str, path: str, n: int = PROBE_SAMPLES) -> list[SampleRef
             for r in rows]
 
 
-def measure_costs(spec: DecoderSpec, n: int = PROBE_SAMPLES) -> dict[str, float]:
-    """Mean seconds per decoded sample of each source, from its first few samples."""
+def measure_costs(spec: DecoderSpec, n: int = PROBE_SAMPLES,
+                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Mean seconds per decoded sample of each source, from its first few samples (timed by
+    `clock`, which tests replace)."""
     decoder = TimedDecoder(spec, timeout=None)
     costs = {}
     for name, path in spec.sources.items():
         refs = probe_refs(name, path, n)
-        start = time.perf_counter()
+        start = clock()
         for ref in refs:
             decoder.decode(ref)
-        costs[name] = (time.perf_counter() - start) / max(len(refs), 1)
+        costs[name] = (clock() - start) / max(len(refs), 1)
     decoder.close()
     return costs
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -146,22 +145,22 @@ def test_dense_model_and_a_few_steps_lower_the_loss():
     assert aux["router_loss"] == 0 and hidden.shape == (96, config.d_model)
 
 
-def test_tiny_step_on_cpu_runs(capsys):
-    """One fwd+bwd at 2K tokens; the time is printed (tests do not assert timings)."""
+def test_tiny_step_on_cpu_runs():
+    """One fwd+bwd of the `tiny` preset at 2K tokens gives a finite loss and a finite gradient
+    for every parameter (its speed is tools/bench's business, not a test's)."""
     torch.manual_seed(0)
     model = MoEDecoder(ModelConfig.preset("tiny"))
     lengths = [512] * 4
     cu, pos = packed(lengths)
     ids = torch.randint(0, model.config.vocab_size, (2048,))
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        hidden, aux = model(model.embed_tokens(ids), pos, cu, 512)
-        loss_sum, n = model.loss(hidden, ids)
-        (loss_sum / n + aux["router_loss"]).backward()
-        times.append(time.perf_counter() - t0)
-    with capsys.disabled():
-        print(f"\ntiny fwd+bwd, 2048 tokens: {min(times) * 1e3:.0f} ms (best of 3)")
+    hidden, aux = model(model.embed_tokens(ids), pos, cu, 512)
+    loss_sum, n = model.loss(hidden, ids)
+    loss = loss_sum / n + aux["router_loss"]
+    loss.backward()
+    assert n == 2048 and torch.isfinite(loss)
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), \
+        [k for k, g in grads.items() if g is None or not torch.isfinite(g).all()]
 
 
 def _loss_and_grads(model, embeds_TD, labels_T, lengths):

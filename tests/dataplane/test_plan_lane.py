@@ -23,12 +23,22 @@ class PlanService:
 
     def __init__(self):
         self.delay = 0.0
-        self.calls = 0
+        self.calls = self.returned = 0
+        self.idle = threading.Condition()  # notified as each call returns
 
     def get_plan(self, step, rank):
-        self.calls += 1
+        with self.idle:
+            self.calls += 1
+        try:
+            return self._plan(step, rank)
+        finally:
+            with self.idle:
+                self.returned += 1
+                self.idle.notify_all()
+
+    def _plan(self, step, rank):
         if self.delay:
-            time.sleep(self.delay)
+            time.sleep(self.delay)  # the slow plane itself, not a synchronisation
         if rank > 3:
             raise RequestError(f"rank {rank}: the job has 4 ranks (0..3)")
         if step == 666:
@@ -147,7 +157,8 @@ def test_lane_times_out_and_starts_afresh(served):
     with pytest.raises(PlaneError, match="failed for 0.5 s: plan lane: no reply in 0.3 s"):
         client.get_plan(1, 1)
     service.delay = 0.0
-    time.sleep(0.7)  # the late replies arrive on connections the client closed
+    with service.idle:  # the late replies are answered, on connections the client closed
+        assert service.idle.wait_for(lambda: service.returned == service.calls, timeout=30)
     got = client.get_plan(2, 2)  # not a late reply to an earlier request
     assert got.column("step")[0].as_py() == 2 and got.column("rank")[0].as_py() == 2
     client.close()
@@ -174,12 +185,18 @@ def test_without_a_lane_the_stream_is_the_flight_exchange():
         client = PlaneClient(server.url, stream=True, stream_s=0.2)
         opened = time.monotonic()
         assert client.get_plan(0, 1).num_rows == 3
+        answered = time.monotonic()
         assert client._lane_port == 0 and client._stream is not None
-        # reopened after a random share (1/2 … 1) of stream_s, so clients spread their reopens
-        assert opened + 0.1 <= client._stream[2] <= time.monotonic() + 0.2
-        for step in range(6):
+        # reopened after a random share (1/2 … 1) of stream_s, so clients spread their reopens;
+        # the reopen time was set between `opened` and `answered`, so this holds however
+        # slow the machine is (a sandwich on the monotonic clock, not a duration)
+        assert opened + 0.1 <= client._stream[2] <= answered + 0.2
+        for step in range(6):  # alternately reuse the stream and find it due for a reopen
+            writer = client._stream[0]
+            if step % 2:  # due: as if its time had passed (no waiting)
+                client._stream = (*client._stream[:2], float("-inf"))
             assert client.get_plan(step, 2).column("step")[0].as_py() == step
-            time.sleep(0.06)
+            assert (client._stream[0] is writer) == (step % 2 == 0)
         client.close()
     finally:
         server.stop()

@@ -36,11 +36,26 @@ def test_pools_follow_cost_times_share():
         size_pools(costs, shares, total=4, min_replicas=3, max_replicas=2)
 
 
-def test_measured_costs_rank_video_above_text(demo):
+def test_measured_costs_are_mean_seconds_per_sample(demo, monkeypatch):
+    """Every source's probe samples really decode; the cost is the mean time per sample, timed
+    on a fake clock that each decode advances by its source's made-up cost (real decode
+    times would make any ordering between sources a race)."""
+    from loaders.worker import TimedDecoder
+
+    made_up = {s.name: 0.001 * (i + 1) for i, s in enumerate(demo.sources)}
+    now, decoded = [0.0], []
+    real = TimedDecoder.decode
+
+    def decode(self, ref):
+        out = real(self, ref)
+        decoded.append(ref.source)
+        now[0] += made_up[ref.source]
+        return out
+    monkeypatch.setattr(TimedDecoder, "decode", decode)
     costs = measure_costs(decoder_spec(loader_args(demo)["sources"], demo.tokenizer,
-                                       demo.media))
-    assert set(costs) == {s.name for s in demo.sources} and min(costs.values()) > 0
-    assert costs["video_caption"] > costs["docs"]
+                                       demo.media), clock=lambda: now[0])
+    assert set(decoded) == set(made_up) and len(decoded) <= 3 * len(made_up)
+    assert costs == pytest.approx(made_up, rel=1e-9)
 
 
 @pytest.mark.timeout(120)

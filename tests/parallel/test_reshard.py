@@ -2,8 +2,10 @@
 (`dataplane.plan_table.rank_tables`): forward then backward equal a single-process run that
 encodes every item where it is consumed — with uneven item sizes, a rank that encodes nothing,
 a rank that consumes nothing, and (4 ranks) an SP-split sample whose items reach both slices.
-Each rank derives its side from its own table; that equals the side derived (and checked)
-from every rank's table."""
+Who sends and receives what is checked against an oracle built from the cases' own rows (an
+item goes from its encode rank to every rank whose sequence holds its sample), never against
+the planner: each rank's side derived from its own table, and from every rank's table, equal
+it."""
 
 from __future__ import annotations
 
@@ -51,6 +53,32 @@ def _tables(world):
     return rank_tables(plan, refs, first_N, step=0, dp=world)
 
 
+def _oracle(world):
+    """Each rank's side of the exchange, from CASES alone: sample s's items (images, videos,
+    audio clips) are sent by their encode rank to every rank holding a placement row of s,
+    sent in (consumer, item) order and received in (encoder, item) order (reshard.py's
+    contract, so both sides agree without identifiers)."""
+    from parallel.reshard import ReshardPlan
+
+    samples, rows, encode = CASES[world]
+    items = [("src", "shard", f"k{s}", kind, i) for s, counts in enumerate(samples)
+             for kind, n in enumerate(counts) for i in range(n)]
+    assert len(items) == len(encode)
+    consumers = {s: sorted({r for s_, r, _, _ in rows if s_ == s}) for s in range(len(samples))}
+    pairs = [(e, c, item) for item, e in zip(items, encode)
+             for c in consumers[int(item[2][1:])]]  # (encoder, consumer, item)
+    plans = []
+    for rank in range(world):
+        send = sorted((c, item) for e, c, item in pairs if e == rank)
+        recv = sorted((e, item) for e, c, item in pairs if c == rank)
+        plans.append(ReshardPlan(
+            send_items=[item for _, item in send],
+            send_counts=[sum(c == r for c, _ in send) for r in range(world)],
+            recv_items=[item for _, item in recv],
+            recv_counts=[sum(e == r for e, _ in recv) for r in range(world)]))
+    return plans
+
+
 def _seed(item, extra=0):
     return zlib.crc32(repr(item).encode()) + extra
 
@@ -90,14 +118,12 @@ def _rank(rank, world):
 
 
 def _reference(world):
-    """Every item encoded on each rank that consumes it, in one process."""
-    from parallel.reshard import reshard_plan
-
+    """Every item encoded on each rank that consumes it (per the oracle), in one process."""
     W = _encoder()
     inputs, outs, loss = {}, [], 0.0
-    for rank in range(world):
+    for rank, side in enumerate(_oracle(world)):
         mine = {}
-        for item in reshard_plan(_tables(world), rank).recv_items:
+        for item in side.recv_items:
             x = inputs.setdefault(item, _input(item).requires_grad_())
             mine[item] = torch.tanh(x @ W)
             loss = loss + (mine[item] * _weight(item, rank, x.shape[0])).sum()
@@ -111,6 +137,7 @@ def test_reshard_forward_and_backward_are_exact(world):
     results = run_ranks(_rank, world)
     want_out, want_grad, want_W = _reference(world)
     plans = [plan for *_, plan in results]
+    assert plans == _oracle(world)
     if world == 2:
         assert plans[0].send_items == [] and plans[1].recv_items == []
     else:
@@ -141,8 +168,9 @@ def test_plan_rejects_encode_rows_that_disagree():
 def test_each_rank_derives_its_side_from_its_own_table(world):
     from parallel.reshard import local_reshard_plan, reshard_plan
 
-    tables = _tables(world)
+    tables, want = _tables(world), _oracle(world)
     for rank in range(world):
-        assert local_reshard_plan(tables[rank], rank, world) == reshard_plan(tables, rank)
+        assert local_reshard_plan(tables[rank], rank, world) == want[rank]
+        assert reshard_plan(tables, rank) == want[rank]
     with pytest.raises(ValueError, match="outside the 1 ranks"):
         local_reshard_plan(tables[0], 0, 1)  # a table planned for more ranks than the group

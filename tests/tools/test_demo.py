@@ -8,7 +8,6 @@ import io
 import json
 import re
 import tarfile
-import time
 from pathlib import Path
 
 import decord
@@ -239,7 +238,9 @@ def test_ranges_cover_evenly():
                 assert len(ranges) >= 2 and max(c for _, c in ranges) <= max(size, -(-n // 2))
 
 
-def test_generate_tiny_then_reuse(tmp_path):
+def test_generate_tiny_then_reuse(tmp_path, monkeypatch):
+    import tools.demo.dataset as demo_dataset
+
     out = tmp_path / "demo"
     summary = generate(out, scale="tiny", seed=0, workers=2, progress=False)
     for split in summary["sources"].values():
@@ -247,9 +248,14 @@ def test_generate_tiny_then_reuse(tmp_path):
     lengths = [len(m["txt"]) for m in source_samples(out, "train", "text").values()]
     p10, p50, p90 = np.percentile(lengths, [10, 50, 90])
     assert p90 > 4 * p50 and p50 > 4 * p10  # long-tailed, as real files are
-    t0 = time.perf_counter()
+    # Reuse does no work: nothing is built, no file is rewritten (a counter and the files'
+    # identities, not a duration).
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*")}
+    builds = []
+    monkeypatch.setattr(demo_dataset, "build", lambda *a, **k: builds.append(a))
     assert generate(out, scale="tiny", seed=0, progress=False) == summary
-    assert time.perf_counter() - t0 < 1.0
+    assert builds == []
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.rglob("*")} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no partial directories
 
 

@@ -1,0 +1,15 @@
+"""Hypothesis in CI (the environment variable CI set, as CI services do): derandomized, so a
+run examines the same cases as the run before it and a red build is the code's doing, not the
+draw's; no deadline (a shared runner's timing is no property of the code). Local runs keep
+Hypothesis' random search, which finds new cases. A test's own `@settings` still override."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, database=None,
+                          print_blob=True)
+if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+    settings.load_profile("ci")
