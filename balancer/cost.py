@@ -11,7 +11,6 @@ Shape suffixes: T measurements, K fitted parameters (3).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 

@@ -50,7 +50,8 @@ def _greedy(order_N, tokens_N, source_N, load_N, n_steps, n_sources, share_C, ep
     # whose share + ε reaches 1 can never be over its share, so it has no budget.
     hi_src_C = np.empty(n_sources, np.float64)
     for c in range(n_sources):
-        hi_src_C[c] = np.inf if share_C[c] + eps >= 1.0 else (share_C[c] + eps) * target * (1.0 - eps)
+        hi_src_C[c] = (np.inf if share_C[c] + eps >= 1.0
+                       else (share_C[c] + eps) * target * (1.0 - eps))
     for o in range(n):
         i = order_N[o]
         t = tokens_N[i]

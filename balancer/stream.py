@@ -43,7 +43,8 @@ def steps_by_tokens(tokens_N: np.ndarray, budget: int, max_steps: int | None = N
     return np.asarray(offsets, np.int64)
 
 
-def take(stream: WindowSamples, lo: int, hi: int, batch_N: np.ndarray | None = None) -> WindowSamples:
+def take(stream: WindowSamples, lo: int, hi: int,
+         batch_N: np.ndarray | None = None) -> WindowSamples:
     """Samples ``[lo, hi)`` of the stream with their items, re-offset to start at 0."""
     ilo, ihi = int(stream.item_offsets_N1[lo]), int(stream.item_offsets_N1[hi])
     return WindowSamples(
@@ -55,7 +56,8 @@ def take(stream: WindowSamples, lo: int, hi: int, batch_N: np.ndarray | None = N
 
 
 def windows(step_offsets_S1: np.ndarray, window: int) -> list[tuple[int, int]]:
-    """(first step, end step) of each window of ``window`` consecutive steps; the last may be short."""
+    """(first step, end step) of each window of ``window`` consecutive steps; the last may be
+    short."""
     steps = len(step_offsets_S1) - 1
     return [(s, min(s + window, steps)) for s in range(0, steps, window)]
 

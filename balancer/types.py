@@ -65,8 +65,9 @@ class WindowSamples:
         for name in ("source_N", "batch_N"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name}: length {len(getattr(self, name))}, expected {n}")
-        if len(self.item_offsets_N1) != n + 1 or (n + 1 and self.item_offsets_N1[0] != 0) \
-                or (n and self.item_offsets_N1[-1] != m) or np.any(np.diff(self.item_offsets_N1) < 0):
+        offsets = self.item_offsets_N1
+        if len(offsets) != n + 1 or (n + 1 and offsets[0] != 0) or (n and offsets[-1] != m) \
+                or np.any(np.diff(offsets) < 0):
             raise ValueError("item_offsets_N1: must rise from 0 to the number of items")
         for name in ("item_kind_M", "item_tokens_M"):
             if len(getattr(self, name)) != m:

@@ -3,7 +3,8 @@
 A source's file state is its seeded order and a cursor into it. Each epoch visits the source's
 shards in a permutation seeded by ``(seed, source name, epoch)`` and each shard's rows in a
 permutation seeded by ``(seed, source name, epoch, shard position)``; seeding by name, not by
-position in the spec, keeps a source's order when other sources are added, removed or moved; both are recomputed from
+position in the spec, keeps a source's order when other sources are added, removed or moved; both
+are recomputed from
 those numbers, never stored, so the state that a snapshot must carry is the cursor
 ``(epoch, shard position, sample position)``, the quarantined keys and a few counters: a small
 JSON-able dict. Restoring it reproduces exactly the sequence an uninterrupted run would serve.

@@ -67,7 +67,8 @@ class PlanPrefetcher:
         return False
 
     def _run(self) -> None:
-        client = PlaneClient(self.url, token=self.token, stream=True)  # the plan lane: cheap fetches
+        # stream=True: the plan lane, cheap fetches
+        client = PlaneClient(self.url, token=self.token, stream=True)
         delay = 0.01
         try:
             while not self.stop.is_set():

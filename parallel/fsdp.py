@@ -7,7 +7,8 @@ convolutions, projector) on the encoder mesh, and finally the root, which keeps 
 embeddings, final norm and LM head. The model may be a pipeline stage (`apply_pp`'s
 `runner.module`: its blocks, keyed by layer index, become units the same way), and may have
 been split by `apply_tp` first: FSDP then shards each TP-local parameter over the
-data-parallel axes of the same mesh (2-D parameters; the encoders' TP axis is `encoder_tp`). A unit's parameters are gathered just before its forward
+data-parallel axes of the same mesh (2-D parameters; the encoders' TP axis is `encoder_tp`). A
+unit's parameters are gathered just before its forward
 and freed after (or kept, `reshard_after_forward=False`), so peak memory holds one block.
 
 Gradients are **summed** over data-parallel ranks, not averaged: the decoder's loss is a sum

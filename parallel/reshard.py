@@ -8,7 +8,8 @@ the item it encodes. Each rank derives its side of the exchange from its own pla
 (`local_reshard_plan`: what a step of training costs, whatever the number of ranks): items are
 sent by e in (c, item) order and received by c in (e, item) order, so the two sides agree
 without sending any identifiers. `reshard_plan` derives the same from every rank's table and
-checks that the producer and consumer sides agree (tests, debugging). An item of a sample split over an SP group goes to every rank
+checks that the producer and consumer sides agree (tests, debugging). An item of a sample split over
+an SP group goes to every rank
 of the group (each has an `llm` row for its slice; `scatter_media` keeps the rows inside its
 slice) — the k copies' gradients add up on the encoding rank in backward.
 

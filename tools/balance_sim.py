@@ -22,7 +22,6 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from balancer.baselines import may_split
 from balancer.cost import CommModel
 from balancer.simulate import ALL_POLICIES, OURS, PolicyRun, compare, rank_loads, run_policy
 from balancer.split import largest_sp_size
@@ -66,7 +65,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         raise UserError(f"--sp-max: must be a power of two, got {args.sp_max}")
     if not 0 <= args.epsilon < 1:
         raise UserError(f"--epsilon: must be in [0, 1), got {args.epsilon}")
-    if args.cost_linear < 0 or args.cost_quadratic < 0 or args.cost_linear + args.cost_quadratic == 0:
+    if args.cost_linear < 0 or args.cost_quadratic < 0 or \
+            args.cost_linear + args.cost_quadratic == 0:
         raise UserError("--cost-linear, --cost-quadratic: must be >= 0 and not both 0")
     if args.seed < 0:
         raise UserError(f"--seed: must be >= 0, got {args.seed}")

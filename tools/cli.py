@@ -47,7 +47,8 @@ def _data_inspect(args: argparse.Namespace) -> int:
         try:
             steps = [float(s) for s in args.steps.split(",")]
         except ValueError:
-            raise UserError(f"--steps: expected comma-separated numbers, got {args.steps!r}") from None
+            raise UserError(f"--steps: expected comma-separated numbers, "
+                            f"got {args.steps!r}") from None
     inspect_spec(Path(args.spec), plot=Path(args.plot) if args.plot else None, steps=steps)
     return 0
 

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from balancer.baselines import BASELINES, BASELINES_NO_SPLIT, BASELINES_SPLIT
+from balancer.baselines import BASELINES_NO_SPLIT, BASELINES_SPLIT
 from balancer.cost import CommModel, CostModel, Costs
 from balancer.distributions import (OMNI_SHARES, OMNI_SOURCES, exact_counts, generate,
                                     smart_resize)
@@ -26,7 +26,8 @@ def hand_plan(step=0, encoder_cost_R=None, reshard=False) -> StepPlan:
     return StepPlan(
         step=step, sample_P=np.array([0, 1, 2, 2, 3]), rank_P=np.array([0, 0, 0, 1, 1], np.int32),
         micro_batch_P=np.array([0, 1, 1, 1, 0], np.int32),
-        sp_size_P=np.array([1, 1, 2, 2, 1], np.int32), sp_index_P=np.array([0, 0, 0, 1, 0], np.int32),
+        sp_size_P=np.array([1, 1, 2, 2, 1], np.int32),
+        sp_index_P=np.array([0, 0, 0, 1, 0], np.int32),
         num_micro_batches=2, mb_cost_RB=np.array([[3.0, 1.0], [1.0, 1.0]]),
         mb_tokens_RB=np.array([[3, 1], [1, 1]]), lower_bound=3.0,
         encoder_cost_R=encoder_cost_R, reshard=reshard)

@@ -1,7 +1,8 @@
 """One data-parallel rank of a pretend trainer, as a process: fetch a plan, "train" it, commit.
 
 ``python plane_trainer.py URL RANK RECORD_FILE [PAUSE_STEP]`` loops over steps until the plane
-says the mixture is exhausted. Before committing a step it appends what it trained -- one JSON line per
+says the mixture is exhausted. Before committing a step it appends what it trained -- one JSON line
+per
 step: step, rank, the dp the plan was made for, and every row's (source, shard, key, role,
 sp_index, item_kind, item_index) -- so the test can check that the samples of the epoch were
 trained exactly once. After each commit it prints ``committed STEP`` (the test's progress

@@ -178,7 +178,8 @@ def test_on_exhausted_policies(tmp_path):
 
 
 def test_a_source_with_nothing_servable_ends_instead_of_spinning(tmp_path):
-    path = write_index(tmp_path / "bad", {"bad-0.tar": rows("bad-0.tar", [1, 2], frozenset({0, 1}))})
+    path = write_index(tmp_path / "bad",
+                       {"bad-0.tar": rows("bad-0.tar", [1, 2], frozenset({0, 1}))})
     state = SourceState("bad", 0, path, 0, "next_epoch")
     assert state.next() is None and state.exhausted
 

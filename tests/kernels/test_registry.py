@@ -45,7 +45,8 @@ def test_fast_path_chosen_when_available_and_overrides(fake_backend, monkeypatch
     monkeypatch.setenv(ENV_FORCE, "reference")
     assert kernels.backend_of("rms_norm", "cuda") == "reference"
     x = torch.randn(3, 4)
-    assert torch.equal(kernels.get("rms_norm")(x, torch.ones(4)), reference.rms_norm(x, torch.ones(4)))
+    assert torch.equal(kernels.get("rms_norm")(x, torch.ones(4)),
+                       reference.rms_norm(x, torch.ones(4)))
 
 
 def test_unknown_op_is_a_clear_error():

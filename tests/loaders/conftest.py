@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from decode_fixtures import build_demo
-from pipeline_fixtures import all_modalities_spec, spec_of
+from pipeline_fixtures import all_modalities_spec
 
 
 @pytest.fixture(scope="session")

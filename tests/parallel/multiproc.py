@@ -3,7 +3,8 @@
 Multi-rank behaviour is tested with real processes (no mocks): ``run_ranks(fn, world, *args)``
 spawns ``world`` processes, initialises ``torch.distributed`` with gloo over a file store in a
 temporary directory, calls ``fn(rank, world, *args)`` in each and returns the per-rank results
-(anything picklable, e.g. losses and gradient dicts of CPU tensors: tensors are fine). A failure in any rank is
+(anything picklable, e.g. losses and gradient dicts of CPU tensors: tensors are fine). A failure in
+any rank is
 re-raised here with that rank's traceback. ``fn`` must be importable (a module-level function).
 """
 

@@ -50,7 +50,8 @@ def test_demo_config_is_valid():
 
 def test_run_then_resume_matches_uninterrupted(demo, tmp_path):
     full = tmp_path / "full"
-    train("configs/demo_omni.yaml", sets=_sets(demo, full, steps=4, checkpoint_every=2), progress=False)
+    train("configs/demo_omni.yaml", sets=_sets(demo, full, steps=4, checkpoint_every=2),
+          progress=False)
     rows = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in rows)
@@ -61,7 +62,8 @@ def test_run_then_resume_matches_uninterrupted(demo, tmp_path):
     assert any(p.is_file() for p in (full / "plane").rglob("*"))  # the plane's state + log
 
     part = tmp_path / "part"
-    train("configs/demo_omni.yaml", sets=_sets(demo, part, steps=2, checkpoint_every=2), progress=False)
+    train("configs/demo_omni.yaml", sets=_sets(demo, part, steps=2, checkpoint_every=2),
+          progress=False)
     result = train(None, resume=str(part), sets=["steps=4"], progress=False)
     assert result["start_step"] == 2
     resumed = read_metrics(part / "metrics.jsonl")

@@ -6,7 +6,8 @@ plus backward on the same packed batch, in one run.
 
 Shapes: the `tiny` and `small` decoders' attention at 4 × 512 tokens, a mixed-length packed
 batch (1024, 512, 256, 128, 128), and two cases the backend hands to SDPA: a sequence longer
-than its MAX_LEN and a vision encoder's bidirectional attention over 16 images of 256 patches. The two alternate rep by rep (a busy machine's drift
+than its MAX_LEN and a vision encoder's bidirectional attention over 16 images of 256 patches. The
+two alternate rep by rep (a busy machine's drift
 hits both alike); the median is reported, with the largest difference of outputs and input
 gradients between the two (they compute the same function).
 """

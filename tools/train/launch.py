@@ -20,7 +20,7 @@ import yaml
 
 from dataplane.errors import UserError
 from tools.train import checkpoint
-from tools.train.config import RunConfig, apply_set, load_config
+from tools.train.config import RunConfig, load_config
 from tools.train.loop import RankJob, train_rank
 from tools.train.torchrun import torchrun_layout, under_torchrun
 

@@ -134,7 +134,8 @@ class Progress:
         elif self.enabled and (self.done % self.every == 0 or self.done == self.total):
             rate = (self.done - self.start_done) / max(self.clock() - self.t0, 1e-9)
             eta = (self.total - self.done) / max(rate, 1e-9)
-            print(f"step {self.done}/{self.total}  {info}  eta {int(eta) // 60}m{int(eta) % 60:02d}s",
+            print(f"step {self.done}/{self.total}  {info}  "
+                  f"eta {int(eta) // 60}m{int(eta) % 60:02d}s",
                   flush=True)
 
     def close(self) -> None:

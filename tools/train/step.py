@@ -214,7 +214,7 @@ def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n
            "mfu": (flops_per_s / (ctx.peak_flops * ctx.world) if ctx.peak_flops else None),
            "micro_batches": len(batch.micro_batches), "skipped": int(counts[3]),
            "media_items_moved": int(counts[4]), "sp_split_samples": int(counts[5]),
-           "source_loss": {n: float(l / c) for n, l, c in zip(names, loss_G, n_G) if c > 0},
+           "source_loss": {n: float(s / c) for n, s, c in zip(names, loss_G, n_G) if c > 0},
            "mix_samples": {n: int(s) for n, s in zip(names, samples_G) if s > 0},
            "mix_tokens": {n: int(t) for n, t in zip(names, tokens_G) if t > 0}}
     if load_LE is not None and load_LE.numel():
