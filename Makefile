@@ -23,4 +23,5 @@ demo: setup
 	.venv/bin/omniscale report $(RUN)
 
 test: setup
+	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from backbone.config import MoEConfig, ModelConfig
+from backbone.config import ModelConfig, MoEConfig
 from backbone.moe import MoE
 from encoders.block import cu_seqlens, rope_nd
 

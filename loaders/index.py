@@ -26,8 +26,14 @@ import pyarrow.parquet as pq
 
 from dataplane.errors import UserError
 from loaders.geometry import MediaGeometry
-from loaders.index_schema import (INDEX_FILENAME, INDEX_SCHEMA, INDEX_VERSION, METADATA_KEY,
-                                  index_path, read_index_metadata)
+from loaders.index_schema import (
+    INDEX_FILENAME,
+    INDEX_SCHEMA,
+    INDEX_VERSION,
+    METADATA_KEY,
+    index_path,
+    read_index_metadata,
+)
 from loaders.layout import FORMATS
 from loaders.shard_index import ShardResult, index_shard
 from loaders.text_cost import TokenCounter, find_tokenizer, tokenizer_fingerprint

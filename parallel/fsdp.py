@@ -21,12 +21,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
-                                    register_fsdp_forward_method)
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
 from parallel.mesh import fsdp_mesh
-
 
 # Root methods a trainer calls instead of forward (OmniModel's two-step API): FSDP gathers the
 # root's parameters around them as it does around forward.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from backbone.config import ModelConfig, MoEConfig
-from backbone.moe import MoE, Experts
+from backbone.moe import Experts, MoE
 
 
 def config(**moe) -> ModelConfig:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omni_batches import GEOMETRY, batch, decoded, render, text_sample, tokenizer
 
 from backbone.config import ModelConfig
 from backbone.omni import OmniModel, scatter_media
 from encoders.audio import AudioConfig
 from encoders.vision import VisionConfig
 from loaders.geometry import audio_tokens, vision_tokens
-from omni_batches import GEOMETRY, batch, decoded, render, text_sample, tokenizer
 
 KINDS = ["image", "video", "audio", "image", "video", "audio", "image"]
 

@@ -8,8 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balancer.baselines import (BASELINES, BASELINES_NO_SPLIT, BASELINES_SPLIT, _strided_groups,
-                                assemble, karmarkar_karp_equal, may_split, split_sizes)
+from balancer.baselines import (
+    BASELINES,
+    BASELINES_NO_SPLIT,
+    BASELINES_SPLIT,
+    _strided_groups,
+    assemble,
+    karmarkar_karp_equal,
+    may_split,
+    split_sizes,
+)
 from balancer.cost import CommModel, CostModel, Costs
 from balancer.distributions import generate
 from balancer.metrics import exactly_once, violations

@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from balancer.cost import CostModel, Costs
 from balancer.planner import plan_step, plan_window

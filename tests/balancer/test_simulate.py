@@ -9,13 +9,17 @@ import pytest
 
 from balancer.baselines import BASELINES_NO_SPLIT, BASELINES_SPLIT
 from balancer.cost import CommModel, CostModel, Costs
-from balancer.distributions import (OMNI_SHARES, OMNI_SOURCES, exact_counts, generate,
-                                    smart_resize)
+from balancer.distributions import OMNI_SHARES, OMNI_SOURCES, exact_counts, generate, smart_resize
 from balancer.metrics import displacement, exactly_once, ideal_time, step_times, violations
-from balancer.simulate import (OURS, PolicyRun, compare, planner_split, reprice, run_policy,
-                               simulate)
-from balancer.stream import (arrival_step, steps_by_count, steps_by_tokens, take,
-                             window_samples, windows)
+from balancer.simulate import OURS, PolicyRun, compare, planner_split, reprice, run_policy, simulate
+from balancer.stream import (
+    arrival_step,
+    steps_by_count,
+    steps_by_tokens,
+    take,
+    window_samples,
+    windows,
+)
 from balancer.types import PlannerConfig, StepPlan, WindowSamples
 
 COSTS = Costs(llm=CostModel(1.0, 0.0))

@@ -4,11 +4,11 @@ rank has seen, the change is logged, so a restart and the audit replay the same 
 from __future__ import annotations
 
 import pytest
+from plane_steps import commit_step
 
 from dataplane.audit import audit_state_dir
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.server import RequestError
-from plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=1, snapshot_every=4)

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from plane_steps import commit_step
 
 from dataplane.audit import audit_state_dir
 from dataplane.errors import UserError
 from dataplane.plan_table import fingerprint
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.server import RequestError
-from plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=2, global_batch_tokens=12288,
@@ -298,7 +298,8 @@ def _fault(data_strategy, state: Path) -> tuple[int | None, bool]:
 def test_random_kills_truncations_and_flips_never_lose_a_committed_step(demo, tmp_path_factory):
     """Each restart cycle ends in recovery (nothing committed lost, audit clean) or in a
     one-line refusal -- never a traceback, never silent loss."""
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     @settings(max_examples=40, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))

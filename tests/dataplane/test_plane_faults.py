@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from plane_steps import commit_step
+from procs import Proc as _Proc
+from procs import free_port
 
 from dataplane.client import PlaneClient, PlaneError
 from loaders.index import index_paths
 from loaders.index_schema import read_index
-from procs import Proc as _Proc, free_port
 from tools.demo import generate
-from plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("plane_trainer.py")

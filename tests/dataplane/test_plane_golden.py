@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from plane_steps import commit_step
 
 from dataplane.catalog import Catalog
 from dataplane.mixer import Mixer
 from dataplane.plan_table import fingerprint
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.schedule import Schedule, Segment
-from plane_steps import commit_step
 
 STEPS = 12
 GOLDEN = {

@@ -13,11 +13,11 @@ import pickle
 
 import pytest
 import yaml
+from plane_steps import commit_step
 
 from dataplane.client import PlaneClient, PlaneError
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.server import PlaneServer, Reason, RequestError
-from plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2)

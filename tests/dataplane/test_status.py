@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from plane_steps import commit_step
 from rich.console import Console
 
 from dataplane import wire
@@ -19,7 +20,6 @@ from dataplane.embedded import start_embedded
 from dataplane.plane import DataPlane, PlaneConfig
 from dataplane.status import CLIENT_WINDOW_S, plane_status
 from tools.plane_status import print_status
-from plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,

@@ -12,8 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from loaders.geometry import (MediaGeometry, audio_tokens, image_grid, video_frame_indices,
-                              video_grid, vision_tokens)
+from loaders.geometry import (
+    MediaGeometry,
+    audio_tokens,
+    image_grid,
+    video_frame_indices,
+    video_grid,
+    vision_tokens,
+)
 from loaders.layout import MARKER_OF, media_order, member_kind
 
 

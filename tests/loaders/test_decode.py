@@ -221,9 +221,8 @@ def test_a_capped_text_sample_is_truncated_to_its_plan(spec):
 
 
 def test_log_mel_is_whisper_normalised_torchaudio_mel():
-    import torchaudio
-
     import soundfile
+    import torchaudio
 
     g = MediaGeometry()
     mel_FM = decode_audio(audio_bytes(1.3, 22_050), g)

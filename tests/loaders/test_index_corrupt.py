@@ -5,8 +5,16 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from index_fixtures import (audio_bytes, caption_members, empty_video_bytes, image_bytes,
-                            video_bytes, write_jsonl, write_tar, write_tokenizer)
+from index_fixtures import (
+    audio_bytes,
+    caption_members,
+    empty_video_bytes,
+    image_bytes,
+    video_bytes,
+    write_jsonl,
+    write_tar,
+    write_tokenizer,
+)
 
 from dataplane.errors import UserError
 from loaders.geometry import MediaGeometry

@@ -8,8 +8,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from decode_oracle import assert_row_matches_full_decode, text_tokens_of
-from index_fixtures import (audio_bytes, caption_members, image_bytes, video_bytes,
-                            write_jsonl, write_tar, write_tokenizer)
+from index_fixtures import (
+    audio_bytes,
+    caption_members,
+    image_bytes,
+    video_bytes,
+    write_jsonl,
+    write_tar,
+    write_tokenizer,
+)
 
 from loaders.geometry import MediaGeometry
 from loaders.index import index_source

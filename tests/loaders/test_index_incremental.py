@@ -8,8 +8,14 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from index_fixtures import (audio_bytes, caption_members, image_bytes, video_bytes, write_tar,
-                            write_tokenizer)
+from index_fixtures import (
+    audio_bytes,
+    caption_members,
+    image_bytes,
+    video_bytes,
+    write_tar,
+    write_tokenizer,
+)
 
 from loaders.geometry import MediaGeometry
 from loaders.index import index_source

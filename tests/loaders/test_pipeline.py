@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_fixtures import demo_decoder
+from pipeline_fixtures import (
+    CONFIG,
+    assert_same_batch,
+    expected_batches,
+    loader_args,
+    modalities,
+    spec_of,
+)
 
 from dataplane.client import PlaneClient
 from dataplane.embedded import start_embedded
 from loaders.pipeline import RankLoader
-from decode_fixtures import demo_decoder
-from pipeline_fixtures import (CONFIG, assert_same_batch, expected_batches, loader_args,
-                               modalities, spec_of)
 
 STEPS = 6
 

@@ -8,13 +8,13 @@ import os
 import signal
 
 import pytest
+from pipeline_fixtures import CONFIG, assert_same_batch, loader_args, spec_of
 
 from dataplane.embedded import start_embedded
 from dataplane.plan_table import fingerprint
 from loaders import pipeline
 from loaders.pipeline import RankLoader
 from loaders.worker import RefDataset
-from pipeline_fixtures import CONFIG, assert_same_batch, loader_args, spec_of
 
 STEPS = 8  # enough that steps after the kill need items the killed worker was sent
 KILL_AFTER = 2

@@ -158,8 +158,9 @@ def omni_samples(kinds: list[str], tok_path) -> tuple[int, list]:
 
 def omni_collate(triples) -> "PackedBatch":  # noqa: F821 -- loaders.collate.PackedBatch
     """`(sample, sp_size, sp_index)` triples packed as a trainer's micro-batch."""
-    from loaders.collate import collate
     from omni_batches import GEOMETRY
+
+    from loaders.collate import collate
 
     return collate(triples, GEOMETRY)
 

@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_models import assert_grads_close, build, full_grads, global_tokens, pack, sequences
-from dist_models import step_loss
+from dist_models import (
+    assert_grads_close,
+    build,
+    full_grads,
+    global_tokens,
+    pack,
+    sequences,
+    step_loss,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.checkpointing import apply_ac

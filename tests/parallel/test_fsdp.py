@@ -9,10 +9,15 @@ gradients must equal those of one process on the whole batch.
 from __future__ import annotations
 
 import pytest
-from dist_models import assert_grads_close, full_grads, omni_model, omni_step, parallel_step
-from dist_models import reference
+from dist_models import (
+    assert_grads_close,
+    full_grads,
+    omni_model,
+    omni_step,
+    parallel_step,
+    reference,
+)
 from multiproc import run_ranks
-
 from omni_batches import batch, decoded, render, tokenizer  # tests/backbone, via dist_models
 
 OMNI_KINDS = ["image", "audio", "video", "image"]  # rank 1 of 2 has no audio: dummy path

@@ -24,8 +24,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from dist_models import CONFIG, assert_grads_close, full_grads, omni_collate, omni_model
-from dist_models import omni_samples, omni_step, pack
+from dist_models import (
+    CONFIG,
+    assert_grads_close,
+    full_grads,
+    omni_collate,
+    omni_model,
+    omni_samples,
+    omni_step,
+    pack,
+)
 from multiproc import run_ranks
 
 from backbone.config import MoEConfig

@@ -11,8 +11,20 @@ import dataclasses
 
 import pytest
 import torch
-from dist_models import CONFIG, TextLM, assert_grads_close, full_grads, global_tokens, pack
-from dist_models import omni_collate, omni_model, omni_samples, omni_step, sequences, step_loss
+from dist_models import (
+    CONFIG,
+    TextLM,
+    assert_grads_close,
+    full_grads,
+    global_tokens,
+    omni_collate,
+    omni_model,
+    omni_samples,
+    omni_step,
+    pack,
+    sequences,
+    step_loss,
+)
 from multiproc import run_ranks
 
 KINDS = ["image", "audio", "video"]

@@ -21,8 +21,13 @@ from loaders.decode_text import load_tokenizer
 from loaders.geometry import MediaGeometry
 from loaders.pipeline import RankLoader
 from tools.train.config import RunConfig
-from tools.train.video_gen import (build_video_model, evaluate_video_gen, merge_to_raster,
-                                   video_clips, video_gen_loss)
+from tools.train.video_gen import (
+    build_video_model,
+    evaluate_video_gen,
+    merge_to_raster,
+    video_clips,
+    video_gen_loss,
+)
 
 STEPS = 8  # planned steps fetched (two micro-batches of <= 512 tokens each)
 

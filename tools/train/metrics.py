@@ -118,8 +118,14 @@ class Progress:
         self.start_done, self.t0, self.clock = start, time.monotonic(), time.monotonic
         if not rank0 or not bar or not sys.stdout.isatty():
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+        from rich.progress import Progress as Bar
 
         self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
