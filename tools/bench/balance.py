@@ -27,8 +27,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +41,7 @@ from balancer.distributions import generate
 from balancer.simulate import OURS, compare, run_policy
 from balancer.stream import steps_by_count
 from balancer.types import PlannerConfig, WindowSamples
+from tools.bench.provenance import provenance
 
 ALPHA, BETA = 24576.0, 1.0
 BUDGET = 16384
@@ -207,17 +206,8 @@ def target_checks(cases: list[dict], timing: dict) -> list[dict]:
     return [{"target": t, "measured": m, "goal": g, "met": bool(ok)} for t, m, g, ok in checks]
 
 
-def provenance() -> dict:
-    """The commit the figures come from and how busy the machine was at the start."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
-                                    capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = None, None
-    return {"git_commit": commit, "git_dirty": dirty, "load_avg_at_start": os.getloadavg(),
-            "cpus": os.cpu_count(),
+def run_provenance() -> dict:
+    return {**provenance(),
             "timing_note": "ms/step figures are wall-clock and noisy on a busy machine; all "
                            "other figures are deterministic simulations"}
 
@@ -228,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-balance.json", help="JSON output path")
     args = parser.parse_args(argv)
     console = Console(width=240)
-    started = provenance()
+    started = run_provenance()
     dps, steps, scale = ((8, 64), 4, "tiny") if args.quick else ((8, 64, 256), 8, "small")
     t0 = time.perf_counter()
     stdlib_N = demo_text_lengths(scale)

@@ -1,11 +1,14 @@
-"""Kernel benchmark: each fused op against torch eager and torch.compile, in one run.
+"""Kernel benchmark: each fused op's implementations against its torch reference, in one run.
 
     .venv/bin/python tools/bench/kernels.py --device cpu  --out docs/bench/kernels_cpu.json
     .venv/bin/python tools/bench/kernels.py --device cuda --out docs/bench/kernels_h200.json
 
-CPU mode measures what decides the "compiled" backend (kernels/compiled.py): the torch
-reference eager vs torch.compile'd, forward+backward, at CPU-sized shapes; Triton is not timed
-on CPU (it only runs there in its interpreter). CUDA mode adds the Triton kernels and reports
+Every implementation is named as the registry names it: ``reference`` (kernels/reference.py,
+plain torch autograd), ``eager`` (kernels/eager.py: one autograd node, hand-written backward; the
+CPU default where it exists), ``compiled`` (torch.compile of the reference, kernels/compiled.py)
+and, on CUDA, ``triton``. Ratios are the reference's time over each implementation's,
+forward+backward; Triton is not timed on CPU (it only runs there in its interpreter). CUDA mode adds
+the Triton kernels and reports
 achieved bandwidth (memory-bound ops: the minimum bytes each op must move) or FLOP/s (fused
 linear cross-entropy: 6·T·V·D for forward+backward) as a fraction of the H200's peak
 (4.8 TB/s HBM3e, 989 TFLOP/s dense bf16). Times are medians, the implementations alternating
@@ -27,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels import reference  # noqa: E402
+from tools.bench.provenance import provenance  # noqa: E402
 
 PEAK_BYTES_S = 4.8e12  # H200 HBM3e
 PEAK_FLOP_S = 989e12  # H200 dense bf16
@@ -130,10 +134,15 @@ def timeit(steps: dict, device: str, warmup: int, reps: int) -> dict:
 
 
 def implementations(op: str, device: str) -> dict:
-    impls = {"eager": getattr(reference, op),
-             "compile": torch.compile(getattr(reference, op), dynamic=False)}
+    from kernels import eager
+
+    impls = {"reference": getattr(reference, op)}
+    if hasattr(eager, op):
+        impls["eager"] = getattr(eager, op)
+    impls["compiled"] = torch.compile(getattr(reference, op), dynamic=False)
     if device == "cuda":
         import importlib
+
         from kernels.triton_registry import TRITON_OPS
         module, name = TRITON_OPS[op].split(":")
         impls["triton"] = getattr(importlib.import_module(module), name)
@@ -153,8 +162,8 @@ def run(device: str, ops: list[str], warmup: int, reps: int) -> list[dict]:
         if errors:
             row["errors"] = errors
         ms = row["ms"]
-        if ms.get("eager") and ms.get("compile"):
-            row["compile_speedup"] = ms["eager"] / ms["compile"]
+        row["speedup_vs_reference"] = {impl: ms["reference"] / t for impl, t in ms.items()
+                                       if impl != "reference" and t and ms.get("reference")}
         if device == "cuda":
             for impl, t in ms.items():
                 if t:
@@ -169,8 +178,9 @@ def run(device: str, ops: list[str], warmup: int, reps: int) -> list[dict]:
 def print_row(row: dict, device: str) -> None:
     ms = "  ".join(f"{k} {v:8.2f} ms" if v else f"{k}   failed" for k, v in row["ms"].items())
     extra = ""
-    if "compile_speedup" in row:
-        extra += f"  eager/compile {row['compile_speedup']:.2f}x"
+    if row.get("speedup_vs_reference"):
+        extra += "  reference/" + " ".join(f"{k} {v:.2f}x"
+                                           for k, v in row["speedup_vs_reference"].items())
     if device == "cuda" and "peak_fraction" in row:
         extra += "  " + " ".join(f"{k} {v:.0%}" for k, v in row["peak_fraction"].items()) + \
             f" of peak {row['metric']}"
@@ -194,10 +204,12 @@ def main() -> None:
     print(f"kernels benchmark on {args.device} "
           f"({torch.cuda.get_device_name() if args.device == 'cuda' else platform.machine()}, "
           f"{torch.get_num_threads()} threads): forward+backward, median of {args.reps}")
+    started = provenance()
     rows = run(args.device, ops, args.warmup, args.reps)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
+            **started, "command": " ".join(["tools/bench/kernels.py", *sys.argv[1:]]),
             "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "peak_bytes_s": PEAK_BYTES_S, "peak_flop_s": PEAK_FLOP_S, "rows": rows}, indent=1))
         print(f"wrote {args.out}")

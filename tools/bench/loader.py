@@ -1,6 +1,7 @@
 """Loader benchmark: throughput against a DataLoader + webdataset pipeline, memory per worker.
 
-    .venv/bin/python tools/bench/loader.py [--steps 40] [--workers 2] [--out bench-loader.json]
+    .venv/bin/python tools/bench/loader.py [--steps 40] [--workers 2] [--rounds 5]
+        [--out docs/bench/loader.json]
 
 Throughput. The tiny demo (generated under --data unless there), its webdataset sources mixed
 from step 0 (Parquet ``docs`` left out: webdataset cannot read it). Ours: an embedded plane
@@ -9,10 +10,13 @@ a ``torch.utils.data.DataLoader`` with the same number of workers over a ``webda
 pipeline per source (shards split by worker, sources mixed by ``RandomMix`` in the proportions
 ours drew), the same decoders (``SampleDecoder.decode_raw``) and the same packing
 (``collate``, one batch per ``--pack`` samples), for the same number of samples. Samples/s and
-LLM tokens/s of both, and their ratio, measured in one run.
+LLM tokens/s of both, and their ratio. The two alternate over ``--rounds`` rounds (ours first
+in even rounds, the baseline first in odd ones); the headline is the median of the per-round
+paired ratios, with their minimum and maximum.
 
-Memory per worker. A fresh process plays one worker holding N sources (10, 100, 1,000; copies
-of the demo's image source): ours decodes one sample of each source through one SampleReader
+Memory per worker. A fresh process plays one worker holding N sources (10, 100, 1,000), each
+its own directory (the demo's image source, its files linked into N distinct directories, so
+nothing keyed by path is shared): ours decodes one sample of each source through one SampleReader
 (bounded LRU of open shards); the baseline opens one webdataset pipeline per source and takes
 a sample from each (what a per-source pipeline in every worker holds). RSS growth over the
 process before it, per N.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
+
+from tools.bench.provenance import provenance  # noqa: E402
 
 TAR_SOURCES = ("text", "image_caption", "video_caption", "audio_caption", "interleaved")
 
@@ -179,7 +186,8 @@ print(json.dumps(memory_child({kind!r}, {n}, {path!r}, {tokenizer!r}, {media!r})
 
 
 def memory_child(kind: str, n: int, path: str, tokenizer: str, media: dict) -> dict:
-    """Run in a fresh process: RSS growth of one worker holding ``n`` sources."""
+    """Run in a fresh process: RSS growth of one worker holding ``n`` sources, source ``i``
+    being the directory ``path/src{i:04d}``."""
     import torch  # noqa: F401 -- in both baselines before the measurement starts
     import webdataset as wds
 
@@ -187,14 +195,14 @@ def memory_child(kind: str, n: int, path: str, tokenizer: str, media: dict) -> d
     from loaders.ray_loaders import probe_refs
     from loaders.worker import TimedDecoder, decoder_spec
 
-    ref = probe_refs("image", path, 1)[0]
-    shards = sorted(str(p) for p in Path(path).glob("*.tar"))
     names = [f"src{i:04d}" for i in range(n)]
+    dirs = {s: str(Path(path) / s) for s in names}
+    ref = probe_refs("image", dirs[names[0]], 1)[0]
     before = rss_kib()
     held = []
     if kind == "ours":
-        decoder = TimedDecoder(decoder_spec({s: path for s in names}, tokenizer,
-                                            MediaGeometry(**media)), timeout=None)
+        decoder = TimedDecoder(decoder_spec(dirs, tokenizer, MediaGeometry(**media)),
+                               timeout=None)
         import dataclasses
         for s in names:
             out = decoder.decode(dataclasses.replace(ref, source=s))
@@ -202,17 +210,36 @@ def memory_child(kind: str, n: int, path: str, tokenizer: str, media: dict) -> d
         held.append(decoder)
     else:
         for s in names:
+            shards = sorted(str(p) for p in Path(dirs[s]).glob("*.tar"))
             pipe = iter(wds.WebDataset(shards, shardshuffle=False, empty_check=False))
             next(pipe)  # the pipeline is open on its first shard, as in a running worker
             held.append(pipe)
     return {"kind": kind, "sources": n, "rss_growth_mib": (rss_kib() - before) / 1024}
 
 
-def memory(spec_path: Path, counts: list[int]) -> list[dict]:
+def source_copies(source: Path, root: Path, n: int) -> Path:
+    """``root/src0000`` … ``root/src{n-1}``: each a directory of hard links (or symlinks) to
+    ``source``'s files -- N distinct sources on disk without N copies of the bytes."""
+    for i in range(n):
+        d = root / f"src{i:04d}"
+        if d.is_dir():
+            continue
+        d.mkdir(parents=True)
+        for f in source.iterdir():
+            if f.is_file():
+                try:
+                    os.link(f, d / f.name)
+                except OSError:
+                    os.symlink(f.resolve(), d / f.name)
+    return root
+
+
+def memory(spec_path: Path, counts: list[int], data: Path) -> list[dict]:
     from dataplane.spec import load_spec
 
     spec = load_spec(spec_path)
-    path = str(next(s.path for s in spec.sources if s.name == "image_caption"))
+    image = next(s.path for s in spec.sources if s.name == "image_caption")
+    path = str(source_copies(Path(image), data / "memory-sources", max(counts)))
     out = []
     for kind in ("ours", "webdataset"):
         for n in counts:
@@ -233,28 +260,51 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--pack", type=int, default=16, help="baseline samples per packed batch")
     ap.add_argument("--sources", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--rounds", type=int, default=5, help="A/B rounds, alternating order")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    started = provenance()
     spec_path = demo_spec(args.data)
-    ours = run_ours(spec_path, args.steps, args.workers)
-    print(f"ours:     {ours['samples_per_s']:8.1f} samples/s {ours['tokens_per_s']:10.0f} "
-          f"tokens/s  (data wait {ours['data_wait_s']:.2f} s of {ours['seconds']:.2f} s)")
-    total = sum(ours["drawn_per_source"].values()) or 1
-    weights = {k: v / total for k, v in ours["drawn_per_source"].items()}
-    base = run_baseline(spec_path, ours["samples"], args.workers, weights, args.pack)
-    print(f"baseline: {base['samples_per_s']:8.1f} samples/s {base['tokens_per_s']:10.0f} "
-          f"tokens/s  (DataLoader + webdataset, {args.workers} workers)")
-    ratio = {"samples_per_s": ours["samples_per_s"] / base["samples_per_s"],
-             "tokens_per_s": ours["tokens_per_s"] / base["tokens_per_s"]}
-    print(f"ratio:    {ratio['samples_per_s']:.2f}x samples/s, {ratio['tokens_per_s']:.2f}x "
-          "tokens/s (target >= 1.0)")
-    mem = memory(spec_path, args.sources)
+    # A first, untimed run of ours (the plane's plans are deterministic, so every round draws
+    # the same): the baseline mixes sources in the proportions it drew, for as many samples.
+    first = run_ours(spec_path, args.steps, args.workers)
+    total = sum(first["drawn_per_source"].values()) or 1
+    weights = {k: v / total for k, v in first["drawn_per_source"].items()}
+    rounds = []
+    for r in range(args.rounds):
+        runs = {}
+        for side in (("ours", "baseline") if r % 2 == 0 else ("baseline", "ours")):
+            runs[side] = run_ours(spec_path, args.steps, args.workers) if side == "ours" else \
+                run_baseline(spec_path, first["samples"], args.workers, weights, args.pack)
+        ratio = {k: runs["ours"][k] / runs["baseline"][k] for k in ("samples_per_s",
+                                                                    "tokens_per_s")}
+        rounds.append({"ours": runs["ours"], "baseline": runs["baseline"], "ratio": ratio})
+        print(f"round {r + 1}/{args.rounds}: ours {runs['ours']['samples_per_s']:7.1f} "
+              f"samples/s, baseline {runs['baseline']['samples_per_s']:7.1f}: "
+              f"{ratio['samples_per_s']:.2f}x samples/s, {ratio['tokens_per_s']:.2f}x tokens/s",
+              flush=True)
+    ratio = {k: _spread([r["ratio"][k] for r in rounds]) for k in ("samples_per_s",
+                                                                    "tokens_per_s")}
+    print(f"median paired ratio: {ratio['samples_per_s']['median']:.2f}x samples/s "
+          f"({ratio['samples_per_s']['min']:.2f}-{ratio['samples_per_s']['max']:.2f}), "
+          f"{ratio['tokens_per_s']['median']:.2f}x tokens/s "
+          f"({ratio['tokens_per_s']['min']:.2f}-{ratio['tokens_per_s']['max']:.2f})")
+    mem = memory(spec_path, args.sources, args.data)
     result = {"command": " ".join(["tools/bench/loader.py"] + (argv or sys.argv[1:])),
-              "workers": args.workers, "ours": ours, "baseline": base, "ratio": ratio,
-              "memory_per_worker": mem}
+              **started, "workers": args.workers, "rounds": rounds,
+              **{side: {k: statistics.median(r[side][k] for r in rounds)
+                        for k in ("samples_per_s", "tokens_per_s")}
+                 for side in ("ours", "baseline")},  # medians over the rounds
+              "ratio": {k: v["median"] for k, v in ratio.items()}, "ratio_spread": ratio,
+              "memory_per_worker": mem, "load_avg_after": os.getloadavg()[0]}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return result
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "values": values}
 
 
 if __name__ == "__main__":
