@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -56,14 +55,20 @@ def test_headlines_from_the_committed_bench_json():
     balance = headline_rows("balance", json.loads((DOCS / "balance.json").read_text()))
     assert len(balance) == 9 and all(r["target"] and r["met"] in (True, False) for r in balance)
 
-    kernels = headline_rows("kernels", json.loads((DOCS / "kernels_cpu.json").read_text()))
-    rms = by_metric(kernels)["rms_norm fwd+bwd ms: torch.compile vs eager"]
-    assert rms["ratio"] == pytest.approx(2.6836, abs=1e-3)
-    assert not any("Triton" in r["metric"] for r in kernels)  # CPU JSON: no Triton rows
+    kernel_json = json.loads((DOCS / "kernels_cpu.json").read_text())
+    kernels = by_metric(headline_rows("kernels", kernel_json))
+    ms = kernel_json["rows"][0]["ms"]  # rms_norm: the ratio is the reference's time over eager's
+    eager = kernels["rms_norm fwd+bwd ms: eager (hand-written backward) vs reference"]
+    assert eager["ratio"] == pytest.approx(ms["reference"] / ms["eager"])
+    assert "rms_norm fwd+bwd ms: torch.compile vs reference" in kernels
+    assert "swiglu fwd+bwd ms: eager (hand-written backward) vs reference" not in kernels
+    assert not any("Triton" in m for m in kernels)  # CPU JSON: no Triton rows
 
-    loader = by_metric(headline_rows("loader", json.loads((DOCS / "loader.json").read_text())))
-    assert loader["tokens/s: RankLoader vs DataLoader + webdataset"]["ratio"] == \
-        pytest.approx(1.177, abs=1e-3)
+    loader_json = json.loads((DOCS / "loader.json").read_text())
+    loader = by_metric(headline_rows("loader", loader_json))
+    tokens = loader["tokens/s: RankLoader vs DataLoader + webdataset (median of paired rounds)"]
+    paired = sorted(r["ratio"]["tokens_per_s"] for r in loader_json["rounds"])
+    assert len(paired) >= 5 and tokens["ratio"] == paired[len(paired) // 2]  # the median
     assert "RSS growth MiB per worker, ours, 1000 sources" in loader
 
 
@@ -77,11 +82,13 @@ def test_headlines_of_plane_and_gpu_kernels_from_canned_json():
     assert [(r["value"], r["target"], r["met"]) for r in rows] == [
         ("22.5x", ">= 20x", True), ("25 ms", "p99 <= 20 ms", False)]
 
-    gpu = {"rows": [{"op": "rms_norm", "ms": {"eager": 2.0, "compile": 1.0, "triton": 0.5},
-                     "compile_speedup": 2.0, "peak_fraction": {"triton": 0.61},
-                     "metric": "HBM bandwidth"}]}
+    gpu = {"rows": [{"op": "rms_norm", "ms": {"reference": 2.0, "eager": 1.6, "compiled": 1.0,
+                                              "triton": 0.5},
+                     "peak_fraction": {"triton": 0.61}, "metric": "HBM bandwidth"}]}
     rows = by_metric(headline_rows("gpu_check", gpu))
-    assert rows["rms_norm fwd+bwd ms: Triton vs eager"]["ratio"] == 4.0  # computed: 2.0 / 0.5
+    assert rows["rms_norm fwd+bwd ms: Triton vs reference"]["ratio"] == 4.0  # 2.0 / 0.5
+    assert rows["rms_norm fwd+bwd ms: eager (hand-written backward) vs reference"]["ratio"] \
+        == 1.25
     assert rows["rms_norm: Triton fraction of peak HBM bandwidth"]["value"] == 0.61
 
 
@@ -170,16 +177,15 @@ def test_only_selects_in_registry_order_and_rejects_unknown_names():
         bench_all.select("balance,nope")
 
 
+@pytest.mark.slow  # a real (quick) bench run: ~10 s on 2 cores
 def test_quick_balance_for_real(tmp_path):
-    """The cheapest bench end to end through the CLI: subprocess, JSON, table."""
+    """The cheapest bench end to end through the CLI: subprocess, JSON, table. Its speed is
+    not asserted (a loaded machine is no bug); the timeout only catches a hang."""
     out = tmp_path / "bench-results.json"
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "all", "--only",
                            "balance", "--quick", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    elapsed = time.perf_counter() - start
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert elapsed < 60, f"bench all --only balance --quick took {elapsed:.0f} s"
     assert "[1/1] balance: running" in proc.stdout and "[1/1] balance: ok" in proc.stdout
     record = json.loads(out.read_text())["benches"]["balance"]
     assert record["status"] == "ok" and record["result"]["quick"] is True
