@@ -2,7 +2,8 @@
 
 * Same ``--nproc``: on CPU in deterministic mode, the 20 steps after the checkpoint train
   exactly what an uninterrupted run trains -- every row's loss and gradient norm equal, bit for
-  bit. The checkpoint is mid-window (the plane's ``data.window`` is 4 steps).
+  bit. The checkpoint is mid-window (the plane's ``data.window`` is 4 steps). The same on 2
+  processes under FSDP with DataLoader worker processes decoding (2 → 2).
 * Another ``--nproc``, 2 → 1 from a checkpoint at a window boundary and 1 → 2 from one
   mid-window: the plane re-plans the global batches onto the new ranks, so the audit of
   ``RUN_DIR/plane`` finds no sample lost or repeated and every sample trained is a committed
@@ -87,6 +88,27 @@ def test_resume_continues_bit_for_bit_for_20_steps(part, straight, tmp_path):
         assert got["router_loss"] == want["router_loss"], got["step"]
         assert _fields(got) == _fields(want), got["step"]
     _audit_clean(run, resumed, LAST)
+
+
+def test_two_processes_with_loader_workers_resume_bit_for_bit(demo, tmp_path):
+    """2 → 2 processes under FSDP, each rank decoding in a DataLoader worker process
+    (``data.loader: workers``): the steps after a mid-window checkpoint equal an uninterrupted
+    2-process run's bit for bit (loss, gradient norm, router loss, what each step trained)."""
+    first, last = 2, 6  # mid-window, and on past the next window's start (step 4)
+    workers = ["data.loader=workers", "data.workers=1"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(CONFIG, nproc=2, sets=_sets(demo, straight, last, first) + workers, progress=False)
+    train(CONFIG, nproc=2, sets=_sets(demo, run, first, first) + workers, progress=False)
+    result = train(None, nproc=2, resume=str(run), sets=[f"steps={last}"], progress=False)
+    assert result["start_step"] == first
+    want, got = read_metrics(straight / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(last))
+    assert all(len(r["rank_compute_s"]) == 2 for r in got)
+    for a, b in zip(want, got, strict=True):
+        assert (b["loss"], b["grad_norm"], b["router_loss"]) == \
+            (a["loss"], a["grad_norm"], a["router_loss"]), b["step"]
+        assert _fields(b) == _fields(a), b["step"]
+    _audit_clean(run, got, last)
 
 
 def test_resume_mid_window_from_one_process_on_two(part, straight, tmp_path):

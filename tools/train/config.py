@@ -81,6 +81,12 @@ class EvalSection(_Strict):
     max_samples: int = Field(32, ge=1)  # per caption source
 
 
+class DebugSection(_Strict):
+    # Write every parameter's gradient (before clipping, gathered from the FSDP shards) at
+    # this step to RUN_DIR/grads-step-N.pt (tools.train.step.dump_gradients; omni and lm).
+    dump_grads_at_step: int | None = Field(None, ge=0)
+
+
 class RunConfig(_Strict):
     task: Literal["omni", "lm", "video_gen"] = "omni"
     seed: int = 0
@@ -94,6 +100,7 @@ class RunConfig(_Strict):
     optim: OptimSection = Field(default_factory=OptimSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    debug: DebugSection = Field(default_factory=DebugSection)
 
     @property
     def decay_steps(self) -> int:

@@ -3,13 +3,18 @@
 Encoders on this rank's encoder plan → reshard → backbone micro-batches (``media_step``) →
 loss → backward → clip → AdamW. Gradients are summed across ranks by FSDP, so each rank's
 loss is its summed token cross-entropy over the *global* count of target tokens (all-reduced
-before the first micro-batch): the update equals the single-process one.
+before the first micro-batch): the update equals the single-process one. The router losses
+(per-token means over a micro-batch) are weighted by the micro-batch's share of the global
+batch's tokens, so the z-loss is the global batch's mean however the plane packs it; the aux
+loss's load fractions are each micro-batch's own (the global ones are known only after the
+last micro-batch's forward), so it equals one process's where the packing is the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -64,15 +69,52 @@ def grad_norm_and_clip(model: torch.nn.Module, clip: float) -> float:
         by_mesh.setdefault(key, []).append(p.grad)
     squares = []
     for (_, ep_mesh), grads in by_mesh.items():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+        # float64: CPU float32 norms lose ~5e-4 relative on a 1M-element gradient, more than
+        # the ranks' sums differ, so 1 and N processes would log different norms of one
+        # gradient (a transient float64 copy of one local gradient at a time)
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]),
+            2.0)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        square = norm.double() ** 2
+        square = norm ** 2
         if ep_mesh is not None:
             dist.all_reduce(square, group=ep_mesh.get_group())
         squares.append(square)
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
     torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
     return float(total)
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient, by name, as float32 CPU tensors (the same on every
+    rank). A collective: every rank calls it at the same point. FSDP shards are gathered with
+    ``full_tensor()`` on their own mesh; expert-parallel experts (different parameters on each
+    rank of their ep group) are concatenated over it, so the names and shapes are those of the
+    unsharded model. A parameter without a gradient is left out."""
+    ep_of = {id(p): m for m in model.modules()
+             if getattr(m, "num_global_experts", None) is not None for p in m.parameters()}
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        experts = ep_of.get(id(p))
+        if experts is not None and experts.ep_mesh is not None:
+            group = experts.ep_mesh.get_group()
+            parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, grad.contiguous(), group=group)
+            grad = torch.cat(parts)
+        grads[name] = grad.detach().float().cpu()
+    return grads
+
+
+def dump_gradients(ctx: StepContext, step: int, model: torch.nn.Module) -> None:
+    """``debug.dump_grads_at_step``: the step's gradients before clipping, summed over the
+    ranks, to ``RUN_DIR/grads-step-N.pt`` (rank 0 writes; ``torch.load(...,
+    weights_only=True)`` reads the dict). Tests compare them between 1 and N processes."""
+    grads = full_gradients(model)
+    if ctx.rank == 0:
+        torch.save(grads, Path(ctx.cfg.output_dir) / f"grads-step-{step}.pt")
 
 
 def distinct_skipped(batch, world: int, reported: float) -> float:
@@ -138,6 +180,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     dist.all_reduce(counts)
     counts[3] = distinct_skipped(batch, world, float(counts[3]))
     n_global = max(float(counts[0]), 1.0)
+    routed_global = max(float(counts[1]), 1.0)  # tokens through the routers: every token
 
     loss_G = torch.zeros(n_groups, dtype=torch.float64)
     n_G = torch.zeros(n_groups, dtype=torch.float64)
@@ -145,13 +188,15 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     tokens_G = torch.zeros(n_groups, dtype=torch.float64)
     router = torch.zeros((), dtype=torch.float64)
     load_LE = None
-    for mb, items in prepared:
+    for (mb, items), routed in zip(prepared, batch.micro_batches):
         groups_S = _groups(mb, ctx.sources)
         with sp_batch(model, mb):  # split sequences' attention over their SP group
             out = model.forward_with_media(mb, items, seq_group_S=groups_S,
                                            num_groups=n_groups)
-        n_mb = out["n_tokens"].detach()
-        loss = (out["loss_sum"] + out["aux"]["router_loss"] * n_mb) / n_global
+        # The router losses are per-token means over the micro-batch: weighted by its share
+        # of the global batch's tokens (a placeholder's: 0), they add up to the global mean.
+        router_share = routed.num_tokens / routed_global
+        loss = out["loss_sum"] / n_global + out["aux"]["router_loss"] * router_share
         loss.backward()  # phase 1: the backbone; the encoders' turn is media.backward()
         loss_G += out["loss_sum_G"].detach().double().cpu()
         n_G += out["n_tokens_G"].detach().double().cpu()
@@ -160,10 +205,12 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
             first_S = (mb.seq_sp_index_S == 0).double()  # a split sample counts once
             samples_G += torch.bincount(groups_S, weights=first_S, minlength=n_groups)
             tokens_G += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
-        router += (out["aux"]["router_loss"].detach() * n_mb).double().cpu()
+        router += out["aux"]["router_loss"].detach().double().cpu() * router_share
         load = out["aux"]["load_LE"].detach().cpu().to(torch.float64)
         load_LE = load if load_LE is None else load_LE + load
     media.backward()
+    if step == cfg.debug.dump_grads_at_step:
+        dump_gradients(ctx, step, model)
     grad_norm = grad_norm_and_clip(model, cfg.optim.grad_clip)
     optimizer.step()
     compute_s = time.perf_counter() - start
@@ -207,7 +254,7 @@ def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n
     names = ctx.sources + ["(other)"]
     flops_per_s = float(counts[2]) / max(step_s, 1e-9)
     row = {"step": step, "loss": float(loss_G.sum()) / n_global,
-           "router_loss": router / n_global, "lr": lr, "grad_norm": grad_norm,
+           "router_loss": router, "lr": lr, "grad_norm": grad_norm,
            "tokens": int(counts[1]), "target_tokens": int(counts[0]),
            "tokens_per_s": float(counts[1]) / max(step_s, 1e-9), **times,
            "tflops_per_s": flops_per_s / 1e12,
