@@ -1,0 +1,104 @@
+"""Every table of benchmark figures in README.md names the committed JSON it comes from, and every
+number in it is in that JSON.
+
+A table of figures is marked by an HTML comment on the line before it, ``<!-- figures:
+docs/bench/NAME.json -->``; a table with figure-like cells (a time, a rate, a ratio) that is
+not benchmark output says so with ``<!-- not figures: why -->``. In a marked table every number
+outside the first column (the row's label) must equal a number of the JSON -- a numeric value,
+or a number inside one of its strings -- at the precision the README shows it, directly or
+converted to MiB, GiB, percent or millions. (A check by value: a figure that happens to equal
+another number of a large JSON passes.) The JSON is written by the bench script, so a figure
+typed by hand, or left over from an older run, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = re.compile(r"<!--\s*(figures|not figures):?\s*([^>]*?)\s*-->")
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
+FIGURE = re.compile(r"\d[\d,.]*\s*(?:ms\b|×|x\b|/s\b|MiB|GiB|steps/s)")
+
+
+def tables(text: str) -> list[tuple[int, list[str], str | None]]:
+    """(line number, table lines, the marker line before it or None)."""
+    lines, out, i = text.split("\n"), [], 0
+    while i < len(lines):
+        if lines[i].startswith("|"):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            before = next((lines[k] for k in range(i - 1, max(i - 3, -1), -1)
+                           if lines[k].strip()), None)
+            out.append((i + 1, lines[i:j], before if before and MARK.search(before) else None))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def cells(table: list[str]) -> list[str]:
+    """The body's cells, first column (the label) and code spans left out."""
+    body = [row.strip().strip("|").split("|") for row in table[2:]]
+    return [re.sub(r"`[^`]*`", "", c) for row in body for c in row[1:]]
+
+
+def numbers_of(value, out: set[float]) -> set[float]:
+    if isinstance(value, bool):
+        return out
+    if isinstance(value, (int, float)):
+        out.add(float(value))
+    elif isinstance(value, str):
+        out.update(float(n.replace(",", "")) for n in NUMBER.findall(value))
+    elif isinstance(value, dict):
+        for v in value.values():
+            numbers_of(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            numbers_of(v, out)
+    return out
+
+
+def shown(token: str, numbers: set[float]) -> bool:
+    digits = len(token.split(".")[1]) if "." in token else 0
+    x = float(token.replace(",", ""))
+    for v in numbers:
+        for scaled in (v, v / 2 ** 20, v / 2 ** 30, v * 100, v / 1e6):  # MiB, GiB, %, M
+            if abs(round(scaled, digits) - x) < 10 ** -(digits + 3):
+                return True
+    return False
+
+
+def test_every_table_of_figures_names_its_json_and_matches_it():
+    text = (ROOT / "README.md").read_text()
+    problems = []
+    for line, table, marker in tables(text):
+        figures = [c for c in cells(table) if FIGURE.search(c)]
+        if marker is None:
+            if figures:
+                problems.append(f"README.md:{line}: a table of figures ({figures[0].strip()!r}) "
+                                "without <!-- figures: docs/bench/X.json -->")
+            continue
+        kind, what = MARK.search(marker).groups()
+        if kind == "not figures":
+            assert what, f"README.md:{line}: say why the table is not figures"
+            continue
+        path = ROOT / what
+        assert path.is_file(), f"README.md:{line}: {what} does not exist"
+        numbers = numbers_of(json.loads(path.read_text()), set())
+        for cell in cells(table):
+            for token in NUMBER.findall(cell):
+                if not shown(token, numbers):
+                    problems.append(f"README.md:{line}: {token} (in {cell.strip()!r}) is not "
+                                    f"in {what}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_catches_a_figure_typed_by_hand():
+    numbers = {207.7808, 0.9367, 21773.18, 2 ** 30 * 2.33}
+    assert shown("207.8", numbers) and shown("0.94", numbers) and shown("21,773", numbers)
+    assert shown("2.33", numbers)  # GiB
+    assert not shown("207.9", numbers) and not shown("1.22", numbers)
