@@ -149,16 +149,24 @@ def test_kill_9_mid_epoch_loses_and_repeats_nothing(epoch, tmp_path, dp_after):
         for proc in procs:
             proc.kill()
 
+    assert_epoch_trained_once(epoch, state, records, {0: 4, 6: dp_after})
+
+
+def assert_epoch_trained_once(epoch: Path, state: Path, records: list[Path],
+                              dp_from: dict[int, int]) -> None:
+    """The audit is clean and calls every epoch complete, it counts every sample of the epoch
+    committed, and the ranks' own records trained each sample and item exactly once."""
     report = audit(state)
     assert (report["duplicated"], report["missing"], report["fingerprint_mismatches"]) == \
         (0, 0, []), report
+    assert all(row["complete"] for row in report["rows"]), report["rows"]
     want_samples, want_items = expected_epoch(epoch)
     per_source = Counter()
     for source, _, _ in want_samples:
         per_source[source] += 1
     assert {r["source"]: r["committed"] for r in report["rows"] if r["epoch"] == 0} == \
         dict(per_source) and report["next_step"] == 32
-    samples, items = trained(records, 32, {0: 4, 6: dp_after})
+    samples, items = trained(records, 32, dp_from)
     assert samples == want_samples  # every sample of the epoch, each exactly once
     assert set(items.values()) == {1} and sum(items.values()) == sum(want_items.values())
 
@@ -233,10 +241,4 @@ def test_kill_9_at_random_points_with_torn_writes_over_restart_cycles(epoch, tmp
     finally:
         for proc in procs:
             proc.kill()
-    report = audit(state)
-    assert (report["duplicated"], report["missing"], report["fingerprint_mismatches"]) == \
-        (0, 0, []), report
-    assert all(row["complete"] for row in report["rows"]), report["rows"]
-    want_samples, _ = expected_epoch(epoch)
-    samples, _ = trained(records, 32, {0: 4})
-    assert samples == want_samples
+    assert_epoch_trained_once(epoch, state, records, {0: 4})
