@@ -92,3 +92,20 @@ def test_an_empty_slot_becomes_a_one_token_batch_that_adds_nothing():
     assert stand_in.num_tokens == 1 and stand_in.labels_T.tolist() == [-100]
     assert stand_in.cu_seqlens_S1.tolist() == [0, 1] and stand_in.max_seqlen == 1
     assert stand_in.vision_grid_thw_V3.shape[0] == 0 and stand_in.audio_frames_A.shape[0] == 0
+
+
+def test_a_nested_model_override_changes_only_the_fields_it_names(demo):
+    """``model.overrides.moe.aux_loss_coef=0`` keeps the preset's other MoE settings (it used
+    to replace them with MoEConfig's defaults: a bigger expert than the preset's)."""
+    from backbone.config import ModelConfig
+    from dataplane.spec import load_spec
+    from tools.train.build import model_config
+
+    cfg, _ = load_config("configs/demo_omni.yaml",
+                         sets=["model.overrides.moe.aux_loss_coef=0"])
+    spec = load_spec(demo / "mix.yaml")
+    config = model_config(cfg, spec.media, spec.tokenizer)
+    preset = ModelConfig.preset(cfg.model.preset).moe
+    assert config.moe.aux_loss_coef == 0
+    assert config.moe.expert_ffn_dim == preset.expert_ffn_dim
+    assert config.moe.num_experts == preset.num_experts and config.moe.top_k == preset.top_k

@@ -29,6 +29,10 @@ def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> Mod
     try:
         base = ModelConfig.preset(m.preset)
         overrides = dict(m.overrides)
+        for name, value in overrides.items():  # a nested section overrides the preset's fields
+            nested = getattr(base, name, None)
+            if isinstance(value, dict) and dataclasses.is_dataclass(nested):
+                overrides[name] = dataclasses.replace(nested, **value)
         vocab = load_tokenizer(tokenizer_path).tokenizer.get_vocab_size(with_added_tokens=True)
         overrides.setdefault("vocab_size", max(base.vocab_size, -(-vocab // 64) * 64))
         enc = m.encoder_overrides
