@@ -64,10 +64,7 @@ class PlaneState:
 
     def __init__(self, config: PlaneConfig, store: Journal, cap: int, spec_ref: dict):
         self.config, self.store, self.cap = config, store, cap
-        self.spec_ref = spec_ref
-        self.spec = self.load_spec(spec_ref)
-        self.mixer = Mixer.from_spec(self.spec, Catalog.from_spec(self.spec, max_tokens=cap),
-                                     **config.batch)
+        self._mix_from(spec_ref)
         self.costs = Costs.from_llm(config.cost_linear, config.cost_quadratic)
         self.next_window = self.next_step = 0
         self.exhausted_at: int | None = None
@@ -129,6 +126,14 @@ class PlaneState:
                              if s >= step},
             "wal_offset": wal_offset, "config": asdict(self.config),
             "corrupt": self.corrupt.state(k)}
+
+    def _mix_from(self, spec_ref: dict, mixer_state: dict | None = None) -> None:
+        """A new mixer (and catalog) for the spec ``spec_ref``, at ``mixer_state`` if given."""
+        self.spec_ref, self.spec = spec_ref, self.load_spec(spec_ref)
+        self.mixer = Mixer.from_spec(self.spec, Catalog.from_spec(self.spec, max_tokens=self.cap),
+                                     **self.config.batch)
+        if mixer_state is not None:
+            self.mixer.load_state_dict(mixer_state)
 
     def load_spec(self, ref: dict) -> MixSpec:
         """A spec the plane applied, from its copy in the state dir."""
@@ -257,11 +262,7 @@ class PlaneState:
             del self.windows[j]
         if k < self.next_window:
             start = self.starts[k]
-            self.spec_ref, self.spec = start.spec, self.load_spec(start.spec)
-            self.mixer = Mixer.from_spec(self.spec,
-                                         Catalog.from_spec(self.spec, max_tokens=self.cap),
-                                         **self.config.batch)
-            self.mixer.load_state_dict(start.mixer_state)
+            self._mix_from(start.spec, start.mixer_state)
             self.costs = Costs.from_llm(*start.costs)
             self.next_window, self.exhausted_at = k, None
             self.corrupt.unapply_after(k)

@@ -66,6 +66,11 @@ def serve(spec: Path, state: Path, dp: int, port: int, *extra: str) -> tuple[Pro
     return plane, match[1], int(match[2])
 
 
+def job_paths(tmp_path: Path) -> tuple[Path, int, list[Path]]:
+    """A 4-rank job's plane state dir, a free port, and each rank's record file."""
+    return tmp_path / "state", free_port(), [tmp_path / f"rank{r}.jsonl" for r in range(4)]
+
+
 def trainer(url: str, rank: int, record: Path, *pause: int) -> Proc:
     return Proc([sys.executable, str(TRAINER), url, str(rank), str(record), *map(str, pause)])
 
@@ -117,8 +122,7 @@ def audit(state: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("dp_after", [4, 3], ids=["restart", "restart-with-3-ranks"])
 def test_kill_9_mid_epoch_loses_and_repeats_nothing(epoch, tmp_path, dp_after):
-    state, port = tmp_path / "state", free_port()
-    records = [tmp_path / f"rank{r}.jsonl" for r in range(4)]
+    state, port, records = job_paths(tmp_path)
     procs: list[Proc] = []
     try:
         plane, url, _ = serve(epoch, state, 4, port)
@@ -212,8 +216,7 @@ def test_kill_9_at_random_points_with_torn_writes_over_restart_cycles(epoch, tmp
     import random
 
     rng = random.Random(14)
-    state, port = tmp_path / "state", free_port()
-    records = [tmp_path / f"rank{r}.jsonl" for r in range(4)]
+    state, port, records = job_paths(tmp_path)
     procs: list[Proc] = []
     try:
         plane, url, _ = serve(epoch, state, 4, port)
