@@ -79,7 +79,6 @@ class DataPlane(PlaneState):
     def _start_fresh(self, spec_path: Path) -> None:
         text = _read_spec_file(spec_path, limit=None)
         ref = self._spec_ref(text, spec_path)
-        spec_from_text(text, ref["file"], root=Path(ref["root"]))  # its own one-line errors
         start = start_for(ref, self.config)
         self._become(PlaneState.fresh(start, self.journal, self.config))
         self.plan_through(self._horizon())  # plans, or refuses before anything is logged
