@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from backbone.config import ModelConfig, kernel
-from backbone.norm import RMSNorm
-from kernels.reference import rotary_tables
+from omniscale import kernels
+from omniscale.backbone.config import ModelConfig, kernel
+from omniscale.backbone.norm import RMSNorm
+from omniscale.kernels.reference import rotary_tables
 
 
 def rope_tables(config: ModelConfig, position_ids_T: torch.Tensor,

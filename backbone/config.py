@@ -62,7 +62,7 @@ def kernel(op: str, device, prefer: str | None = None):
     """`kernels.get(op, device, prefer=prefer)`, except that a named backend the op lacks on
     this device (e.g. "compiled" for moe_permute, or anywhere on CUDA) gives the automatic
     choice rather than the reference, so one config serves CPU and GPU; "reference" is kept."""
-    import kernels  # here, so that the accounting above imports no torch
+    from omniscale import kernels  # here, so that the accounting above imports no torch
 
     fn = kernels.get(op, device, prefer=prefer)
     if prefer in (None, "auto", "reference") or \

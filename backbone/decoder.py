@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backbone.attention import Attention, rope_tables
-from backbone.config import ModelConfig, kernel
-from backbone.ffn import FeedForward
-from backbone.moe import Experts, MoE
-from backbone.norm import RMSNorm
-from kernels.reference import IGNORE_INDEX
+from omniscale.backbone.attention import Attention, rope_tables
+from omniscale.backbone.config import ModelConfig, kernel
+from omniscale.backbone.ffn import FeedForward
+from omniscale.backbone.moe import Experts, MoE
+from omniscale.backbone.norm import RMSNorm
+from omniscale.kernels.reference import IGNORE_INDEX
 
 
 class Block(nn.Module):

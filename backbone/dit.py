@@ -28,10 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
-from backbone.config import ModelConfig, MoEConfig
-from backbone.moe import MoE
-from encoders.block import cu_seqlens, rope_nd
+from omniscale import kernels
+from omniscale.backbone.config import ModelConfig, MoEConfig
+from omniscale.backbone.moe import MoE
+from omniscale.encoders.block import cu_seqlens, rope_nd
 
 
 @dataclass(frozen=True)

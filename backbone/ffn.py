@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backbone.config import kernel
+from omniscale.backbone.config import kernel
 
 
 class FeedForward(nn.Module):

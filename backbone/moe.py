@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backbone.config import ModelConfig, kernel
-from backbone.ffn import FeedForward
+from omniscale.backbone.config import ModelConfig, kernel
+from omniscale.backbone.ffn import FeedForward
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from backbone.config import ModelConfig
-from backbone.decoder import MoEDecoder
-from balancer.types import ENCODER_KINDS
-from encoders.audio import AudioConfig, AudioEncoder
-from encoders.vision import VisionConfig, VisionEncoder
+from omniscale.backbone.config import ModelConfig
+from omniscale.backbone.decoder import MoEDecoder
+from omniscale.balancer.types import ENCODER_KINDS
+from omniscale.encoders.audio import AudioConfig, AudioEncoder
+from omniscale.encoders.vision import VisionConfig, VisionEncoder
 
 AUDIO = ENCODER_KINDS.index("audio")  # media_kind_M id of an audio clip
 

@@ -42,10 +42,10 @@ from types import MappingProxyType
 import numba
 import numpy as np
 
-from balancer.assign import lpt, place_sp_groups
-from balancer.split import choose_sp_size, slot_share, unit_cost
-from balancer.stream import item_costs, llm_costs
-from balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
+from omniscale.balancer.assign import lpt, place_sp_groups
+from omniscale.balancer.split import choose_sp_size, slot_share, unit_cost
+from omniscale.balancer.stream import item_costs, llm_costs
+from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
 
 
 def strided(samples: WindowSamples, costs, config: PlannerConfig) -> StepPlan:

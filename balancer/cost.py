@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from balancer.types import ENCODER_KINDS
+from omniscale.balancer.types import ENCODER_KINDS
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from balancer.types import ENCODER_KINDS, WindowSamples
+from omniscale.balancer.types import ENCODER_KINDS, WindowSamples
 
 MAX_TOKENS = 131072
 PATCH = 14

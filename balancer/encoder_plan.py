@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from balancer.assign import lpt
+from omniscale.balancer.assign import lpt
 
 
 @dataclass(frozen=True)

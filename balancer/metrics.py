@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer.types import StepPlan, slice_tokens
+from omniscale.balancer.types import StepPlan, slice_tokens
 
 
 def step_times(plan: StepPlan) -> tuple[float, float]:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer.assign import assign_ranks
-from balancer.cost import Costs
-from balancer.encoder_plan import plan_encoders
-from balancer.pack import pack
-from balancer.reorder import reorder_window
-from balancer.split import choose_sp_size, slot_share, unit_cost
-from balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
+from omniscale.balancer.assign import assign_ranks
+from omniscale.balancer.cost import Costs
+from omniscale.balancer.encoder_plan import plan_encoders
+from omniscale.balancer.pack import pack
+from omniscale.balancer.reorder import reorder_window
+from omniscale.balancer.split import choose_sp_size, slot_share, unit_cost
+from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
 
 
 def plan_window(samples: WindowSamples, costs: Costs, config: PlannerConfig) -> list[StepPlan]:

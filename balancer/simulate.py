@@ -28,11 +28,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from balancer.baselines import BASELINES, may_split, split_sizes
-from balancer.metrics import displacement, exactly_once, ideal_time, step_times, violations
-from balancer.split import unit_cost
-from balancer.stream import arrival_step, item_costs, llm_costs, take, window_samples, windows
-from balancer.types import PlannerConfig, StepPlan, WindowSamples
+from omniscale.balancer.baselines import BASELINES, may_split, split_sizes
+from omniscale.balancer.metrics import (
+    displacement,
+    exactly_once,
+    ideal_time,
+    step_times,
+    violations,
+)
+from omniscale.balancer.split import unit_cost
+from omniscale.balancer.stream import (
+    arrival_step,
+    item_costs,
+    llm_costs,
+    take,
+    window_samples,
+    windows,
+)
+from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
 
 OURS = "omniscale"
 ALL_POLICIES = (OURS, *BASELINES)
@@ -54,7 +67,7 @@ class PolicyRun:
 def resolve(name: str):
     """(policy, windowed): ours plans whole windows, a baseline one step."""
     if name == OURS:
-        from balancer.planner import plan_window
+        from omniscale.balancer.planner import plan_window
 
         return plan_window, True
     if name not in BASELINES:

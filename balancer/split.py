@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer.types import slice_tokens
+from omniscale.balancer.types import slice_tokens
 
 
 def largest_sp_size(sp_max: int, dp: int) -> int:

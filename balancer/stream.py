@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer.types import WindowSamples
+from omniscale.balancer.types import WindowSamples
 
 
 def steps_by_count(num_samples: int, per_step: int, max_steps: int | None = None) -> np.ndarray:

@@ -9,12 +9,12 @@ users (the spec loader, the CLI's help) do not pay for numba and Flight.
 
 def __getattr__(name):
     if name == "PlaneClient":
-        from dataplane.client import PlaneClient
+        from omniscale.dataplane.client import PlaneClient
         return PlaneClient
     if name in ("start_embedded", "EmbeddedPlane"):
-        from dataplane import embedded
+        from omniscale.dataplane import embedded
         return getattr(embedded, name)
     if name in ("PlaneConfig", "DataPlane"):
-        from dataplane import plane
+        from omniscale.dataplane import plane
         return getattr(plane, name)
     raise AttributeError(f"module 'dataplane' has no attribute {name!r}")

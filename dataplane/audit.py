@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from dataplane.corrupt import ref_from_json
-from dataplane.journal import Journal
-from dataplane.plan_table import fingerprint
-from dataplane.restore import replay_log
-from loaders.index_schema import read_index, read_shard
+from omniscale.dataplane.corrupt import ref_from_json
+from omniscale.dataplane.journal import Journal
+from omniscale.dataplane.plan_table import fingerprint
+from omniscale.dataplane.restore import replay_log
+from omniscale.loaders.index_schema import read_index, read_shard
 
 
 def audit_state_dir(state_dir: str | Path) -> dict:
@@ -50,8 +50,8 @@ def audit_state_dir(state_dir: str | Path) -> dict:
             if ref is not None:
                 committed[(ref.source, ref.epoch, ref.shard, ref.key)] += 1
     if plane is None:  # a log with nothing after its start
-        from dataplane.plane_state import PlaneState
-        from dataplane.restore import start_record
+        from omniscale.dataplane.plane_state import PlaneState
+        from omniscale.dataplane.restore import start_record
 
         plane = PlaneState.fresh(start_record(journal)[1], journal)
     # Reports are applied when the window they precede is drawn; the live plane had drawn

@@ -24,9 +24,14 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from dataplane.errors import UserError
-from dataplane.refs import SampleRef
-from loaders.index_schema import INDEX_VERSION, index_path, read_index_metadata, read_shard
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.index_schema import (
+    INDEX_VERSION,
+    index_path,
+    read_index_metadata,
+    read_shard,
+)
 
 ON_EXHAUSTED = ("next_epoch", "stop", "drop_source")
 _COLUMNS = ["key", "offset", "size", "members", "text_tokens", "image_patches",

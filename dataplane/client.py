@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from dataplane import wire
-from dataplane.auth import TLS_ROOT_ENV, read_pem
-from dataplane.errors import UserError
-from dataplane.lane import LANE_OK, lane_frame
-from dataplane.server import PLAN_STREAM, Reason
+from omniscale.dataplane import wire
+from omniscale.dataplane.auth import TLS_ROOT_ENV, read_pem
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.lane import LANE_OK, lane_frame
+from omniscale.dataplane.server import PLAN_STREAM, Reason
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ class PlaneClient:
         """Report a planned sample that does not decode; returns the replacement SampleRef the
         plane drew from the same source (None when it has none). Idempotent, so retries and
         every rank holding the sample get the same replacement."""
-        from dataplane.corrupt import ref_from_json
+        from omniscale.dataplane.corrupt import ref_from_json
 
         reply = self._action("report_corrupt", {
             "step": int(step), "rank": int(rank), "source": str(source), "shard": str(shard),

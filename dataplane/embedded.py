@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.server import PlaneServer
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.server import PlaneServer
 
 
 @dataclass

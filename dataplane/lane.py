@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from dataplane import wire
+from omniscale.dataplane import wire
 
 log = logging.getLogger(__name__)
 

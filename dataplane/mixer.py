@@ -40,9 +40,9 @@ import math
 
 import numpy as np
 
-from dataplane.catalog import Catalog
-from dataplane.refs import SampleRef
-from dataplane.schedule import Schedule
+from omniscale.dataplane.catalog import Catalog
+from omniscale.dataplane.refs import SampleRef
+from omniscale.dataplane.schedule import Schedule
 
 ACCOUNTING = ("samples", "tokens")
 _FEW = 16  # up to this many live sources, a pick runs on Python floats rather than arrays

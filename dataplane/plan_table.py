@@ -25,8 +25,8 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from balancer.types import ENCODER_KINDS, StepPlan
-from dataplane.refs import REF_SCHEMA, SampleRef, refs_to_table
+from omniscale.balancer.types import ENCODER_KINDS, StepPlan
+from omniscale.dataplane.refs import REF_SCHEMA, SampleRef, refs_to_table
 
 PLAN_FIELDS = [
     ("role", pa.string()),

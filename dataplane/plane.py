@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dataplane.corrupt import draw_replacement, ref_to_json, replacement_room
-from dataplane.errors import UserError
-from dataplane.journal import Journal
-from dataplane.plan_table import fingerprint, step_fingerprint
-from dataplane.plane_config import PlaneConfig  # noqa: F401  (public here too)
-from dataplane.plane_state import PlaneState
-from dataplane.restore import open_state, start_for
-from dataplane.server import Reason, RequestError
-from dataplane.spec import SpecError, spec_from_text
-from dataplane.status import plane_status
+from omniscale.dataplane.corrupt import draw_replacement, ref_to_json, replacement_room
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.journal import Journal
+from omniscale.dataplane.plan_table import fingerprint, step_fingerprint
+from omniscale.dataplane.plane_config import PlaneConfig  # noqa: F401  (public here too)
+from omniscale.dataplane.plane_state import PlaneState
+from omniscale.dataplane.restore import open_state, start_for
+from omniscale.dataplane.server import Reason, RequestError
+from omniscale.dataplane.spec import SpecError, spec_from_text
+from omniscale.dataplane.status import plane_status
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ class DataPlane(PlaneState):
     def audit(self) -> dict:
         """Replays the log from its start on a state of its own: off the plane's lock, so a
         long audit does not stall fetches and commits."""
-        from dataplane.audit import audit_state_dir
+        from omniscale.dataplane.audit import audit_state_dir
 
         return audit_state_dir(self.journal.dir)
 

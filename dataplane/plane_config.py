@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from balancer.types import PlannerConfig
-from dataplane.errors import UserError
+from omniscale.balancer.types import PlannerConfig
+from omniscale.dataplane.errors import UserError
 
 MAX_DP = 1 << 16
 

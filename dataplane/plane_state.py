@@ -26,16 +26,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from balancer.cost import Costs
-from balancer.planner import plan_window
-from dataplane.catalog import Catalog
-from dataplane.corrupt import CorruptLedger
-from dataplane.journal import Journal
-from dataplane.mixer import Mixer, MixtureExhausted
-from dataplane.plan_table import rank_tables
-from dataplane.plane_config import PlaneConfig
-from dataplane.spec import MixSpec, spec_from_text
-from dataplane.windows import Window, window_samples
+from omniscale.balancer.cost import Costs
+from omniscale.balancer.planner import plan_window
+from omniscale.dataplane.catalog import Catalog
+from omniscale.dataplane.corrupt import CorruptLedger
+from omniscale.dataplane.journal import Journal
+from omniscale.dataplane.mixer import Mixer, MixtureExhausted
+from omniscale.dataplane.plan_table import rank_tables
+from omniscale.dataplane.plane_config import PlaneConfig
+from omniscale.dataplane.spec import MixSpec, spec_from_text
+from omniscale.dataplane.windows import Window, window_samples
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from dataplane.auth import check_bind, is_loopback
-from dataplane.errors import UserError
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.server import PlaneServer
+from omniscale.dataplane.auth import check_bind, is_loopback
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.server import PlaneServer
 
 
 class PlaneActor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import pyarrow as pa
 
-from loaders.index_schema import MEMBER_TYPE
+from omniscale.loaders.index_schema import MEMBER_TYPE
 
 Member = tuple[str, int, int]  # (member name, data offset, data size)
 

@@ -12,10 +12,10 @@ import logging
 from collections.abc import Iterator
 from dataclasses import asdict
 
-from dataplane.errors import UserError
-from dataplane.journal import Journal, JournalError
-from dataplane.plane_config import PlaneConfig
-from dataplane.plane_state import PlaneState
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.journal import Journal, JournalError
+from omniscale.dataplane.plane_config import PlaneConfig
+from omniscale.dataplane.plane_state import PlaneState
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,17 @@ from typing import Protocol
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from dataplane import wire
-from dataplane.auth import check_bind, is_loopback, read_pem
-from dataplane.errors import UserError
-from dataplane.lane import LANE_MAX_REQUEST, LANE_OK, LANE_REFUSED, LaneLimits, PlanLane, lane_frame
+from omniscale.dataplane import wire
+from omniscale.dataplane.auth import check_bind, is_loopback, read_pem
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.lane import (
+    LANE_MAX_REQUEST,
+    LANE_OK,
+    LANE_REFUSED,
+    LaneLimits,
+    PlanLane,
+    lane_frame,
+)
 
 __all__ = ["ACTIONS", "LANE_MAX_REQUEST", "LANE_OK", "LANE_REFUSED", "PLAN_STREAM", "LaneLimits",
            "PlanLane", "PlaneServer", "PlaneService", "Reason", "RequestError", "is_loopback",

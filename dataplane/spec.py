@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from dataplane.errors import UserError
-from dataplane.schedule import KINDS, Schedule, ScheduleError, Segment
-from loaders.geometry import MediaGeometry
-from loaders.layout import FORMATS, TEMPLATES
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.schedule import KINDS, Schedule, ScheduleError, Segment
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.layout import FORMATS, TEMPLATES
 
 Accounting = Literal["samples", "tokens"]
 OnExhausted = Literal["next_epoch", "stop", "drop_source"]

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from balancer.cost import Costs
-from balancer.planner import plan_step
-from balancer.types import PlannerConfig, StepPlan, WindowSamples
-from dataplane.refs import SampleRef
-from loaders.geometry import MediaGeometry, audio_tokens
+from omniscale.balancer.cost import Costs
+from omniscale.balancer.planner import plan_step
+from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
+from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.geometry import MediaGeometry, audio_tokens
 
 
 def window_samples(batches: list[list[SampleRef]], geometry: MediaGeometry) -> WindowSamples:

@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from encoders.block import EncoderBlock, cu_seqlens, rope_1d
-from encoders.projector import MLPProjector
+from omniscale.encoders.block import EncoderBlock, cu_seqlens, rope_1d
+from omniscale.encoders.projector import MLPProjector
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-import kernels
-from kernels.reference import rotary_tables
+from omniscale import kernels
+from omniscale.kernels.reference import rotary_tables
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from encoders.block import RMSNorm
+from omniscale.encoders.block import RMSNorm
 
 
 class MLPProjector(nn.Module):

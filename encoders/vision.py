@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from encoders.block import EncoderBlock, cu_seqlens, rope_nd
-from encoders.projector import PatchMerger
+from omniscale.encoders.block import EncoderBlock, cu_seqlens, rope_nd
+from omniscale.encoders.projector import PatchMerger
 
 Grid = tuple[int, int, int]
 

@@ -4,7 +4,7 @@
 ``kernels.describe(device)`` lists the backend chosen for every op.
 """
 
-import kernels.triton_registry  # noqa: E402,F401  (registers Triton + compiled; imports no Triton)
-from kernels.registry import backend_of, describe, get, register
+import omniscale.kernels.triton_registry  # noqa: E402,F401  (registers Triton + compiled; imports no Triton)
+from omniscale.kernels.registry import backend_of, describe, get, register
 
 __all__ = ["get", "register", "backend_of", "describe"]

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from kernels import reference
+from omniscale.kernels import reference
 
 MAX_LEN = 1024  # longer sequences: SDPA (blocks then no longer beat it, measured at 2048)
 MAX_SAVED = 32 * 2**20  # kept probabilities per call, elements (128 MiB in fp32)

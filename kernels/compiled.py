@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from kernels import reference
+from omniscale.kernels import reference
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from omniscale.kernels import reference
 
 
 class _RMSNorm(torch.autograd.Function):

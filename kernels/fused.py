@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from omniscale.kernels import reference
 
 # Logits of a chunk stay near this many elements (256 MiB in fp32), whatever V is.
 CHUNK_ELEMENTS = 1 << 26

@@ -89,7 +89,7 @@ def _resolve(op: str, device_type: str, prefer: str | None, forced: str) -> Call
             fn = getattr(importlib.import_module(module), name)
             log.info("kernel %s on %s: %s (%s)", op, device_type, backend, target)
             return _tag(fn, backend)
-    reference = getattr(importlib.import_module("kernels.reference"), op)
+    reference = getattr(importlib.import_module("omniscale.kernels.reference"), op)
     log.info("kernel %s on %s: torch reference%s", op, device_type,
              f" ({ENV_FORCE}={forced})" if forced else "")
     return _tag(reference, REFERENCE)
@@ -114,10 +114,11 @@ def _any(device_type: str) -> bool:
 # Attention backends, fastest first: flash-attn on CUDA when installed, else flex attention on
 # CUDA; on CPU "blocked" (row-blocked matrix products, kernels/blocked_attention.py; SDPA for
 # long sequences), with flex (forward only) and the SDPA reference selectable by prefer=.
-register("varlen_attention", "blocked", "kernels.blocked_attention:varlen_attention", _any,
-         auto=_cpu)
-register("varlen_attention", "flex", "kernels.flex:varlen_attention", _flex_ok, auto=_cuda)
-register("varlen_attention", "flash", "kernels.flash:varlen_attention", _flash_ok)
+register("varlen_attention", "blocked", "omniscale.kernels.blocked_attention:varlen_attention",
+         _any, auto=_cpu)
+register("varlen_attention", "flex", "omniscale.kernels.flex:varlen_attention", _flex_ok,
+         auto=_cuda)
+register("varlen_attention", "flash", "omniscale.kernels.flash:varlen_attention", _flash_ok)
 
 
 def describe(device: str = "cpu", prefer: str | None = None) -> dict[str, str]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kernels.fused import linear_cross_entropy_chunked
-from kernels.reference import IGNORE_INDEX
-from kernels.triton_launch import block, jit, warps
+from omniscale.kernels.fused import linear_cross_entropy_chunked
+from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.kernels.triton_launch import block, jit, warps
 
 BLOCK_V = 4096
 

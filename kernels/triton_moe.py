@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_launch import block, jit
+from omniscale.kernels.triton_launch import block, jit
 
 BLOCK_D = 1024
 

@@ -15,16 +15,16 @@ moe_unpermute.
 
 from __future__ import annotations
 
-from kernels.registry import _any, _cpu, _triton_ok, register
+from omniscale.kernels.registry import _any, _cpu, _triton_ok, register
 
 TRITON_OPS = {
-    "rms_norm": "kernels.triton_rms_norm:rms_norm",
-    "add_rms_norm": "kernels.triton_rms_norm:add_rms_norm",
-    "rotary": "kernels.triton_rotary:rotary",
-    "swiglu": "kernels.triton_swiglu:swiglu",
-    "linear_cross_entropy": "kernels.triton_linear_ce:linear_cross_entropy",
-    "moe_permute": "kernels.triton_moe:moe_permute",
-    "moe_unpermute": "kernels.triton_moe:moe_unpermute",
+    "rms_norm": "omniscale.kernels.triton_rms_norm:rms_norm",
+    "add_rms_norm": "omniscale.kernels.triton_rms_norm:add_rms_norm",
+    "rotary": "omniscale.kernels.triton_rotary:rotary",
+    "swiglu": "omniscale.kernels.triton_swiglu:swiglu",
+    "linear_cross_entropy": "omniscale.kernels.triton_linear_ce:linear_cross_entropy",
+    "moe_permute": "omniscale.kernels.triton_moe:moe_permute",
+    "moe_unpermute": "omniscale.kernels.triton_moe:moe_unpermute",
 }
 
 # Ops where torch.compile of the reference beat eager on CPU (forward+backward), see README.
@@ -42,13 +42,13 @@ def _never(device_type: str) -> bool:
 # where it runs (CUDA; CPU under the interpreter, in tests).
 # "chunked": the Triton path's chunked algorithm in plain torch; its cache-sized chunks beat
 # the reference's whole [T, V] logits on time as well as memory (kernels/fused.py).
-register("linear_cross_entropy", "chunked", "kernels.fused:chunked_linear_cross_entropy",
+register("linear_cross_entropy", "chunked", "omniscale.kernels.fused:chunked_linear_cross_entropy",
          _any, auto=_cpu)
 # "eager": the reference's math as one autograd node with a closed-form backward
 # (kernels/eager.py).
 for _op in EAGER_OPS:
-    register(_op, "eager", f"kernels.eager:{_op}", _any, auto=_cpu)
+    register(_op, "eager", f"omniscale.kernels.eager:{_op}", _any, auto=_cpu)
 for _op, _target in TRITON_OPS.items():
     register(_op, "triton", _target, _triton_ok)
 for _op in COMPILED_OPS:
-    register(_op, "compiled", f"kernels.compiled:{_op}", _cpu, auto=_never)
+    register(_op, "compiled", f"omniscale.kernels.compiled:{_op}", _cpu, auto=_never)

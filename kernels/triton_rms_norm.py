@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_launch import block, jit, warps
+from omniscale.kernels.triton_launch import block, jit, warps
 
 ROWS = 4  # rows per program: amortises loading the weight; the backward's dw partials shrink
 

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
-from kernels.triton_launch import block, jit, warps
+from omniscale.kernels import reference
+from omniscale.kernels.triton_launch import block, jit, warps
 
 
 @jit

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_launch import jit
+from omniscale.kernels.triton_launch import jit
 
 BLOCK = 1024
 

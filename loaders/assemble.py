@@ -20,13 +20,13 @@ from typing import Callable
 import pyarrow as pa
 import torch
 
-from dataplane.plan_table import fingerprint, plan_metadata
-from dataplane.refs import SampleRef, table_to_refs
-from loaders.collate import PackedBatch, collate
-from loaders.errors import CorruptSample
-from loaders.geometry import MediaGeometry
-from loaders.sequence import DecodedSample
-from loaders.worker import Decoded
+from omniscale.dataplane.plan_table import fingerprint, plan_metadata
+from omniscale.dataplane.refs import SampleRef, table_to_refs
+from omniscale.loaders.collate import PackedBatch, collate
+from omniscale.loaders.errors import CorruptSample
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.sequence import DecodedSample
+from omniscale.loaders.worker import Decoded
 
 POLICIES = ("skip", "fail")
 MAX_REPLACEMENTS = 8  # per bad sample: replacements can be bad too, but not forever

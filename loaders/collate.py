@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loaders.geometry import MediaGeometry
-from loaders.sequence import IGNORE_INDEX, DecodedSample
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.sequence import IGNORE_INDEX, DecodedSample
 
 
 @dataclass

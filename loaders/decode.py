@@ -13,17 +13,24 @@ from pathlib import Path
 
 import torch
 
-from dataplane.refs import SampleRef
-from loaders.decode_audio import decode_audio
-from loaders.decode_image import decode_image
-from loaders.decode_text import load_tokenizer, tokenize
-from loaders.decode_video import decode_video
-from loaders.errors import CorruptSample
-from loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
-from loaders.layout import media_order, member_kind, split_member_name
-from loaders.probe import Corrupt
-from loaders.readers import RawSample, SampleReader
-from loaders.sequence import KINDS, DecodedSample, ItemSlot, LayoutError, MediaItem, build_sequence
+from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.decode_audio import decode_audio
+from omniscale.loaders.decode_image import decode_image
+from omniscale.loaders.decode_text import load_tokenizer, tokenize
+from omniscale.loaders.decode_video import decode_video
+from omniscale.loaders.errors import CorruptSample
+from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
+from omniscale.loaders.layout import media_order, member_kind, split_member_name
+from omniscale.loaders.probe import Corrupt
+from omniscale.loaders.readers import RawSample, SampleReader
+from omniscale.loaders.sequence import (
+    KINDS,
+    DecodedSample,
+    ItemSlot,
+    LayoutError,
+    MediaItem,
+    build_sequence,
+)
 
 _DECODERS = {"image": decode_image, "video": decode_video}
 

@@ -16,8 +16,8 @@ import math
 import numpy as np
 import torch
 
-from loaders.geometry import MediaGeometry, audio_samples
-from loaders.probe import Corrupt, short
+from omniscale.loaders.geometry import MediaGeometry, audio_samples
+from omniscale.loaders.probe import Corrupt, short
 
 
 def decode_audio(data: bytes, g: MediaGeometry) -> torch.Tensor:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loaders.geometry import MediaGeometry, image_resize
-from loaders.probe import IMAGE_FORMATS, Corrupt, untrusted_image
+from omniscale.loaders.geometry import MediaGeometry, image_resize
+from omniscale.loaders.probe import IMAGE_FORMATS, Corrupt, untrusted_image
 
 # CLIP's statistics, which Qwen2-VL's vision tower was trained with.
 IMAGE_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataplane.errors import UserError
-from loaders.layout import EOS, MARKER_OF, PAD
-from loaders.probe import Corrupt, decode_text
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.layout import EOS, MARKER_OF, PAD
+from omniscale.loaders.probe import Corrupt, decode_text
 
 # A text member is one sample's caption or document; anything larger is no training text and
 # would stall a worker in the tokenizer.
@@ -59,7 +59,7 @@ def _load_tokenizer(path: str) -> TextTokenizer:
         ids[token] = tokenizer.token_to_id(token)
         if ids[token] is None:
             raise UserError(f"{path}: has no token {token!r} (the tokenizer must define "
-                            "loaders.layout.SPECIAL_TOKENS as special tokens)")
+                            "omniscale.loaders.layout.SPECIAL_TOKENS as special tokens)")
     return TextTokenizer(tokenizer, ids[PAD], ids[EOS],
                          {kind: ids[marker] for kind, marker in MARKER_OF.items()})
 

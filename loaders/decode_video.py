@@ -17,9 +17,9 @@ import io
 
 import numpy as np
 
-from loaders.decode_image import VisionItem, patchify, resize_rgb
-from loaders.geometry import MediaGeometry, video_frame_indices, video_resize
-from loaders.probe import Corrupt, probe_video, short
+from omniscale.loaders.decode_image import VisionItem, patchify, resize_rgb
+from omniscale.loaders.geometry import MediaGeometry, video_frame_indices, video_resize
+from omniscale.loaders.probe import Corrupt, probe_video, short
 
 # Decoding walks the stream up to the last sampled frame; this bounds that walk in PyAV.
 MAX_DECODED_FRAMES = 1 << 16

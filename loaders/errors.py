@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataplane.errors import UserError
+from omniscale.dataplane.errors import UserError
 
 
 class CorruptSample(UserError):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
-from loaders.layout import MARKER_OF, count_markers
-from loaders.probe import Corrupt
+from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
+from omniscale.loaders.layout import MARKER_OF, count_markers
+from omniscale.loaders.probe import Corrupt
 
 Grid = tuple[int, int, int]
 

@@ -24,9 +24,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dataplane.errors import UserError
-from loaders.geometry import MediaGeometry
-from loaders.index_schema import (
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index_schema import (
     INDEX_FILENAME,
     INDEX_SCHEMA,
     INDEX_VERSION,
@@ -34,9 +34,9 @@ from loaders.index_schema import (
     index_path,
     read_index_metadata,
 )
-from loaders.layout import FORMATS
-from loaders.shard_index import ShardResult, index_shard
-from loaders.text_cost import TokenCounter, find_tokenizer, tokenizer_fingerprint
+from omniscale.loaders.layout import FORMATS
+from omniscale.loaders.shard_index import ShardResult, index_shard
+from omniscale.loaders.text_cost import TokenCounter, find_tokenizer, tokenizer_fingerprint
 
 SHARD_SUFFIX = {"webdataset": ".tar", "parquet": ".parquet", "jsonl": ".jsonl"}
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -84,7 +84,7 @@ def index_paths(paths: list[str | Path], tokenizer: str | Path | None = None,
 def _index_path(path: Path, tokenizer: str | Path | None, pool: _LazyPool, force: bool,
                 progress: bool) -> list[IndexReport]:
     if path.is_file() and path.suffix in SPEC_SUFFIXES:
-        from dataplane.spec import load_spec
+        from omniscale.dataplane.spec import load_spec
 
         spec = load_spec(path)
         return [index_source(source.path, source.format, tokenizer or spec.tokenizer,

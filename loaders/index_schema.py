@@ -31,7 +31,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dataplane.errors import UserError
+from omniscale.dataplane.errors import UserError
 
 INDEX_FILENAME = "_index.parquet"
 INDEX_VERSION = 2  # 2: one row group per shard

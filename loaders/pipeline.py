@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from torch.utils.data._utils import signal_handling
 
-from dataplane.client import PlaneClient
-from dataplane.refs import SampleRef
-from loaders.assemble import StepAssembler, StepBatch, sample_id, unique_refs
-from loaders.geometry import MediaGeometry
-from loaders.prefetch import END, PlanPrefetcher
-from loaders.worker import Decoded, RefDataset, TimedDecoder, decoder_spec, identity
+from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.assemble import StepAssembler, StepBatch, sample_id, unique_refs
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.prefetch import END, PlanPrefetcher
+from omniscale.loaders.worker import Decoded, RefDataset, TimedDecoder, decoder_spec, identity
 
 
 class StepLoader:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import queue
 import threading
 
-from dataplane.client import PlaneClient, PlaneError
-from dataplane.server import Reason
+from omniscale.dataplane.client import PlaneClient, PlaneError
+from omniscale.dataplane.server import Reason
 
 END = "end"  # the queue's last item when the mixture is exhausted
 

@@ -13,7 +13,7 @@ import contextlib
 import io
 import warnings
 
-from loaders.geometry import MediaGeometry, audio_mel_frames, image_grid, video_grid
+from omniscale.loaders.geometry import MediaGeometry, audio_mel_frames, image_grid, video_grid
 
 # Formats the image decoders accept; restricting PIL's sniffing also shrinks the parser
 # surface an untrusted file can reach.

@@ -20,12 +20,12 @@ from collections.abc import Callable
 
 import ray
 
-from dataplane.refs import SampleRef
-from loaders.assemble import sample_id, unique_refs
-from loaders.index_schema import read_index
-from loaders.pipeline import StepLoader
-from loaders.prefetch import END
-from loaders.worker import Decoded, DecoderSpec, TimedDecoder
+from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.assemble import sample_id, unique_refs
+from omniscale.loaders.index_schema import read_index
+from omniscale.loaders.pipeline import StepLoader
+from omniscale.loaders.prefetch import END
+from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
 
 PROBE_SAMPLES = 3  # decoded per source at startup to measure its cost
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import fsspec
 
-from dataplane.errors import UserError
-from dataplane.refs import SampleRef
-from loaders.errors import CorruptSample
-from loaders.probe import Corrupt, decode_text, short
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.errors import CorruptSample
+from omniscale.loaders.probe import Corrupt, decode_text, short
 
 TAR_BLOCK = 512
 # One sample's slice is read into memory; refuse ranges no training sample needs before

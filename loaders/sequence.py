@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from balancer.types import ENCODER_KINDS as KINDS  # kind id = position (plan_table.item_kinds)
-from kernels.reference import IGNORE_INDEX
-from loaders.decode_text import TextTokenizer
+from omniscale.balancer.types import (
+    ENCODER_KINDS as KINDS,  # kind id = position (plan_table.item_kinds)
+)
+from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.loaders.decode_text import TextTokenizer
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dataplane.errors import UserError
-from loaders.features import SampleFeatures, sample_features
-from loaders.geometry import MediaGeometry
-from loaders.index_schema import INDEX_SCHEMA
-from loaders.layout import media_order, member_kind
-from loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
-from loaders.tar_scan import TarMember, TarSample, scan_tar
-from loaders.text_cost import TokenCounter
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.features import SampleFeatures, sample_features
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index_schema import INDEX_SCHEMA
+from omniscale.loaders.layout import media_order, member_kind
+from omniscale.loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
+from omniscale.loaders.tar_scan import TarMember, TarSample, scan_tar
+from omniscale.loaders.text_cost import TokenCounter
 
 # Members are probed from memory; anything larger is no single training item.
 MAX_MEMBER_BYTES = 1 << 30

@@ -18,7 +18,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loaders.layout import split_member_name
+from omniscale.loaders.layout import split_member_name
 
 BLOCK = tarfile.BLOCKSIZE
 

@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataplane.errors import UserError
+from omniscale.dataplane.errors import UserError
 
 TOKENIZER_FILENAME = "tokenizer.json"
 
@@ -31,7 +31,7 @@ class TokenCounter:
         The markers must be single tokens, or the count of non-media tokens would depend on
         how the tokenizer happens to split ``<image>``.
         """
-        from loaders.decode_text import load_tokenizer
+        from omniscale.loaders.decode_text import load_tokenizer
 
         loaded = load_tokenizer(path)
         return cls(loaded.tokenizer, frozenset(loaded.marker_ids.values()))

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from dataplane.refs import SampleRef
-from loaders.decode import SampleDecoder
-from loaders.errors import CorruptSample
-from loaders.geometry import MediaGeometry
-from loaders.readers import SampleReader
-from loaders.sequence import DecodedSample
+from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.decode import SampleDecoder
+from omniscale.loaders.errors import CorruptSample
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.readers import SampleReader
+from omniscale.loaders.sequence import DecodedSample
 
 
 @dataclass

@@ -11,15 +11,15 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "ParallelDims": "parallel.mesh", "fsdp_mesh": "parallel.mesh",
-    "apply_fsdp": "parallel.fsdp",
-    "apply_tp": "parallel.tensor",
-    "apply_ac": "parallel.checkpointing",
-    "apply_ep": "parallel.expert",
-    "apply_sp": "parallel.sequence",
-    "apply_pp": "parallel.pipeline",
-    "reshard": "parallel.reshard", "reshard_plan": "parallel.reshard",
-    "save_checkpoint": ("parallel.dcp", "save"), "load_checkpoint": ("parallel.dcp", "load"),
+    "ParallelDims": "mesh", "fsdp_mesh": "mesh",
+    "apply_fsdp": "fsdp",
+    "apply_tp": "tensor",
+    "apply_ac": "checkpointing",
+    "apply_ep": "expert",
+    "apply_sp": "sequence",
+    "apply_pp": "pipeline",
+    "reshard": "reshard", "reshard_plan": "reshard",
+    "save_checkpoint": ("dcp", "save"), "load_checkpoint": ("dcp", "load"),
 }
 
 __all__ = sorted(_EXPORTS)
@@ -28,8 +28,8 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     target = _EXPORTS.get(name)
     if target is None:
-        raise AttributeError(f"module 'parallel' has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, attr = target if isinstance(target, tuple) else (target, name)
-    value = getattr(importlib.import_module(module), attr)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
     globals()[name] = value
     return value

@@ -20,10 +20,10 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from backbone.decoder import Block
-from encoders.audio import AudioEncoder
-from encoders.block import EncoderBlock
-from encoders.vision import VisionEncoder
+from omniscale.backbone.decoder import Block
+from omniscale.encoders.audio import AudioEncoder
+from omniscale.encoders.block import EncoderBlock
+from omniscale.encoders.vision import VisionEncoder
 
 MODES = ("full", "selective")
 

@@ -26,9 +26,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from backbone.config import kernel
-from backbone.moe import MoE
-from parallel.comm import Group, all_to_all_single, exchange_counts, group_rank, group_size
+from omniscale.backbone.config import kernel
+from omniscale.backbone.moe import MoE
+from omniscale.parallel.comm import (
+    Group,
+    all_to_all_single,
+    exchange_counts,
+    group_rank,
+    group_size,
+)
 
 
 class EPDispatcher:

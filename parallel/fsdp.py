@@ -28,8 +28,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
-from parallel.mesh import fsdp_mesh
+from omniscale.parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
+from omniscale.parallel.mesh import fsdp_mesh
 
 # Root methods a trainer calls instead of forward (OmniModel's two-step API): FSDP gathers the
 # root's parameters around them as it does around forward.

@@ -39,11 +39,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-import kernels
-from backbone.attention import rope_tables
-from backbone.decoder import MoEDecoder
-from kernels.reference import IGNORE_INDEX
-from parallel.tensor import vocab_parallel_loss
+from omniscale import kernels
+from omniscale.backbone.attention import rope_tables
+from omniscale.backbone.decoder import MoEDecoder
+from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.parallel.tensor import vocab_parallel_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

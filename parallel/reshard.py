@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from balancer.types import ENCODER_KINDS
-from parallel.comm import Group, all_to_all_single, group_size
+from omniscale.balancer.types import ENCODER_KINDS
+from omniscale.parallel.comm import Group, all_to_all_single, group_size
 
 ItemKey = tuple[str, str, str, int, int]  # (source, shard, key, kind id, index within kind)
 

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from backbone.attention import Attention
-from parallel.comm import Group, all_to_all_single, group_rank, group_size, process_group
+from omniscale.backbone.attention import Attention
+from omniscale.parallel.comm import Group, all_to_all_single, group_rank, group_size, process_group
 
 
 class SPGroups:
@@ -115,7 +115,7 @@ class UlyssesCore:
         layout = self.layout
         if layout is None:
             raise RuntimeError("sequence-parallel attention ran outside "
-                               "parallel.sequence.sp_batch(model, batch)")
+                               "omniscale.parallel.sequence.sp_batch(model, batch)")
         if not layout.split:
             return self.inner(q_THK, k_TGK, v_TGK, cu_seqlens_S1, max_seqlen)
         o_THK = q_THK.new_zeros(q_THK.shape)

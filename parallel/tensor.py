@@ -54,10 +54,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from backbone.decoder import MoEDecoder
-from kernels.reference import IGNORE_INDEX
-from parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
-from parallel.comm import all_reduce_, all_to_all_single, copy_to_group
+from omniscale.backbone.decoder import MoEDecoder
+from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
+from omniscale.parallel.comm import all_reduce_, all_to_all_single, copy_to_group
 
 # q/k norms act per head on [T, heads, K]: their one weight sees only this rank's heads, so it
 # is a replicated DTensor over a head-sharded input (its gradient is then all-reduced).
@@ -87,7 +87,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh,
     if tp > 1:
         for wrapped in decoder_blocks(model):
             _split_decoder_block(unwrap(wrapped), tp_mesh)
-        from parallel.pipeline import DecoderStage  # here: pipeline imports this module
+        from omniscale.parallel.pipeline import DecoderStage  # here: pipeline imports this module
 
         for decoder in [m for m in model.modules() if isinstance(m, (MoEDecoder, DecoderStage))]:
             _split_vocabulary(decoder, tp_mesh)

@@ -3,7 +3,10 @@
 - model packages (`encoders/`, `backbone/`) never import torch.distributed: parallelism is
   applied from outside by `parallel/`;
 - `balancer/` is pure array code: numpy, numba and the standard library only;
-- `dataplane/` reaches into `loaders/` only for the pure contract modules it plans from.
+- `dataplane/` reaches into `loaders/` only for the pure contract modules it plans from;
+- every import of the project's own code goes through the one installed name, `omniscale`
+  (`import dataplane` would load a second copy of the module from a checkout, and does not
+  exist in an installed wheel).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dataplane", "loaders", "balancer", "encoders", "backbone", "parallel", "kernels",
             "tools")
-LOADERS_CONTRACT = {"loaders.geometry", "loaders.layout", "loaders.index_schema"}
+LOADERS_CONTRACT = {f"omniscale.loaders.{m}" for m in ("geometry", "layout", "index_schema")}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -49,9 +52,10 @@ def test_balancer_is_pure_array_code():
     stdlib = set(sys.stdlib_module_names)
     bad = {}
     for f, mods in package_imports("balancer").items():
-        tops = {m.split(".")[0] for m in mods}
-        wrong = sorted(t for t in tops
-                       if t not in stdlib and t not in allowed_third_party and t != "balancer")
+        wrong = sorted({m.split(".")[0] for m in mods if not m.startswith("omniscale.")}
+                       - stdlib - allowed_third_party)
+        wrong += sorted(m for m in mods if m.startswith("omniscale.")
+                        and not m.startswith("omniscale.balancer"))
         if wrong:
             bad[f] = wrong
     assert not bad
@@ -60,8 +64,8 @@ def test_balancer_is_pure_array_code():
 def test_dataplane_uses_only_the_loaders_contract():
     bad = {}
     for f, mods in package_imports("dataplane").items():
-        # `from loaders.x import y` also records `loaders.x.y`; judge the module part only.
-        wrong = sorted(m for m in mods if m.startswith("loaders")
+        # `from omniscale.loaders.x import y` also records `...x.y`; judge the module part only.
+        wrong = sorted(m for m in mods if m.startswith("omniscale.loaders")
                        and not any(m == c or m.startswith(c + ".") for c in LOADERS_CONTRACT))
         if wrong:
             bad[f] = wrong
@@ -71,3 +75,12 @@ def test_dataplane_uses_only_the_loaders_contract():
 def test_every_design_package_exists():
     for package in PACKAGES:
         assert (ROOT / package / "__init__.py").is_file(), package
+
+
+def test_project_code_is_imported_under_omniscale():
+    files = [p for d in (*PACKAGES, "tests", "omniscale")
+             for p in sorted((ROOT / d).rglob("*.py"))]
+    bad = {str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f)
+                                             if m.split(".")[0] in PACKAGES)
+           for f in files}
+    assert not {f: m for f, m in bad.items() if m}

@@ -15,10 +15,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from balancer.distributions import DISTRIBUTIONS, generate
-from balancer.stream import steps_by_count, steps_by_tokens, take
-from balancer.types import ENCODER_KINDS, WindowSamples
-from dataplane.errors import UserError
+from omniscale.balancer.distributions import DISTRIBUTIONS, generate
+from omniscale.balancer.stream import steps_by_count, steps_by_tokens, take
+from omniscale.balancer.types import ENCODER_KINDS, WindowSamples
+from omniscale.dataplane.errors import UserError
 
 PATCHES_PER_TOKEN = 4  # 2×2 spatial merge
 FRAMES_PER_TOKEN = 4  # mel frames per audio token

@@ -22,12 +22,19 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from balancer.cost import CommModel
-from balancer.simulate import ALL_POLICIES, OURS, PolicyRun, compare, rank_loads, run_policy
-from balancer.split import largest_sp_size
-from balancer.types import PlannerConfig, WindowSamples
-from dataplane.errors import UserError
-from tools.balance_input import drawn_stream, load_lengths, step_offsets
+from omniscale.balancer.cost import CommModel
+from omniscale.balancer.simulate import (
+    ALL_POLICIES,
+    OURS,
+    PolicyRun,
+    compare,
+    rank_loads,
+    run_policy,
+)
+from omniscale.balancer.split import largest_sp_size
+from omniscale.balancer.types import PlannerConfig, WindowSamples
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.balance_input import drawn_stream, load_lengths, step_offsets
 
 DEFAULT_STEPS = 16
 DEFAULT_SAMPLES_PER_RANK = 8
@@ -96,7 +103,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
 def default_costs(alpha: float, beta: float, comm: CommModel | None = None):
     """LLM cost ``α·L + β·L²``; encoders priced relative to it (Costs.from_llm); the two
     collectives priced by ``comm`` (free when None)."""
-    from balancer.cost import Costs
+    from omniscale.balancer.cost import Costs
 
     return Costs.from_llm(alpha, beta, **(comm.collectives() if comm is not None else {}))
 

@@ -10,21 +10,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from dataplane.errors import UserError
+from omniscale.dataplane.errors import UserError
 
 EXIT_USER_ERROR = 2
 EXIT_CORRUPT = 3  # index written, but some members were corrupt and are marked in it
 
 
 def _data_demo(args: argparse.Namespace) -> int:
-    from tools.demo import generate
+    from omniscale.tools.demo import generate
 
     generate(Path(args.out), scale=args.scale, seed=args.seed, workers=args.workers)
     return 0
 
 
 def _data_index(args: argparse.Namespace) -> int:
-    from loaders.index import index_paths
+    from omniscale.loaders.index import index_paths
 
     reports = index_paths([Path(p) for p in args.paths], tokenizer=args.tokenizer,
                           workers=args.workers, force=args.force)
@@ -40,7 +40,7 @@ def _data_index(args: argparse.Namespace) -> int:
 
 
 def _data_inspect(args: argparse.Namespace) -> int:
-    from tools.mix_report import inspect_spec
+    from omniscale.tools.mix_report import inspect_spec
 
     steps = None
     if args.steps:
@@ -54,19 +54,19 @@ def _data_inspect(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from tools.report import report_command
+    from omniscale.tools.report import report_command
 
     return report_command(args.run_dir, args.out)
 
 
 def _bench_all(args: argparse.Namespace) -> int:
-    from tools.bench.all import run_all, select
+    from omniscale.tools.bench.all import run_all, select
 
     return run_all(select(args.only), args.quick, Path(args.out))
 
 
 def _balance_simulate(args: argparse.Namespace) -> int:
-    from tools.balance_sim import simulate_command
+    from omniscale.tools.balance_sim import simulate_command
 
     simulate_command(args)
     return 0
@@ -75,9 +75,9 @@ def _balance_simulate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import os
 
-    from dataplane.auth import TLS_ROOT_ENV, read_pem
-    from tools.plane_cli import token_from
-    from tools.train.launch import train
+    from omniscale.dataplane.auth import TLS_ROOT_ENV, read_pem
+    from omniscale.tools.plane_cli import token_from
+    from omniscale.tools.train.launch import train
 
     token = token_from(args) if args.plane else None
     if args.tls_root:  # through the environment: every rank's clients (spawned ones too) read it
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--plane", metavar="URL", help="an external data plane (`omniscale "
                        "plane serve --dp NPROC --sp-max 1 ...`) instead of the embedded one")
-    from tools.plane_cli import add_tls_root_argument, add_token_arguments
+    from omniscale.tools.plane_cli import add_tls_root_argument, add_token_arguments
 
     add_token_arguments(train)  # --token-file, --token (else $OMNISCALE_PLANE_TOKEN)
     add_tls_root_argument(train)
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "table goes beside it as .md")
     bench_all.set_defaults(func=_bench_all)
 
-    from tools.plane_cli import add_commands as add_plane_commands
+    from omniscale.tools.plane_cli import add_commands as add_plane_commands
 
     add_plane_commands(commands)
     return parser

@@ -17,9 +17,9 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 
-from dataplane.schedule import Schedule
-from dataplane.spec import MixSpec, load_spec
-from loaders.index_schema import read_index
+from omniscale.dataplane.schedule import Schedule
+from omniscale.dataplane.spec import MixSpec, load_spec
+from omniscale.loaders.index_schema import read_index
 
 COLUMNS = ["text_tokens", "image_patches", "video_patches", "audio_frames", "llm_tokens",
            "error"]

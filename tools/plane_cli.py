@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from dataplane.errors import UserError
+from omniscale.dataplane.errors import UserError
 
 
 def add_commands(commands) -> None:
@@ -74,7 +74,7 @@ def add_commands(commands) -> None:
 def add_token_arguments(parser, note: str = "") -> None:
     """--token-file and --token (one of them; else $OMNISCALE_PLANE_TOKEN): see
     :func:`token_from`."""
-    from dataplane.auth import TOKEN_ENV
+    from omniscale.dataplane.auth import TOKEN_ENV
 
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--token-file", metavar="FILE",
@@ -84,7 +84,7 @@ def add_token_arguments(parser, note: str = "") -> None:
 
 
 def add_tls_root_argument(parser) -> None:
-    from dataplane.auth import TLS_ROOT_ENV
+    from omniscale.dataplane.auth import TLS_ROOT_ENV
 
     parser.add_argument("--tls-root", metavar="PEM",
                         help="for a grpc+tls:// plane: the CA certificate to check it against "
@@ -94,14 +94,14 @@ def add_tls_root_argument(parser) -> None:
 
 def token_from(args: argparse.Namespace) -> str | None:
     """The token of --token-file, --token or $OMNISCALE_PLANE_TOKEN (in that order)."""
-    from dataplane.auth import resolve_token
+    from omniscale.dataplane.auth import resolve_token
 
     return resolve_token(args.token, args.token_file)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from dataplane.auth import check_bind, read_pem
-    from dataplane.plane import PlaneConfig
+    from omniscale.dataplane.auth import check_bind, read_pem
+    from omniscale.dataplane.plane import PlaneConfig
 
     args.token = token_from(args)
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -119,8 +119,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_here(args: argparse.Namespace, config) -> int:
-    from dataplane.plane import DataPlane
-    from dataplane.server import PlaneServer
+    from omniscale.dataplane.plane import DataPlane
+    from omniscale.dataplane.server import PlaneServer
 
     plane = DataPlane(args.spec, args.state_dir, config, restore_step=args.restore_step,
                       spec_root=args.spec_root)
@@ -143,9 +143,9 @@ def _serve_on_ray(args: argparse.Namespace, config) -> int:
 
     import ray
 
-    from dataplane.auth import TLS_ROOT_ENV
-    from dataplane.client import PlaneClient
-    from dataplane.ray_actor import start_on_ray
+    from omniscale.dataplane.auth import TLS_ROOT_ENV
+    from omniscale.dataplane.client import PlaneClient
+    from omniscale.dataplane.ray_actor import start_on_ray
 
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", log_to_driver=False)
@@ -180,7 +180,7 @@ def _serve_on_ray(args: argparse.Namespace, config) -> int:
 def _metrics(plane, args: argparse.Namespace):
     if args.metrics_port is None:
         return None
-    from dataplane.metrics import serve_metrics
+    from omniscale.dataplane.metrics import serve_metrics
 
     server = serve_metrics(plane, args.metrics_host, args.metrics_port)
     print(f"omniscale plane: metrics at {server.url}", flush=True)
@@ -195,7 +195,7 @@ def _wait_for_signal() -> None:
 
 
 def _client(args):
-    from dataplane.client import PlaneClient
+    from omniscale.dataplane.client import PlaneClient
 
     return PlaneClient(args.url, token=token_from(args), timeout=10, retry_for=5,
                        tls_root=args.tls_root)
@@ -207,7 +207,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
     else:
-        from tools.plane_status import print_status
+        from omniscale.tools.plane_status import print_status
         print_status(status)
     return 0
 
@@ -221,7 +221,7 @@ def _reload(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from dataplane.audit import audit_state_dir
+    from omniscale.dataplane.audit import audit_state_dir
 
     report = audit_state_dir(args.state_dir)
     if args.json:

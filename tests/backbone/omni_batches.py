@@ -13,17 +13,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loaders.collate import PackedBatch, collate
-from loaders.decode_audio import decode_audio
-from loaders.decode_image import decode_image
-from loaders.decode_text import load_tokenizer, tokenize
-from loaders.decode_video import decode_video
-from loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
-from loaders.sequence import DecodedSample, ItemSlot, MediaItem, build_sequence
-from tools.demo import audio as demo_audio
-from tools.demo import image as demo_image
-from tools.demo import video as demo_video
-from tools.demo.tokenizer import train_tokenizer
+from omniscale.loaders.collate import PackedBatch, collate
+from omniscale.loaders.decode_audio import decode_audio
+from omniscale.loaders.decode_image import decode_image
+from omniscale.loaders.decode_text import load_tokenizer, tokenize
+from omniscale.loaders.decode_video import decode_video
+from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
+from omniscale.loaders.sequence import DecodedSample, ItemSlot, MediaItem, build_sequence
+from omniscale.tools.demo import audio as demo_audio
+from omniscale.tools.demo import image as demo_image
+from omniscale.tools.demo import video as demo_video
+from omniscale.tools.demo.tokenizer import train_tokenizer
 
 GEOMETRY = MediaGeometry(max_pixels=84 * 84, video_max_pixels=56 * 56, video_max_frames=4,
                          audio_max_seconds=1.0)

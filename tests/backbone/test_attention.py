@@ -7,8 +7,8 @@ import dataclasses
 
 import torch
 
-from backbone.attention import Attention, rope_tables
-from backbone.config import ModelConfig
+from omniscale.backbone.attention import Attention, rope_tables
+from omniscale.backbone.config import ModelConfig
 
 
 def packed(lengths):

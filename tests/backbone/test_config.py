@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from backbone.config import ModelConfig, MoEConfig
-from backbone.decoder import MoEDecoder
-from balancer.cost import Costs
+from omniscale.backbone.config import ModelConfig, MoEConfig
+from omniscale.backbone.decoder import MoEDecoder
+from omniscale.balancer.cost import Costs
 
 
 def real_params(model: torch.nn.Module) -> int:
@@ -81,7 +81,7 @@ def test_bad_configs_name_the_field():
 
 
 def test_kernel_preferences_per_op():
-    from backbone.config import kernel
+    from omniscale.backbone.config import kernel
 
     config = ModelConfig.preset("tiny", kernels={"*": "compiled", "rotary": "reference"},
                                 attention_backend="flex")

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from backbone.config import ModelConfig, MoEConfig
-from backbone.decoder import MoEDecoder
+from omniscale.backbone.config import ModelConfig, MoEConfig
+from omniscale.backbone.decoder import MoEDecoder
 
 
 def packed(lengths):
@@ -181,7 +181,7 @@ def test_compiled_kernels_match_the_reference_path():
     add+norm, rotary, SwiGLU, unpermute) uses it, the rest keep the reference; the loss and
     every gradient match the reference model to float32 tolerance. A shrunk tiny model (one
     MoE layer plus a dense one with a shared expert) keeps the compile count small."""
-    import kernels
+    from omniscale import kernels
 
     base = dataclasses.replace(
         ModelConfig.preset("tiny"), n_layers=2, n_dense_layers=1, vocab_size=256,
@@ -210,8 +210,8 @@ def test_compiled_kernels_match_the_reference_path():
 def test_an_empty_micro_batch_gives_zero_loss_and_finite_gradients():
     # Planned micro-batch slots can be empty on some ranks (every rank runs the same number
     # of micro-batches); they must add nothing, and never NaN.
-    from backbone.config import ModelConfig
-    from backbone.decoder import MoEDecoder
+    from omniscale.backbone.config import ModelConfig
+    from omniscale.backbone.decoder import MoEDecoder
 
     torch.manual_seed(0)
     model = MoEDecoder(ModelConfig.preset("tiny"))

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from backbone.config import MoEConfig
-from backbone.dit import DiTConfig, VideoDiT, patchify_video, unpatchify_video
-from tools.demo import video as demo_video
+from omniscale.backbone.config import MoEConfig
+from omniscale.backbone.dit import DiTConfig, VideoDiT, patchify_video, unpatchify_video
+from omniscale.tools.demo import video as demo_video
 
 PATCH, TPATCH, FRAMES = 8, 2, 4
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backbone.config import ModelConfig, MoEConfig
-from backbone.moe import Experts, MoE
+from omniscale.backbone.config import ModelConfig, MoEConfig
+from omniscale.backbone.moe import Experts, MoE
 
 
 def config(**moe) -> ModelConfig:

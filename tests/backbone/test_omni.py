@@ -7,11 +7,11 @@ import pytest
 import torch
 from omni_batches import GEOMETRY, batch, decoded, render, text_sample, tokenizer
 
-from backbone.config import ModelConfig
-from backbone.omni import OmniModel, scatter_media
-from encoders.audio import AudioConfig
-from encoders.vision import VisionConfig
-from loaders.geometry import audio_tokens, vision_tokens
+from omniscale.backbone.config import ModelConfig
+from omniscale.backbone.omni import OmniModel, scatter_media
+from omniscale.encoders.audio import AudioConfig
+from omniscale.encoders.vision import VisionConfig
+from omniscale.loaders.geometry import audio_tokens, vision_tokens
 
 KINDS = ["image", "video", "audio", "image", "video", "audio", "image"]
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from balancer.cost import CostModel, Costs
-from balancer.planner import plan_window
-from balancer.types import PlannerConfig, WindowSamples
+from omniscale.balancer.cost import CostModel, Costs
+from omniscale.balancer.planner import plan_window
+from omniscale.balancer.types import PlannerConfig, WindowSamples
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balancer.assign import assign_ranks, local_search, lpt
+from omniscale.balancer.assign import assign_ranks, local_search, lpt
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balancer.baselines import (
+from omniscale.balancer.baselines import (
     BASELINES,
     BASELINES_NO_SPLIT,
     BASELINES_SPLIT,
@@ -18,13 +18,13 @@ from balancer.baselines import (
     may_split,
     split_sizes,
 )
-from balancer.cost import CommModel, CostModel, Costs
-from balancer.distributions import generate
-from balancer.metrics import exactly_once, violations
-from balancer.planner import _split
-from balancer.split import unit_cost
-from balancer.stream import take
-from balancer.types import PlannerConfig, WindowSamples, slice_tokens
+from omniscale.balancer.cost import CommModel, CostModel, Costs
+from omniscale.balancer.distributions import generate
+from omniscale.balancer.metrics import exactly_once, violations
+from omniscale.balancer.planner import _split
+from omniscale.balancer.split import unit_cost
+from omniscale.balancer.stream import take
+from omniscale.balancer.types import PlannerConfig, WindowSamples, slice_tokens
 
 COSTS = Costs(llm=CostModel(24576.0, 1.0), encoders=(CostModel(3072.0, 0.5),) * 3)
 # SP all-to-all and reshard priced (25 GB/s, 7B-like shape; units of the cost above)

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from balancer.cost import CommModel, CostModel, Costs, fit
-from balancer.split import unit_cost
+from omniscale.balancer.cost import CommModel, CostModel, Costs, fit
+from omniscale.balancer.split import unit_cost
 
 
 def test_cost_model_is_quadratic():

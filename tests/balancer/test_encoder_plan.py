@@ -1,6 +1,6 @@
 import numpy as np
 
-from balancer.encoder_plan import plan_encoders
+from omniscale.balancer.encoder_plan import plan_encoders
 
 
 def test_balances_items_when_it_pays():

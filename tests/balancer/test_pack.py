@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balancer.pack import pack
+from omniscale.balancer.pack import pack
 
 
 def test_sp_slices_share_a_slot_and_budget_holds():

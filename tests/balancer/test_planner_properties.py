@@ -5,9 +5,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from balancer.cost import CostModel, Costs
-from balancer.planner import plan_step, plan_window
-from balancer.types import PlannerConfig, WindowSamples, slice_tokens
+from omniscale.balancer.cost import CostModel, Costs
+from omniscale.balancer.planner import plan_step, plan_window
+from omniscale.balancer.types import PlannerConfig, WindowSamples, slice_tokens
 
 COSTS = Costs(llm=CostModel(50.0, 1.0, 10.0),
               encoders=(CostModel(2.0, 0.01), CostModel(1.0, 0.02), CostModel(0.5, 0.0)),

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import numpy as np
 
-from balancer.reorder import reorder_window
+from omniscale.balancer.reorder import reorder_window
 
 
 def _window(seed, n=400, steps=4, sources=3):

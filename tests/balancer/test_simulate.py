@@ -7,12 +7,32 @@ import dataclasses
 import numpy as np
 import pytest
 
-from balancer.baselines import BASELINES_NO_SPLIT, BASELINES_SPLIT
-from balancer.cost import CommModel, CostModel, Costs
-from balancer.distributions import OMNI_SHARES, OMNI_SOURCES, exact_counts, generate, smart_resize
-from balancer.metrics import displacement, exactly_once, ideal_time, step_times, violations
-from balancer.simulate import OURS, PolicyRun, compare, planner_split, reprice, run_policy, simulate
-from balancer.stream import (
+from omniscale.balancer.baselines import BASELINES_NO_SPLIT, BASELINES_SPLIT
+from omniscale.balancer.cost import CommModel, CostModel, Costs
+from omniscale.balancer.distributions import (
+    OMNI_SHARES,
+    OMNI_SOURCES,
+    exact_counts,
+    generate,
+    smart_resize,
+)
+from omniscale.balancer.metrics import (
+    displacement,
+    exactly_once,
+    ideal_time,
+    step_times,
+    violations,
+)
+from omniscale.balancer.simulate import (
+    OURS,
+    PolicyRun,
+    compare,
+    planner_split,
+    reprice,
+    run_policy,
+    simulate,
+)
+from omniscale.balancer.stream import (
     arrival_step,
     steps_by_count,
     steps_by_tokens,
@@ -20,7 +40,7 @@ from balancer.stream import (
     window_samples,
     windows,
 )
-from balancer.types import PlannerConfig, StepPlan, WindowSamples
+from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
 
 COSTS = Costs(llm=CostModel(1.0, 0.0))
 
@@ -142,7 +162,7 @@ def test_lognormal_is_clipped_long_tail():
 
 
 def test_smart_resize_matches_the_loaders_geometry():
-    from loaders.geometry import smart_resize as reference
+    from omniscale.loaders.geometry import smart_resize as reference
 
     rng = np.random.default_rng(0)
     h_K, w_K = rng.integers(20, 4000, 300), rng.integers(20, 4000, 300)
@@ -207,7 +227,7 @@ def test_reprice_keeps_our_grid_and_charges_the_reshard():
     costs = Costs.from_llm(24576.0, 1.0, **CommModel().collectives())
     config = PlannerConfig(dp=8, micro_batch_tokens=16384, window=4, sp_max=8)
     offsets_S1 = steps_by_count(stream.num_samples, 128)
-    from balancer.planner import plan_window
+    from omniscale.balancer.planner import plan_window
 
     own = plan_window(window_samples(stream, offsets_S1, 0, 4), costs, config)
     run = run_policy(OURS, stream, offsets_S1, costs, config)

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from balancer.split import choose_sp_size, largest_sp_size, unit_cost
-from balancer.types import slice_tokens
+from omniscale.balancer.split import choose_sp_size, largest_sp_size, unit_cost
+from omniscale.balancer.types import slice_tokens
 
 
 def test_largest_sp_size_is_capped_by_dp():
@@ -51,7 +51,7 @@ def test_sample_too_long_for_any_group_is_named():
 
 
 def test_slot_share_is_the_rank_share_over_the_slots_its_tokens_need():
-    from balancer.split import slot_share
+    from omniscale.balancer.split import slot_share
 
     cost = np.full(16, 10.0)
     tokens = np.full(16, 250)

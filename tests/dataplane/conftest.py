@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loaders.index import index_paths
-from tools.demo import generate
+from omniscale.loaders.index import index_paths
+from omniscale.tools.demo import generate
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import time
 
 import pyarrow as pa
 
-from dataplane.lane import PlanLane
+from omniscale.dataplane.lane import PlanLane
 
 SPARE_FDS = 8  # descriptors left for connections once the lane is up
 
@@ -36,7 +36,7 @@ class Count(logging.Handler):
 
 def main() -> None:
     counter = Count()
-    logging.getLogger("dataplane.lane").addHandler(counter)
+    logging.getLogger("omniscale.dataplane.lane").addHandler(counter)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     lane = PlanLane(lambda body: pa.py_buffer(b"plan"), "127.0.0.1", None)
     lane.start()

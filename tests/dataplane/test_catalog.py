@@ -10,13 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 from plane_index import random_source, rows, write_index
 
-import dataplane.catalog as catalog_module
-from dataplane.catalog import Catalog, SourceState
-from dataplane.errors import UserError
-from dataplane.spec import load_spec
-from loaders.index import index_paths
-from loaders.index_schema import METADATA_KEY, index_path, read_index
-from tools.demo import generate
+import omniscale.dataplane.catalog as catalog_module
+from omniscale.dataplane.catalog import Catalog, SourceState
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.index import index_paths
+from omniscale.loaders.index_schema import METADATA_KEY, index_path, read_index
+from omniscale.tools.demo import generate
 
 
 @pytest.fixture(scope="module")

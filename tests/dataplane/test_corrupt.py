@@ -12,10 +12,10 @@ import pytest
 from plane_index import rows, write_index
 from plane_steps import commit_step
 
-from dataplane.corrupt import CorruptLedger, ref_from_json, ref_to_json, replacement_room
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.refs import SampleRef, table_to_refs
-from tools.bench.plane_data import write_spec
+from omniscale.dataplane.corrupt import CorruptLedger, ref_from_json, ref_to_json, replacement_room
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.refs import SampleRef, table_to_refs
+from omniscale.tools.bench.plane_data import write_spec
 
 T = 100  # tokens of a short sample; long ones have 2T
 BUDGET = 2 * T  # a micro-batch holds two short samples or one long one

@@ -15,10 +15,10 @@ import pyarrow.flight as flight
 import pytest
 from procs import Proc
 
-from dataplane import wire
-from dataplane.client import PlaneClient, _lane_reply
-from dataplane.lane import LANE_OK, LaneLimits, lane_frame
-from dataplane.server import PlaneServer
+from omniscale.dataplane import wire
+from omniscale.dataplane.client import PlaneClient, _lane_reply
+from omniscale.dataplane.lane import LANE_OK, LaneLimits, lane_frame
+from omniscale.dataplane.server import PlaneServer
 
 HERE = Path(__file__).resolve().parent
 
@@ -110,7 +110,7 @@ def test_connections_beyond_the_cap_are_closed_at_once(caplog):
     server = serve(max_connections=3)
     try:
         kept = [connect(server) for _ in range(3)]
-        with caplog.at_level(logging.WARNING, logger="dataplane.lane"):
+        with caplog.at_level(logging.WARNING, logger="omniscale.dataplane.lane"):
             extra = [connect(server, hello=False) for _ in range(5)]
             for sock in extra:
                 assert closed_by_server(sock)

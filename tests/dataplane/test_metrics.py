@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from plane_steps import commit_step
 
-from dataplane.client import PlaneClient
-from dataplane.metrics import serve_metrics
-from dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.metrics import serve_metrics
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
@@ -89,7 +89,7 @@ def next_line(lines: queue.Queue, pattern: str) -> re.Match:
 
 
 def test_serve_command_with_metrics_port(demo, tmp_path):
-    args = [sys.executable, "-m", "tools.cli", "plane", "serve", "--spec",
+    args = [sys.executable, "-m", "omniscale", "plane", "serve", "--spec",
             str(demo / "mix.yaml"), "--state-dir", str(tmp_path), "--dp", "2", "--window", "4",
             "--global-batch-tokens", "12288", "--micro-batch-tokens", "8192", "--sp-max", "2",
             "--metrics-port", "0"]

@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plane_index import random_source, rows, write_index
 
-from dataplane.catalog import Catalog, SourceState
-from dataplane.mixer import Mixer, MixtureExhausted
-from dataplane.schedule import Schedule, Segment
-from dataplane.spec import load_spec
-from loaders.index import index_paths
-from loaders.index_schema import read_index
-from tools.demo import generate
+from omniscale.dataplane.catalog import Catalog, SourceState
+from omniscale.dataplane.mixer import Mixer, MixtureExhausted
+from omniscale.dataplane.schedule import Schedule, Segment
+from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.index import index_paths
+from omniscale.loaders.index_schema import read_index
+from omniscale.tools.demo import generate
 
 SIZES = {"a": (3, 20, 60), "b": (2, 30, 400), "c": (4, 10, 5), "d": (1, 50, 1000)}
 

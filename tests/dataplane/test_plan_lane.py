@@ -12,10 +12,10 @@ import time
 import pyarrow as pa
 import pytest
 
-from dataplane import wire
-from dataplane.client import PlaneClient, PlaneError, _lane_reply
-from dataplane.lane import LANE_OK, LANE_REFUSED, lane_frame
-from dataplane.server import PlaneServer, RequestError
+from omniscale.dataplane import wire
+from omniscale.dataplane.client import PlaneClient, PlaneError, _lane_reply
+from omniscale.dataplane.lane import LANE_OK, LANE_REFUSED, lane_frame
+from omniscale.dataplane.server import PlaneServer, RequestError
 
 
 class PlanService:

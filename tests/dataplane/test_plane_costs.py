@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from plane_steps import commit_step
 
-from dataplane.audit import audit_state_dir
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.server import RequestError
+from omniscale.dataplane.audit import audit_state_dir
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.server import RequestError
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=1, snapshot_every=4)
@@ -60,8 +60,8 @@ def test_bad_costs_are_refused(demo, tmp_path, linear, quadratic):
 
 
 def test_costs_over_the_wire(demo, tmp_path):
-    from dataplane.client import PlaneClient, PlaneError
-    from dataplane.embedded import start_embedded
+    from omniscale.dataplane.client import PlaneClient, PlaneError
+    from omniscale.dataplane.embedded import start_embedded
 
     with start_embedded(demo / "mix.yaml", tmp_path, CONFIG) as plane:
         with PlaneClient(plane.url) as client:

@@ -19,11 +19,11 @@ import pytest
 import yaml
 from plane_steps import commit_step
 
-from dataplane.audit import audit_state_dir
-from dataplane.errors import UserError
-from dataplane.plan_table import fingerprint
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.server import RequestError
+from omniscale.dataplane.audit import audit_state_dir
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plan_table import fingerprint
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.server import RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=2, global_batch_tokens=12288,
@@ -98,7 +98,7 @@ def test_corruption_inside_the_log_is_refused_in_one_line(demo, tmp_path):
                      "--global-batch-tokens", "12288", "--micro-batch-tokens", "8192",
                      "--window", "2", "--sp-max", "2"],
                     ["plane", "audit", str(tmp_path)]):
-        done = subprocess.run([sys.executable, "-m", "tools.cli", *command], cwd=ROOT,
+        done = subprocess.run([sys.executable, "-m", "omniscale", *command], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
@@ -331,7 +331,7 @@ def test_random_kills_truncations_and_flips_never_lose_a_committed_step(demo, tm
 def test_audit_mid_epoch_accounts_for_every_sample_ahead_of_the_cursor(demo, tmp_path):
     """Mid-epoch, "missing 0" must mean something: every servable sample of the epoch is
     committed, in flight or still ahead of the cursor -- counted from the index here."""
-    from loaders.index_schema import read_index
+    from omniscale.loaders.index_schema import read_index
 
     trained(demo, tmp_path, 6)
     report = audit_state_dir(tmp_path)

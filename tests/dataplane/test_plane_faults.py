@@ -23,10 +23,10 @@ from plane_steps import commit_step
 from procs import Proc as _Proc
 from procs import free_port
 
-from dataplane.client import PlaneClient, PlaneError
-from loaders.index import index_paths
-from loaders.index_schema import read_index
-from tools.demo import generate
+from omniscale.dataplane.client import PlaneClient, PlaneError
+from omniscale.loaders.index import index_paths
+from omniscale.loaders.index_schema import read_index
+from omniscale.tools.demo import generate
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("plane_trainer.py")
@@ -58,7 +58,7 @@ def Proc(args: list[str]) -> _Proc:
 
 def serve(spec: Path, state: Path, dp: int, port: int, *extra: str) -> tuple[Proc, str, int]:
     """Start ``omniscale plane serve``; returns it, its URL and the step it starts at."""
-    plane = Proc([sys.executable, "-m", "tools.cli", "plane", "serve", "--spec", str(spec),
+    plane = Proc([sys.executable, "-m", "omniscale", "plane", "serve", "--spec", str(spec),
                   "--state-dir", str(state), "--dp", str(dp), "--port", str(port), *SERVE,
                   *extra])
     match = plane.wait_for(r"serving (\S+) \(step (\d+), (\d+) ranks")
@@ -112,7 +112,7 @@ def trained(records: list[Path], steps: int, dp_from: dict[int, int]) -> tuple[C
 
 
 def audit(state: Path) -> dict:
-    done = subprocess.run([sys.executable, "-m", "tools.cli", "plane", "audit", str(state),
+    done = subprocess.run([sys.executable, "-m", "omniscale", "plane", "audit", str(state),
                            "--json"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout + done.stderr

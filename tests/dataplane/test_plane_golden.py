@@ -18,11 +18,11 @@ import pytest
 import yaml
 from plane_steps import commit_step
 
-from dataplane.catalog import Catalog
-from dataplane.mixer import Mixer
-from dataplane.plan_table import fingerprint
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.schedule import Schedule, Segment
+from omniscale.dataplane.catalog import Catalog
+from omniscale.dataplane.mixer import Mixer
+from omniscale.dataplane.plan_table import fingerprint
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.schedule import Schedule, Segment
 
 STEPS = 12
 GOLDEN = {

@@ -18,14 +18,14 @@ import pyarrow as pa
 import pytest
 from procs import Proc
 
-from dataplane import wire
-from dataplane.auth import TLS_ROOT_ENV, TOKEN_ENV, check_bind, resolve_token
-from dataplane.client import PlaneClient, PlaneError, _lane_reply
-from dataplane.errors import UserError
-from dataplane.lane import LANE_OK, LANE_REFUSED, LaneLimits, lane_frame
-from dataplane.server import PlaneServer
-from tools.cli import build_parser, main
-from tools.plane_cli import token_from
+from omniscale.dataplane import wire
+from omniscale.dataplane.auth import TLS_ROOT_ENV, TOKEN_ENV, check_bind, resolve_token
+from omniscale.dataplane.client import PlaneClient, PlaneError, _lane_reply
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.lane import LANE_OK, LANE_REFUSED, LaneLimits, lane_frame
+from omniscale.dataplane.server import PlaneServer
+from omniscale.tools.cli import build_parser, main
+from omniscale.tools.plane_cli import token_from
 
 
 def make_cert(directory, name: str) -> tuple[str, str]:
@@ -297,7 +297,7 @@ def test_serve_command_with_tls_a_token_file_and_local_metrics(demo, certs, tmp_
     (cert, key), _ = certs
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    plane = Proc([sys.executable, "-m", "tools.cli", "plane", "serve", "--spec",
+    plane = Proc([sys.executable, "-m", "omniscale", "plane", "serve", "--spec",
                   str(demo / "mix.yaml"), "--state-dir", str(tmp_path / "state"), "--dp", "2",
                   "--window", "4", "--global-batch-tokens", "12288", "--micro-batch-tokens",
                   "8192", "--sp-max", "2", "--host", "0.0.0.0", "--token-file", str(token_file),
@@ -321,8 +321,8 @@ def test_serve_command_with_tls_a_token_file_and_local_metrics(demo, certs, tmp_
 
 def test_the_ray_actor_class_serves_tls(demo, certs, tmp_path):
     """PlaneActor is a plain class (Ray only places it): TLS arguments reach its server."""
-    from dataplane.plane import PlaneConfig
-    from dataplane.ray_actor import PlaneActor
+    from omniscale.dataplane.plane import PlaneConfig
+    from omniscale.dataplane.ray_actor import PlaneActor
 
     (cert, key), _ = certs
     config = {"dp": 2, "micro_batch_tokens": 8192, "window": 4, "global_batch_tokens": 12288,

@@ -17,10 +17,10 @@ import pytest
 import ray
 from plane_steps import commit_step
 
-from dataplane.client import PlaneClient
-from dataplane.errors import UserError
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.ray_actor import start_on_ray
+from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.ray_actor import start_on_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
@@ -69,7 +69,7 @@ def test_start_errors_are_one_line(cluster, demo, tmp_path):
 
 
 def test_serve_command_joins_the_cluster(cluster, demo, tmp_path):
-    args = [sys.executable, "-m", "tools.cli", "plane", "serve", "--ray", "--spec",
+    args = [sys.executable, "-m", "omniscale", "plane", "serve", "--ray", "--spec",
             str(demo / "mix.yaml"), "--state-dir", str(tmp_path), "--dp", "2",
             "--global-batch-tokens", "12288", "--micro-batch-tokens", "8192", "--sp-max", "2"]
     proc = subprocess.Popen(args, cwd=ROOT, text=True, stdout=subprocess.PIPE,

@@ -15,9 +15,9 @@ import pytest
 import yaml
 from plane_steps import commit_step
 
-from dataplane.client import PlaneClient, PlaneError
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.server import PlaneServer, Reason, RequestError
+from omniscale.dataplane.client import PlaneClient, PlaneError
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.server import PlaneServer, Reason, RequestError
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataplane.schedule import Schedule, ScheduleError, Segment
+from omniscale.dataplane.schedule import Schedule, ScheduleError, Segment
 
 AB = ("a", "b")
 

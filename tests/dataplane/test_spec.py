@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dataplane.errors import UserError
-from dataplane.spec import SpecError, load_spec, parse_spec
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.spec import SpecError, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -249,7 +249,7 @@ def test_file_name_is_reported_as_given(root, monkeypatch):
 
 def test_cli_reports_a_bad_spec_in_one_line(root):
     path = write(root, mutate(lambda d: seg(0)(d)["weights"].update(text=-1)))
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "data", "inspect", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "omniscale", "data", "inspect", str(path)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -14,12 +14,12 @@ import pytest
 from plane_steps import commit_step
 from rich.console import Console
 
-from dataplane import wire
-from dataplane.client import PlaneClient
-from dataplane.embedded import start_embedded
-from dataplane.plane import DataPlane, PlaneConfig
-from dataplane.status import CLIENT_WINDOW_S, plane_status
-from tools.plane_status import print_status
+from omniscale.dataplane import wire
+from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.dataplane.status import CLIENT_WINDOW_S, plane_status
+from omniscale.tools.plane_status import print_status
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
@@ -87,7 +87,7 @@ def test_print_status_names_every_source(trained):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", "plane", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "omniscale", "plane", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

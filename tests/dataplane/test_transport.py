@@ -9,10 +9,10 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from dataplane import wire
-from dataplane.client import PlaneClient, PlaneError
-from dataplane.errors import UserError
-from dataplane.server import PlaneServer, RequestError, is_loopback
+from omniscale.dataplane import wire
+from omniscale.dataplane.client import PlaneClient, PlaneError
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.server import PlaneServer, RequestError, is_loopback
 
 
 class EchoService:
@@ -119,7 +119,7 @@ def test_client_rides_through_a_restart_on_the_same_port():
 
 
 def test_the_lane_names_stay_importable_from_the_server():
-    from dataplane import lane, server
+    from omniscale.dataplane import lane, server
 
     assert (server.LANE_OK, server.lane_frame, server.PlanLane) == \
         (lane.LANE_OK, lane.lane_frame, lane.PlanLane)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from encoders.audio import AudioConfig, AudioEncoder
-from loaders.decode_audio import decode_audio
-from loaders.geometry import MediaGeometry, audio_tokens
-from tools.demo import audio as demo_audio
+from omniscale.encoders.audio import AudioConfig, AudioEncoder
+from omniscale.loaders.decode_audio import decode_audio
+from omniscale.loaders.geometry import MediaGeometry, audio_tokens
+from omniscale.tools.demo import audio as demo_audio
 
 OUT = 48
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from encoders.vision import VisionConfig, VisionEncoder
-from loaders.decode_image import decode_image
-from loaders.geometry import MediaGeometry, vision_tokens
-from tools.demo import image as demo_image
+from omniscale.encoders.vision import VisionConfig, VisionEncoder
+from omniscale.loaders.decode_image import decode_image
+from omniscale.loaders.geometry import MediaGeometry, vision_tokens
+from omniscale.tools.demo import image as demo_image
 
 G = MediaGeometry()
 OUT = 48

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.registry import _resolve
+from omniscale.kernels.registry import _resolve
 
 
 def pytest_configure(config):

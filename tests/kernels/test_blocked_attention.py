@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import blocked_attention, reference
+from omniscale.kernels import blocked_attention, reference
 
 
 def run_both(bounds, total, heads, kv_heads, head_dim=8, causal=True, dtype=torch.float32,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import eager, reference
+from omniscale.kernels import eager, reference
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 2e-2}
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import flash, flex, reference
+from omniscale import kernels
+from omniscale.kernels import flash, flex, reference
 
 
 def qkv(lengths, heads=4, kv_heads=2, dim=16, requires_grad=False):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused, reference
+from omniscale.kernels import fused, reference
 
 
 def both(h, w, labels, reduction, chunk):

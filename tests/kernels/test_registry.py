@@ -8,17 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import reference
-from kernels.registry import CANDIDATES, ENV_FORCE, _resolve
+from omniscale import kernels
+from omniscale.kernels import reference
+from omniscale.kernels.registry import CANDIDATES, ENV_FORCE, _resolve
 
 
 @pytest.fixture()
 def fake_backend():
     """A 'fast' rms_norm that is available on CPU, registered for the test only."""
     saved = list(CANDIDATES["rms_norm"])
-    kernels.register("rms_norm", "fake", "kernels.reference:rms_norm", lambda device: True)
-    kernels.register("rms_norm", "gpu_only", "kernels.reference:rms_norm",
+    kernels.register("rms_norm", "fake", "omniscale.kernels.reference:rms_norm",
+                     lambda device: True)
+    kernels.register("rms_norm", "gpu_only", "omniscale.kernels.reference:rms_norm",
                      lambda device: device == "cuda")
     yield
     CANDIDATES["rms_norm"][:] = saved

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import triton
 
-from kernels import triton_linear_ce, triton_moe, triton_rms_norm, triton_rotary, triton_swiglu
+from omniscale.kernels import (
+    triton_linear_ce,
+    triton_moe,
+    triton_rms_norm,
+    triton_rotary,
+    triton_swiglu,
+)
 
 pytestmark = pytest.mark.usefixtures("triton_env")
 

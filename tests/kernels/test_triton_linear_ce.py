@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused, reference, triton_linear_ce
+from omniscale.kernels import fused, reference, triton_linear_ce
 
 pytestmark = pytest.mark.usefixtures("triton_env")
 

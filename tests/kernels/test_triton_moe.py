@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_moe
+from omniscale.kernels import reference, triton_moe
 
 pytestmark = pytest.mark.usefixtures("triton_env")
 

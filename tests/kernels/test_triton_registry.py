@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.triton_registry import COMPILED_OPS, TRITON_OPS
+from omniscale import kernels
+from omniscale.kernels import reference
+from omniscale.kernels.triton_registry import COMPILED_OPS, TRITON_OPS
 
 pytestmark = pytest.mark.usefixtures("triton_env")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_rms_norm
+from omniscale.kernels import reference, triton_rms_norm
 
 pytestmark = pytest.mark.usefixtures("triton_env")
 SHAPES = [(1, 1), (7, 37), (3, 5, 129), (0, 16)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_rotary
+from omniscale.kernels import reference, triton_rotary
 
 pytestmark = pytest.mark.usefixtures("triton_env")
 

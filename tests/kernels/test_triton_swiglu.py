@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, triton_swiglu
+from omniscale.kernels import reference, triton_swiglu
 
 pytestmark = pytest.mark.usefixtures("triton_env")
 

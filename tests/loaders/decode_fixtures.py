@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dataplane.refs import SampleRef
-from dataplane.spec import MixSpec, load_spec
-from loaders.decode import SampleDecoder
-from loaders.geometry import MediaGeometry
-from loaders.index import index_paths
-from loaders.index_schema import read_index
-from loaders.readers import SampleReader
-from loaders.tar_scan import scan_tar
-from tools.demo import generate
+from omniscale.dataplane.refs import SampleRef
+from omniscale.dataplane.spec import MixSpec, load_spec
+from omniscale.loaders.decode import SampleDecoder
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index import index_paths
+from omniscale.loaders.index_schema import read_index
+from omniscale.loaders.readers import SampleReader
+from omniscale.loaders.tar_scan import scan_tar
+from omniscale.tools.demo import generate
 
 
 def build_demo(root: Path) -> MixSpec:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loaders.geometry import (
+from omniscale.loaders.geometry import (
     MediaGeometry,
     audio_tokens,
     image_grid,
@@ -20,7 +20,7 @@ from loaders.geometry import (
     video_grid,
     vision_tokens,
 )
-from loaders.layout import MARKER_OF, media_order, member_kind
+from omniscale.loaders.layout import MARKER_OF, media_order, member_kind
 
 
 def full_decode_features(kind: str, data: bytes, g: MediaGeometry) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loaders.layout import SPECIAL_TOKENS
+from omniscale.loaders.layout import SPECIAL_TOKENS
 
 SENTENCES = [
     "a photo of a cat sitting on a red chair",

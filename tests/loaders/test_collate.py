@@ -8,8 +8,8 @@ import pytest
 import torch
 from decode_fixtures import build_demo, demo_decoder, refs_of
 
-from loaders.collate import collate, sp_bounds
-from loaders.sequence import IGNORE_INDEX
+from omniscale.loaders.collate import collate, sp_bounds
+from omniscale.loaders.sequence import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,14 @@ import torch
 from decode_fixtures import build_demo, demo_decoder, hand_decoder, refs_of, tar_refs
 from index_fixtures import audio_bytes, image_bytes, video_bytes, write_tar, write_tokenizer
 
-from dataplane.plan_table import item_kinds
-from loaders.decode_audio import decode_audio
-from loaders.decode_image import decode_image, patchify
-from loaders.decode_video import _decord_frames, _pyav_frames, decode_video
-from loaders.errors import CorruptSample
-from loaders.geometry import MediaGeometry, audio_mel_frames, audio_tokens, vision_tokens
-from loaders.probe import Corrupt, probe_video
-from loaders.sequence import KINDS
+from omniscale.dataplane.plan_table import item_kinds
+from omniscale.loaders.decode_audio import decode_audio
+from omniscale.loaders.decode_image import decode_image, patchify
+from omniscale.loaders.decode_video import _decord_frames, _pyav_frames, decode_video
+from omniscale.loaders.errors import CorruptSample
+from omniscale.loaders.geometry import MediaGeometry, audio_mel_frames, audio_tokens, vision_tokens
+from omniscale.loaders.probe import Corrupt, probe_video
+from omniscale.loaders.sequence import KINDS
 
 
 @pytest.fixture(scope="module")

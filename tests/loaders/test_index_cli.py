@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def omniscale(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "omniscale", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 

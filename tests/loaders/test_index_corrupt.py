@@ -16,10 +16,10 @@ from index_fixtures import (
     write_tokenizer,
 )
 
-from dataplane.errors import UserError
-from loaders.geometry import MediaGeometry
-from loaders.index import index_paths, index_source
-from loaders.index_schema import read_index
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index import index_paths, index_source
+from omniscale.loaders.index_schema import read_index
 
 
 def build_corrupt_source(root):

@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 from decode_oracle import assert_row_matches_full_decode, text_tokens_of
 
-from dataplane.spec import load_spec
-from loaders.index import index_paths
-from loaders.index_schema import read_index, read_index_metadata, read_shard
-from tools.demo import generate
+from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.index import index_paths
+from omniscale.loaders.index_schema import read_index, read_index_metadata, read_shard
+from omniscale.tools.demo import generate
 
 
 @pytest.fixture(scope="module")

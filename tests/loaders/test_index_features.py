@@ -18,9 +18,9 @@ from index_fixtures import (
     write_tokenizer,
 )
 
-from loaders.geometry import MediaGeometry
-from loaders.index import index_source
-from loaders.index_schema import read_index
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index import index_source
+from omniscale.loaders.index_schema import read_index
 
 # Small audio_max_seconds so that one clip is truncated.
 GEOMETRY = MediaGeometry(audio_max_seconds=2.0)

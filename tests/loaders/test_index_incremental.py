@@ -17,9 +17,9 @@ from index_fixtures import (
     write_tokenizer,
 )
 
-from loaders.geometry import MediaGeometry
-from loaders.index import index_source
-from loaders.index_schema import index_path, read_index, read_index_metadata
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index import index_source
+from omniscale.loaders.index_schema import index_path, read_index, read_index_metadata
 
 
 @pytest.fixture(scope="module")

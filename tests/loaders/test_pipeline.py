@@ -16,9 +16,9 @@ from pipeline_fixtures import (
     spec_of,
 )
 
-from dataplane.client import PlaneClient
-from dataplane.embedded import start_embedded
-from loaders.pipeline import RankLoader
+from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.loaders.pipeline import RankLoader
 
 STEPS = 6
 

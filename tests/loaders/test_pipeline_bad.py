@@ -15,14 +15,14 @@ from index_fixtures import image_bytes, write_tar
 from pipeline_fixtures import CONFIG, SOURCES, all_modalities_spec, loader_args, spec_of
 from test_decode import BAD_MEMBERS
 
-from dataplane.client import PlaneClient
-from dataplane.embedded import start_embedded
-from dataplane.plane import DataPlane
-from loaders.decode import SampleDecoder
-from loaders.errors import CorruptSample
-from loaders.index import index_paths
-from loaders.index_schema import index_path, read_index
-from loaders.pipeline import RankLoader
+from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.plane import DataPlane
+from omniscale.loaders.decode import SampleDecoder
+from omniscale.loaders.errors import CorruptSample
+from omniscale.loaders.index import index_paths
+from omniscale.loaders.index_schema import index_path, read_index
+from omniscale.loaders.pipeline import RankLoader
 
 BAD = {  # key -> (what, a word the reason must hold)
     "truncated_jpeg": ("truncated JPEG", "truncated"),

@@ -8,8 +8,8 @@ import zlib
 import pytest
 from index_fixtures import audio_bytes, image_bytes
 
-from loaders.geometry import MediaGeometry
-from loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
 
 
 def png_claiming(width: int, height: int) -> bytes:

@@ -8,8 +8,8 @@ import ray
 from pipeline_fixtures import loader_args, spec_of
 from test_pipeline import check_full_path
 
-from loaders.ray_loaders import RayRankLoader, measure_costs, size_pools
-from loaders.worker import decoder_spec
+from omniscale.loaders.ray_loaders import RayRankLoader, measure_costs, size_pools
+from omniscale.loaders.worker import decoder_spec
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_measured_costs_are_mean_seconds_per_sample(demo, monkeypatch):
     """Every source's probe samples really decode; the cost is the mean time per sample, timed
     on a fake clock that each decode advances by its source's made-up cost (real decode
     times would make any ordering between sources a race)."""
-    from loaders.worker import TimedDecoder
+    from omniscale.loaders.worker import TimedDecoder
 
     made_up = {s.name: 0.001 * (i + 1) for i, s in enumerate(demo.sources)}
     now, decoded = [0.0], []

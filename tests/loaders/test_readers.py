@@ -11,11 +11,11 @@ import pytest
 from decode_fixtures import build_demo, ref_of, refs_of
 from index_fixtures import write_jsonl, write_tokenizer
 
-from dataplane.errors import UserError
-from loaders.errors import CorruptSample
-from loaders.index import index_paths
-from loaders.index_schema import read_index
-from loaders.readers import SampleReader
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.errors import CorruptSample
+from omniscale.loaders.index import index_paths
+from omniscale.loaders.index_schema import read_index
+from omniscale.loaders.readers import SampleReader
 
 
 @pytest.fixture(scope="module")

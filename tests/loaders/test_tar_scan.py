@@ -8,7 +8,7 @@ import tarfile
 
 from index_fixtures import write_tar
 
-from loaders.tar_scan import BLOCK, scan_tar
+from omniscale.loaders.tar_scan import BLOCK, scan_tar
 
 LONG_KEY = "nested/dir/" + "k" * 120  # beyond ustar's 100-byte names: pax headers
 

@@ -10,11 +10,11 @@ import signal
 import pytest
 from pipeline_fixtures import CONFIG, assert_same_batch, loader_args, spec_of
 
-from dataplane.embedded import start_embedded
-from dataplane.plan_table import fingerprint
-from loaders import pipeline
-from loaders.pipeline import RankLoader
-from loaders.worker import RefDataset
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.plan_table import fingerprint
+from omniscale.loaders import pipeline
+from omniscale.loaders.pipeline import RankLoader
+from omniscale.loaders.worker import RefDataset
 
 STEPS = 8  # enough that steps after the kill need items the killed worker was sent
 KILL_AFTER = 2

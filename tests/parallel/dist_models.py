@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from backbone.config import ModelConfig, MoEConfig
-from backbone.decoder import MoEDecoder
+from omniscale.backbone.config import ModelConfig, MoEConfig
+from omniscale.backbone.decoder import MoEDecoder
 
 # The omni helpers below build real batches with tests/backbone/omni_batches.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backbone"))
@@ -123,7 +123,7 @@ def parallel_step(rank: int, world: int, dp_shard: int, tp: int, ac: str | None 
     """One step on a (dp_shard × tp) mesh: (global loss, full gradients on rank 0)."""
     import torch.distributed as dist
 
-    from parallel import ParallelDims, apply_ac, apply_fsdp, apply_tp
+    from omniscale.parallel import ParallelDims, apply_ac, apply_fsdp, apply_tp
 
     dims = ParallelDims(dp_shard=dp_shard, tp=tp, world_size=world)
     dims.validate_for(CONFIG)
@@ -160,16 +160,16 @@ def omni_collate(triples) -> "PackedBatch":  # noqa: F821 -- loaders.collate.Pac
     """`(sample, sp_size, sp_index)` triples packed as a trainer's micro-batch."""
     from omni_batches import GEOMETRY
 
-    from loaders.collate import collate
+    from omniscale.loaders.collate import collate
 
     return collate(triples, GEOMETRY)
 
 
 def omni_model(vocab_size: int, **overrides):
-    from backbone.config import ModelConfig
-    from backbone.omni import OmniModel
-    from encoders.audio import AudioConfig
-    from encoders.vision import VisionConfig
+    from omniscale.backbone.config import ModelConfig
+    from omniscale.backbone.omni import OmniModel
+    from omniscale.encoders.audio import AudioConfig
+    from omniscale.encoders.vision import VisionConfig
 
     torch.manual_seed(0)
     config = ModelConfig.preset("tiny", vocab_size=vocab_size, n_layers=2, d_model=64,

@@ -18,7 +18,7 @@ from dist_models import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel.checkpointing import apply_ac
+from omniscale.parallel.checkpointing import apply_ac
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 

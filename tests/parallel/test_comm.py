@@ -39,7 +39,7 @@ def _exchange(rank, world):
     """Uneven splits over the default group, then equal splits over a 1-D DeviceMesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel.comm import all_to_all_single
+    from omniscale.parallel.comm import all_to_all_single
 
     splits, xs, ws = _data(world)
     x = xs[rank].clone().requires_grad_()

@@ -18,7 +18,7 @@ def _train(rank, world, dp_shard, tp, path, save_after, load, seed):
     `save_after`: save once that many steps are done; `load`: start from the checkpoint."""
     from dist_models import build
 
-    from parallel import ParallelDims, apply_fsdp, apply_tp
+    from omniscale.parallel import ParallelDims, apply_fsdp, apply_tp
 
     dims = ParallelDims(dp_shard=dp_shard, tp=tp, world_size=world)
     mesh = dims.build_mesh("cpu")
@@ -67,7 +67,7 @@ def _steps(model, mesh, dims, path, save_after, load):
     import torch.distributed as dist
     from dist_models import sequences
 
-    from parallel import load_checkpoint, save_checkpoint
+    from omniscale.parallel import load_checkpoint, save_checkpoint
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = torch.zeros((), dtype=torch.long)
@@ -117,7 +117,7 @@ def _train_ep(rank, world, ep, path, save_after, load, seed):
     """As `_train`, with the MoE layer's experts sharded over `ep` (inside dp_shard = world)."""
     from dist_models import build
 
-    from parallel import ParallelDims, apply_ep, apply_fsdp
+    from omniscale.parallel import ParallelDims, apply_ep, apply_fsdp
 
     dims = ParallelDims(dp_shard=world, ep=ep, world_size=world)
     mesh, experts = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")

@@ -13,8 +13,8 @@ TOKENS = {2: [7, 3], 4: [6, 0, 9, 2]}  # tokens per rank
 
 
 def _moe():
-    from backbone.config import ModelConfig, MoEConfig
-    from backbone.moe import MoE
+    from omniscale.backbone.config import ModelConfig, MoEConfig
+    from omniscale.backbone.moe import MoE
 
     config = ModelConfig(d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, moe=MoEConfig(
         num_experts=4, top_k=2, expert_ffn_dim=6, bias_update_rate=1e-3, grouped_mm="loop"))
@@ -45,7 +45,7 @@ def _dense(world):
 def _ep_rank(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel.expert import EPDispatcher, apply_ep
+    from omniscale.parallel.expert import EPDispatcher, apply_ep
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     moe = apply_ep(_moe(), mesh)

@@ -26,7 +26,7 @@ OMNI_KINDS = ["image", "audio", "video", "image"]  # rank 1 of 2 has no audio: d
 def _omni_fsdp(rank, world, vocab_size, shards, n_global):
     import torch.distributed as dist
 
-    from parallel import ParallelDims, apply_fsdp
+    from omniscale.parallel import ParallelDims, apply_fsdp
 
     dims = ParallelDims(world_size=world)
     mesh, encoder_mesh = dims.build_mesh("cpu"), dims.build_encoder_mesh("cpu")

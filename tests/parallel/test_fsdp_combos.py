@@ -36,8 +36,8 @@ from dist_models import (
 )
 from multiproc import run_ranks
 
-from backbone.config import MoEConfig
-from parallel.pipeline import default_loss, stack_microbatches
+from omniscale.backbone.config import MoEConfig
+from omniscale.parallel.pipeline import default_loss, stack_microbatches
 
 KINDS = ["image", "audio", "video", "image", "audio", "image"]  # 35, 37, 13, 28, 39, 28 tokens
 EP_SHARDS = [[0, 1], [2], [3, 4], [5]]  # samples per data-parallel rank
@@ -75,7 +75,7 @@ def _microbatches() -> list[list[SimpleNamespace]]:
 # ---- the ranks ---------------------------------------------------------------------------
 
 def _ep_fsdp(rank, world, vocab_size, shards, n_global):
-    from parallel import ParallelDims, apply_ep, apply_fsdp
+    from omniscale.parallel import ParallelDims, apply_ep, apply_fsdp
 
     dims = ParallelDims(dp_shard=4, ep=2, world_size=world)
     model = _omni(vocab_size)
@@ -90,8 +90,8 @@ def _ep_fsdp(rank, world, vocab_size, shards, n_global):
 
 
 def _sp_fsdp(rank, world, vocab_size, batches, n_global):
-    from parallel import ParallelDims, apply_fsdp, apply_sp
-    from parallel.sequence import sp_batch
+    from omniscale.parallel import ParallelDims, apply_fsdp, apply_sp
+    from omniscale.parallel.sequence import sp_batch
 
     dims = ParallelDims(dp_shard=2, sp=2, world_size=world)
     model = _omni(vocab_size)
@@ -108,7 +108,7 @@ def _sp_fsdp(rank, world, vocab_size, batches, n_global):
 
 
 def _tp_fsdp(rank, world, vocab_size, shards, n_global):
-    from parallel import ParallelDims, apply_fsdp, apply_tp
+    from omniscale.parallel import ParallelDims, apply_fsdp, apply_tp
 
     dims = ParallelDims(dp_shard=2, tp=2, encoder_tp=2, world_size=world)
     model = _omni(vocab_size)
@@ -126,8 +126,8 @@ def _tp_fsdp(rank, world, vocab_size, shards, n_global):
 def _pp_fsdp(rank, world, microbatches, n_global):
     from torch.distributed.fsdp import FSDPModule
 
-    from backbone.decoder import MoEDecoder
-    from parallel import ParallelDims, apply_fsdp, apply_pp
+    from omniscale.backbone.decoder import MoEDecoder
+    from omniscale.parallel import ParallelDims, apply_fsdp, apply_pp
 
     dims = ParallelDims(pp=2, dp_shard=2, world_size=world)
     dims.validate_for(CONFIG)
@@ -150,8 +150,8 @@ def _pp_fsdp(rank, world, microbatches, n_global):
 
 def _pp_tp(world, microbatches, n_global):
     """1F1B over both data-parallel shares' micro-batches on one pp × tp mesh."""
-    from backbone.decoder import MoEDecoder
-    from parallel import ParallelDims, apply_pp, apply_tp
+    from omniscale.backbone.decoder import MoEDecoder
+    from omniscale.parallel import ParallelDims, apply_pp, apply_tp
 
     dims = ParallelDims(pp=2, tp=2, world_size=world)
     dims.validate_for(CONFIG)
@@ -184,7 +184,7 @@ def _combos(rank, world, vocab_size, ep_shards, sp_batches, tp_shards, n_global,
 def _pp_reference(microbatches, n_global) -> tuple[float, dict]:
     """Every data-parallel rank's padded micro-batches through the whole model, each with the
     pipeline's per-micro-batch loss (`default_loss` over the global token count)."""
-    from backbone.decoder import MoEDecoder
+    from omniscale.backbone.decoder import MoEDecoder
 
     torch.manual_seed(0)
     model, total = MoEDecoder(CONFIG), 0.0

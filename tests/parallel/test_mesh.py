@@ -9,7 +9,7 @@ import pytest
 from dist_models import CONFIG
 from multiproc import run_ranks
 
-from parallel.mesh import ParallelDims
+from omniscale.parallel.mesh import ParallelDims
 
 
 def test_dp_shard_takes_the_ranks_the_other_axes_leave():
@@ -87,7 +87,7 @@ def test_a_fitting_layout_validates():
 
 
 def _meshes(rank, world):
-    from parallel.mesh import fsdp_mesh
+    from omniscale.parallel.mesh import fsdp_mesh
 
     dims = ParallelDims(dp_shard=2, tp=2, ep=2, world_size=world)
     mesh, experts = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
@@ -105,7 +105,7 @@ def _meshes(rank, world):
 
 
 def _encoder_tp(world):
-    from parallel.mesh import fsdp_mesh
+    from omniscale.parallel.mesh import fsdp_mesh
 
     mesh = ParallelDims(tp=2, encoder_tp=2, world_size=world).build_encoder_mesh("cpu")
     return {"names": mesh.mesh_dim_names, "tp": mesh["encoder_tp"].mesh.tolist(),

@@ -16,9 +16,9 @@ import pytest
 import torch
 from multiproc import run_ranks
 
-from backbone.config import ModelConfig
-from backbone.decoder import MoEDecoder
-from parallel.pipeline import apply_pp, default_loss, stack_microbatches, stage_layers
+from omniscale.backbone.config import ModelConfig
+from omniscale.backbone.decoder import MoEDecoder
+from omniscale.parallel.pipeline import apply_pp, default_loss, stack_microbatches, stage_layers
 
 N_MICRO, TOKENS = 4, 32
 SCHEDULES = ("gpipe", "1f1b")

@@ -29,9 +29,9 @@ CASES = {
 
 
 def _tables(world):
-    from balancer.types import StepPlan
-    from dataplane.plan_table import rank_tables
-    from dataplane.refs import SampleRef
+    from omniscale.balancer.types import StepPlan
+    from omniscale.dataplane.plan_table import rank_tables
+    from omniscale.dataplane.refs import SampleRef
 
     samples, rows, encode = CASES[world]
     refs = [SampleRef(0, "src", "shard", f"k{i}", 0, 1, image_patches=(4,) * im,
@@ -58,7 +58,7 @@ def _oracle(world):
     audio clips) are sent by their encode rank to every rank holding a placement row of s,
     sent in (consumer, item) order and received in (encoder, item) order (reshard.py's
     contract, so both sides agree without identifiers)."""
-    from parallel.reshard import ReshardPlan
+    from omniscale.parallel.reshard import ReshardPlan
 
     samples, rows, encode = CASES[world]
     items = [("src", "shard", f"k{s}", kind, i) for s, counts in enumerate(samples)
@@ -100,7 +100,7 @@ def _encoder():
 
 
 def _rank(rank, world):
-    from parallel.reshard import local_reshard_plan, reshard
+    from omniscale.parallel.reshard import local_reshard_plan, reshard
 
     plan = local_reshard_plan(_tables(world)[rank], rank, world)  # what the trainer derives
     W = _encoder()
@@ -157,7 +157,7 @@ def test_reshard_forward_and_backward_are_exact(world):
 
 
 def test_plan_rejects_encode_rows_that_disagree():
-    from parallel.reshard import reshard_plan
+    from omniscale.parallel.reshard import reshard_plan
 
     tables = _tables(2)
     with pytest.raises(ValueError, match="plan of rank 0: its encode rows disagree"):
@@ -166,7 +166,7 @@ def test_plan_rejects_encode_rows_that_disagree():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_derives_its_side_from_its_own_table(world):
-    from parallel.reshard import local_reshard_plan, reshard_plan
+    from omniscale.parallel.reshard import local_reshard_plan, reshard_plan
 
     tables, want = _tables(world), _oracle(world)
     for rank in range(world):

@@ -22,8 +22,8 @@ PLANS = {
 
 
 def _model():
-    from backbone.config import ModelConfig, MoEConfig
-    from backbone.decoder import MoEDecoder
+    from omniscale.backbone.config import ModelConfig, MoEConfig
+    from omniscale.backbone.decoder import MoEDecoder
 
     config = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=8, ffn_dim=24, n_dense_layers=1,
@@ -33,7 +33,7 @@ def _model():
 
 
 def _sample(name):
-    from loaders.sequence import IGNORE_INDEX, DecodedSample
+    from omniscale.loaders.sequence import IGNORE_INDEX, DecodedSample
 
     n = LENGTHS[name]
     g = torch.Generator().manual_seed(ord(name))
@@ -52,9 +52,9 @@ def _run(model, batch):
 def _split_ranks(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    import parallel.sequence as sequence
-    from loaders.collate import collate
-    from parallel.sequence import apply_sp, sp_batch
+    import omniscale.parallel.sequence as sequence
+    from omniscale.loaders.collate import collate
+    from omniscale.parallel.sequence import apply_sp, sp_batch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     model = apply_sp(_model(), mesh)
@@ -75,7 +75,7 @@ def _split_ranks(rank, world):
 
 
 def _whole(world):
-    from loaders.collate import collate
+    from omniscale.loaders.collate import collate
 
     names = sorted({n for rank in PLANS[world] for micro in rank for n, _ in micro})
     model = _model()

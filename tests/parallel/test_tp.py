@@ -8,7 +8,7 @@ import pytest
 from dist_models import CONFIG, assert_grads_close, parallel_step, reference
 from multiproc import run_ranks
 
-from parallel.tensor import apply_tp
+from omniscale.parallel.tensor import apply_tp
 
 
 def check(results):
@@ -27,7 +27,7 @@ def test_fsdp_tp_ac_on_2x2_matches_single_process():
 
 
 def test_tp_of_one_leaves_the_model_alone():
-    from backbone.decoder import MoEDecoder
+    from omniscale.backbone.decoder import MoEDecoder
 
     class OneRank:
         def size(self):

@@ -51,7 +51,7 @@ def _tied_reference() -> tuple[float, dict]:
 
 
 def _tp_ranks(rank, world, vocab_size, packed, n_global):
-    from parallel import ParallelDims, apply_tp
+    from omniscale.parallel import ParallelDims, apply_tp
 
     dims = ParallelDims(tp=world, encoder_tp=world, world_size=world)
     model = omni_model(vocab_size)

@@ -8,8 +8,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
-    from loaders.index import index_paths
-    from tools.demo import generate
+    from omniscale.loaders.index import index_paths
+    from omniscale.tools.demo import generate
 
     root = tmp_path_factory.mktemp("train-demo") / "demo"
     generate(root, scale="tiny", progress=False)

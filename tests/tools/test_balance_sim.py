@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tools.cli import build_parser, main
+from omniscale.tools.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
-SIM = [sys.executable, "-m", "tools.cli", "balance", "simulate"]
+SIM = [sys.executable, "-m", "omniscale", "balance", "simulate"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.errors import UserError
-from tools.bench import all as bench_all
-from tools.bench.all import BENCHES, Bench, Goal, Metric, headline_rows, markdown_table
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.bench import all as bench_all
+from omniscale.tools.bench.all import BENCHES, Bench, Goal, Metric, headline_rows, markdown_table
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "bench"
@@ -202,7 +202,7 @@ def test_quick_balance_for_real(tmp_path):
     """The cheapest bench end to end through the CLI: subprocess, JSON, table. Its speed is
     not asserted (a loaded machine is no bug); the timeout only catches a hang."""
     out = tmp_path / "bench-results.json"
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "all", "--only",
+    proc = subprocess.run([sys.executable, "-m", "omniscale", "bench", "all", "--only",
                            "balance", "--quick", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

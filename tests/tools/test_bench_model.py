@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tools.bench import model as bench  # noqa: E402
-from tools.bench.all import headline_rows  # noqa: E402
+from omniscale.tools.bench import model as bench  # noqa: E402
+from omniscale.tools.bench.all import headline_rows  # noqa: E402
 
 LENGTHS = [24, 6, 12, 3, 3]  # the mixed batch's proportions, small
 

@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dataplane.client import PlaneClient
-from dataplane.embedded import start_embedded
-from dataplane.errors import UserError
-from dataplane.plane_config import PlaneConfig
-from parallel import load_checkpoint
-from tools.cli import main
-from tools.train import checkpoint
-from tools.train.launch import train
+from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plane_config import PlaneConfig
+from omniscale.parallel import load_checkpoint
+from omniscale.tools.cli import main
+from omniscale.tools.train import checkpoint
+from omniscale.tools.train.launch import train
 
 SHARD = "__0_0.distcp"  # the one rank's DCP file
 # DCP's notice when it loads in one process (the trainer's own filter, as a pytest mark).

@@ -20,11 +20,17 @@ import yaml
 from PIL import Image
 from tokenizers import Tokenizer
 
-from dataplane.errors import UserError
-from loaders.geometry import MediaGeometry
-from loaders.layout import IMAGE, SPECIAL_TOKENS, count_markers, media_order, split_member_name
-from tools.demo import Plan, audio, build, generate, scenes, text
-from tools.demo.dataset import _ranges
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.layout import (
+    IMAGE,
+    SPECIAL_TOKENS,
+    count_markers,
+    media_order,
+    split_member_name,
+)
+from omniscale.tools.demo import Plan, audio, build, generate, scenes, text
+from omniscale.tools.demo.dataset import _ranges
 
 SPLITS = {"train": ("text", "image_caption", "video_caption", "audio_caption", "interleaved"),
           "eval": ("text", "image_caption", "video_caption", "audio_caption")}
@@ -239,7 +245,7 @@ def test_ranges_cover_evenly():
 
 
 def test_generate_tiny_then_reuse(tmp_path, monkeypatch):
-    import tools.demo.dataset as demo_dataset
+    import omniscale.tools.demo.dataset as demo_dataset
 
     out = tmp_path / "demo"
     summary = generate(out, scale="tiny", seed=0, workers=2, progress=False)
@@ -272,7 +278,7 @@ def test_generate_errors(tmp_path):
 
 
 def test_crash_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
-    import tools.demo.dataset as demo_dataset
+    import omniscale.tools.demo.dataset as demo_dataset
 
     def crash(dest, *args, **kwargs):
         (dest / "tokenizer.json").write_text("{}")

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dataplane.errors import UserError
-from loaders.index_schema import INDEX_SCHEMA, index_path
-from tools.mix_report import inspect_spec
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.index_schema import INDEX_SCHEMA, index_path
+from omniscale.tools.mix_report import inspect_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,7 +137,7 @@ def test_missing_index_is_a_user_error(spec_path):
 
 def test_cli_inspect(spec_path, tmp_path):
     plot = tmp_path / "out.png"
-    cmd = [sys.executable, "-m", "tools.cli", "data", "inspect", str(spec_path),
+    cmd = [sys.executable, "-m", "omniscale", "data", "inspect", str(spec_path),
            "--steps", "0,250", "--plot", str(plot)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

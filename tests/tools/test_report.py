@@ -9,9 +9,9 @@ import re
 import pytest
 from PIL import Image
 
-from tools.cli import main
-from tools.report import build_report
-from tools.report.plots import PLOTS, smoothed
+from omniscale.tools.cli import main
+from omniscale.tools.report import build_report
+from omniscale.tools.report.plots import PLOTS, smoothed
 
 ALL_PNGS = [name for name, _ in PLOTS]
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from dataplane.errors import UserError
-from tools.cli import main
-from tools.train.config import load_config
-from tools.train.launch import train
-from tools.train.metrics import read_metrics
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.cli import main
+from omniscale.tools.train.config import load_config
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
 
 
 def _sets(demo, out, **kw) -> list[str]:
@@ -84,9 +84,9 @@ def test_two_processes_train_with_fsdp_and_commit_every_step(demo, tmp_path):
 
 
 def test_an_empty_slot_becomes_a_one_token_batch_that_adds_nothing():
-    from loaders.collate import collate
-    from loaders.geometry import MediaGeometry
-    from tools.train.step import placeholder as _placeholder
+    from omniscale.loaders.collate import collate
+    from omniscale.loaders.geometry import MediaGeometry
+    from omniscale.tools.train.step import placeholder as _placeholder
 
     stand_in = _placeholder(collate([], MediaGeometry()))
     assert stand_in.num_tokens == 1 and stand_in.labels_T.tolist() == [-100]
@@ -97,9 +97,9 @@ def test_an_empty_slot_becomes_a_one_token_batch_that_adds_nothing():
 def test_a_nested_model_override_changes_only_the_fields_it_names(demo):
     """``model.overrides.moe.aux_loss_coef=0`` keeps the preset's other MoE settings (it used
     to replace them with MoEConfig's defaults: a bigger expert than the preset's)."""
-    from backbone.config import ModelConfig
-    from dataplane.spec import load_spec
-    from tools.train.build import model_config
+    from omniscale.backbone.config import ModelConfig
+    from omniscale.dataplane.spec import load_spec
+    from omniscale.tools.train.build import model_config
 
     cfg, _ = load_config("configs/demo_omni.yaml",
                          sets=["model.overrides.moe.aux_loss_coef=0"])

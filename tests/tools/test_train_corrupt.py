@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dataplane.audit import audit_state_dir
-from tools.cli import main
-from tools.train.metrics import read_metrics
+from omniscale.dataplane.audit import audit_state_dir
+from omniscale.tools.cli import main
+from omniscale.tools.train.metrics import read_metrics
 
 STEPS = 10
 BAD_ROWS = (37, 101)  # rows of image_caption's index (one .png, one .jpg member)
@@ -105,10 +105,10 @@ def test_skip_policy_finishes_reports_and_loses_nothing(damaged, tmp_path, capsy
     assert epoch0["committed"] == 128 - len(bad) and epoch0["missing"] == 0  # a finished epoch
 
     # The plane's status, after a restart from (a copy of) its state dir.
-    from dataplane.client import PlaneClient
-    from dataplane.embedded import start_embedded
-    from dataplane.journal import Journal
-    from dataplane.plane import PlaneConfig
+    from omniscale.dataplane.client import PlaneClient
+    from omniscale.dataplane.embedded import start_embedded
+    from omniscale.dataplane.journal import Journal
+    from omniscale.dataplane.plane import PlaneConfig
 
     state = tmp_path / "plane-copy"
     shutil.copytree(out / "plane", state)

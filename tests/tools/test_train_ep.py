@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from dataplane.errors import UserError
-from tools.train.launch import train
-from tools.train.metrics import read_metrics
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
 
 
 def _sets(demo, out, **kw):

@@ -25,7 +25,7 @@ def Proc(args: list[str]) -> _Proc:
 
 
 def serve(spec: Path, state: Path, port: int) -> tuple[Proc, str]:
-    plane = Proc([sys.executable, "-m", "tools.cli", "plane", "serve", "--spec", str(spec),
+    plane = Proc([sys.executable, "-m", "omniscale", "plane", "serve", "--spec", str(spec),
                   "--state-dir", str(state), "--dp", "2", "--port", str(port), "--sp-max", "1",
                   "--window", "4", "--global-batch-tokens", "4096",
                   "--micro-batch-tokens", "4096", "--snapshot-every", "2"])
@@ -42,7 +42,7 @@ def test_plane_killed_mid_run_restarts_and_nothing_is_lost_or_repeated(demo, tmp
                 "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 4096,
                 "optim.warmup_steps": 1, "steps": 10, "checkpoint_every": 5,
                 "output_dir": run}
-        trainer = Proc([sys.executable, "-m", "tools.cli", "train", "configs/demo_omni.yaml",
+        trainer = Proc([sys.executable, "-m", "omniscale", "train", "configs/demo_omni.yaml",
                         "--nproc", "2", "--plane", url, "--no-progress",
                         *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
         procs.append(trainer)
@@ -57,7 +57,7 @@ def test_plane_killed_mid_run_restarts_and_nothing_is_lost_or_repeated(demo, tmp
             proc.kill()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(10))
-    done = subprocess.run([sys.executable, "-m", "tools.cli", "plane", "audit", str(state),
+    done = subprocess.run([sys.executable, "-m", "omniscale", "plane", "audit", str(state),
                            "--json"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
@@ -69,7 +69,7 @@ def test_plane_killed_mid_run_restarts_and_nothing_is_lost_or_repeated(demo, tmp
 
 
 def test_external_plane_for_another_dp_is_one_line(demo, tmp_path, capsys):
-    from tools.cli import main
+    from omniscale.tools.cli import main
 
     state, port = tmp_path / "plane", free_port()
     plane, url = serve(demo / "mix.yaml", state, port)

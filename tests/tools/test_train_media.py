@@ -18,8 +18,8 @@ import math
 import torch
 import yaml
 
-from tools.train.launch import train
-from tools.train.metrics import read_metrics
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
 
 DUMP = 0  # the step whose gradients are compared (later steps: losses and norms)
 TINY_MOE = "{num_experts: 8, top_k: 2, expert_ffn_dim: 128"  # the tiny preset's MoE

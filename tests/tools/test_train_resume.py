@@ -21,10 +21,10 @@ from collections import Counter
 
 import pytest
 
-from dataplane.audit import audit_state_dir
-from dataplane.journal import Journal
-from tools.train.launch import train
-from tools.train.metrics import read_metrics
+from omniscale.dataplane.audit import audit_state_dir
+from omniscale.dataplane.journal import Journal
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
 
 WINDOW = 4  # data.window (the default): steps the plane plans together
 FIRST = 6  # the checkpoint resumed from: mid-window, so a resize re-plans the rest of a drawn

@@ -14,9 +14,9 @@ import math
 import pytest
 import yaml
 
-from dataplane.errors import UserError
-from tools.train.launch import train
-from tools.train.metrics import read_metrics
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
 
 
 def _sets(demo, out, **kw):

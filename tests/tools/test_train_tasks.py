@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from tools.train.launch import train
-from tools.train.metrics import read_metrics
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
 
 
 def _run(demo, task, spec, out, nproc):

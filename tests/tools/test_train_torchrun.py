@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dataplane.errors import UserError
-from tools.train.launch import train
-from tools.train.metrics import read_metrics
-from tools.train.torchrun import torchrun_layout
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
+from omniscale.tools.train.torchrun import torchrun_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_torchrun_two_ranks_train_what_spawned_ranks_do(demo, tmp_path):
     args = [a for k, v in _sets(demo, out).items() for a in ("--set", f"{k}={v}")]
     torchrun = Path(sys.executable).with_name("torchrun")
     done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
-                           "tools.cli", "train", "configs/demo_omni.yaml", "--no-progress",
+                           "omniscale", "train", "configs/demo_omni.yaml", "--no-progress",
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

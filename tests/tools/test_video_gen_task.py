@@ -10,18 +10,18 @@ import pytest
 import torch
 import yaml
 
-from backbone.dit import patchify_video
-from dataplane.embedded import start_embedded
-from dataplane.errors import UserError
-from dataplane.plane import PlaneConfig
-from dataplane.spec import load_spec
-from loaders.collate import collate
-from loaders.decode_image import patchify
-from loaders.decode_text import load_tokenizer
-from loaders.geometry import MediaGeometry
-from loaders.pipeline import RankLoader
-from tools.train.config import RunConfig
-from tools.train.video_gen import (
+from omniscale.backbone.dit import patchify_video
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plane import PlaneConfig
+from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.collate import collate
+from omniscale.loaders.decode_image import patchify
+from omniscale.loaders.decode_text import load_tokenizer
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.pipeline import RankLoader
+from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.video_gen import (
     build_video_model,
     evaluate_video_gen,
     merge_to_raster,
@@ -36,8 +36,8 @@ STEPS = 8  # planned steps fetched (two micro-batches of <= 512 tokens each)
 def data(tmp_path_factory):
     """(spec, micro-batches) of the tiny demo under a video-heavy mix, through the real
     plane and loader (one rank, as ``tools.train.loop`` builds them)."""
-    from loaders.index import index_paths
-    from tools.demo import generate
+    from omniscale.loaders.index import index_paths
+    from omniscale.tools.demo import generate
 
     root = tmp_path_factory.mktemp("video_gen") / "demo"
     generate(root, scale="tiny", progress=False)

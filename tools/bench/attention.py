@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import blocked_attention, reference  # noqa: E402
+from omniscale.kernels import blocked_attention, reference  # noqa: E402
 
 # name -> (sequence lengths, query heads, kv heads, head dim, causal)
 CASES = {

@@ -35,13 +35,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from balancer.baselines import BASELINES_NO_SPLIT, BASELINES_SPLIT
-from balancer.cost import CommModel, Costs
-from balancer.distributions import generate
-from balancer.simulate import OURS, compare, run_policy
-from balancer.stream import steps_by_count
-from balancer.types import PlannerConfig, WindowSamples
-from tools.bench.provenance import provenance
+from omniscale.balancer.baselines import BASELINES_NO_SPLIT, BASELINES_SPLIT
+from omniscale.balancer.cost import CommModel, Costs
+from omniscale.balancer.distributions import generate
+from omniscale.balancer.simulate import OURS, compare, run_policy
+from omniscale.balancer.stream import steps_by_count
+from omniscale.balancer.types import PlannerConfig, WindowSamples
+from omniscale.tools.bench.provenance import provenance
 
 ALPHA, BETA = 24576.0, 1.0
 BUDGET = 16384
@@ -76,8 +76,8 @@ def demo_text_lengths(scale: str) -> np.ndarray:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from loaders.index import index_paths
-    from tools.demo import generate as generate_demo
+    from omniscale.loaders.index import index_paths
+    from omniscale.tools.demo import generate as generate_demo
 
     with tempfile.TemporaryDirectory(prefix="bench-balance-") as tmp:
         root = Path(tmp) / "demo"

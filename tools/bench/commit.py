@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
-from dataplane import journal as journal_module  # noqa: E402
-from dataplane.plan_table import fingerprint  # noqa: E402
-from dataplane.plane import DataPlane, PlaneConfig  # noqa: E402
-from tools.bench.plane_data import write_sources, write_spec  # noqa: E402
+from omniscale.dataplane import journal as journal_module  # noqa: E402
+from omniscale.dataplane.plan_table import fingerprint  # noqa: E402
+from omniscale.dataplane.plane import DataPlane, PlaneConfig  # noqa: E402
+from omniscale.tools.bench.plane_data import write_sources, write_spec  # noqa: E402
 
 
 def with_fsync_delay(ms: float):

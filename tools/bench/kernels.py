@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import reference  # noqa: E402
-from tools.bench.provenance import provenance  # noqa: E402
+from omniscale.kernels import reference  # noqa: E402
+from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
 PEAK_BYTES_S = 4.8e12  # H200 HBM3e
 PEAK_FLOP_S = 989e12  # H200 dense bf16
@@ -134,7 +134,7 @@ def timeit(steps: dict, device: str, warmup: int, reps: int) -> dict:
 
 
 def implementations(op: str, device: str) -> dict:
-    from kernels import eager
+    from omniscale.kernels import eager
 
     impls = {"reference": getattr(reference, op)}
     if hasattr(eager, op):
@@ -143,7 +143,7 @@ def implementations(op: str, device: str) -> dict:
     if device == "cuda":
         import importlib
 
-        from kernels.triton_registry import TRITON_OPS
+        from omniscale.kernels.triton_registry import TRITON_OPS
         module, name = TRITON_OPS[op].split(":")
         impls["triton"] = getattr(importlib.import_module(module), name)
     return impls

@@ -39,7 +39,7 @@ def rss_bytes() -> int:
 def child(variant: str, tokens: int, vocab: int, d_model: int) -> dict:
     import torch
 
-    from kernels import fused, reference
+    from omniscale.kernels import fused, reference
     fn = {"unfused": reference.linear_cross_entropy,
           "fused": fused.chunked_linear_cross_entropy}[variant]
     g = torch.Generator().manual_seed(0)

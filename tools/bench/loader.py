@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.provenance import provenance  # noqa: E402
+from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
 TAR_SOURCES = ("text", "image_caption", "video_caption", "audio_caption", "interleaved")
 
@@ -50,8 +50,8 @@ def demo_spec(data: Path) -> Path:
     sources from step 0."""
     import yaml
 
-    from loaders.index import index_paths
-    from tools.demo import generate
+    from omniscale.loaders.index import index_paths
+    from omniscale.tools.demo import generate
 
     demo = data / "demo"
     if not (demo / "mix.yaml").is_file():
@@ -67,10 +67,10 @@ def demo_spec(data: Path) -> Path:
 
 
 def run_ours(spec_path: Path, steps: int, workers: int) -> dict:
-    from dataplane.embedded import start_embedded
-    from dataplane.plane import PlaneConfig
-    from dataplane.spec import load_spec
-    from loaders.pipeline import RankLoader
+    from omniscale.dataplane.embedded import start_embedded
+    from omniscale.dataplane.plane import PlaneConfig
+    from omniscale.dataplane.spec import load_spec
+    from omniscale.loaders.pipeline import RankLoader
 
     spec = load_spec(spec_path)
     config = PlaneConfig(dp=1, micro_batch_tokens=16384, window=4, global_batch_tokens=16384,
@@ -103,8 +103,8 @@ def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str,
                  pack: int) -> dict:
     import torch
 
-    from dataplane.spec import load_spec
-    from loaders.collate import collate
+    from omniscale.dataplane.spec import load_spec
+    from omniscale.loaders.collate import collate
 
     spec = load_spec(spec_path)
     dataset = _MixedWebDataset(spec, weights)
@@ -140,9 +140,9 @@ class _MixedWebDataset(torch.utils.data.IterableDataset):
     def __iter__(self):
         import webdataset as wds
 
-        from dataplane.refs import SampleRef
-        from loaders.decode import SampleDecoder
-        from loaders.readers import RawSample, SampleReader
+        from omniscale.dataplane.refs import SampleRef
+        from omniscale.loaders.decode import SampleDecoder
+        from omniscale.loaders.readers import RawSample, SampleReader
 
         decoder = SampleDecoder(SampleReader({}), self.spec.tokenizer, self.spec.media)
         pipes, probs = [], []
@@ -180,7 +180,7 @@ def rss_kib() -> int:
 MEMORY_CHILD = r"""
 import json, sys, gc
 sys.path.insert(0, {root!r})
-from tools.bench.loader import rss_kib, memory_child
+from omniscale.tools.bench.loader import rss_kib, memory_child
 print(json.dumps(memory_child({kind!r}, {n}, {path!r}, {tokenizer!r}, {media!r})))
 """
 
@@ -191,9 +191,9 @@ def memory_child(kind: str, n: int, path: str, tokenizer: str, media: dict) -> d
     import torch  # noqa: F401 -- in both baselines before the measurement starts
     import webdataset as wds
 
-    from loaders.geometry import MediaGeometry
-    from loaders.ray_loaders import probe_refs
-    from loaders.worker import TimedDecoder, decoder_spec
+    from omniscale.loaders.geometry import MediaGeometry
+    from omniscale.loaders.ray_loaders import probe_refs
+    from omniscale.loaders.worker import TimedDecoder, decoder_spec
 
     names = [f"src{i:04d}" for i in range(n)]
     dirs = {s: str(Path(path) / s) for s in names}
@@ -235,7 +235,7 @@ def source_copies(source: Path, root: Path, n: int) -> Path:
 
 
 def memory(spec_path: Path, counts: list[int], data: Path) -> list[dict]:
-    from dataplane.spec import load_spec
+    from omniscale.dataplane.spec import load_spec
 
     spec = load_spec(spec_path)
     image = next(s.path for s in spec.sources if s.name == "image_caption")

@@ -65,10 +65,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backbone.config import KERNEL_OPS, ModelConfig, MoEConfig, kernel  # noqa: E402
-from backbone.decoder import MoEDecoder  # noqa: E402
-from kernels import backend_of  # noqa: E402
-from tools.bench.provenance import provenance  # noqa: E402
+from omniscale.backbone.config import KERNEL_OPS, ModelConfig, MoEConfig, kernel  # noqa: E402
+from omniscale.backbone.decoder import MoEDecoder  # noqa: E402
+from omniscale.kernels import backend_of  # noqa: E402
+from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
 MIXED_FRACTIONS = (0.5, 0.125, 0.25, 0.0625, 0.0625)  # of the total, longest first
 LARGE = 100_000_000  # parameters from which a preset runs --warmup-large + --iters-large steps

@@ -60,8 +60,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.plane_data import write_sources, write_spec  # noqa: E402
-from tools.bench.provenance import provenance  # noqa: E402
+from omniscale.tools.bench.plane_data import write_sources, write_spec  # noqa: E402
+from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
 RANKS, WORKERS = 64, 4
 SERVE_RANKS, PROCS = 256, 4
@@ -106,7 +106,7 @@ class Child:
 
 
 def serve(spec: Path, state: Path, dp: int, batch: int) -> tuple[Child, str]:
-    plane = Child([sys.executable, "-m", "tools.cli", "plane", "serve", "--spec", str(spec),
+    plane = Child([sys.executable, "-m", "omniscale", "plane", "serve", "--spec", str(spec),
                    "--state-dir", str(state), "--dp", str(dp), "--global-batch-samples",
                    str(batch), "--micro-batch-tokens", "16384", "--window", "4"])
     while "serving" not in (line := plane.line()):
@@ -122,8 +122,8 @@ def self_command(*args: str) -> list[str]:
 def replica_role(spec: str) -> None:
     """A per-rank loader process: every source's reader state and index slice, held until
     stdin closes (the parent measures it meanwhile)."""
-    from dataplane.catalog import Catalog
-    from dataplane.spec import load_spec
+    from omniscale.dataplane.catalog import Catalog
+    from omniscale.dataplane.spec import load_spec
 
     loaded = load_spec(spec)
     before = rss_bytes()
@@ -138,7 +138,7 @@ def replica_role(spec: str) -> None:
 def client_role(url: str, rank: int) -> None:
     """A trainer-side process: fetch this rank's plans of a window and hold the client until
     stdin closes."""
-    from dataplane.client import PlaneClient
+    from omniscale.dataplane.client import PlaneClient
 
     with PlaneClient(url) as client:
         rows = sum(client.get_plan(step, rank).num_rows for step in range(4))
@@ -149,9 +149,9 @@ def client_role(url: str, rank: int) -> None:
 def bare_role() -> None:
     """A loader process holding nothing: both sides' imports, no state (what every process of
     a job costs anyway)."""
-    import dataplane.catalog  # noqa: F401
-    import dataplane.client  # noqa: F401
-    import dataplane.spec  # noqa: F401
+    import omniscale.dataplane.catalog  # noqa: F401
+    import omniscale.dataplane.client  # noqa: F401
+    import omniscale.dataplane.spec  # noqa: F401
 
     print(json.dumps({"bare_bytes": rss_bytes()}), flush=True)
     sys.stdin.read()
@@ -176,7 +176,7 @@ def fetch_role(url: str, first_rank: int, threads: int, seconds: float, mode: st
     (PlaneClient(stream=True) kept on the Flight do_exchange stream, as without a lane)."""
     import numpy as np
 
-    from dataplane.client import PlaneClient
+    from omniscale.dataplane.client import PlaneClient
 
     clients = [PlaneClient(url, stream=mode != "action") for _ in range(threads)]
     for t, client in enumerate(clients):
@@ -251,7 +251,7 @@ def memory(spec: Path, tmp: Path) -> dict:
     plane, url = serve(spec, tmp / "state-memory", RANKS, RANKS * 16)
     ours: dict[int, int] = {}
     try:
-        from dataplane.client import PlaneClient
+        from omniscale.dataplane.client import PlaneClient
 
         with PlaneClient(url) as client:  # every rank's plans served: the plane's tables exist
             for step in range(4):
@@ -335,7 +335,7 @@ def serving(spec: Path, tmp: Path, clients: int, seconds: float, mode: str = "la
 
 
 def planning(spec: Path, tmp: Path, windows: int) -> dict:
-    from dataplane.plane import DataPlane, PlaneConfig
+    from omniscale.dataplane.plane import DataPlane, PlaneConfig
 
     dp, W = 1024, 4
     config = PlaneConfig(dp=dp, window=W, global_batch_samples=8 * dp, micro_batch_tokens=16384,

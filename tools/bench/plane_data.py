@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from loaders.index_schema import INDEX_SCHEMA, MEMBER_TYPE, METADATA_KEY, index_path
+from omniscale.loaders.index_schema import INDEX_SCHEMA, MEMBER_TYPE, METADATA_KEY, index_path
 
 
 def _empty_lists(n: int) -> pa.Array:

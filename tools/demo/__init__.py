@@ -5,6 +5,6 @@
 image-text documents, plus a held-out eval split, a BPE tokenizer and mixing specs.
 """
 
-from tools.demo.dataset import Plan, build, generate, scale_plan
+from omniscale.tools.demo.dataset import Plan, build, generate, scale_plan
 
 __all__ = ["Plan", "build", "generate", "scale_plan"]

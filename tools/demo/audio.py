@@ -14,7 +14,7 @@ import math
 import numpy as np
 import soundfile as sf
 
-from tools.demo import scenes
+from omniscale.tools.demo import scenes
 
 NOTE_NAMES = ("C", "D", "E", "F", "G", "A", "B")
 SEMITONES = {"C": -9, "D": -7, "E": -5, "F": -4, "G": -2, "A": 0, "B": 2}  # from A in octave

@@ -23,10 +23,10 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from dataplane.errors import UserError
-from tools.demo import specs, text
-from tools.demo.shards import SOURCE_IDS, SPLIT_IDS, ShardResult, ShardTask, write_shard
-from tools.demo.tokenizer import train_tokenizer
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.demo import specs, text
+from omniscale.tools.demo.shards import SOURCE_IDS, SPLIT_IDS, ShardResult, ShardTask, write_shard
+from omniscale.tools.demo.tokenizer import train_tokenizer
 
 VERSION = 2  # 2: lm.yaml and video.yaml, the lm and video_gen tasks' specs
 SUMMARY_FILE = "demo.json"

@@ -13,7 +13,7 @@ import json
 import numpy as np
 from PIL import Image, ImageDraw
 
-from tools.demo import scenes
+from omniscale.tools.demo import scenes
 
 MIN_SIDE, MAX_SIDE, MAX_ASPECT = 64, 1024, 3.0
 PNG_SHARE = 0.2

@@ -12,8 +12,8 @@ import json
 
 import numpy as np
 
-from loaders.layout import IMAGE
-from tools.demo import image, scenes, text
+from omniscale.loaders.layout import IMAGE
+from omniscale.tools.demo import image, scenes, text
 
 MIN_IMAGES, MAX_IMAGES = 2, 4
 MIN_SIDE, MAX_SIDE = 64, 512  # smaller than caption images: a document holds several

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.demo import audio, image, interleaved, text, video, writer
+from omniscale.tools.demo import audio, image, interleaved, text, video, writer
 
 # Stable ids: they seed the per-sample generators, so changing one changes the data.
 SOURCE_IDS = {"text": 0, "docs": 1, "image_caption": 2, "video_caption": 3,

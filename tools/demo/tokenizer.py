@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from loaders.layout import SPECIAL_TOKENS
+from omniscale.loaders.layout import SPECIAL_TOKENS
 
 VOCAB_SIZE = 8192
 MAX_TEXT_BYTES = 4 * 1024 * 1024

@@ -14,7 +14,7 @@ import av
 import numpy as np
 from PIL import Image, ImageDraw
 
-from tools.demo import scenes
+from omniscale.tools.demo import scenes
 
 MIN_SIDE, MAX_SIDE, MAX_ASPECT = 32, 320, 3.0
 MIN_FRAMES, MAX_FRAMES = 4, 64

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.report.inputs import read_accounting, read_eval_results, read_metrics_rows
-from tools.report.page import render
-from tools.report.plots import PLOTS, Plot
+from omniscale.tools.report.inputs import read_accounting, read_eval_results, read_metrics_rows
+from omniscale.tools.report.page import render
+from omniscale.tools.report.plots import PLOTS, Plot
 
 
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:

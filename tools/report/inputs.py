@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from dataplane.errors import UserError
+from omniscale.dataplane.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -8,8 +8,8 @@ import html
 import math
 from pathlib import Path
 
-from tools.report.inputs import is_number
-from tools.report.plots import Plot
+from omniscale.tools.report.inputs import is_number
+from omniscale.tools.report.plots import Plot
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 960px; color: #222; }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.report.inputs import is_number
+from omniscale.tools.report.inputs import is_number
 
 MAX_HEATMAP_COLUMNS = 1500  # longer runs are averaged into bins: a pixel per step is no use
 

@@ -12,14 +12,14 @@ import math
 
 import torch
 
-from backbone.config import ModelConfig
-from backbone.omni import OmniModel
-from dataplane.errors import UserError
-from encoders.audio import AudioConfig
-from encoders.vision import VisionConfig
-from loaders.decode_text import load_tokenizer
-from loaders.geometry import MediaGeometry
-from tools.train.config import RunConfig
+from omniscale.backbone.config import ModelConfig
+from omniscale.backbone.omni import OmniModel
+from omniscale.dataplane.errors import UserError
+from omniscale.encoders.audio import AudioConfig
+from omniscale.encoders.vision import VisionConfig
+from omniscale.loaders.decode_text import load_tokenizer
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.tools.train.config import RunConfig
 
 
 def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> ModelConfig:

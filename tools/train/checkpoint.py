@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dataplane.errors import UserError
-from parallel import load_checkpoint, save_checkpoint
+from omniscale.dataplane.errors import UserError
+from omniscale.parallel import load_checkpoint, save_checkpoint
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dataplane.errors import UserError
+from omniscale.dataplane.errors import UserError
 
 
 class _Strict(BaseModel):

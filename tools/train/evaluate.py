@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from backbone.omni import scatter_media
-from dataplane.embedded import start_embedded
-from dataplane.plane import PlaneConfig
-from dataplane.spec import load_spec
-from kernels.reference import IGNORE_INDEX
-from loaders.pipeline import RankLoader
-from tools.train import checkpoint
-from tools.train.build import build_model, model_config
-from tools.train.config import RunConfig
+from omniscale.backbone.omni import scatter_media
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.plane import PlaneConfig
+from omniscale.dataplane.spec import load_spec
+from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.loaders.pipeline import RankLoader
+from omniscale.tools.train import checkpoint
+from omniscale.tools.train.build import build_model, model_config
+from omniscale.tools.train.config import RunConfig
 
 TEXT_TEMPLATES = ("text",)  # the lm task's held-out sources (templates without media)
 
@@ -93,7 +93,7 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
     """Held-out results of the run's last checkpoint, per source of ``cfg.data.eval_spec``:
     omni, caption-token accuracy of every ``*_caption`` source; lm, next-token accuracy of the
     text sources; video_gen, the velocity loss of the video captions at fixed timesteps."""
-    from tools.train.loop import quiet_torch_notices
+    from omniscale.tools.train.loop import quiet_torch_notices
 
     quiet_torch_notices()
     found = checkpoint.latest(run_dir)
@@ -104,7 +104,7 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
     out_dir = run_dir / "eval"
     out_dir.mkdir(exist_ok=True)
     if cfg.task == "video_gen":
-        from tools.train.video_gen import build_video_model, evaluate_video_gen
+        from omniscale.tools.train.video_gen import build_video_model, evaluate_video_gen
 
         model = build_video_model(cfg, spec, torch.device("cpu"))
         checkpoint.load(found[1], model, None)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import yaml
 
-from dataplane.errors import UserError
-from tools.train import checkpoint
-from tools.train.config import RunConfig, load_config
-from tools.train.loop import RankJob, train_rank
-from tools.train.torchrun import torchrun_layout, under_torchrun
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.train import checkpoint
+from omniscale.tools.train.config import RunConfig, load_config
+from omniscale.tools.train.loop import RankJob, train_rank
+from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
 
 
 def resolve_config(config: str | None, resume: str | None, sets: list[str]
@@ -48,13 +48,13 @@ def resolve_config(config: str | None, resume: str | None, sets: list[str]
 
 def ensure_data(cfg: RunConfig) -> None:
     """Absolute spec paths; the demo (generated and indexed) when the spec is missing."""
-    from loaders.index import index_paths
+    from omniscale.loaders.index import index_paths
 
     spec = Path(cfg.data.spec).resolve()
     if not spec.exists():
         if not cfg.data.demo:
             raise UserError(f"data.spec: {cfg.data.spec}: no such file")
-        from tools.demo import generate
+        from omniscale.tools.demo import generate
 
         generate(spec.parent, scale=cfg.data.demo_scale, progress=False)
         if not spec.exists():
@@ -88,7 +88,7 @@ def check_plane(url: str, token: str | None, nproc: int, start: int, sp_max: int
                 ) -> None:
     """An external plane must plan for this job: ``nproc`` ranks, sequence-parallel groups no
     larger than ``parallel.sp_max``, next step = the step the trainer starts at."""
-    from dataplane.client import PlaneClient
+    from omniscale.dataplane.client import PlaneClient
 
     try:
         with PlaneClient(url, token=token, timeout=10.0, retry_for=30.0) as client:
@@ -167,7 +167,7 @@ def _finish(cfg, run_dir: Path, start: int, plane, plane_token) -> dict:
     result = {"run_dir": str(run_dir), "steps": cfg.steps, "start_step": start, "eval": None,
               "corrupt": corrupt_report(run_dir, cfg.steps, plane, plane_token)}
     if cfg.eval.enabled and cfg.data.eval_spec:
-        from tools.train.evaluate import evaluate_run
+        from omniscale.tools.train.evaluate import evaluate_run
 
         result["eval"] = evaluate_run(cfg, run_dir)
     (run_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -187,7 +187,7 @@ def corrupt_report(run_dir: Path, steps: int, plane: str | None = None,
     an external plane, the metrics rows' ``skipped``. ``distinct``: how many samples that is.
     ``samples``: the first ones, in report order (an external plane's status keeps only its
     last reports)."""
-    from tools.train.metrics import read_metrics
+    from omniscale.tools.train.metrics import read_metrics
 
     path = run_dir / "metrics.jsonl"
     counted = sum(int(r.get("skipped", 0)) for r in read_metrics(path)) if path.exists() else 0
@@ -215,7 +215,7 @@ def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None
                     ) -> tuple[list[dict], bool]:
     """The plane's corrupt reports, and whether that is all of them."""
     if plane is None:
-        from dataplane.journal import Journal
+        from omniscale.dataplane.journal import Journal
 
         try:
             records = Journal(run_dir / "plane", readonly=True).records()
@@ -223,7 +223,7 @@ def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None
         except (OSError, ValueError, UserError) as e:  # the run trained; a bad log costs names
             print(f"omniscale train: cannot list the corrupt samples ({e})")
             return [], False
-    from dataplane.client import PlaneClient
+    from omniscale.dataplane.client import PlaneClient
 
     try:
         with PlaneClient(plane, token=plane_token, timeout=10.0, retry_for=10.0) as client:

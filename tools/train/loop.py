@@ -15,16 +15,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dataplane.embedded import start_embedded
-from dataplane.errors import UserError
-from dataplane.plane import PlaneConfig
-from dataplane.spec import load_spec
-from loaders.pipeline import RankLoader
-from tools.train import checkpoint
-from tools.train.build import build_model, build_optimizer, model_config
-from tools.train.config import RunConfig
-from tools.train.metrics import MetricsWriter, Progress
-from tools.train.step import StepContext, train_step
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plane import PlaneConfig
+from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.pipeline import RankLoader
+from omniscale.tools.train import checkpoint
+from omniscale.tools.train.build import build_model, build_optimizer, model_config
+from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.metrics import MetricsWriter, Progress
+from omniscale.tools.train.step import StepContext, train_step
 
 
 @dataclass
@@ -110,7 +110,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         url = _share_url(job.plane_url or (plane.url if plane else None), rank, run_dir)
         loader = make_loader(cfg, url, rank, spec, job)
         if video:
-            from tools.train.video_gen import build_video_model, video_gen_step
+            from omniscale.tools.train.video_gen import build_video_model, video_gen_step
 
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
@@ -118,7 +118,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         if world > 1:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
-            from parallel import apply_ep, apply_fsdp, apply_sp
+            from omniscale.parallel import apply_ep, apply_fsdp, apply_sp
 
             mesh = dims.build_mesh(device.type)
             experts = dims.build_expert_mesh(device.type) if dims.ep > 1 else None
@@ -149,7 +149,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
 def parallel_dims(cfg: RunConfig, world: int, mcfg):
     """The run's layout: FSDP over every process, experts split over ``parallel.ep`` of them,
     long samples over up to ``parallel.sp_max`` (a one-line UserError when that cannot work)."""
-    from parallel import ParallelDims
+    from omniscale.parallel import ParallelDims
 
     ep, sp_max = cfg.parallel.ep, cfg.parallel.sp_max
     for name, value in (("ep", ep), ("sp_max", sp_max)):
@@ -177,7 +177,7 @@ def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
         return RankLoader(*args, **kw)
     import ray
 
-    from loaders.ray_loaders import RayRankLoader
+    from omniscale.loaders.ray_loaders import RayRankLoader
 
     ray.init(address=cfg.data.ray_address, ignore_reinit_error=True, log_to_driver=False,
              include_dashboard=False)

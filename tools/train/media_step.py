@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from balancer.types import ENCODER_KINDS
-from kernels.reference import IGNORE_INDEX
-from loaders.collate import PackedBatch
-from parallel.reshard import ItemKey, local_reshard_plan, reshard
+from omniscale.balancer.types import ENCODER_KINDS
+from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.loaders.collate import PackedBatch
+from omniscale.parallel.reshard import ItemKey, local_reshard_plan, reshard
 
 
 def item_key(ref, kind_id: int, index: int) -> ItemKey:

@@ -47,7 +47,7 @@ class CostRefit:
     def fit(self) -> dict | None:
         """``{linear, quadratic, r2, mape}`` when the measurements determine a usable model
         (non-negative coefficients, R² ≥ 0.5), else None."""
-        from balancer.cost import fit
+        from omniscale.balancer.cost import fit
 
         try:
             result = fit(self.lengths, self.seconds)

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kernels.reference import IGNORE_INDEX
-from parallel.sequence import sp_batch
-from tools.train.build import lr_at
-from tools.train.media_step import StepMedia
-from tools.train.metrics import CostFit, CostRefit
+from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.parallel.sequence import sp_batch
+from omniscale.tools.train.build import lr_at
+from omniscale.tools.train.media_step import StepMedia
+from omniscale.tools.train.metrics import CostFit, CostRefit
 
 
 @dataclasses.dataclass
@@ -122,7 +122,7 @@ def distinct_skipped(batch, world: int, reported: float) -> float:
     encoding its media both decode it, and both skip it (``reported`` is the ranks' sum)."""
     if reported == 0 or world == 1:
         return reported
-    from loaders.assemble import sample_id
+    from omniscale.loaders.assemble import sample_id
 
     ids: list = [None] * world
     dist.all_gather_object(ids, sorted(sample_id(bad) for bad, _ in batch.replaced))

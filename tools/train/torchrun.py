@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from dataplane.errors import UserError
+from omniscale.dataplane.errors import UserError
 
 
 def under_torchrun() -> bool:

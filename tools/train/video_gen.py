@@ -39,13 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
-from backbone.dit import DiTConfig, VideoDiT
-from balancer.types import ENCODER_KINDS
-from dataplane.errors import UserError
-from dataplane.spec import MixSpec
-from loaders.collate import PackedBatch
-from loaders.decode_text import load_tokenizer
-from tools.train.config import RunConfig
+from omniscale.backbone.dit import DiTConfig, VideoDiT
+from omniscale.balancer.types import ENCODER_KINDS
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.spec import MixSpec
+from omniscale.loaders.collate import PackedBatch
+from omniscale.loaders.decode_text import load_tokenizer
+from omniscale.tools.train.config import RunConfig
 
 VIDEO = ENCODER_KINDS.index("video")  # vision_kind_V / media_kind_M id of a video
 EVAL_TIMES = (0.25, 0.5, 0.75)  # evaluate_video_gen's fixed flow times
@@ -227,8 +227,8 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
 
     import torch.distributed as dist
 
-    from tools.train.build import lr_at
-    from tools.train.step import distinct_skipped, grad_norm_and_clip, placeholder, timing
+    from omniscale.tools.train.build import lr_at
+    from omniscale.tools.train.step import distinct_skipped, grad_norm_and_clip, placeholder, timing
 
     cfg = ctx.cfg
     start = time.perf_counter()
