@@ -7,9 +7,19 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None,
                           print_blob=True)
 if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory):
+    """The tiny demo, indexed, shared by the whole run: read it, never write into it (copy it
+    with ``tests.demo_data.copy_demo`` first)."""
+    from tests.demo_data import build
+
+    return build(tmp_path_factory.mktemp("demo") / "demo")

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from omniscale.loaders.index import index_paths
-from omniscale.tools.demo import generate
+from tests.demo_data import copy_demo
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """A real tiny demo dataset, indexed; one per test module (tests may add specs to it)."""
-    out = tmp_path_factory.mktemp("plane") / "demo"
-    generate(out, scale="tiny", progress=False)
-    index_paths([out / "mix.yaml"], progress=False)
-    return out
+def demo(demo_root, tmp_path_factory):
+    """The indexed tiny demo, one copy per test module (tests may add specs to it)."""
+    return copy_demo(demo_root, tmp_path_factory.mktemp("plane") / "demo")

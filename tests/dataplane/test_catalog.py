@@ -8,23 +8,18 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from plane_index import random_source, rows, write_index
 
 import omniscale.dataplane.catalog as catalog_module
 from omniscale.dataplane.catalog import Catalog, SourceState
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import load_spec
-from omniscale.loaders.index import index_paths
 from omniscale.loaders.index_schema import METADATA_KEY, index_path, read_index
-from omniscale.tools.demo import generate
+from tests.dataplane.plane_index import random_source, rows, write_index
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "demo"
-    generate(out, scale="tiny", progress=False)
-    index_paths([out / "mix.yaml"], progress=False)
-    return load_spec(out / "mix.yaml")
+def demo(demo_root):
+    return load_spec(demo_root / "mix.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from plane_index import rows, write_index
-from plane_steps import commit_step
 
 from omniscale.dataplane.corrupt import CorruptLedger, ref_from_json, ref_to_json, replacement_room
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.refs import SampleRef, table_to_refs
 from omniscale.tools.bench.plane_data import write_spec
+from tests.dataplane.plane_index import rows, write_index
+from tests.dataplane.plane_steps import commit_step
 
 T = 100  # tokens of a short sample; long ones have 2T
 BUDGET = 2 * T  # a micro-batch holds two short samples or one long one

@@ -13,12 +13,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
-from procs import Proc
 
 from omniscale.dataplane import wire
 from omniscale.dataplane.client import PlaneClient, _lane_reply
 from omniscale.dataplane.lane import LANE_OK, LaneLimits, lane_frame
 from omniscale.dataplane.server import PlaneServer
+from tests.procs import Proc
 
 HERE = Path(__file__).resolve().parent
 

@@ -13,11 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from plane_steps import commit_step
 
 from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.metrics import serve_metrics
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from tests.dataplane.plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,

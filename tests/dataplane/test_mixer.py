@@ -13,15 +13,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from plane_index import random_source, rows, write_index
 
 from omniscale.dataplane.catalog import Catalog, SourceState
 from omniscale.dataplane.mixer import Mixer, MixtureExhausted
 from omniscale.dataplane.schedule import Schedule, Segment
 from omniscale.dataplane.spec import load_spec
-from omniscale.loaders.index import index_paths
 from omniscale.loaders.index_schema import read_index
-from omniscale.tools.demo import generate
+from tests.dataplane.plane_index import random_source, rows, write_index
 
 SIZES = {"a": (3, 20, 60), "b": (2, 30, 400), "c": (4, 10, 5), "d": (1, 50, 1000)}
 
@@ -39,11 +37,8 @@ def sources(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "demo"
-    generate(out, scale="tiny", progress=False)
-    index_paths([out / "mix.yaml"], progress=False)
-    return load_spec(out / "mix.yaml")
+def demo(demo_root):
+    return load_spec(demo_root / "mix.yaml")
 
 
 def make_mixer(sources, schedule, accounting, batch, policies=None, seed=5):

@@ -4,11 +4,11 @@ rank has seen, the change is logged, so a restart and the audit replay the same 
 from __future__ import annotations
 
 import pytest
-from plane_steps import commit_step
 
 from omniscale.dataplane.audit import audit_state_dir
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import RequestError
+from tests.dataplane.plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=1, snapshot_every=4)

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from plane_steps import commit_step
 
 from omniscale.dataplane.audit import audit_state_dir
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import RequestError
+from tests.dataplane.plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=2, global_batch_tokens=12288,

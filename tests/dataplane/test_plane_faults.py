@@ -19,14 +19,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from plane_steps import commit_step
-from procs import Proc as _Proc
-from procs import free_port
 
 from omniscale.dataplane.client import PlaneClient, PlaneError
-from omniscale.loaders.index import index_paths
 from omniscale.loaders.index_schema import read_index
-from omniscale.tools.demo import generate
+from tests.dataplane.plane_steps import commit_step
+from tests.demo_data import copy_demo
+from tests.procs import Proc as _Proc
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("plane_trainer.py")
@@ -37,12 +36,10 @@ TIMEOUT = 60  # seconds any one wait may take before the test fails (never a pac
 
 
 @pytest.fixture(scope="module")
-def epoch(tmp_path_factory) -> Path:
+def epoch(demo_root, tmp_path_factory) -> Path:
     """A tiny demo and ``epoch.yaml``: three of its sources at equal weight in samples, each
     stopping when spent, so the mixture is exhausted after exactly one epoch."""
-    demo = tmp_path_factory.mktemp("faults") / "demo"
-    generate(demo, scale="tiny", progress=False)
-    index_paths([demo / "mix.yaml"], progress=False)
+    demo = copy_demo(demo_root, tmp_path_factory.mktemp("faults") / "demo")
     media = yaml.safe_load((demo / "mix.yaml").read_text())["media"]
     spec = {"seed": 7, "tokenizer": "tokenizer.json", "accounting": "samples",
             "on_exhausted": "stop", "media": media,

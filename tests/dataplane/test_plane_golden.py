@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from plane_steps import commit_step
 
 from omniscale.dataplane.catalog import Catalog
 from omniscale.dataplane.mixer import Mixer
 from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.schedule import Schedule, Segment
+from tests.dataplane.plane_steps import commit_step
 
 STEPS = 12
 GOLDEN = {

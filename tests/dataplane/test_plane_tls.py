@@ -16,7 +16,6 @@ import sys
 
 import pyarrow as pa
 import pytest
-from procs import Proc
 
 from omniscale.dataplane import wire
 from omniscale.dataplane.auth import TLS_ROOT_ENV, TOKEN_ENV, check_bind, resolve_token
@@ -26,6 +25,7 @@ from omniscale.dataplane.lane import LANE_OK, LANE_REFUSED, LaneLimits, lane_fra
 from omniscale.dataplane.server import PlaneServer
 from omniscale.tools.cli import build_parser, main
 from omniscale.tools.plane_cli import token_from
+from tests.procs import Proc
 
 
 def make_cert(directory, name: str) -> tuple[str, str]:

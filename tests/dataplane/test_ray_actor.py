@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import ray
-from plane_steps import commit_step
 
 from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.ray_actor import start_on_ray
+from tests.dataplane.plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,

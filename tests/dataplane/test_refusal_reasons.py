@@ -13,11 +13,11 @@ import pickle
 
 import pytest
 import yaml
-from plane_steps import commit_step
 
 from omniscale.dataplane.client import PlaneClient, PlaneError
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import PlaneServer, Reason, RequestError
+from tests.dataplane.plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from plane_steps import commit_step
 from rich.console import Console
 
 from omniscale.dataplane import wire
@@ -20,6 +19,7 @@ from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.status import CLIENT_WINDOW_S, plane_status
 from omniscale.tools.plane_status import print_status
+from tests.dataplane.plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,

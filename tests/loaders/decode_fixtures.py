@@ -6,22 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from omniscale.dataplane.refs import SampleRef
-from omniscale.dataplane.spec import MixSpec, load_spec
+from omniscale.dataplane.spec import MixSpec
 from omniscale.loaders.decode import SampleDecoder
 from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.index import index_paths
 from omniscale.loaders.index_schema import read_index
 from omniscale.loaders.readers import SampleReader
 from omniscale.loaders.tar_scan import scan_tar
-from omniscale.tools.demo import generate
-
-
-def build_demo(root: Path) -> MixSpec:
-    """The tiny demo, generated and indexed under ``root``; its training spec."""
-    generate(root / "demo", scale="tiny", seed=3, progress=False)
-    spec = load_spec(root / "demo" / "mix.yaml")
-    index_paths([spec.path], progress=False)
-    return spec
 
 
 def demo_decoder(spec: MixSpec, max_open: int = 16) -> SampleDecoder:

@@ -11,10 +11,9 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from decode_fixtures import build_demo, demo_decoder, hand_decoder, refs_of, tar_refs
-from index_fixtures import audio_bytes, image_bytes, video_bytes, write_tar, write_tokenizer
 
 from omniscale.dataplane.plan_table import item_kinds
+from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.decode_audio import decode_audio
 from omniscale.loaders.decode_image import decode_image, patchify
 from omniscale.loaders.decode_video import _decord_frames, _pyav_frames, decode_video
@@ -22,11 +21,19 @@ from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry, audio_mel_frames, audio_tokens, vision_tokens
 from omniscale.loaders.probe import Corrupt, probe_video
 from omniscale.loaders.sequence import KINDS
+from tests.loaders.decode_fixtures import demo_decoder, hand_decoder, refs_of, tar_refs
+from tests.loaders.index_fixtures import (
+    audio_bytes,
+    image_bytes,
+    video_bytes,
+    write_tar,
+    write_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    return build_demo(tmp_path_factory.mktemp("decode"))
+def spec(demo_root):
+    return load_spec(demo_root / "mix.yaml")
 
 
 def test_every_demo_sample_decodes_to_its_index_features(spec):

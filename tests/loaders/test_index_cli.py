@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from index_fixtures import caption_members, image_bytes, write_tar, write_tokenizer
+from tests.loaders.index_fixtures import caption_members, image_bytes, write_tar, write_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from index_fixtures import (
+
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index import index_paths, index_source
+from omniscale.loaders.index_schema import read_index
+from tests.loaders.index_fixtures import (
     audio_bytes,
     caption_members,
     empty_video_bytes,
@@ -15,11 +20,6 @@ from index_fixtures import (
     write_tar,
     write_tokenizer,
 )
-
-from omniscale.dataplane.errors import UserError
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.index import index_paths, index_source
-from omniscale.loaders.index_schema import read_index
 
 
 def build_corrupt_source(root):

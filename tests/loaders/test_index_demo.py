@@ -6,18 +6,17 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from decode_oracle import assert_row_matches_full_decode, text_tokens_of
 
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.index import index_paths
 from omniscale.loaders.index_schema import read_index, read_index_metadata, read_shard
-from omniscale.tools.demo import generate
+from tests.demo_data import copy_demo
+from tests.loaders.decode_oracle import assert_row_matches_full_decode, text_tokens_of
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "demo"
-    generate(out, scale="tiny", seed=3, progress=False)
+def demo(demo_root, tmp_path_factory):
+    out = copy_demo(demo_root, tmp_path_factory.mktemp("demo") / "demo", indexed=False)
     specs = [load_spec(out / "mix.yaml"), load_spec(out / "eval.yaml")]
     reports = index_paths([s.path for s in specs], progress=False)
     return specs, reports

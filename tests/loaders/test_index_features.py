@@ -7,8 +7,12 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from decode_oracle import assert_row_matches_full_decode, text_tokens_of
-from index_fixtures import (
+
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index import index_source
+from omniscale.loaders.index_schema import read_index
+from tests.loaders.decode_oracle import assert_row_matches_full_decode, text_tokens_of
+from tests.loaders.index_fixtures import (
     audio_bytes,
     caption_members,
     image_bytes,
@@ -17,10 +21,6 @@ from index_fixtures import (
     write_tar,
     write_tokenizer,
 )
-
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.index import index_source
-from omniscale.loaders.index_schema import read_index
 
 # Small audio_max_seconds so that one clip is truncated.
 GEOMETRY = MediaGeometry(audio_max_seconds=2.0)

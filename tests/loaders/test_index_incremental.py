@@ -8,7 +8,11 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from index_fixtures import (
+
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.index import index_source
+from omniscale.loaders.index_schema import index_path, read_index, read_index_metadata
+from tests.loaders.index_fixtures import (
     audio_bytes,
     caption_members,
     image_bytes,
@@ -16,10 +20,6 @@ from index_fixtures import (
     write_tar,
     write_tokenizer,
 )
-
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.index import index_source
-from omniscale.loaders.index_schema import index_path, read_index, read_index_metadata
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import textwrap
 
-from index_fixtures import caption_members, image_bytes, write_jsonl, write_tar, write_tokenizer
-
 from omniscale.loaders.index import index_paths
 from omniscale.loaders.index_schema import read_index_metadata
 from omniscale.loaders.text_cost import tokenizer_fingerprint
+from tests.loaders.index_fixtures import (
+    caption_members,
+    image_bytes,
+    write_jsonl,
+    write_tar,
+    write_tokenizer,
+)
 
 
 def test_spec_indexes_all_sources_with_its_geometry(tmp_path):

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_fixtures import demo_decoder
-from pipeline_fixtures import (
+
+from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.loaders.pipeline import RankLoader
+from tests.loaders.decode_fixtures import demo_decoder
+from tests.loaders.pipeline_fixtures import (
     CONFIG,
     assert_same_batch,
     expected_batches,
@@ -15,10 +19,6 @@ from pipeline_fixtures import (
     modalities,
     spec_of,
 )
-
-from omniscale.dataplane.client import PlaneClient
-from omniscale.dataplane.embedded import start_embedded
-from omniscale.loaders.pipeline import RankLoader
 
 STEPS = 6
 

@@ -11,9 +11,6 @@ import threading
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from index_fixtures import image_bytes, write_tar
-from pipeline_fixtures import CONFIG, SOURCES, all_modalities_spec, loader_args, spec_of
-from test_decode import BAD_MEMBERS
 
 from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.embedded import start_embedded
@@ -23,6 +20,15 @@ from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.index import index_paths
 from omniscale.loaders.index_schema import index_path, read_index
 from omniscale.loaders.pipeline import RankLoader
+from tests.loaders.index_fixtures import image_bytes, write_tar
+from tests.loaders.pipeline_fixtures import (
+    CONFIG,
+    SOURCES,
+    all_modalities_spec,
+    loader_args,
+    spec_of,
+)
+from tests.loaders.test_decode import BAD_MEMBERS
 
 BAD = {  # key -> (what, a word the reason must hold)
     "truncated_jpeg": ("truncated JPEG", "truncated"),

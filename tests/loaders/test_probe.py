@@ -6,10 +6,10 @@ import struct
 import zlib
 
 import pytest
-from index_fixtures import audio_bytes, image_bytes
 
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
+from tests.loaders.index_fixtures import audio_bytes, image_bytes
 
 
 def png_claiming(width: int, height: int) -> bytes:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import ray
-from pipeline_fixtures import loader_args, spec_of
-from test_pipeline import check_full_path
 
 from omniscale.loaders.ray_loaders import RayRankLoader, measure_costs, size_pools
 from omniscale.loaders.worker import decoder_spec
+from tests.loaders.pipeline_fixtures import loader_args, spec_of
+from tests.loaders.test_pipeline import check_full_path
 
 
 @pytest.fixture(scope="module")

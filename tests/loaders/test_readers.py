@@ -8,19 +8,20 @@ import tarfile
 
 import pyarrow.parquet as pq
 import pytest
-from decode_fixtures import build_demo, ref_of, refs_of
-from index_fixtures import write_jsonl, write_tokenizer
 
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.index import index_paths
 from omniscale.loaders.index_schema import read_index
 from omniscale.loaders.readers import SampleReader
+from tests.loaders.decode_fixtures import ref_of, refs_of
+from tests.loaders.index_fixtures import write_jsonl, write_tokenizer
 
 
 @pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    return build_demo(tmp_path_factory.mktemp("readers"))
+def spec(demo_root):
+    return load_spec(demo_root / "mix.yaml")
 
 
 def _sources(spec):

@@ -6,9 +6,8 @@ from __future__ import annotations
 import io
 import tarfile
 
-from index_fixtures import write_tar
-
 from omniscale.loaders.tar_scan import BLOCK, scan_tar
+from tests.loaders.index_fixtures import write_tar
 
 LONG_KEY = "nested/dir/" + "k" * 120  # beyond ustar's 100-byte names: pax headers
 

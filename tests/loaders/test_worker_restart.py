@@ -8,13 +8,13 @@ import os
 import signal
 
 import pytest
-from pipeline_fixtures import CONFIG, assert_same_batch, loader_args, spec_of
 
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.plan_table import fingerprint
 from omniscale.loaders import pipeline
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.loaders.worker import RefDataset
+from tests.loaders.pipeline_fixtures import CONFIG, assert_same_batch, loader_args, spec_of
 
 STEPS = 8  # enough that steps after the kill need items the killed worker was sent
 KILL_AFTER = 2

@@ -13,18 +13,12 @@ router's aux/z losses are per-micro-batch means, which no data split preserves.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import nn
 
 from omniscale.backbone.config import ModelConfig, MoEConfig
 from omniscale.backbone.decoder import MoEDecoder
-
-# The omni helpers below build real batches with tests/backbone/omni_batches.py.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backbone"))
 
 # One dense layer (TP's dense FFN) and one MoE layer with a shared expert (TP's shared expert).
 CONFIG = ModelConfig.preset("tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4,
@@ -149,7 +143,7 @@ def parallel_step(rank: int, world: int, dp_shard: int, tp: int, ac: str | None 
 def omni_samples(kinds: list[str], tok_path) -> tuple[int, list]:
     """(vocabulary size, decoded demo samples) of the given kinds, through the loaders'
     decoders (tests/backbone/omni_batches.py)."""
-    from omni_batches import decoded, render, tokenizer
+    from tests.backbone.omni_batches import decoded, render, tokenizer
 
     rendered = render(kinds, seed=0)
     tok = tokenizer([c for _, _, c in rendered], tok_path)
@@ -158,9 +152,8 @@ def omni_samples(kinds: list[str], tok_path) -> tuple[int, list]:
 
 def omni_collate(triples) -> "PackedBatch":  # noqa: F821 -- loaders.collate.PackedBatch
     """`(sample, sp_size, sp_index)` triples packed as a trainer's micro-batch."""
-    from omni_batches import GEOMETRY
-
     from omniscale.loaders.collate import collate
+    from tests.backbone.omni_batches import GEOMETRY
 
     return collate(triples, GEOMETRY)
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_models import (
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from omniscale.parallel.checkpointing import apply_ac
+from tests.parallel.dist_models import (
     assert_grads_close,
     build,
     full_grads,
@@ -16,9 +19,6 @@ from dist_models import (
     sequences,
     step_loss,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from omniscale.parallel.checkpointing import apply_ac
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_ranks
+
+from tests.parallel.multiproc import run_ranks
 
 
 def _splits(world: int) -> list[list[int]]:

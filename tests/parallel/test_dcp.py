@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dist_models import global_tokens, shard, step_loss
-from multiproc import run_ranks
+
+from tests.parallel.dist_models import global_tokens, shard, step_loss
+from tests.parallel.multiproc import run_ranks
 
 
 def _train(rank, world, dp_shard, tp, path, save_after, load, seed):
     """Steps with AdamW on a (dp_shard × tp) mesh; returns the global loss of each step run.
     `save_after`: save once that many steps are done; `load`: start from the checkpoint."""
-    from dist_models import build
-
     from omniscale.parallel import ParallelDims, apply_fsdp, apply_tp
+    from tests.parallel.dist_models import build
 
     dims = ParallelDims(dp_shard=dp_shard, tp=tp, world_size=world)
     mesh = dims.build_mesh("cpu")
@@ -65,9 +65,9 @@ def _steps(model, mesh, dims, path, save_after, load):
     whole state loaded (`_whole_state`, None when not saved / loaded)."""
     import torch
     import torch.distributed as dist
-    from dist_models import sequences
 
     from omniscale.parallel import load_checkpoint, save_checkpoint
+    from tests.parallel.dist_models import sequences
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = torch.zeros((), dtype=torch.long)
@@ -115,9 +115,8 @@ def test_saved_on_4_ranks_loads_on_2_and_continues_alike(tmp_path):
 
 def _train_ep(rank, world, ep, path, save_after, load, seed):
     """As `_train`, with the MoE layer's experts sharded over `ep` (inside dp_shard = world)."""
-    from dist_models import build
-
     from omniscale.parallel import ParallelDims, apply_ep, apply_fsdp
+    from tests.parallel.dist_models import build
 
     dims = ParallelDims(dp_shard=world, ep=ep, world_size=world)
     mesh, experts = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_ranks
+
+from tests.parallel.multiproc import run_ranks
 
 TOKENS = {2: [7, 3], 4: [6, 0, 9, 2]}  # tokens per rank
 

@@ -9,7 +9,14 @@ gradients must equal those of one process on the whole batch.
 from __future__ import annotations
 
 import pytest
-from dist_models import (
+
+from tests.backbone.omni_batches import (  # tests/backbone, via dist_models
+    batch,
+    decoded,
+    render,
+    tokenizer,
+)
+from tests.parallel.dist_models import (
     assert_grads_close,
     full_grads,
     omni_model,
@@ -17,8 +24,7 @@ from dist_models import (
     parallel_step,
     reference,
 )
-from multiproc import run_ranks
-from omni_batches import batch, decoded, render, tokenizer  # tests/backbone, via dist_models
+from tests.parallel.multiproc import run_ranks
 
 OMNI_KINDS = ["image", "audio", "video", "image"]  # rank 1 of 2 has no audio: dummy path
 

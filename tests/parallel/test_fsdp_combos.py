@@ -24,7 +24,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from dist_models import (
+
+from omniscale.backbone.config import MoEConfig
+from omniscale.parallel.pipeline import default_loss, stack_microbatches
+from tests.parallel.dist_models import (
     CONFIG,
     assert_grads_close,
     full_grads,
@@ -34,10 +37,7 @@ from dist_models import (
     omni_step,
     pack,
 )
-from multiproc import run_ranks
-
-from omniscale.backbone.config import MoEConfig
-from omniscale.parallel.pipeline import default_loss, stack_microbatches
+from tests.parallel.multiproc import run_ranks
 
 KINDS = ["image", "audio", "video", "image", "audio", "image"]  # 35, 37, 13, 28, 39, 28 tokens
 EP_SHARDS = [[0, 1], [2], [3, 4], [5]]  # samples per data-parallel rank

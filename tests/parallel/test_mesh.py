@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from dist_models import CONFIG
-from multiproc import run_ranks
 
 from omniscale.parallel.mesh import ParallelDims
+from tests.parallel.dist_models import CONFIG
+from tests.parallel.multiproc import run_ranks
 
 
 def test_dp_shard_takes_the_ranks_the_other_axes_leave():
@@ -29,7 +29,7 @@ def test_dp_shard_takes_the_ranks_the_other_axes_leave():
     (dict(tp=2, encoder_tp=2), dict(dp=2, encoder_dp_shard=2)),  # TP incl. the encoders
 ])
 def test_combined_layouts_on_four_ranks_validate(kwargs, sizes):
-    from dist_models import omni_model
+    from tests.parallel.dist_models import omni_model
 
     dims = ParallelDims(world_size=4, **kwargs)
     dims.validate_for(omni_model(256).config if "pp" not in kwargs else CONFIG)

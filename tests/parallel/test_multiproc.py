@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from multiproc import run_ranks
+
+from tests.parallel.multiproc import run_ranks
 
 
 def _all_reduce(rank, world):

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from multiproc import run_ranks
 
 from omniscale.backbone.config import ModelConfig
 from omniscale.backbone.decoder import MoEDecoder
 from omniscale.parallel.pipeline import apply_pp, default_loss, stack_microbatches, stage_layers
+from tests.parallel.multiproc import run_ranks
 
 N_MICRO, TOKENS = 4, 32
 SCHEDULES = ("gpipe", "1f1b")

@@ -14,7 +14,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from multiproc import run_ranks
+
+from tests.parallel.multiproc import run_ranks
 
 D = 4
 # world -> (samples: (images, videos, audios) per sample; LLM placement rows: (sample, rank,

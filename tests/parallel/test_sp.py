@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_ranks
+
+from tests.parallel.multiproc import run_ranks
 
 # name -> length; the long ones are split. Per world: each rank's micro-batches, as
 # (sample, sp_size) in batch order (split samples in the same order on every rank).

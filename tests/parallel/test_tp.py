@@ -5,10 +5,10 @@ sequences; the two TP ranks of a pair hold the same ones, split over heads and f
 from __future__ import annotations
 
 import pytest
-from dist_models import CONFIG, assert_grads_close, parallel_step, reference
-from multiproc import run_ranks
 
 from omniscale.parallel.tensor import apply_tp
+from tests.parallel.dist_models import CONFIG, assert_grads_close, parallel_step, reference
+from tests.parallel.multiproc import run_ranks
 
 
 def check(results):

@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-from dist_models import (
+
+from tests.parallel.dist_models import (
     CONFIG,
     TextLM,
     assert_grads_close,
@@ -25,7 +26,7 @@ from dist_models import (
     sequences,
     step_loss,
 )
-from multiproc import run_ranks
+from tests.parallel.multiproc import run_ranks
 
 KINDS = ["image", "audio", "video"]
 TIED = dataclasses.replace(CONFIG, tie_embeddings=True)

@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from procs import Proc as _Proc
-from procs import free_port
+from tests.procs import Proc as _Proc
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 180  # seconds any one wait may take before the test fails (never a pacing delay)

@@ -28,20 +28,16 @@ from omniscale.tools.train.video_gen import (
     video_clips,
     video_gen_loss,
 )
+from tests.demo_data import copy_demo
 
 STEPS = 8  # planned steps fetched (two micro-batches of <= 512 tokens each)
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(demo_root, tmp_path_factory):
     """(spec, micro-batches) of the tiny demo under a video-heavy mix, through the real
     plane and loader (one rank, as ``tools.train.loop`` builds them)."""
-    from omniscale.loaders.index import index_paths
-    from omniscale.tools.demo import generate
-
-    root = tmp_path_factory.mktemp("video_gen") / "demo"
-    generate(root, scale="tiny", progress=False)
-    index_paths([root / "mix.yaml"], progress=False)
+    root = copy_demo(demo_root, tmp_path_factory.mktemp("video_gen") / "demo")
     raw = yaml.safe_load((root / "mix.yaml").read_text())
     raw["schedule"] = {"unit": "steps", "segments": [
         {"kind": "const", "start": 0, "end": None,

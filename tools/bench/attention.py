@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from omniscale.kernels import blocked_attention, reference  # noqa: E402
+from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
 # name -> (sequence lengths, query heads, kv heads, head dim, causal)
 CASES = {
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     print(f"CPU attention ({platform.machine()}, {args.threads} threads, torch "
           f"{torch.__version__}): forward+backward, median of {args.reps}")
+    source = provenance()  # before the run: the load it started under
     rows = [measure(name, args.warmup, args.reps) for name in args.cases.split(",")]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "threads": args.threads, "reps": args.reps,
             "command": "tools/bench/attention.py " + " ".join(
                 sys.argv[1:] if argv is None else argv),
-            "rows": rows}, indent=1) + "\n")
+            "provenance": source, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -33,6 +33,7 @@ from omniscale.dataplane import journal as journal_module  # noqa: E402
 from omniscale.dataplane.plan_table import fingerprint  # noqa: E402
 from omniscale.dataplane.plane import DataPlane, PlaneConfig  # noqa: E402
 from omniscale.tools.bench.plane_data import write_sources, write_spec  # noqa: E402
+from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
 
 def with_fsync_delay(ms: float):
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra ms per fsync, comma-separated (0: this disk as it is)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    source = provenance()  # before the run: the load it started under
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None
                                      ) as d:
         tmp = Path(d)  # on the repository's disk when runs/ exists (not a tmpfs)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({
             "command": "tools/bench/commit.py " + " ".join(sys.argv[1:] if argv is None
                                                            else argv),
-            "rows": rows}, indent=1) + "\n")
+            "provenance": source, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -84,6 +84,9 @@ def main() -> None:
     print(f"linear cross-entropy, forward+backward, fp32 on CPU: T={args.tokens} "
           f"V={args.vocab} D={args.d_model} (logits alone: "
           f"{gib(4 * args.tokens * args.vocab).strip()})", flush=True)
+    from omniscale.tools.bench.provenance import provenance
+
+    source = provenance()  # before the run: the load it started under
     rows = {}
     for variant in ("unfused", "fused"):
         rows[variant] = r = measure(variant, args)
@@ -103,7 +106,8 @@ def main() -> None:
             "dtype": "float32", "device": "cpu",
             "fused_path": "kernels.fused.chunked_linear_cross_entropy (torch per-chunk step)",
             "variants": rows, "peak_ratio": ratio, "loss_peak_ratio": ratio_loss,
-            "target": 0.25, "met": ratio <= 0.25, "losses_agree": agree}, indent=1))
+            "target": 0.25, "met": ratio <= 0.25, "losses_agree": agree,
+            "provenance": source}, indent=1))
         print(f"wrote {args.out}")
 
 

@@ -1,0 +1,31 @@
+"""The suite's one demo dataset: the tiny demo (seed 0), generated and indexed once per test
+run by the session fixture ``demo_root`` (tests/conftest.py). Tests read it in place; a test or
+module that writes beside it (a new spec, a damaged shard, an index of its own) works on a copy
+from ``copy_demo``, so no test sees another's changes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from omniscale.loaders.index import index_paths
+from omniscale.loaders.index_schema import INDEX_FILENAME
+from omniscale.tools.demo import generate
+
+SCALE = "tiny"
+SEED = 0
+SPECS = ("mix.yaml", "eval.yaml")  # indexed: every source the demo's specs name
+
+
+def build(root: Path) -> Path:
+    generate(root, scale=SCALE, seed=SEED, progress=False)
+    index_paths([root / s for s in SPECS], progress=False)
+    return root
+
+
+def copy_demo(demo_root: Path, dest: Path, *, indexed: bool = True) -> Path:
+    """A private copy of the demo at ``dest`` (file times kept, so its indexes stay fresh);
+    ``indexed=False`` leaves the indexes out, as ``omniscale data demo`` writes it."""
+    ignore = None if indexed else shutil.ignore_patterns(INDEX_FILENAME)
+    shutil.copytree(demo_root, dest, ignore=ignore)
+    return dest
