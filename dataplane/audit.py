@@ -22,7 +22,6 @@ import pyarrow.compute as pc
 
 from omniscale.dataplane.corrupt import ref_from_json
 from omniscale.dataplane.journal import Journal
-from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.restore import replay_log
 from omniscale.loaders.index_schema import read_index, read_shard
 
@@ -39,7 +38,7 @@ def audit_state_dir(state_dir: str | Path) -> dict:
         plane.plan_through(step)
         window, local = plane.window_of(step)
         dp = window.dp_of_step[local]
-        if [fingerprint(plane.table(step, r)) for r in range(dp)] != record["fp"]:
+        if [plane.fingerprint(step, r) for r in range(dp)] != record["fp"]:
             mismatched.append(step)
         # A sample reported corrupt was not trained; its replacement was, at this step.
         swaps = dict(plane.corrupt.replaced_at(step))

@@ -24,7 +24,7 @@ import pyarrow as pa
 from omniscale.dataplane.corrupt import draw_replacement, ref_to_json, replacement_room
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.journal import Journal
-from omniscale.dataplane.plan_table import fingerprint, step_fingerprint
+from omniscale.dataplane.plan_table import step_fingerprint
 from omniscale.dataplane.plane_config import PlaneConfig  # noqa: F401  (public here too)
 from omniscale.dataplane.plane_state import PlaneState
 from omniscale.dataplane.restore import open_state, start_for
@@ -229,7 +229,7 @@ class DataPlane(PlaneState):
             self._check_planned(step, "step {step} was never planned (the mixture is "
                                        "exhausted after step {last})")
             dp = self.dp_at(step)
-            prints = [fingerprint(self.table(step, r)) for r in range(dp)]
+            prints = [self.fingerprint(step, r) for r in range(dp)]
             if rank is None:
                 if plan_fp is None:
                     raise RequestError(f"step {step}: a whole-step commit needs plan_fp, the "
@@ -281,7 +281,7 @@ class DataPlane(PlaneState):
                     "repeated": True}
         ranks = self.rank_commits.get(step, set())
         if rank in ranks and step in self._planned_steps() and \
-                plan_fp == fingerprint(self.table(step, rank)):
+                plan_fp == self.fingerprint(step, rank):
             return {"step": step, "committed": False, "ranks": len(ranks),
                     "dp": self.dp_at(step), "repeated": True}
         return None

@@ -32,7 +32,7 @@ from omniscale.dataplane.catalog import Catalog
 from omniscale.dataplane.corrupt import CorruptLedger
 from omniscale.dataplane.journal import Journal
 from omniscale.dataplane.mixer import Mixer, MixtureExhausted
-from omniscale.dataplane.plan_table import rank_tables
+from omniscale.dataplane.plan_table import fingerprint, rank_tables
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.dataplane.spec import MixSpec, spec_from_text
 from omniscale.dataplane.windows import Window, window_samples
@@ -282,6 +282,13 @@ class PlaneState:
             for r, table in enumerate(rank_tables(plan, window.refs, first_item_N, step, dp)):
                 window.tables[(step, r)] = table
         return window.tables[(step, rank)]
+
+    def fingerprint(self, step: int, rank: int) -> str:
+        """``plan_table.fingerprint`` of ``table(step, rank)``, computed once per plan."""
+        window, _ = self.window_of(step)
+        if (step, rank) not in window.prints:
+            window.prints[(step, rank)] = fingerprint(self.table(step, rank))
+        return window.prints[(step, rank)]
 
 
 def _copy(state: dict) -> dict:
