@@ -115,8 +115,10 @@ class MoEDecoder(nn.Module):
         add up exactly before the one division by the global token count."""
         ce = kernel("linear_cross_entropy", hidden_TD.device,
                     self.config.kernel_backend("linear_cross_entropy"))
-        loss_sum = ce(hidden_TD, self.lm_weight_VD, labels_T, ignore_index=IGNORE_INDEX,
-                      reduction="sum")
+        # under bf16 mixed precision the head's weight is bf16 while the final norm may hand
+        # back fp32: the head computes in its weight's dtype (the CE accumulates in fp32)
+        loss_sum = ce(hidden_TD.to(self.lm_weight_VD.dtype), self.lm_weight_VD, labels_T,
+                      ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, (labels_T != IGNORE_INDEX).sum()
 
     @torch.no_grad()

@@ -86,8 +86,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad_CV = logits_CV if wide else logits_CV.to(weight_VD.dtype)
             if d_hidden is not None:
                 torch.mm(grad_CV, weight_VD, out=d_hidden[start:start + chunk])
-            if d_weight is not None:
-                d_weight.addmm_(grad_CV.T, h_CD.to(grad_CV.dtype))
+            if d_weight is not None:  # accumulated in fp32 from the fp32 gradient
+                d_weight.addmm_(logits_CV.T, h_CD.to(acc))
             del logits_CV, grad_CV
         ctx.save_for_backward(d_hidden, d_weight)
         return loss * scale

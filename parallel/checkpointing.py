@@ -21,6 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from omniscale.backbone.decoder import Block
+from omniscale.backbone.dit import DiTBlock
 from omniscale.encoders.audio import AudioEncoder
 from omniscale.encoders.block import EncoderBlock
 from omniscale.encoders.vision import VisionEncoder
@@ -84,7 +85,7 @@ def _selective_context(saved: frozenset):
 
 
 def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
-    """Wrap every decoder and encoder block of `model` in place; returns `model`."""
+    """Wrap every decoder, encoder and DiT block of `model` in place; returns `model`."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode {mode!r}: choose one of "
                          f"{', '.join(MODES)}")
@@ -93,6 +94,6 @@ def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
         kwargs["context_fn"] = partial(_selective_context, frozenset(_saved_ops()))
     for parent in _containers(model):
         for key, child in _children(parent):
-            if isinstance(child, (Block, EncoderBlock)):
+            if isinstance(child, (Block, EncoderBlock, DiTBlock)):
                 parent[key] = checkpoint_wrapper(child, **kwargs)
     return model

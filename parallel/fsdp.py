@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
     fully_shard,
@@ -38,19 +39,22 @@ ROOT_METHODS = ("encode_media", "forward_with_media")
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool = False,
                reshard_after_forward: bool = True, encoder_mesh: DeviceMesh | None = None,
-               expert_mesh: DeviceMesh | None = None) -> nn.Module:
+               expert_mesh: DeviceMesh | None = None, cpu_offload: bool = False) -> nn.Module:
     """Shard `model` in place and return it.
 
     `mesh`, `encoder_mesh`, `expert_mesh`: the meshes of `ParallelDims.build_mesh` /
     `build_encoder_mesh` / `build_expert_mesh` (FSDP takes their data-parallel axes; HSDP when
     the replicate axis is > 1). Encoders without an `encoder_mesh` join the backbone's units.
-    `mixed_precision`: bf16 parameters for compute, fp32 gradient reduction; only on an
-    accelerator (CPU matmuls in bf16 are slow and the tests compare against fp32)."""
-    device_type = mesh.device_type
+    `mixed_precision`: bf16 parameters for compute, fp32 gradient reduction (the sharded
+    fp32 parameters stay the optimizer's master weights); on CPU too when asked, though CPU
+    matmuls in bf16 are slow. `cpu_offload`: sharded parameters, gradients and optimizer
+    state live in host memory (FSDP2's `CPUOffloadPolicy`), copied to the device per unit."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if mixed_precision and device_type != "cpu" else MixedPrecisionPolicy()
+        if mixed_precision else MixedPrecisionPolicy()
     dp, kwargs = fsdp_mesh(mesh), {"mp_policy": mp,
                                    "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     units: list[nn.Module] = []
 
     for block in decoder_blocks(model):
@@ -66,7 +70,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool = False
         units.append(fully_shard(encoder, mesh=enc_dp, **kwargs))
 
     # The root's parameters are needed again at once by backward: keep them gathered.
-    units.append(fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=False))
+    units.append(fully_shard(model, mesh=dp, **{**kwargs, "reshard_after_forward": False}))
     for method in ROOT_METHODS:
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)

@@ -114,6 +114,19 @@ class ParallelDims:
     def encoder_dp_replicate(self) -> int:
         return self.world_size // (self.encoder_dp_shard * self.encoder_tp)
 
+    @property
+    def dp_sp(self) -> int:
+        """Ranks holding different tokens: the data plane's ranks (dp_replicate·dp_shard·sp)."""
+        return self.dp_replicate * self.dp_shard * self.sp
+
+    def data_rank(self, rank: int) -> int:
+        """Global `rank`'s index among the data plane's ranks (its `dp_sp` coordinate: TP and
+        PP peers share one, since they train the same tokens)."""
+        return (rank // self.tp) % self.dp_sp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
     def validate_for(self, config) -> None:
         """Checks against a `backbone.config.ModelConfig`: TP splits heads and FFN widths,
         Ulysses SP splits the heads TP leaves, EP splits experts, PP needs a layer a stage."""

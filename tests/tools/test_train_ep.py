@@ -48,8 +48,8 @@ def test_expert_parallel_run_matches_and_resumes_in_one_process(demo, tmp_path):
 
 
 @pytest.mark.parametrize("nproc, ep, want", [
-    (1, 2, "parallel: ep=2: must divide dp_shard·sp = 1"),
-    (2, 3, "parallel: ep=3: must divide dp_shard·sp = 2"),
+    (1, 2, "parallel.ep=2: must divide dp_shard·sp = 1"),
+    (2, 3, "parallel.ep=3: must divide dp_shard·sp = 2"),
 ])
 def test_impossible_ep_is_one_line(demo, tmp_path, nproc, ep, want):
     with pytest.raises(UserError, match=want.replace("·", ".")):

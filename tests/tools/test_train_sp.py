@@ -1,15 +1,16 @@
-"""``parallel.sp_max``: the plane splits samples longer than a micro-batch over an aligned group
+"""``parallel.sp``: the plane splits samples longer than a micro-batch over an aligned group
 of processes and the trainer attends over them with Ulysses. Two processes with micro-batches
-of M tokens and sp_max=2 train what one process with micro-batches of 2M does: both plan
+of M tokens and sp=2 train what one process with micro-batches of 2M does: both plan
 samples of up to 2M tokens, so the plane draws the same global batches (windows of one step:
 a longer window deals its samples to steps by the ranks' budgets), and losses and gradient
 norms agree: on the demo mix (text samples split) and on its media sources alone (video and
 audio blocks cut by the slice boundary; each slice keeps only its own rows of a block).
-An sp_max that cannot work is one line."""
+An sp that cannot work is one line."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import yaml
@@ -49,7 +50,7 @@ def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro)
           sets=_sets(demo, tmp_path / "one", **spec, **{"data.micro_batch_tokens": 2 * micro}))
     train("configs/demo_omni.yaml", nproc=2, progress=False,
           sets=_sets(demo, tmp_path / "sp", **spec, **{"data.micro_batch_tokens": micro,
-                                                        "parallel.sp_max": 2}))
+                                                        "parallel.sp": 2}))
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")
     sp = read_metrics(tmp_path / "sp" / "metrics.jsonl")
     assert sum(r["sp_split_samples"] for r in sp) > 0  # samples were split over the pair
@@ -62,9 +63,11 @@ def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro)
             (a["grad_norm"], b["grad_norm"])
 
 
-@pytest.mark.parametrize("nproc, sp_max", [(2, 3), (2, 4)])
-def test_impossible_sp_max_is_one_line(demo, tmp_path, nproc, sp_max):
-    with pytest.raises(UserError, match=f"parallel.sp_max={sp_max}: must be a power of two "
-                                        f"dividing --nproc {nproc}"):
+@pytest.mark.parametrize("nproc, sp, says", [
+    (2, 3, "parallel.sp: must be a power of two, got 3"),
+    (2, 4, "parallel.dp_shard=-1: world_size=2 is not a multiple of dp_replicate·sp·tp·pp = 4 "
+           "(with --nproc 2)")])
+def test_impossible_sp_is_one_line(demo, tmp_path, nproc, sp, says):
+    with pytest.raises(UserError, match=re.escape(says)):
         train("configs/demo_omni.yaml", nproc=nproc, progress=False,
-              sets=_sets(demo, tmp_path / "bad", **{"parallel.sp_max": sp_max}))
+              sets=_sets(demo, tmp_path / "bad", **{"parallel.sp": sp}))

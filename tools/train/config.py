@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from omniscale.dataplane.errors import UserError
 
@@ -67,13 +74,57 @@ class OptimSection(_Strict):
 
 
 class ParallelSection(_Strict):
+    """The run's layout (``parallel.mesh.ParallelDims``: the README's "Choosing a layout") and
+    how each rank runs its part (``parallel.parallelize.Settings``)."""
+
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dp_shard: int = -1  # FSDP over every process
-    ep: int = Field(1, ge=1)  # expert parallelism: each MoE layer's experts split over ep
-    #                           processes (ep divides --nproc; data parallelism stays --nproc)
-    sp_max: int = Field(1, ge=1)  # sequence parallelism (Ulysses, long-short): a sample longer
-    #                               than a micro-batch is split over up to sp_max processes
+    dp_replicate: int = Field(1, ge=1)  # HSDP: replicas (e.g. nodes), each FSDP over dp_shard
+    dp_shard: int = -1  # FSDP shard group; -1: the ranks the other axes leave
+    tp: int = Field(1, ge=1)  # tensor parallelism (heads and FFN widths split)
+    ep: int = Field(1, ge=1)  # experts split over ep of the dp_shard·sp ranks (adds no ranks)
+    # Ulysses sequence parallelism with the plane's long-short split: a sample longer than a
+    # micro-batch is split over an aligned group of up to sp ranks (a power of two)
+    sp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)  # pipeline stages
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    encoder_dp_shard: int = -1  # the encoders' own FSDP group (-1: every rank)
+    encoder_tp: int = Field(1, ge=1)
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    # bf16: bf16 parameters for compute, fp32 gradient reduction and master weights; auto:
+    # bf16 on CUDA, fp32 on CPU
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    compile: bool = False  # torch.compile every decoder and encoder block
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters and optimizer state on host
     peak_tflops: float | None = Field(None, gt=0)  # per device, for MFU (GPUs known by name)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "sp_max" in data:
+            raise ValueError("sp_max was renamed sp (the same long-short split, now also the "
+                             "mesh's SP axis)")
+        return data
+
+    @field_validator("sp")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
+
+    @field_validator("dp_shard", "encoder_dp_shard")
+    @classmethod
+    def _size_or_rest(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"must be >= 1, or -1 for the ranks the other axes leave, got "
+                             f"{value}")
+        return value
+
+    @model_validator(mode="after")
+    def _offload_needs_a_device(self):
+        if self.cpu_offload and self.device == "cpu":
+            raise ValueError("cpu_offload: the parameters already live on the CPU")
+        return self
 
 
 class EvalSection(_Strict):
@@ -153,6 +204,8 @@ def load_config(path: str | Path | None, sets: list[str] = (), name: str | None 
     except ValidationError as e:
         err = e.errors()[0]
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        got = "" if err["type"] == "extra_forbidden" else f", got {err.get('input')!r}"
+        got = f", got {err.get('input')!r}"
+        if err["type"] in ("extra_forbidden", "value_error"):  # the message names the value
+            msg, got = msg.removeprefix("Value error, "), ""
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
         raise UserError(f"{label}: {_where(err)}: {msg}{got}{more}") from None

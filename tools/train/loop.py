@@ -47,11 +47,11 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
     """The embedded plane's settings; ``cost``: the model's (α, β) FLOPs per sequence, the
     balancer's cost model (``ModelConfig.cost_coefficients``)."""
     d = cfg.data
-    # parallel.sp_max: the plane may split a sample over an aligned group of up to that many
+    # parallel.sp: the plane may split a sample over an aligned group of up to that many
     # ranks; longer text is truncated to what such a group holds, longer media samples skipped.
     extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0} if cost else {}
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
-                       global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp_max,
+                       global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp,
                        snapshot_every=cfg.checkpoint_every, **extra)
 
 
@@ -115,27 +115,13 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
             model, step_fn = build_model(mcfg, cfg.seed, device), train_step
-        if world > 1:
-            from torch.distributed.fsdp import register_fsdp_forward_method
-
-            from omniscale.parallel import apply_ep, apply_fsdp, apply_sp
-
-            mesh = dims.build_mesh(device.type)
-            experts = dims.build_expert_mesh(device.type) if dims.ep > 1 else None
-            if experts is not None:
-                apply_ep(model, experts["ep"])
-            if cfg.parallel.sp_max > 1:  # the plane's aligned groups of the data-parallel ranks
-                apply_sp(model, mesh["dp"], cfg.parallel.sp_max)
-            apply_fsdp(model, mesh, expert_mesh=experts,
-                       encoder_mesh=dims.build_encoder_mesh(device.type))
-            if hasattr(model, "encode_items"):
-                register_fsdp_forward_method(model, "encode_items")
+        parallelize(cfg.task)(model, dims, settings_of(cfg, device), device.type)
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer, verified=True)
         alpha, beta = mcfg.cost_coefficients() if mcfg is not None else (0.0, 0.0)
         ctx = StepContext(cfg, world, rank, [s.name for s in spec.sources], alpha, beta,
-                          peak_flops(cfg, device))
+                          peak_flops(cfg, device), device=device)
         _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn)
         dist.barrier()  # nobody stops the plane while another rank still talks to it
     finally:
@@ -147,24 +133,50 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
 
 
 def parallel_dims(cfg: RunConfig, world: int, mcfg):
-    """The run's layout: FSDP over every process, experts split over ``parallel.ep`` of them,
-    long samples over up to ``parallel.sp_max`` (a one-line UserError when that cannot work)."""
+    """The run's layout from ``parallel:`` (a one-line UserError naming the axis when it cannot
+    work, on every rank before the plane starts)."""
     from omniscale.parallel import ParallelDims
 
-    ep, sp_max = cfg.parallel.ep, cfg.parallel.sp_max
-    for name, value in (("ep", ep), ("sp_max", sp_max)):
-        if value > 1 and mcfg is None:  # the DiT attends with its own blocks
-            raise UserError(f"parallel.{name}={value}: for the omni and lm tasks only")
-    if sp_max & (sp_max - 1) or world % sp_max:
-        raise UserError(f"parallel.sp_max={sp_max}: must be a power of two dividing --nproc "
-                        f"{world}")
+    p = cfg.parallel
+    for name in ("tp", "encoder_tp", "pp"):
+        if getattr(p, name) > 1:  # applied and tested from code (tests/parallel), not here yet
+            raise UserError(f"parallel.{name}={getattr(p, name)}: omniscale train does not run "
+                            f"this axis yet (parallel.apply_{name.split('_')[-1]} does, from "
+                            f"code); use dp_shard, dp_replicate, ep, sp and encoder_dp_shard")
+    if mcfg is None:  # the DiT attends with its own blocks
+        for name in ("ep", "sp"):
+            if getattr(p, name) > 1:
+                raise UserError(f"parallel.{name}={getattr(p, name)}: for the omni and lm tasks "
+                                f"only")
     try:
-        dims = ParallelDims(dp_shard=world, ep=ep, world_size=world)
+        dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, ep=p.ep, sp=p.sp,
+                            tp=p.tp, pp=p.pp, encoder_dp_shard=p.encoder_dp_shard,
+                            encoder_tp=p.encoder_tp, world_size=world)
         if mcfg is not None:
             dims.validate_for(mcfg)
     except ValueError as e:
-        raise UserError(f"parallel: {e} (with --nproc {world})") from None
+        raise UserError(f"parallel.{e} (with --nproc {world})") from None
     return dims
+
+
+def settings_of(cfg: RunConfig, device: torch.device):
+    """``parallel.parallelize.Settings`` of the run (mixed_precision auto: bf16 on CUDA)."""
+    from omniscale.parallel.parallelize import Settings
+
+    p = cfg.parallel
+    precision = p.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return Settings(activation_checkpoint=p.activation_checkpoint, mixed_precision=precision,
+                    compile=p.compile, cpu_offload=p.cpu_offload)
+
+
+def parallelize(task: str):
+    """The task's ``parallelize_*`` (parallel/parallelize.py)."""
+    from omniscale.parallel import parallelize as plans
+
+    return {"omni": plans.parallelize_omni, "lm": plans.parallelize_lm,
+            "video_gen": plans.parallelize_video_gen}[task]
 
 
 def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):

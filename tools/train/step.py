@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at
 from omniscale.tools.train.media_step import StepMedia
@@ -37,6 +38,8 @@ class StepContext:
     flops_alpha: float  # FLOPs per sequence = alpha·L + beta·L² (forward + backward)
     flops_beta: float
     peak_flops: float | None  # per rank, for MFU (None: not known for this device)
+    # where the step's counters live: the process group's device (NCCL takes CUDA tensors only)
+    device: torch.device = torch.device("cpu")
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
 
@@ -53,59 +56,6 @@ def placeholder(empty):
         seq_len_full_S=torch.ones(1, dtype=torch.int64),
         seq_sp_size_S=torch.ones(1, dtype=torch.int64),
         seq_sp_index_S=torch.zeros(1, dtype=torch.int64), seq_refs=None)
-
-
-def grad_norm_and_clip(model: torch.nn.Module, clip: float) -> float:
-    """Clip by the global gradient norm. Encoders and backbone are sharded over different
-    meshes, so the norm is taken per mesh (each a DTensor reduced to a full scalar) and
-    combined, then every gradient is scaled by the same factor. Expert-parallel experts are
-    different parameters on each rank of their ep group: their squares are summed over it."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    ep_mesh_of = {id(p): m.ep_mesh for m in model.modules()
-                  if getattr(m, "num_global_experts", None) is not None for p in m.parameters()}
-    by_mesh: dict = {}
-    for p in params:
-        key = (getattr(p.grad, "device_mesh", None), ep_mesh_of.get(id(p)))
-        by_mesh.setdefault(key, []).append(p.grad)
-    squares = []
-    for (_, ep_mesh), grads in by_mesh.items():
-        # float64: CPU float32 norms lose ~5e-4 relative on a 1M-element gradient, more than
-        # the ranks' sums differ, so 1 and N processes would log different norms of one
-        # gradient (a transient float64 copy of one local gradient at a time)
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]),
-            2.0)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        square = norm ** 2
-        if ep_mesh is not None:
-            dist.all_reduce(square, group=ep_mesh.get_group())
-        squares.append(square)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
-    torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
-    return float(total)
-
-
-def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient, by name, as float32 CPU tensors (the same on every
-    rank). A collective: every rank calls it at the same point. FSDP shards are gathered with
-    ``full_tensor()`` on their own mesh; expert-parallel experts (different parameters on each
-    rank of their ep group) are concatenated over it, so the names and shapes are those of the
-    unsharded model. A parameter without a gradient is left out."""
-    ep_of = {id(p): m for m in model.modules()
-             if getattr(m, "num_global_experts", None) is not None for p in m.parameters()}
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        experts = ep_of.get(id(p))
-        if experts is not None and experts.ep_mesh is not None:
-            group = experts.ep_mesh.get_group()
-            parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, grad.contiguous(), group=group)
-            grad = torch.cat(parts)
-        grads[name] = grad.detach().float().cpu()
-    return grads
 
 
 def dump_gradients(ctx: StepContext, step: int, model: torch.nn.Module) -> None:
@@ -176,17 +126,16 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     split_local = sum(int(((mb.seq_sp_size_S > 1) & (mb.seq_sp_index_S == 0)).sum())
                       for mb in batch.micro_batches if mb.seq_refs is not None)
     counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media.moved,
-                           split_local], dtype=torch.float64)
+                           split_local], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(counts)
     counts[3] = distinct_skipped(batch, world, float(counts[3]))
     n_global = max(float(counts[0]), 1.0)
     routed_global = max(float(counts[1]), 1.0)  # tokens through the routers: every token
 
-    loss_G = torch.zeros(n_groups, dtype=torch.float64)
-    n_G = torch.zeros(n_groups, dtype=torch.float64)
-    samples_G = torch.zeros(n_groups, dtype=torch.float64)
-    tokens_G = torch.zeros(n_groups, dtype=torch.float64)
-    router = torch.zeros((), dtype=torch.float64)
+    # per-source sums accumulate on the device: no host synchronisation per micro-batch
+    loss_G, n_G, samples_G, tokens_G = torch.zeros(4, n_groups, dtype=torch.float64,
+                                                   device=ctx.device)
+    router = torch.zeros((), dtype=torch.float64, device=ctx.device)
     load_LE = None
     for (mb, items), routed in zip(prepared, batch.micro_batches):
         groups_S = _groups(mb, ctx.sources)
@@ -198,20 +147,22 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
         router_share = routed.num_tokens / routed_global
         loss = out["loss_sum"] / n_global + out["aux"]["router_loss"] * router_share
         loss.backward()  # phase 1: the backbone; the encoders' turn is media.backward()
-        loss_G += out["loss_sum_G"].detach().double().cpu()
-        n_G += out["n_tokens_G"].detach().double().cpu()
+        loss_G += out["loss_sum_G"].detach().double()
+        n_G += out["n_tokens_G"].detach().double()
         if mb.seq_refs is not None:
             lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
             first_S = (mb.seq_sp_index_S == 0).double()  # a split sample counts once
-            samples_G += torch.bincount(groups_S, weights=first_S, minlength=n_groups)
-            tokens_G += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
-        router += out["aux"]["router_loss"].detach().double().cpu() * router_share
-        load = out["aux"]["load_LE"].detach().cpu().to(torch.float64)
+            samples_G += torch.bincount(groups_S, weights=first_S,
+                                        minlength=n_groups).to(ctx.device)
+            tokens_G += torch.bincount(groups_S, weights=lengths_S,
+                                       minlength=n_groups).to(ctx.device)
+        router += out["aux"]["router_loss"].detach().double() * router_share
+        load = out["aux"]["load_LE"].detach().to(torch.float64)
         load_LE = load if load_LE is None else load_LE + load
     media.backward()
     if step == cfg.debug.dump_grads_at_step:
         dump_gradients(ctx, step, model)
-    grad_norm = grad_norm_and_clip(model, cfg.optim.grad_clip)
+    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     compute_s = time.perf_counter() - start
 
@@ -230,7 +181,7 @@ def timing(ctx: StepContext, batch, compute_s: float) -> dict:
     slowest rank sets (every task's row has these)."""
     meta = batch.metadata
     per_rank = torch.tensor([meta.get("predicted_cost", 0.0), compute_s, batch.data_wait_s],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=ctx.device)
     gathered = [torch.zeros_like(per_rank) for _ in range(ctx.world)]
     dist.all_gather(gathered, per_rank)
     costs = [float(g[0]) for g in gathered]

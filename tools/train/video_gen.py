@@ -227,8 +227,9 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
 
     import torch.distributed as dist
 
+    from omniscale.parallel.grads import clip_grad_norm
     from omniscale.tools.train.build import lr_at
-    from omniscale.tools.train.step import distinct_skipped, grad_norm_and_clip, placeholder, timing
+    from omniscale.tools.train.step import distinct_skipped, placeholder, timing
 
     cfg = ctx.cfg
     start = time.perf_counter()
@@ -241,19 +242,19 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
     mbs = [mb if mb.num_tokens else placeholder(mb) for mb in batch.micro_batches]
     n_local = sum(int(mb.vision_grid_thw_V3[mb.vision_kind_V == VIDEO].prod(dim=1).sum())
                   for mb in mbs)
-    counts = torch.tensor([n_local, len(batch.skipped)], dtype=torch.float64)
+    counts = torch.tensor([n_local, len(batch.skipped)], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(counts)
     counts[1] = distinct_skipped(batch, ctx.world, float(counts[1]))
     n_global = max(float(counts[0]), 1.0)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for mb in mbs:
         out = video_gen_loss(model, mb, generator)
         loss = out["loss_sum"]
         if "router_loss" in out["aux"]:
             loss = loss + out["aux"]["router_loss"] * out["n_targets"]
         (loss / n_global).backward()
-        loss_sum += out["loss_sum"].detach().double().cpu()
-    grad_norm = grad_norm_and_clip(model, cfg.optim.grad_clip)
+        loss_sum += out["loss_sum"].detach().double()
+    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     compute_s = time.perf_counter() - start
     dist.all_reduce(loss_sum)

@@ -1,0 +1,142 @@
+"""A run's whole layout applied to its model in one fixed order (torchtitan's
+`parallelize_llama`): TP → EP → SP → activation checkpointing → `torch.compile` per block →
+FSDP/HSDP, each only when its axis is > 1 or its option is on.
+
+The backbone goes on the backbone mesh and the encoders on **their own** mesh
+(`encoder_dp_shard` × `encoder_tp`, `ParallelDims.build_encoder_mesh`), so the two groups are
+sized independently: each rank encodes what the plane's encoder plan gives it, whatever its
+backbone coordinates. One function per task (`parallelize_omni`, `parallelize_lm`,
+`parallelize_video_gen`); the trainer calls one of them and nothing else of `parallel/`'s
+`apply_*`.
+
+`Settings` are the run's per-rank knobs beside the mesh sizes: activation checkpointing
+(`none|selective|full`), mixed precision (`fp32|bf16`: bf16 parameters for compute, fp32
+gradient reduction and fp32 master weights), per-block compile and CPU offload of parameters,
+gradients and optimizer state (FSDP2's `CPUOffloadPolicy`). FSDP wraps the model whenever
+more than one rank holds different data, or when bf16 or offload asks for its policies, even
+in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from omniscale.parallel.checkpointing import apply_ac, decoder_blocks, encoder_blocks, encoders
+from omniscale.parallel.expert import apply_ep
+from omniscale.parallel.fsdp import apply_fsdp
+from omniscale.parallel.mesh import ParallelDims
+from omniscale.parallel.sequence import apply_sp
+from omniscale.parallel.tensor import apply_tp
+
+AC_MODES = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How each rank runs its part of the layout (the run config's `parallel:` knobs)."""
+
+    activation_checkpoint: str = "none"
+    mixed_precision: str = "fp32"
+    compile: bool = False
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpoint not in AC_MODES:
+            raise ValueError(f"activation_checkpoint={self.activation_checkpoint!r}: choose "
+                             f"one of {', '.join(AC_MODES)}")
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose one of "
+                             f"{', '.join(PRECISIONS)}")
+
+
+@dataclass
+class Meshes:
+    """What `parallelize_*` built, for the step: `mesh` (backbone axes and flattened `dp`,
+    `dp_sp`), `experts` (None without EP), `encoders` (None without encoders) and whether
+    FSDP wrapped the model (`sharded`)."""
+
+    mesh: DeviceMesh
+    experts: DeviceMesh | None
+    encoders: DeviceMesh | None
+    sharded: bool
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """`torch.compile` every decoder and encoder block in place (`Module.compile`: parameter
+    names, and so checkpoints, stay those of the eager model). Graph breaks are allowed: the
+    varlen attention and the expert loop read `cu_seqlens` and expert counts on the host."""
+    for block in decoder_blocks(model):
+        block.compile()
+    for encoder in encoders(model):
+        for block in encoder_blocks(encoder):
+            block.compile()
+
+
+def _needs_fsdp(dims: ParallelDims, settings: Settings) -> bool:
+    return (dims.dp_replicate * dims.dp_shard * dims.sp > 1 or dims.encoder_dp_shard *
+            dims.encoder_dp_replicate > 1 or settings.mixed_precision == "bf16"
+            or settings.cpu_offload)
+
+
+def _parallelize(model: nn.Module, dims: ParallelDims, settings: Settings,
+                 device_type: str) -> Meshes:
+    mesh = dims.build_mesh(device_type)
+    has_encoders = bool(encoders(model))
+    encoder_mesh = dims.build_encoder_mesh(device_type) if has_encoders else None
+    if dims.tp > 1 or dims.encoder_tp > 1:
+        apply_tp(model, mesh["tp"], encoder_mesh["encoder_tp"]
+                 if encoder_mesh is not None and dims.encoder_tp > 1 else None)
+    expert_mesh = dims.build_expert_mesh(device_type) if dims.ep > 1 else None
+    if expert_mesh is not None:
+        apply_ep(model, expert_mesh["ep"])
+    if dims.sp > 1:
+        # the plane's long-short split: aligned groups of up to `sp` of the data ranks
+        apply_sp(model, mesh["dp_sp"], dims.sp)
+    if settings.activation_checkpoint != "none":
+        apply_ac(model, settings.activation_checkpoint)
+    if settings.compile:
+        compile_blocks(model)
+    sharded = _needs_fsdp(dims, settings)
+    if sharded:
+        apply_fsdp(model, mesh, mixed_precision=settings.mixed_precision == "bf16",
+                   encoder_mesh=encoder_mesh, expert_mesh=expert_mesh,
+                   cpu_offload=settings.cpu_offload)
+    return Meshes(mesh, expert_mesh, encoder_mesh, sharded)
+
+
+def parallelize_omni(model: nn.Module, dims: ParallelDims, settings: Settings,
+                     device_type: str = "cpu") -> Meshes:
+    """The omni model (`backbone.omni.OmniModel`, encoders included), in place."""
+    dims.validate_for(model.config)
+    meshes = _parallelize(model, dims, settings, device_type)
+    if meshes.sharded and hasattr(model, "encode_items"):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "encode_items")
+    return meshes
+
+
+def parallelize_lm(model: nn.Module, dims: ParallelDims, settings: Settings,
+                   device_type: str = "cpu") -> Meshes:
+    """A text-only model (an `OmniModel` without encoders), in place. Pipeline parallelism is
+    applied by `apply_pp` and run by its schedule, not through the trainer's step yet."""
+    if dims.pp > 1:
+        raise ValueError(f"pp={dims.pp}: the trainer's step does not run a pipeline schedule "
+                         f"yet (parallel.apply_pp does, from code)")
+    return parallelize_omni(model, dims, settings, device_type)
+
+
+def parallelize_video_gen(model: nn.Module, dims: ParallelDims, settings: Settings,
+                          device_type: str = "cpu") -> Meshes:
+    """The video DiT: data parallelism, checkpointing, compile and precision only (its
+    attention runs on its own blocks: no TP, EP or SP)."""
+    for name in ("tp", "ep", "sp", "pp", "encoder_tp"):
+        if getattr(dims, name) > 1:
+            raise ValueError(f"{name}={getattr(dims, name)}: the video_gen task runs data "
+                             f"parallel only")
+    return _parallelize(model, dims, settings, device_type)
+
