@@ -148,7 +148,9 @@ def test_fail_stops_with_one_line_naming_source_and_key(bad_demo, tmp_path):
 @pytest.mark.timeout(60)
 def test_a_hung_decode_times_out_and_is_skipped(bad_demo, tmp_path, monkeypatch):
     """One sample's decode never returns: that sample is reported after the timeout and the
-    worker goes on decoding (the DataLoader workers are forked, so they inherit the patch)."""
+    worker goes on decoding (the DataLoader workers are forked, so they inherit the patch).
+    It hangs the first time each process decodes it: the tiny bad source comes round many
+    times a step, and a 1 s timeout at every visit made this test take 47 s."""
     spec = bad_demo
     with start_embedded(spec.path, tmp_path / "probe", CONFIG) as plane, \
             PlaneClient(plane.url) as client:
@@ -157,8 +159,11 @@ def test_a_hung_decode_times_out_and_is_skipped(bad_demo, tmp_path, monkeypatch)
     never = threading.Event()
     real = SampleDecoder.decode
 
+    hung = []  # per process: forked workers each get their own copy
+
     def hang(self, ref):
-        if (ref.source, ref.key) == victim:
+        if (ref.source, ref.key) == victim and not hung:
+            hung.append(True)
             never.wait()  # a decode stuck forever (say, in a C library)
         return real(self, ref)
     monkeypatch.setattr(SampleDecoder, "decode", hang)

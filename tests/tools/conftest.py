@@ -9,3 +9,18 @@ import pytest
 @pytest.fixture(scope="session")
 def demo(demo_root):
     return demo_root
+
+
+@pytest.fixture(scope="session")
+def every_source_one(demo, tmp_path_factory):
+    """One process over every demo source from step 0, the aux router loss off (z-loss on):
+    (every source spec, extra settings, rows of 4 steps, step 0's gradients). The reference
+    the multi-process layouts are compared with; a 3-step run's rows are its first three
+    (the learning rate's schedule is fixed by ``optim.decay_steps``, not by ``steps``)."""
+    from tests.tools.test_train_media import TINY_MOE, _run, every_source
+
+    root = tmp_path_factory.mktemp("every-source-one")
+    extra = {"data.spec": every_source(demo, root / "every.yaml"),
+             "model.overrides.moe": TINY_MOE + ", aux_loss_coef: 0}"}
+    rows, grads = _run(demo, root / "one", 1, **extra, steps=4)
+    return extra, rows, grads

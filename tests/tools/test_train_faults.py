@@ -82,4 +82,4 @@ def test_external_plane_for_another_dp_is_one_line(demo, tmp_path, capsys):
         plane.kill()
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err == (f"omniscale: error: --plane {url}: the plane plans for --dp 2, "
-                               f"this run has --nproc 1"), err
+                               f"this run for 1 (--nproc / (tp·pp))"), err

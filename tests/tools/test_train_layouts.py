@@ -12,16 +12,15 @@ import math
 import re
 from pathlib import Path
 
-import pytest
 import yaml
 
 from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
 from tests.tools.test_train_media import (
-    TINY_MOE,
     _run,
     _same_rows,
     assert_same_gradients,
-    every_source,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,28 +37,27 @@ def test_every_readme_yaml_block_is_a_run_config():
         RunConfig.model_validate(yaml.safe_load(block))  # raises on a key the trainer lacks
 
 
-def test_hsdp_with_encoders_on_their_own_mesh_trains_what_one_process_does(demo, tmp_path):
+def test_hsdp_with_encoders_on_their_own_mesh_trains_what_one_process_does(demo, tmp_path,
+                                                                           every_source_one):
     """4 processes: the backbone HSDP (2 replicas × FSDP over 2), the encoders FSDP over all 4
     (their own mesh, sized apart from the backbone's)."""
-    extra = {"data.spec": every_source(demo, tmp_path / "every.yaml"),
-             "model.overrides.moe": TINY_MOE + ", aux_loss_coef: 0}"}
-    one, g_one = _run(demo, tmp_path / "one", 1, **extra)
+    extra, one, g_one = every_source_one  # 4 steps of one process (tests/tools/conftest.py)
     four, g_four = _run(demo, tmp_path / "four", 4, **extra, **{
         "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.encoder_dp_shard": 4})
     assert_same_gradients(g_one, g_four, trained=("vision.", "audio.", "decoder."))
-    _same_rows(one, four)
+    _same_rows(one[:3], four)
     assert sum(r["media_items_moved"] for r in four) > 0
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_activation_checkpointing_is_bit_exact(demo, tmp_path, mode):
+def test_activation_checkpointing_is_bit_exact(demo, tmp_path):
     plain, g_plain = _run(demo, tmp_path / "none", 1, steps=2)
-    ac, g_ac = _run(demo, tmp_path / mode, 1, steps=2,
-                    **{"parallel.activation_checkpoint": mode})
-    assert [r["loss"] for r in plain] == [r["loss"] for r in ac]
-    assert [r["grad_norm"] for r in plain] == [r["grad_norm"] for r in ac]
-    assert g_plain.keys() == g_ac.keys()
-    assert all(g_plain[n].equal(g_ac[n]) for n in g_plain)
+    for mode in ("selective", "full"):
+        ac, g_ac = _run(demo, tmp_path / mode, 1, steps=2,
+                        **{"parallel.activation_checkpoint": mode})
+        assert [r["loss"] for r in plain] == [r["loss"] for r in ac], mode
+        assert [r["grad_norm"] for r in plain] == [r["grad_norm"] for r in ac], mode
+        assert g_plain.keys() == g_ac.keys()
+        assert all(g_plain[n].equal(g_ac[n]) for n in g_plain), mode
 
 
 # bf16 parameters (fp32 master weights and gradient reduction) against fp32, 10 steps of the
@@ -68,10 +66,30 @@ BF16_LOSS_RTOL = 0.005  # measured: 0.075% at worst
 
 
 def test_bf16_on_cpu_stays_near_fp32(demo, tmp_path):
-    fp32, _ = _run(demo, tmp_path / "fp32", 1, steps=10, **{"optim.decay_steps": 10})
-    bf16, _ = _run(demo, tmp_path / "bf16", 1, steps=10, **{"optim.decay_steps": 10,
-                                                              "parallel.mixed_precision": "bf16"})
+    small = {"optim.decay_steps": 10, "data.global_batch_tokens": 4096}
+    fp32, _ = _run(demo, tmp_path / "fp32", 1, steps=10, **small)
+    bf16, _ = _run(demo, tmp_path / "bf16", 1, steps=10, **small,
+                   **{"parallel.mixed_precision": "bf16"})
     worst = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(fp32, bf16, strict=True))
     assert worst <= BF16_LOSS_RTOL, worst
     assert any(a["loss"] != b["loss"] for a, b in zip(fp32, bf16))  # bf16 really ran
     assert all(math.isfinite(r["grad_norm"]) for r in bf16)
+
+
+def test_tensor_parallel_trains_what_one_process_does_and_resumes_without(demo, tmp_path,
+                                                                          every_source_one):
+    """4 processes: tp 2 × dp_shard 2. The plane plans for the 2 data ranks, each TP pair loads
+    the same plan; the encoders stay replicated over the pair (FSDP over all 4), each copy
+    passing half the gradient. Its checkpoint resumes in one process without TP, and the next
+    step is the one a single process trains."""
+    extra, one, g_one = every_source_one  # 4 steps of one process (tests/tools/conftest.py)
+    four, g_four = _run(demo, tmp_path / "tp", 4, **extra, **{"parallel.tp": 2})
+    assert_same_gradients(g_one, g_four, trained=("vision.", "audio.", "decoder."))
+    _same_rows(one[:3], four)
+    result = train(None, resume=str(tmp_path / "tp"), sets=["steps=4", "parallel.tp=1"],
+                   progress=False)
+    assert result["start_step"] == 3
+    resumed = read_metrics(tmp_path / "tp" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert math.isclose(resumed[3]["loss"], one[3]["loss"], rel_tol=1e-5), \
+        (resumed[3]["loss"], one[3]["loss"])

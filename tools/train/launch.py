@@ -84,9 +84,14 @@ def _spawned(rank: int, world: int, job: RankJob) -> None:
         raise SystemExit(2) from None
 
 
+def data_ranks(cfg: RunConfig, nproc: int) -> int:
+    """The ranks an external plane must plan for: TP and PP peers share one."""
+    return max(nproc // (cfg.parallel.tp * cfg.parallel.pp), 1)
+
+
 def check_plane(url: str, token: str | None, nproc: int, start: int, sp: int = 1
                 ) -> None:
-    """An external plane must plan for this job: ``nproc`` ranks, sequence-parallel groups no
+    """An external plane must plan for this job: ``nproc`` data ranks, sequence-parallel groups no
     larger than ``parallel.sp``, next step = the step the trainer starts at."""
     from omniscale.dataplane.client import PlaneClient
 
@@ -97,8 +102,8 @@ def check_plane(url: str, token: str | None, nproc: int, start: int, sp: int = 1
         raise UserError(f"--plane {url}: {str(e).splitlines()[0]}") from None
     config = status.get("config", {})
     if status["dp"] != nproc:
-        raise UserError(f"--plane {url}: the plane plans for --dp {status['dp']}, this run has "
-                        f"--nproc {nproc}")
+        raise UserError(f"--plane {url}: the plane plans for --dp {status['dp']}, this run for "
+                        f"{nproc} (--nproc / (tp·pp))")
     if config.get("sp_max", 1) > sp:
         raise UserError(f"--plane {url}: the plane may split samples over {config['sp_max']} "
                         f"ranks (--sp-max), this run's parallel.sp is {sp}")
@@ -136,7 +141,7 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
     for stale in run_dir.glob("error-rank*.txt"):
         stale.unlink()
     if plane is not None:
-        check_plane(plane, plane_token, nproc, start, cfg.parallel.sp)
+        check_plane(plane, plane_token, data_ranks(cfg, nproc), start, cfg.parallel.sp)
     with tempfile.TemporaryDirectory(prefix="omniscale-pg-") as tmp:
         job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
                       str(found[1]) if found else None, f"file://{tmp}/store", progress,
@@ -152,7 +157,7 @@ def _train_one_rank(cfg, run_dir: Path, rank: int, world: int, start: int, found
                     plane, plane_token) -> dict:
     """One rank of a torchrun launch (``tools.train.torchrun``); rank 0 evaluates after."""
     if rank == 0 and plane is not None:
-        check_plane(plane, plane_token, world, start, cfg.parallel.sp)
+        check_plane(plane, plane_token, data_ranks(cfg, world), start, cfg.parallel.sp)
     job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
                   str(found[1]) if found else None, "env://", progress,
                   plane_url=plane, plane_token=plane_token)

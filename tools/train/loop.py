@@ -105,23 +105,29 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
             checkpoint.verify(Path(job.resume_from))
         if rank == 0 and job.plane_url is None:
             cost = mcfg.cost_coefficients() if mcfg is not None else None
-            plane = start_embedded(job.spec, run_dir / "plane", plane_config(cfg, world, cost),
+            plane = start_embedded(job.spec, run_dir / "plane",
+                                   plane_config(cfg, dims.dp_sp, cost),
                                    restore_step=job.start_step if job.resume_from else None)
         url = _share_url(job.plane_url or (plane.url if plane else None), rank, run_dir)
-        loader = make_loader(cfg, url, rank, spec, job)
+        # the plane plans for the data ranks; TP peers load (and commit) the same plan
+        data_rank = dims.data_rank(rank)
+        loader = make_loader(cfg, url, data_rank, spec, job)
         if video:
             from omniscale.tools.train.video_gen import build_video_model, video_gen_step
 
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
             model, step_fn = build_model(mcfg, cfg.seed, device), train_step
-        parallelize(cfg.task)(model, dims, settings_of(cfg, device), device.type)
+        meshes = parallelize(cfg.task)(model, dims, settings_of(cfg, device), device.type)
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer, verified=True)
         alpha, beta = mcfg.cost_coefficients() if mcfg is not None else (0.0, 0.0)
-        ctx = StepContext(cfg, world, rank, [s.name for s in spec.sources], alpha, beta,
-                          peak_flops(cfg, device), device=device)
+        ctx = StepContext(cfg, dims.dp_sp, data_rank, [s.name for s in spec.sources], alpha,
+                          beta, peak_flops(cfg, device), device=device,
+                          group=meshes.mesh["dp_sp"].get_group() if dims.tp > 1 else None,
+                          writer=rank == 0, devices=world,
+                          encoder_copies=dims.tp // dims.encoder_tp)
         _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn)
         dist.barrier()  # nobody stops the plane while another rank still talks to it
     finally:
@@ -138,11 +144,13 @@ def parallel_dims(cfg: RunConfig, world: int, mcfg):
     from omniscale.parallel import ParallelDims
 
     p = cfg.parallel
-    for name in ("tp", "encoder_tp", "pp"):
-        if getattr(p, name) > 1:  # applied and tested from code (tests/parallel), not here yet
-            raise UserError(f"parallel.{name}={getattr(p, name)}: omniscale train does not run "
-                            f"this axis yet (parallel.apply_{name.split('_')[-1]} does, from "
-                            f"code); use dp_shard, dp_replicate, ep, sp and encoder_dp_shard")
+    if p.pp > 1:  # applied and tested from code (tests/parallel), not by the step yet
+        raise UserError(f"parallel.pp={p.pp}: omniscale train does not run pipeline stages "
+                        f"yet (parallel.apply_pp does, from code)")
+    if p.encoder_tp not in (1, p.tp):
+        # an encoder TP group must encode the same items: the backbone's TP peers do
+        raise UserError(f"parallel.encoder_tp={p.encoder_tp}: must be 1 or tp={p.tp} (its "
+                        f"ranks must encode the same items, as TP peers do)")
     if mcfg is None:  # the DiT attends with its own blocks
         for name in ("ep", "sp"):
             if getattr(p, name) > 1:
@@ -228,9 +236,9 @@ def _refit(ctx: StepContext, client) -> dict | None:
 
 
 def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_fn) -> None:
-    cfg, rank = ctx.cfg, ctx.rank
-    writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step) if rank == 0 else None
-    bar = Progress(rank == 0, job.progress, cfg.steps, job.start_step, cfg.log_every)
+    cfg, rank = ctx.cfg, dist.get_rank()  # the global rank: files are written by rank 0
+    writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step) if ctx.writer else None
+    bar = Progress(ctx.writer, job.progress, cfg.steps, job.start_step, cfg.log_every)
     client = loader.client
     tokens_before = writer.tokens_before if writer is not None else 0
     try:

@@ -89,8 +89,12 @@ class StepMedia:
     micro-batch, ``backward`` once after every micro-batch's backward."""
 
     def __init__(self, model, batch, table: pa.Table, rank: int, world: int,
-                 group=None) -> None:
+                 group=None, copies: int = 1) -> None:
+        """``rank`` of ``world`` data ranks in ``group``; ``copies``: how many processes
+        encode these same items (TP peers with the encoders replicated over them): each
+        passes 1/copies of the gradient, so the encoders' gradients sum to one copy's."""
         config = model.config
+        self.copies = copies
         self.dim = config.d_model
         plan = local_reshard_plan(table, rank, world)
         received_keys = set(plan.recv_items)
@@ -170,7 +174,7 @@ class StepMedia:
         torch.autograd.backward(outs, grads)
         for out_ND, leaf_ND in self._encoder_outputs:
             grad = leaf_ND.grad if leaf_ND.grad is not None else torch.zeros_like(out_ND)
-            torch.autograd.backward([out_ND], [grad])
+            torch.autograd.backward([out_ND], [grad / self.copies if self.copies > 1 else grad])
 
     def _any_device(self) -> torch.device:
         return self._resharded.zero.device

@@ -32,14 +32,18 @@ class StepContext:
     """What every step of a run needs besides the batch."""
 
     cfg: object  # RunConfig
-    world: int
-    rank: int
+    world: int  # data ranks (the plane's dp: TP peers share one data rank)
+    rank: int  # this process's data rank
     sources: list[str]  # per-source metrics, in this order (the spec's at start)
     flops_alpha: float  # FLOPs per sequence = alpha·L + beta·L² (forward + backward)
     flops_beta: float
     peak_flops: float | None  # per rank, for MFU (None: not known for this device)
     # where the step's counters live: the process group's device (NCCL takes CUDA tensors only)
     device: torch.device = torch.device("cpu")
+    group: object = None  # the data ranks' process group (this TP slice's); None: the world
+    writer: bool = True  # global rank 0: writes files, keeps the cost refit
+    devices: int = 1  # every process of the job (for MFU)
+    encoder_copies: int = 1  # TP peers encoding the same items (their gradients add up)
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
 
@@ -63,19 +67,21 @@ def dump_gradients(ctx: StepContext, step: int, model: torch.nn.Module) -> None:
     ranks, to ``RUN_DIR/grads-step-N.pt`` (rank 0 writes; ``torch.load(...,
     weights_only=True)`` reads the dict). Tests compare them between 1 and N processes."""
     grads = full_gradients(model)
-    if ctx.rank == 0:
+    if ctx.writer:
         torch.save(grads, Path(ctx.cfg.output_dir) / f"grads-step-{step}.pt")
 
 
-def distinct_skipped(batch, world: int, reported: float) -> float:
+def distinct_skipped(batch, world: int, reported: float, group=None) -> float:
     """Corrupt samples skipped this step, each once: the rank training a sample and the rank
-    encoding its media both decode it, and both skip it (``reported`` is the ranks' sum)."""
+    encoding its media both decode it, and both skip it (``reported`` is the ranks' sum over
+    ``group``, the ``world`` data ranks)."""
     if reported == 0 or world == 1:
         return reported
     from omniscale.loaders.assemble import sample_id
 
     ids: list = [None] * world
-    dist.all_gather_object(ids, sorted(sample_id(bad) for bad, _ in batch.replaced))
+    dist.all_gather_object(ids, sorted(sample_id(bad) for bad, _ in batch.replaced),
+                           group=group)
     return float(len(set().union(*map(set, ids))))
 
 
@@ -92,8 +98,8 @@ def _measure(ctx: StepContext, batch, seconds: list[float]) -> None:
     lengths = [int(n) for mb in batch.micro_batches
                for n in (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).tolist()]
     gathered: list = [None] * ctx.world
-    dist.all_gather_object(gathered, lengths)
-    if ctx.rank == 0:
+    dist.all_gather_object(gathered, lengths, group=ctx.group)
+    if ctx.writer:
         ctx.refit.add(gathered, seconds)
 
 
@@ -113,7 +119,8 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
 
-    media = StepMedia(model, batch, batch.plan, ctx.rank, world)
+    media = StepMedia(model, batch, batch.plan, ctx.rank, world, group=ctx.group,
+                      copies=ctx.encoder_copies)
     prepared = []
     for mb in batch.micro_batches:
         mb, items = media.items_for(mb)
@@ -127,8 +134,8 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
                       for mb in batch.micro_batches if mb.seq_refs is not None)
     counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media.moved,
                            split_local], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(counts)
-    counts[3] = distinct_skipped(batch, world, float(counts[3]))
+    dist.all_reduce(counts, group=ctx.group)
+    counts[3] = distinct_skipped(batch, world, float(counts[3]), ctx.group)
     n_global = max(float(counts[0]), 1.0)
     routed_global = max(float(counts[1]), 1.0)  # tokens through the routers: every token
 
@@ -167,10 +174,10 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     compute_s = time.perf_counter() - start
 
     stats = torch.cat([loss_G, n_G, samples_G, tokens_G, router.reshape(1)])
-    dist.all_reduce(stats)
+    dist.all_reduce(stats, group=ctx.group)
     loss_G, n_G, samples_G, tokens_G = stats[:4 * n_groups].reshape(4, n_groups)
     if load_LE is not None and load_LE.numel():
-        dist.all_reduce(load_LE)
+        dist.all_reduce(load_LE, group=ctx.group)
         model.decoder.update_bias(load_LE)
     return _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global,
                 loss_G, n_G, samples_G, tokens_G, float(stats[-1]), load_LE)
@@ -183,7 +190,7 @@ def timing(ctx: StepContext, batch, compute_s: float) -> dict:
     per_rank = torch.tensor([meta.get("predicted_cost", 0.0), compute_s, batch.data_wait_s],
                             dtype=torch.float64, device=ctx.device)
     gathered = [torch.zeros_like(per_rank) for _ in range(ctx.world)]
-    dist.all_gather(gathered, per_rank)
+    dist.all_gather(gathered, per_rank, group=ctx.group)
     costs = [float(g[0]) for g in gathered]
     secs = [float(g[1]) for g in gathered]
     waits = [float(g[2]) for g in gathered]
@@ -209,7 +216,7 @@ def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n
            "tokens": int(counts[1]), "target_tokens": int(counts[0]),
            "tokens_per_s": float(counts[1]) / max(step_s, 1e-9), **times,
            "tflops_per_s": flops_per_s / 1e12,
-           "mfu": (flops_per_s / (ctx.peak_flops * ctx.world) if ctx.peak_flops else None),
+           "mfu": (flops_per_s / (ctx.peak_flops * ctx.devices) if ctx.peak_flops else None),
            "micro_batches": len(batch.micro_batches), "skipped": int(counts[3]),
            "media_items_moved": int(counts[4]), "sp_split_samples": int(counts[5]),
            "source_loss": {n: float(s / c) for n, s, c in zip(names, loss_G, n_G) if c > 0},

@@ -243,8 +243,8 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
     n_local = sum(int(mb.vision_grid_thw_V3[mb.vision_kind_V == VIDEO].prod(dim=1).sum())
                   for mb in mbs)
     counts = torch.tensor([n_local, len(batch.skipped)], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(counts)
-    counts[1] = distinct_skipped(batch, ctx.world, float(counts[1]))
+    dist.all_reduce(counts, group=ctx.group)
+    counts[1] = distinct_skipped(batch, ctx.world, float(counts[1]), ctx.group)
     n_global = max(float(counts[0]), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for mb in mbs:
@@ -257,7 +257,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     compute_s = time.perf_counter() - start
-    dist.all_reduce(loss_sum)
+    dist.all_reduce(loss_sum, group=ctx.group)
     times = timing(ctx, batch, compute_s)
     return {"step": step, "loss": float(loss_sum) / n_global, "lr": lr, "grad_norm": grad_norm,
             "tokens": int(counts[0]), "tokens_per_s": float(counts[0]) / max(times["step_s"], 1e-9),
