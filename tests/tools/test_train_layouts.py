@@ -52,8 +52,10 @@ def test_hsdp_with_encoders_on_their_own_mesh_trains_what_one_process_does(demo,
 def test_activation_checkpointing_is_bit_exact(demo, tmp_path):
     plain, g_plain = _run(demo, tmp_path / "none", 1, steps=2)
     for mode in ("selective", "full"):
-        ac, g_ac = _run(demo, tmp_path / mode, 1, steps=2,
-                        **{"parallel.activation_checkpoint": mode})
+        ac, g_ac = _run(demo, tmp_path / mode, 1, steps=2, checkpoint_every=1,
+                        **{"parallel.activation_checkpoint": mode, "checkpoint.keep_last": 1})
+        # checkpoints at steps 1 and 2, the older deleted once the newer was complete
+        assert [d.name for d in (tmp_path / mode / "checkpoints").iterdir()] == ["step-000002"]
         assert [r["loss"] for r in plain] == [r["loss"] for r in ac], mode
         assert [r["grad_norm"] for r in plain] == [r["grad_norm"] for r in ac], mode
         assert g_plain.keys() == g_ac.keys()

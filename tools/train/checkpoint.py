@@ -133,8 +133,29 @@ def _extra(step: int) -> dict[str, torch.Tensor]:
     return {"step": torch.tensor(step, dtype=torch.int64), "rng": torch.get_rng_state()}
 
 
-def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int) -> Path:
-    """Every rank calls this after committing step ``step - 1``; rank 0 snapshots the plane."""
+def prune(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0: none deleted); returns
+    the deleted directories. Incomplete ones (no ``meta.json``: a save that never finished)
+    older than the newest kept one go too: nothing can resume from them."""
+    if keep_last <= 0:
+        return []
+    complete = sorted((s, d) for d in (run_dir / "checkpoints").glob("step-*")
+                      if (d / "meta.json").exists() for s in [_meta(d)["step"]])
+    if len(complete) <= keep_last:
+        return []
+    oldest_kept = complete[-keep_last][0]
+    doomed = [d for s, d in complete[:-keep_last]]
+    doomed += [d for d in (run_dir / "checkpoints").glob("step-*")
+               if not (d / "meta.json").exists() and int(d.name.split("-")[1]) < oldest_kept]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
+
+
+def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int,
+         keep_last: int = 0) -> Path:
+    """Every rank calls this after committing step ``step - 1``; rank 0 snapshots the plane
+    and, once the checkpoint is complete, deletes those beyond ``keep_last``."""
     path = checkpoint_dir(run_dir, step)
     if rank == 0 and path.exists():  # an earlier attempt that never finished
         shutil.rmtree(path)
@@ -151,6 +172,7 @@ def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int) ->
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path / "meta.json")
+        prune(run_dir, keep_last)
     return path
 
 

@@ -132,6 +132,12 @@ class EvalSection(_Strict):
     max_samples: int = Field(32, ge=1)  # per caption source
 
 
+class CheckpointSection(_Strict):
+    # keep the newest N complete checkpoints, deleting older ones once a new one is complete
+    # (0: keep every one); the plane's own snapshots in RUN_DIR/plane are not touched
+    keep_last: int = Field(0, ge=0)
+
+
 class DebugSection(_Strict):
     # Write every parameter's gradient (before clipping, gathered from the FSDP shards) at
     # this step to RUN_DIR/grads-step-N.pt (tools.train.step.dump_gradients; omni and lm).
@@ -151,6 +157,7 @@ class RunConfig(_Strict):
     optim: OptimSection = Field(default_factory=OptimSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     debug: DebugSection = Field(default_factory=DebugSection)
 
     @property

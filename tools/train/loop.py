@@ -246,6 +246,8 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
             batch = next(loader)
             assert batch.step == step, (batch.step, step)
             row = step_fn(ctx, step, model, optimizer, batch)
+            if ctx.device.type == "cuda":  # this rank's peak since the start (GiB)
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
             loader.commit(step)
             if "mix_samples" in row:
                 row["mix_target"] = _target_mix(spec, step, tokens_before)
@@ -255,7 +257,8 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
             tokens_before += row["tokens"]
             done = step + 1
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                checkpoint.save(run_dir, done, model, optimizer, client, rank)
+                checkpoint.save(run_dir, done, model, optimizer, client, rank,
+                                cfg.checkpoint.keep_last)
                 row["checkpoint"] = done
             if writer is not None:
                 writer.write(row)
