@@ -106,8 +106,11 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
     span_M = np.array([span_of[s] for s in item_sample_M.tolist()], np.int64)
     j_M = item_M - first_item_N[item_sample_M]
     img_M, vid_M = img_U[pos_M], vid_U[pos_M]
-    kind_M = np.where(j_M < img_M, 0, np.where(j_M < img_M + vid_M, 1, 2))
-    index_M = j_M - np.where(kind_M == 0, 0, np.where(kind_M == 1, img_M, img_M + vid_M))
+    image, video, audio = (ENCODER_KINDS.index(k) for k in ("image", "video", "audio"))
+    kind_M = np.where(j_M < img_M, image, np.where(j_M < img_M + vid_M, video, audio))
+    # the item's index among the sample's items of its kind
+    index_M = j_M - np.where(kind_M == image, 0, np.where(kind_M == video, img_M,
+                                                          img_M + vid_M))
 
     llm_X = np.concatenate([np.ones(P, bool), np.zeros(M, bool)])
     enc_X = ~llm_X
