@@ -125,6 +125,17 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     dcp.save({"train": TrainState(model, optimizer, extra)}, checkpoint_id=str(path))
 
 
+def async_save(path: str | Path, model: nn.Module,
+               optimizer: torch.optim.Optimizer | None = None,
+               extra: dict[str, torch.Tensor] | None = None, process_group=None):
+    """Like `save`, but returns once the state is copied to host memory; a background thread
+    writes the files. Returns a future: the checkpoint is complete once `.result()` returns.
+    `process_group`: a group of its own for the writer thread's coordination (collectives of
+    two threads on one group would interleave); every rank calls this."""
+    return dcp.async_save({"train": TrainState(model, optimizer, extra)},
+                          checkpoint_id=str(path), process_group=process_group)
+
+
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          extra: dict[str, torch.Tensor] | None = None) -> None:
     """Load `path` into `model`, `optimizer` and the tensors of `extra` in place, whatever

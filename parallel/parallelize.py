@@ -68,12 +68,14 @@ class Meshes:
 def compile_blocks(model: nn.Module) -> None:
     """`torch.compile` every decoder and encoder block in place (`Module.compile`: parameter
     names, and so checkpoints, stay those of the eager model). Graph breaks are allowed: the
-    varlen attention and the expert loop read `cu_seqlens` and expert counts on the host."""
+    varlen attention and the expert loop read `cu_seqlens` and expert counts on the host.
+    Shapes are dynamic from the start: packed batches change length every micro-batch, and
+    specialising on each length recompiles the blocks again and again."""
     for block in decoder_blocks(model):
-        block.compile()
+        block.compile(dynamic=True)
     for encoder in encoders(model):
         for block in encoder_blocks(encoder):
-            block.compile()
+            block.compile(dynamic=True)
 
 
 def _needs_fsdp(dims: ParallelDims, settings: Settings) -> bool:

@@ -64,7 +64,7 @@ def saved(demo, tmp_path_factory):
     config = PlaneConfig(dp=1, micro_batch_tokens=4096, global_batch_tokens=4096)
     with start_embedded(demo / "mix.yaml", run_dir / "plane", config) as plane, \
             PlaneClient(plane.url) as client, _group(tmp):
-        path = checkpoint.save(run_dir, 0, model, optimizer, client, rank=0)
+        path = checkpoint.save(run_dir, 0, model, optimizer, client, rank=0).path
     return run_dir, path, _params(model)
 
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from omniscale.dataplane.errors import UserError
 from omniscale.parallel import load_checkpoint, save_checkpoint
+from omniscale.parallel.dcp import async_save as async_save_checkpoint
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -152,28 +154,57 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
     return doomed
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint whose files are being written (``future``; None once written)."""
+
+    path: Path
+    step: int
+    snapshot: dict | None
+    future: object = None
+
+
 def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int,
-         keep_last: int = 0) -> Path:
-    """Every rank calls this after committing step ``step - 1``; rank 0 snapshots the plane
-    and, once the checkpoint is complete, deletes those beyond ``keep_last``."""
+         keep_last: int = 0, async_group=None) -> PendingSave:
+    """Every rank calls this after committing step ``step - 1``; rank 0 snapshots the plane.
+    ``async_group`` (a process group of its own): the files are written in the background and
+    the checkpoint is complete after :func:`finish`; otherwise it is finished here. Either way
+    ``meta.json`` is written last, by rank 0, then checkpoints beyond ``keep_last`` go."""
     path = checkpoint_dir(run_dir, step)
     if rank == 0 and path.exists():  # an earlier attempt that never finished
         shutil.rmtree(path)
     dist.barrier()  # every rank has committed: the plane's next step is ``step``
     snapshot = plane_client.snapshot(step) if rank == 0 else None
+    pending = PendingSave(path, step, snapshot)
+    if async_group is not None:
+        pending.future = async_save_checkpoint(path, model, optimizer, extra=_extra(step),
+                                               process_group=async_group)
+        return pending
     save_checkpoint(path, model, optimizer, extra=_extra(step))
+    finish(pending, run_dir, rank, keep_last)
+    return pending
+
+
+def finish(pending: PendingSave | None, run_dir: Path, rank: int, keep_last: int = 0) -> None:
+    """Complete ``pending`` (wait for its files, then rank 0 writes ``meta.json`` and prunes);
+    every rank calls it, at the same point. None: nothing to do."""
+    if pending is None:
+        return
+    if pending.future is not None:
+        pending.future.result()
+        pending.future = None
     dist.barrier()
     if rank == 0:  # every rank's files are written and fsynced (DCP) before the barrier
-        meta = {"step": step, "plane_snapshot": snapshot["path"] if snapshot else None,
-                "files": _manifest(path)}
-        tmp = path / "meta.json.tmp"  # renamed into place: a crash leaves no partial meta.json
+        meta = {"step": pending.step,
+                "plane_snapshot": pending.snapshot["path"] if pending.snapshot else None,
+                "files": _manifest(pending.path)}
+        tmp = pending.path / "meta.json.tmp"  # renamed into place: a crash leaves none
         with open(tmp, "w") as f:
             f.write(json.dumps(meta, indent=1) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path / "meta.json")
+        os.replace(tmp, pending.path / "meta.json")
         prune(run_dir, keep_last)
-    return path
 
 
 def load(path: Path, model, optimizer, verified: bool = False) -> int:

@@ -136,6 +136,9 @@ class CheckpointSection(_Strict):
     # keep the newest N complete checkpoints, deleting older ones once a new one is complete
     # (0: keep every one); the plane's own snapshots in RUN_DIR/plane are not touched
     keep_last: int = Field(0, ge=0)
+    # write the files in the background (torch DCP async_save): training goes on once the
+    # state is copied to host memory; the checkpoint is complete (meta.json) when written
+    async_save: bool = False
 
 
 class DebugSection(_Strict):

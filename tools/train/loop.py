@@ -241,6 +241,9 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
     bar = Progress(ctx.writer, job.progress, cfg.steps, job.start_step, cfg.log_every)
     client = loader.client
     tokens_before = writer.tokens_before if writer is not None else 0
+    # checkpoint.async_save: the writer thread coordinates on a gloo group of its own
+    async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+    pending = None  # the checkpoint being written in the background
     try:
         for step in range(job.start_step, cfg.steps):
             batch = next(loader)
@@ -257,13 +260,15 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
             tokens_before += row["tokens"]
             done = step + 1
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                checkpoint.save(run_dir, done, model, optimizer, client, rank,
-                                cfg.checkpoint.keep_last)
+                checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
+                pending = checkpoint.save(run_dir, done, model, optimizer, client, rank,
+                                          cfg.checkpoint.keep_last, async_group)
                 row["checkpoint"] = done
             if writer is not None:
                 writer.write(row)
             bar.update(f"loss {row['loss']:.3f}  lr {row['lr']:.2e}  "
                        f"{row['tokens_per_s']:,.0f} tok/s")
+        checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
     finally:
         bar.close()
         if writer is not None:

@@ -1,0 +1,22 @@
+"""``checkpoint.async_save``: the files are written in the background while training goes on,
+and the checkpoint still holds the state of its own step: resuming from it continues bit for
+bit as an uninterrupted run."""
+
+from __future__ import annotations
+
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
+from tests.tools.test_train_media import _run
+
+
+def test_async_checkpoint_resumes_bit_for_bit(demo, tmp_path):
+    whole, _ = _run(demo, tmp_path / "whole", 1, steps=4)
+    # a checkpoint after every step, written while the next step trains; the newest kept
+    _run(demo, tmp_path / "async", 1, steps=3, checkpoint_every=1,
+         **{"checkpoint.async_save": True, "checkpoint.keep_last": 1})
+    assert [d.name for d in (tmp_path / "async" / "checkpoints").iterdir()] == ["step-000003"]
+    assert (tmp_path / "async" / "checkpoints" / "step-000003" / "meta.json").exists()
+    result = train(None, resume=str(tmp_path / "async"), sets=["steps=4"], progress=False)
+    assert result["start_step"] == 3
+    resumed = read_metrics(tmp_path / "async" / "metrics.jsonl")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
