@@ -30,7 +30,6 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
-import pyarrow as pa
 import torch
 
 from omniscale.balancer.types import ENCODER_KINDS
@@ -84,58 +83,70 @@ def _batch_items(mb: PackedBatch):
             yield key, mb.pixel_patches_PD[a:b], mb.vision_grid_thw_V3[row].tolist(), None
 
 
+def _step_inputs(batch, received_keys: set) -> _Inputs:
+    """What this rank encodes: its encoder plan's items, then every item of its own
+    micro-batches that no other rank sends (replacements, or a plan without encoder rows)."""
+    inputs = _Inputs([], [], [], [], [], [])
+    for item in batch.encode_items:  # the plan's encode rows (the producer side)
+        inputs.add(item_key(item.ref, ENCODER_KINDS.index(item.kind), item.index), item.tensor,
+                   item.grid_thw, item.frames)
+    for mb in batch.micro_batches:
+        if mb.seq_refs is None:
+            continue
+        for key, tensor, grid, frames in _batch_items(mb):
+            if key not in received_keys:
+                inputs.add(key, tensor, grid, frames)
+    return inputs
+
+
+def encode_and_reshard(model, batch, rank: int, world: int, group=None,
+                       copies: int = 1) -> "StepMedia":
+    """Forward of the step's media: this rank's encoder calls, then the reshard's all-to-all
+    (a collective: every data rank of ``group`` calls it). ``rank`` of ``world`` data ranks;
+    ``copies``: how many processes encode these same items (TP peers with the encoders
+    replicated over them): each passes 1/copies of the gradient, so the encoders' gradients
+    sum to one copy's."""
+    plan = local_reshard_plan(batch.plan, rank, world)
+    inputs = _step_inputs(batch, set(plan.recv_items))
+    device = model.decoder.embed_tokens.weight.device
+    geometry_width = model.vision.config.patch_dim if model.vision is not None else 0
+    n_mels = model.audio.config.n_mels if model.audio is not None else 0
+    outputs = model.encode_items(
+        _cat(inputs.patches, (0, geometry_width)),
+        torch.tensor(inputs.grids, dtype=torch.int64).reshape(-1, 3),
+        _cat(inputs.mels, (0, n_mels)), torch.tensor(inputs.frames, dtype=torch.int64))
+    # The backward phases run encoder backward from these outputs; the step uses detached
+    # leaves standing for them.
+    encoder_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    blocks: dict[ItemKey, torch.Tensor] = {}
+    for name, keys in (("vision", inputs.vision_keys), ("audio", inputs.audio_keys)):
+        if name not in outputs:
+            continue
+        out_ND, rows = outputs[name]
+        leaf_ND = out_ND.detach().requires_grad_()
+        encoder_outputs.append((out_ND, leaf_ND))
+        blocks.update(zip(keys, leaf_ND.split(rows)) if rows else ())
+    dim = model.config.d_model
+    empty = torch.zeros(0, dim, device=device)
+    sent = {key: blocks.get(key, empty) for key in plan.send_items}
+    resharded = reshard(sent, plan, group, dim=dim, dtype=empty.dtype, device=device)
+    # items encoded here for another rank (what the encoder plan moved)
+    moved = sum(n for r, n in enumerate(plan.send_counts) if r != rank)
+    return StepMedia(dim, encoder_outputs, resharded, blocks, moved, copies)
+
+
 class StepMedia:
-    """The step's media embeddings: built (forward) on construction, ``items_for`` each
+    """The step's media embeddings (``encode_and_reshard`` builds them): ``items_for`` each
     micro-batch, ``backward`` once after every micro-batch's backward."""
 
-    def __init__(self, model, batch, table: pa.Table, rank: int, world: int,
-                 group=None, copies: int = 1) -> None:
-        """``rank`` of ``world`` data ranks in ``group``; ``copies``: how many processes
-        encode these same items (TP peers with the encoders replicated over them): each
-        passes 1/copies of the gradient, so the encoders' gradients sum to one copy's."""
-        config = model.config
-        self.copies = copies
-        self.dim = config.d_model
-        plan = local_reshard_plan(table, rank, world)
-        received_keys = set(plan.recv_items)
-        # items encoded here for another rank (what the encoder plan moved)
-        self.moved = sum(n for r, n in enumerate(plan.send_counts) if r != rank)
-        inputs = _Inputs([], [], [], [], [], [])
-        for item in batch.encode_items:  # the plan's encode rows (the producer side)
-            inputs.add(item_key(item.ref, ENCODER_KINDS.index(item.kind), item.index), item.tensor,
-                       item.grid_thw, item.frames)
-        for mb in batch.micro_batches:  # what no other rank sends: encode here
-            if mb.seq_refs is None:
-                continue
-            for key, tensor, grid, frames in _batch_items(mb):
-                if key not in received_keys:
-                    inputs.add(key, tensor, grid, frames)
-
-        device = model.decoder.embed_tokens.weight.device
-        geometry_width = model.vision.config.patch_dim if model.vision is not None else 0
-        n_mels = model.audio.config.n_mels if model.audio is not None else 0
-        outputs = model.encode_items(
-            _cat(inputs.patches, (0, geometry_width)),
-            torch.tensor(inputs.grids, dtype=torch.int64).reshape(-1, 3),
-            _cat(inputs.mels, (0, n_mels)), torch.tensor(inputs.frames, dtype=torch.int64))
-        # Phase 3/4 run encoder backward from these outputs; the step uses detached leaves.
-        self._encoder_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        blocks: dict[ItemKey, torch.Tensor] = {}
-        for name, keys in (("vision", inputs.vision_keys), ("audio", inputs.audio_keys)):
-            if name not in outputs:
-                continue
-            out_ND, rows = outputs[name]
-            leaf_ND = out_ND.detach().requires_grad_()
-            self._encoder_outputs.append((out_ND, leaf_ND))
-            blocks.update(zip(keys, leaf_ND.split(rows)) if rows else ())
-
-        empty = torch.zeros(0, self.dim, device=device)
-        sent = {key: blocks.get(key, empty) for key in plan.send_items}
-        self._resharded = reshard(sent, plan, group, dim=self.dim, dtype=empty.dtype,
-                                  device=device)
+    def __init__(self, dim: int, encoder_outputs, resharded, local: dict, moved: int,
+                 copies: int = 1) -> None:
+        self.dim, self.moved, self.copies = dim, moved, copies
+        self._encoder_outputs = encoder_outputs
+        self._resharded = resharded
         self._received = {key: block.detach().requires_grad_()
-                          for key, block in self._resharded.items.items()}
-        self._local = blocks
+                          for key, block in resharded.items.items()}
+        self._local = local
 
     def items_for(self, mb: PackedBatch) -> tuple[PackedBatch, list[torch.Tensor]]:
         """The micro-batch (labels of a sequence whose item never arrived ignored) and one

@@ -23,7 +23,7 @@ from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at
-from omniscale.tools.train.media_step import StepMedia
+from omniscale.tools.train.media_step import StepMedia, encode_and_reshard
 from omniscale.tools.train.metrics import CostFit, CostRefit
 
 
@@ -111,21 +111,62 @@ def _flops(mbs, alpha: float, beta: float) -> float:
     return total
 
 
-def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
-    cfg, world = ctx.cfg, ctx.world
-    start = time.perf_counter()
+@dataclasses.dataclass
+class StepSums:
+    """What one step adds up on this rank, on the device, all-reduced once after backward:
+    per source group (G) the loss sum, target tokens, samples and tokens; the router loss;
+    the experts' load per MoE layer (L×E)."""
+
+    loss_G: torch.Tensor
+    n_G: torch.Tensor
+    samples_G: torch.Tensor
+    tokens_G: torch.Tensor
+    router: torch.Tensor
+    load_LE: torch.Tensor | None = None
+
+    @classmethod
+    def zeros(cls, n_groups: int, device: torch.device) -> "StepSums":
+        loss_G, n_G, samples_G, tokens_G = torch.zeros(4, n_groups, dtype=torch.float64,
+                                                       device=device)
+        return cls(loss_G, n_G, samples_G, tokens_G,
+                   torch.zeros((), dtype=torch.float64, device=device))
+
+    def all_reduce(self, group) -> None:
+        n = self.loss_G.numel()
+        stats = torch.cat([self.loss_G, self.n_G, self.samples_G, self.tokens_G,
+                           self.router.reshape(1)])
+        dist.all_reduce(stats, group=group)
+        self.loss_G, self.n_G, self.samples_G, self.tokens_G = stats[:4 * n].reshape(4, n)
+        self.router = stats[-1]
+        if self.load_LE is not None and self.load_LE.numel():
+            dist.all_reduce(self.load_LE, group=group)
+
+
+@dataclasses.dataclass
+class StepCounts:
+    """The global batch's counts (all-reduced before the first micro-batch: every rank's
+    loss is divided by the global target-token count)."""
+
+    target_tokens: float
+    tokens: float
+    flops: float
+    skipped: float
+    media_moved: float
+    sp_split_samples: float
+
+    @property
+    def loss_divisor(self) -> float:
+        return max(self.target_tokens, 1.0)
+
+
+def _set_lr(optimizer, step: int, cfg) -> float:
     lr = lr_at(step, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    return lr
 
-    media = StepMedia(model, batch, batch.plan, ctx.rank, world, group=ctx.group,
-                      copies=ctx.encoder_copies)
-    prepared = []
-    for mb in batch.micro_batches:
-        mb, items = media.items_for(mb)
-        prepared.append((mb if mb.num_tokens else placeholder(mb), items))
-    n_groups = len(ctx.sources) + 1
+
+def _global_counts(ctx: StepContext, batch, prepared, media: StepMedia) -> StepCounts:
     n_local = sum(int((mb.labels_T != IGNORE_INDEX).sum()) for mb, _ in prepared)
     tokens_local = sum(mb.num_tokens for mb in batch.micro_batches)
     flops = _flops(batch.micro_batches, ctx.flops_alpha, ctx.flops_beta)
@@ -135,15 +176,16 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media.moved,
                            split_local], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(counts, group=ctx.group)
-    counts[3] = distinct_skipped(batch, world, float(counts[3]), ctx.group)
-    n_global = max(float(counts[0]), 1.0)
-    routed_global = max(float(counts[1]), 1.0)  # tokens through the routers: every token
+    counts[3] = distinct_skipped(batch, ctx.world, float(counts[3]), ctx.group)
+    return StepCounts(*counts.tolist())
 
-    # per-source sums accumulate on the device: no host synchronisation per micro-batch
-    loss_G, n_G, samples_G, tokens_G = torch.zeros(4, n_groups, dtype=torch.float64,
-                                                   device=ctx.device)
-    router = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    load_LE = None
+
+def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> StepSums:
+    """Phase 1: each micro-batch's forward and backward through the backbone (the encoders'
+    turn comes after every micro-batch, ``StepMedia.backward``)."""
+    n_groups = len(ctx.sources) + 1
+    sums = StepSums.zeros(n_groups, ctx.device)
+    routed_global = max(counts.tokens, 1.0)  # tokens through the routers: every token
     for (mb, items), routed in zip(prepared, batch.micro_batches):
         groups_S = _groups(mb, ctx.sources)
         with sp_batch(model, mb):  # split sequences' attention over their SP group
@@ -152,35 +194,46 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
         # The router losses are per-token means over the micro-batch: weighted by its share
         # of the global batch's tokens (a placeholder's: 0), they add up to the global mean.
         router_share = routed.num_tokens / routed_global
-        loss = out["loss_sum"] / n_global + out["aux"]["router_loss"] * router_share
-        loss.backward()  # phase 1: the backbone; the encoders' turn is media.backward()
-        loss_G += out["loss_sum_G"].detach().double()
-        n_G += out["n_tokens_G"].detach().double()
+        loss = out["loss_sum"] / counts.loss_divisor + out["aux"]["router_loss"] * router_share
+        loss.backward()
+        sums.loss_G += out["loss_sum_G"].detach().double()
+        sums.n_G += out["n_tokens_G"].detach().double()
         if mb.seq_refs is not None:
             lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
             first_S = (mb.seq_sp_index_S == 0).double()  # a split sample counts once
-            samples_G += torch.bincount(groups_S, weights=first_S,
-                                        minlength=n_groups).to(ctx.device)
-            tokens_G += torch.bincount(groups_S, weights=lengths_S,
-                                       minlength=n_groups).to(ctx.device)
-        router += out["aux"]["router_loss"].detach().double() * router_share
+            sums.samples_G += torch.bincount(groups_S, weights=first_S,
+                                             minlength=n_groups).to(ctx.device)
+            sums.tokens_G += torch.bincount(groups_S, weights=lengths_S,
+                                            minlength=n_groups).to(ctx.device)
+        sums.router += out["aux"]["router_loss"].detach().double() * router_share
         load = out["aux"]["load_LE"].detach().to(torch.float64)
-        load_LE = load if load_LE is None else load_LE + load
+        sums.load_LE = load if sums.load_LE is None else sums.load_LE + load
+    return sums
+
+
+def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
+    """encode → reshard → backbone micro-batches → reshard and encoder backward → clip →
+    AdamW → metrics."""
+    cfg = ctx.cfg
+    start = time.perf_counter()
+    lr = _set_lr(optimizer, step, cfg)
+    optimizer.zero_grad(set_to_none=True)
+    media = encode_and_reshard(model, batch, ctx.rank, ctx.world, group=ctx.group,
+                               copies=ctx.encoder_copies)
+    prepared = [media.items_for(mb) for mb in batch.micro_batches]
+    prepared = [(mb if mb.num_tokens else placeholder(mb), items) for mb, items in prepared]
+    counts = _global_counts(ctx, batch, prepared, media)
+    sums = _backbone(ctx, model, prepared, batch, counts)
     media.backward()
     if step == cfg.debug.dump_grads_at_step:
         dump_gradients(ctx, step, model)
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     compute_s = time.perf_counter() - start
-
-    stats = torch.cat([loss_G, n_G, samples_G, tokens_G, router.reshape(1)])
-    dist.all_reduce(stats, group=ctx.group)
-    loss_G, n_G, samples_G, tokens_G = stats[:4 * n_groups].reshape(4, n_groups)
-    if load_LE is not None and load_LE.numel():
-        dist.all_reduce(load_LE, group=ctx.group)
-        model.decoder.update_bias(load_LE)
-    return _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global,
-                loss_G, n_G, samples_G, tokens_G, float(stats[-1]), load_LE)
+    sums.all_reduce(ctx.group)
+    if sums.load_LE is not None and sums.load_LE.numel():
+        model.decoder.update_bias(sums.load_LE)
+    return _row(ctx, step, batch, lr, grad_norm, compute_s, counts, sums)
 
 
 def timing(ctx: StepContext, batch, compute_s: float) -> dict:
@@ -204,24 +257,27 @@ def timing(ctx: StepContext, batch, compute_s: float) -> dict:
             "imbalance_measured": max(secs) / (sum(secs) / len(secs))}
 
 
-def _row(ctx, step, batch, lr, grad_norm, compute_s, counts, n_global, loss_G, n_G,
-         samples_G, tokens_G, router, load_LE) -> dict:
+def _row(ctx: StepContext, step: int, batch, lr: float, grad_norm: float, compute_s: float,
+         counts: StepCounts, sums: StepSums) -> dict:
     times = timing(ctx, batch, compute_s)
     step_s = times["step_s"]
     _measure(ctx, batch, times["rank_compute_s"])
     names = ctx.sources + ["(other)"]
-    flops_per_s = float(counts[2]) / max(step_s, 1e-9)
-    row = {"step": step, "loss": float(loss_G.sum()) / n_global,
-           "router_loss": router, "lr": lr, "grad_norm": grad_norm,
-           "tokens": int(counts[1]), "target_tokens": int(counts[0]),
-           "tokens_per_s": float(counts[1]) / max(step_s, 1e-9), **times,
+    flops_per_s = counts.flops / max(step_s, 1e-9)
+    row = {"step": step, "loss": float(sums.loss_G.sum()) / counts.loss_divisor,
+           "router_loss": float(sums.router), "lr": lr, "grad_norm": grad_norm,
+           "tokens": int(counts.tokens), "target_tokens": int(counts.target_tokens),
+           "tokens_per_s": counts.tokens / max(step_s, 1e-9), **times,
            "tflops_per_s": flops_per_s / 1e12,
            "mfu": (flops_per_s / (ctx.peak_flops * ctx.devices) if ctx.peak_flops else None),
-           "micro_batches": len(batch.micro_batches), "skipped": int(counts[3]),
-           "media_items_moved": int(counts[4]), "sp_split_samples": int(counts[5]),
-           "source_loss": {n: float(s / c) for n, s, c in zip(names, loss_G, n_G) if c > 0},
-           "mix_samples": {n: int(s) for n, s in zip(names, samples_G) if s > 0},
-           "mix_tokens": {n: int(t) for n, t in zip(names, tokens_G) if t > 0}}
+           "micro_batches": len(batch.micro_batches), "skipped": int(counts.skipped),
+           "media_items_moved": int(counts.media_moved),
+           "sp_split_samples": int(counts.sp_split_samples),
+           "source_loss": {n: float(s / c) for n, s, c in zip(names, sums.loss_G, sums.n_G)
+                           if c > 0},
+           "mix_samples": {n: int(s) for n, s in zip(names, sums.samples_G) if s > 0},
+           "mix_tokens": {n: int(t) for n, t in zip(names, sums.tokens_G) if t > 0}}
+    load_LE = sums.load_LE
     if load_LE is not None and load_LE.numel():
         mean = load_LE.mean(dim=1, keepdim=True).clamp_min(1e-9)
         row["expert_load_max_over_mean"] = [round(float(v), 4) for v in
