@@ -43,7 +43,8 @@ def media_only(demo, out) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("media, micro", [(False, 256), (True, 128)], ids=["text", "media"])
+# The media sources split over SP pairs: test_four_processes_sp_and_fsdp_train_what_one_does.
+@pytest.mark.parametrize("media, micro", [(False, 256)], ids=["text"])
 def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro):
     spec = {"data.spec": media_only(demo, tmp_path / "media.yaml")} if media else {}
     train("configs/demo_omni.yaml", progress=False,
@@ -71,3 +72,31 @@ def test_impossible_sp_is_one_line(demo, tmp_path, nproc, sp, says):
     with pytest.raises(UserError, match=re.escape(says)):
         train("configs/demo_omni.yaml", nproc=nproc, progress=False,
               sets=_sets(demo, tmp_path / "bad", **{"parallel.sp": sp}))
+
+
+def test_four_processes_sp_and_fsdp_train_what_one_does(demo, tmp_path):
+    """4 processes as dp_shard 2 × sp 2 on the media sources: long samples split over an SP
+    pair (video and audio blocks cut by the slice boundary), FSDP over all 4. Against one
+    process with micro-batches twice as long: the loss and every parameter's gradient, the aux
+    router loss off (another packing). (With ep 2 added, this run hangs in backward: issue 16's
+    note.)"""
+    import torch
+
+    from tests.tools.test_train_media import assert_same_gradients
+
+    spec = {"data.spec": media_only(demo, tmp_path / "media.yaml"),
+            "model.overrides.moe.aux_loss_coef": 0, "debug.dump_grads_at_step": 0}
+    train("configs/demo_omni.yaml", progress=False,
+          sets=_sets(demo, tmp_path / "one", **spec, **{"data.micro_batch_tokens": 256}))
+    train("configs/demo_omni.yaml", nproc=4, progress=False,
+          sets=_sets(demo, tmp_path / "four", **spec, **{
+              "data.micro_batch_tokens": 128, "parallel.sp": 2}))
+    one = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    four = read_metrics(tmp_path / "four" / "metrics.jsonl")
+    assert sum(r["sp_split_samples"] for r in four) > 0
+    assert [r["mix_samples"] for r in one] == [r["mix_samples"] for r in four]
+    for a, b in zip(one, four, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
+    grads = [torch.load(tmp_path / run / "grads-step-0.pt", weights_only=True)
+             for run in ("one", "four")]
+    assert_same_gradients(*grads, trained=("vision.", "audio.", "decoder."), rel=1e-4)
