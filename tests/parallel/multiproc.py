@@ -39,8 +39,23 @@ def _worker(rank: int, world: int, store: str, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
+# Gloo's TCP mesh set-up on a loaded machine now and then fails with this, before any rank
+# ran `fn` (seen once in several full runs of the suite on 2 cores): such a run is repeated
+# once, with a fresh store, rather than reported as the code's failure.
+MESH_FLAKE = "Gloo connectFullMesh failed"
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     """``[fn(0, world, *args), …, fn(world-1, world, *args)]`` computed on real processes."""
+    try:
+        return _run_once(fn, world, args, timeout)
+    except AssertionError as e:
+        if MESH_FLAKE not in str(e) or "init_process_group" not in str(e):
+            raise
+        return _run_once(fn, world, args, timeout)
+
+
+def _run_once(fn, world: int, args: tuple, timeout: float) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
