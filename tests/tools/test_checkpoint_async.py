@@ -9,10 +9,10 @@ from omniscale.tools.train.metrics import read_metrics
 from tests.tools.test_train_media import _run
 
 
-def test_async_checkpoint_resumes_bit_for_bit(demo, tmp_path):
-    whole, _ = _run(demo, tmp_path / "whole", 1, steps=4)
+def test_async_checkpoint_resumes_bit_for_bit(demo, tmp_path, every_source_one):
+    extra, whole, _ = every_source_one  # 4 uninterrupted steps (tests/tools/conftest.py)
     # a checkpoint after every step, written while the next step trains; the newest kept
-    _run(demo, tmp_path / "async", 1, steps=3, checkpoint_every=1,
+    _run(demo, tmp_path / "async", 1, steps=3, checkpoint_every=1, **extra,
          **{"checkpoint.async_save": True, "checkpoint.keep_last": 1})
     assert [d.name for d in (tmp_path / "async" / "checkpoints").iterdir()] == ["step-000003"]
     assert (tmp_path / "async" / "checkpoints" / "step-000003" / "meta.json").exists()

@@ -49,10 +49,11 @@ def test_hsdp_with_encoders_on_their_own_mesh_trains_what_one_process_does(demo,
     assert sum(r["media_items_moved"] for r in four) > 0
 
 
-def test_activation_checkpointing_is_bit_exact(demo, tmp_path):
-    plain, g_plain = _run(demo, tmp_path / "none", 1, steps=2)
+def test_activation_checkpointing_is_bit_exact(demo, tmp_path, every_source_one):
+    extra, plain, g_plain = every_source_one  # without checkpointing (tests/tools/conftest.py)
+    plain = plain[:2]
     for mode in ("selective", "full"):
-        ac, g_ac = _run(demo, tmp_path / mode, 1, steps=2, checkpoint_every=1,
+        ac, g_ac = _run(demo, tmp_path / mode, 1, steps=2, checkpoint_every=1, **extra,
                         **{"parallel.activation_checkpoint": mode, "checkpoint.keep_last": 1})
         # checkpoints at steps 1 and 2, the older deleted once the newer was complete
         assert [d.name for d in (tmp_path / mode / "checkpoints").iterdir()] == ["step-000002"]
