@@ -77,7 +77,12 @@ class EPDispatcher:
             # experts are *called* (on one zero row), not read: under FSDP their weights are
             # gathered only around their own forward, and their gradient reduce-scatter is
             # issued by that forward's backward on every rank of the expert-FSDP group.
-            one_1D = x_MD.new_zeros(1, x_MD.shape[1])
+            # The dummy row hangs off x_MD (the all-to-all's output): FSDP2 fires the experts'
+            # post-backward (their reduce-scatter) from a forward input that needs a gradient;
+            # without one it defers it to the end of backward, after this rank's next
+            # all-to-alls, while the ranks that received tokens reduce-scatter first: on 4
+            # ranks (experts FSDP-sharded over 2) the two orders deadlocked.
+            one_1D = x_MD.new_zeros(1, x_MD.shape[1]) + 0.0 * x_MD.sum()
             counts_L = torch.zeros(L, dtype=recv_RL.dtype, device=recv_RL.device)
             counts_L[0] = 1
             y_MD = x_MD + 0.0 * experts(one_1D, counts_L).sum()

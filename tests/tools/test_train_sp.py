@@ -43,7 +43,7 @@ def media_only(demo, out) -> str:
     return str(out)
 
 
-# The media sources split over SP pairs: test_four_processes_sp_and_fsdp_train_what_one_does.
+# The media sources split over SP pairs: test_four_processes_sp_ep_and_fsdp_train_what_one_does.
 @pytest.mark.parametrize("media, micro", [(False, 256)], ids=["text"])
 def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro):
     spec = {"data.spec": media_only(demo, tmp_path / "media.yaml")} if media else {}
@@ -74,12 +74,13 @@ def test_impossible_sp_is_one_line(demo, tmp_path, nproc, sp, says):
               sets=_sets(demo, tmp_path / "bad", **{"parallel.sp": sp}))
 
 
-def test_four_processes_sp_and_fsdp_train_what_one_does(demo, tmp_path):
-    """4 processes as dp_shard 2 × sp 2 on the media sources: long samples split over an SP
-    pair (video and audio blocks cut by the slice boundary), FSDP over all 4. Against one
-    process with micro-batches twice as long: the loss and every parameter's gradient, the aux
-    router loss off (another packing). (With ep 2 added, this run hangs in backward: issue 16's
-    note.)"""
+def test_four_processes_sp_ep_and_fsdp_train_what_one_does(demo, tmp_path):
+    """4 processes as dp_shard 2 × sp 2 on the media sources, ep 2 borrowing those ranks: long
+    samples split over an SP pair (video and audio blocks cut by the slice boundary), experts
+    split over an EP pair and FSDP-sharded over the other 2 (with 128-token micro-batches some
+    EP ranks receive no tokens: before the fix in parallel/expert.py this deadlocked in the
+    first backward), FSDP over all 4. Against one process with micro-batches twice as long:
+    the loss and every parameter's gradient, the aux router loss off (another packing)."""
     import torch
 
     from tests.tools.test_train_media import assert_same_gradients
@@ -90,7 +91,7 @@ def test_four_processes_sp_and_fsdp_train_what_one_does(demo, tmp_path):
           sets=_sets(demo, tmp_path / "one", **spec, **{"data.micro_batch_tokens": 256}))
     train("configs/demo_omni.yaml", nproc=4, progress=False,
           sets=_sets(demo, tmp_path / "four", **spec, **{
-              "data.micro_batch_tokens": 128, "parallel.sp": 2}))
+              "data.micro_batch_tokens": 128, "parallel.sp": 2, "parallel.ep": 2}))
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")
     four = read_metrics(tmp_path / "four" / "metrics.jsonl")
     assert sum(r["sp_split_samples"] for r in four) > 0
