@@ -63,7 +63,7 @@ class TrainState(Stateful):
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
-def _clean(name: str) -> str:
+def plain_name(name: str) -> str:
     """A module's name as state dicts spell it (no activation-checkpoint / compile prefixes)."""
     for wrapper in _WRAPPERS:
         name = name.replace(wrapper, "")
@@ -83,7 +83,7 @@ def _globalize_experts(model: nn.Module, state: dict) -> list:
         if global_experts is None:
             continue
         for param_name in ("gate_up_proj", "down_proj"):
-            fqn = f"{_clean(name)}.{param_name}"
+            fqn = f"{plain_name(name)}.{param_name}"
             places = [(state["model"], fqn)]
             if fqn in state.get("optimizer", {}).get("state", {}):
                 # copies: get_state_dict may hand out the optimizer's own per-param dicts

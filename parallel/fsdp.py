@@ -32,9 +32,9 @@ from torch.distributed.fsdp import (
 from omniscale.parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
 from omniscale.parallel.mesh import fsdp_mesh
 
-# Root methods a trainer calls instead of forward (OmniModel's two-step API): FSDP gathers the
-# root's parameters around them as it does around forward.
-ROOT_METHODS = ("encode_media", "forward_with_media")
+# Root methods a trainer calls instead of forward (OmniModel's two-step API, and the encoder
+# call of the trainer's step): FSDP gathers the root's parameters around them as around forward.
+ROOT_METHODS = ("encode_media", "encode_items", "forward_with_media")
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool = False,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # checkpoint_wrapper's attribute
+from omniscale.parallel.dcp import plain_name
 
 
 def clip_grad_norm(model: torch.nn.Module, clip: float) -> float:
@@ -61,6 +61,6 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, grad.contiguous(), group=group)
             grad = torch.cat(parts)
-        # names of the plain model: activation checkpointing's wrapper adds a level
-        grads[name.replace(CHECKPOINT_PREFIX, "")] = grad.detach().float().cpu()
+        # names of the plain model (no activation-checkpoint or compile wrapper levels)
+        grads[plain_name(name)] = grad.detach().float().cpu()
     return grads

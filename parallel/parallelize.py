@@ -56,13 +56,11 @@ class Settings:
 @dataclass
 class Meshes:
     """What `parallelize_*` built, for the step: `mesh` (backbone axes and flattened `dp`,
-    `dp_sp`), `experts` (None without EP), `encoders` (None without encoders) and whether
-    FSDP wrapped the model (`sharded`)."""
+    `dp_sp`), `experts` (None without EP), `encoders` (None without encoders)."""
 
     mesh: DeviceMesh
     experts: DeviceMesh | None
     encoders: DeviceMesh | None
-    sharded: bool
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -102,24 +100,18 @@ def _parallelize(model: nn.Module, dims: ParallelDims, settings: Settings,
         apply_ac(model, settings.activation_checkpoint)
     if settings.compile:
         compile_blocks(model)
-    sharded = _needs_fsdp(dims, settings)
-    if sharded:
+    if _needs_fsdp(dims, settings):
         apply_fsdp(model, mesh, mixed_precision=settings.mixed_precision == "bf16",
                    encoder_mesh=encoder_mesh, expert_mesh=expert_mesh,
                    cpu_offload=settings.cpu_offload)
-    return Meshes(mesh, expert_mesh, encoder_mesh, sharded)
+    return Meshes(mesh, expert_mesh, encoder_mesh)
 
 
 def parallelize_omni(model: nn.Module, dims: ParallelDims, settings: Settings,
                      device_type: str = "cpu") -> Meshes:
     """The omni model (`backbone.omni.OmniModel`, encoders included), in place."""
     dims.validate_for(model.config)
-    meshes = _parallelize(model, dims, settings, device_type)
-    if meshes.sharded and hasattr(model, "encode_items"):
-        from torch.distributed.fsdp import register_fsdp_forward_method
-
-        register_fsdp_forward_method(model, "encode_items")
-    return meshes
+    return _parallelize(model, dims, settings, device_type)
 
 
 def parallelize_lm(model: nn.Module, dims: ParallelDims, settings: Settings,
