@@ -128,3 +128,22 @@ class MoEDecoder(nn.Module):
         moes = [layer.ffn for layer in self.layers if layer.is_moe]
         for moe, load_E in zip(moes, load_LE, strict=True):
             moe.update_bias(load_E)
+
+
+def grouped_loss(loss_sum, hidden_TD: torch.Tensor, labels_T: torch.Tensor,
+                 group_T: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(loss_G, n_G)`: the summed cross-entropy and counted targets of each group's rows
+    (e.g. each token's source), scored apart so the split costs no extra logits.
+    `loss_sum(hidden_TD, labels_T)` is the summed loss of some rows (`MoEDecoder.loss`'s
+    first value, or a pipeline stage's `loss`)."""
+    losses, counts = [], []
+    for g in range(num_groups):
+        rows_T = (group_T == g).nonzero().squeeze(1)
+        if rows_T.numel() == 0:
+            losses.append(hidden_TD.new_zeros((), dtype=torch.float32))
+            counts.append(torch.zeros((), dtype=torch.int64, device=hidden_TD.device))
+            continue
+        labels = labels_T.index_select(0, rows_T)
+        losses.append(loss_sum(hidden_TD.index_select(0, rows_T), labels).float())
+        counts.append((labels != IGNORE_INDEX).sum())
+    return torch.stack(losses), torch.stack(counts)

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from omniscale.backbone.config import ModelConfig
-from omniscale.backbone.decoder import MoEDecoder
+from omniscale.backbone.decoder import MoEDecoder, grouped_loss
 from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
 from omniscale.encoders.vision import VisionConfig, VisionEncoder
@@ -140,18 +140,8 @@ class OmniModel(nn.Module):
             return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
         lengths_S = (batch.cu_seqlens_S1[1:] - batch.cu_seqlens_S1[:-1]).to(device)
         group_T = torch.repeat_interleave(seq_group_S.to(device), lengths_S)
-        losses, counts = [], []
-        for g in range(num_groups):
-            rows_T = (group_T == g).nonzero().squeeze(1)
-            if rows_T.numel() == 0:
-                losses.append(hidden_TD.new_zeros(()))
-                counts.append(torch.zeros((), dtype=torch.int64, device=device))
-                continue
-            loss_g, n_g = self.decoder.loss(hidden_TD.index_select(0, rows_T),
-                                            labels_T.index_select(0, rows_T))
-            losses.append(loss_g)
-            counts.append(n_g)
-        loss_G, n_G = torch.stack(losses), torch.stack(counts)
+        loss_G, n_G = grouped_loss(lambda h, y: self.decoder.loss(h, y)[0], hidden_TD,
+                                   labels_T, group_T, num_groups)
         return {"loss_sum": loss_G.sum(), "n_tokens": n_G.sum(), "aux": aux,
                 "loss_sum_G": loss_G, "n_tokens_G": n_G}
 

@@ -24,8 +24,17 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
+
+# Optimizer state flattened to one key per parameter and field ("state.<fqn>.exp_avg",
+# "param_groups.<fqn>.lr"): pipeline stages hold different parameters, and the nested form's
+# one "param_groups" list (written by one rank) would not fit the others (torchtitan's choice).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class TrainState(Stateful):
@@ -41,7 +50,7 @@ class TrainState(Stateful):
 
     def state_dict(self) -> dict:
         optimizers = [self.optimizer] if self.optimizer is not None else []
-        model_sd, optim_sd = get_state_dict(self.model, optimizers)
+        model_sd, optim_sd = get_state_dict(self.model, optimizers, options=OPTIONS)
         state = {"model": model_sd, "extra": dict(self.extra)}
         if self.optimizer is not None:
             state["optimizer"] = optim_sd
@@ -55,7 +64,7 @@ class TrainState(Stateful):
             where[key] = original
         optimizers = [self.optimizer] if self.optimizer is not None else []
         set_state_dict(self.model, optimizers, model_state_dict=state["model"],
-                       optim_state_dict=state.get("optimizer", {}))
+                       optim_state_dict=state.get("optimizer", {}), options=OPTIONS)
         for key, value in state["extra"].items():
             self.extra[key].copy_(value)
 
@@ -85,13 +94,9 @@ def _globalize_experts(model: nn.Module, state: dict) -> list:
         for param_name in ("gate_up_proj", "down_proj"):
             fqn = f"{plain_name(name)}.{param_name}"
             places = [(state["model"], fqn)]
-            if fqn in state.get("optimizer", {}).get("state", {}):
-                # copies: get_state_dict may hand out the optimizer's own per-param dicts
-                optim = state["optimizer"] = {**state["optimizer"]}
-                optim["state"] = {**optim["state"]}
-                param_state = optim["state"][fqn] = {**optim["state"][fqn]}
-                places += [(param_state, k) for k, v in param_state.items()
-                           if isinstance(v, torch.Tensor) and v.dim() == 3]
+            optim = state.get("optimizer", {})
+            places += [(optim, k) for k, v in optim.items() if k.startswith(f"state.{fqn}.")
+                       and isinstance(v, torch.Tensor) and v.dim() == 3]
             for where, key in places:
                 originals[(id(where), key)] = (where, key, where[key])
                 where[key] = _expert_dtensor(where[key], module, global_experts)

@@ -12,11 +12,12 @@ import torch.distributed as dist
 from omniscale.parallel.dcp import plain_name
 
 
-def clip_grad_norm(model: torch.nn.Module, clip: float) -> float:
+def clip_grad_norm(model: torch.nn.Module, clip: float, pp_group=None) -> float:
     """Clip by the global gradient norm. Encoders and backbone are sharded over different
     meshes, so the norm is taken per mesh (each a DTensor reduced to a full scalar) and
     combined, then every gradient is scaled by the same factor. Expert-parallel experts are
-    different parameters on each rank of their ep group: their squares are summed over it."""
+    different parameters on each rank of their ep group: their squares are summed over it;
+    so are pipeline stages' over `pp_group` (each stage holds its own layers)."""
     params = [p for p in model.parameters() if p.grad is not None]
     ep_mesh_of = {id(p): m.ep_mesh for m in model.modules()
                   if getattr(m, "num_global_experts", None) is not None for p in m.parameters()}
@@ -37,17 +38,23 @@ def clip_grad_norm(model: torch.nn.Module, clip: float) -> float:
         if ep_mesh is not None:
             dist.all_reduce(square, group=ep_mesh.get_group())
         squares.append(square)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64,
+                                                                      device=device)
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
     return float(total)
 
 
-def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_gradients(model: torch.nn.Module, pp_group=None) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient, by name, as float32 CPU tensors (the same on every
     rank). A collective: every rank calls it at the same point. FSDP shards are gathered with
     ``full_tensor()`` on their own mesh; expert-parallel experts (different parameters on each
     rank of their ep group) are concatenated over it, so the names and shapes are those of the
-    unsharded model. A parameter without a gradient is left out."""
+    unsharded model; a pipeline stage's are joined with the other stages' over `pp_group`.
+    A parameter without a gradient is left out."""
     ep_of = {id(p): m for m in model.modules()
              if getattr(m, "num_global_experts", None) is not None for p in m.parameters()}
     grads = {}
@@ -63,4 +70,8 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             grad = torch.cat(parts)
         # names of the plain model (no activation-checkpoint or compile wrapper levels)
         grads[plain_name(name)] = grad.detach().float().cpu()
+    if pp_group is not None:
+        stages: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, grads, group=pp_group)
+        grads = {name: g for stage in stages for name, g in stage.items()}
     return grads

@@ -1,6 +1,7 @@
 """A run's whole layout applied to its model in one fixed order (torchtitan's
 `parallelize_llama`): TP → EP → SP → activation checkpointing → `torch.compile` per block →
-FSDP/HSDP, each only when its axis is > 1 or its option is on.
+FSDP/HSDP, each only when its axis is > 1 or its option is on; for `lm` with pp > 1, PP
+first (`apply_pp` cuts the decoder into this rank's stage) and the rest on the stage.
 
 The backbone goes on the backbone mesh and the encoders on **their own** mesh
 (`encoder_dp_shard` × `encoder_tp`, `ParallelDims.build_encoder_mesh`), so the two groups are
@@ -28,6 +29,7 @@ from omniscale.parallel.checkpointing import apply_ac, decoder_blocks, encoder_b
 from omniscale.parallel.expert import apply_ep
 from omniscale.parallel.fsdp import apply_fsdp
 from omniscale.parallel.mesh import ParallelDims
+from omniscale.parallel.pipeline import SCHEDULES, PipelineRunner, apply_pp
 from omniscale.parallel.sequence import apply_sp
 from omniscale.parallel.tensor import apply_tp
 
@@ -43,11 +45,16 @@ class Settings:
     mixed_precision: str = "fp32"
     compile: bool = False
     cpu_offload: bool = False
+    pp_schedule: str = "1f1b"  # with pp > 1: "gpipe" or "1f1b"
+    pp_microbatches: int = 4  # micro-batches per schedule run (1F1B: at least pp)
 
     def __post_init__(self) -> None:
         if self.activation_checkpoint not in AC_MODES:
             raise ValueError(f"activation_checkpoint={self.activation_checkpoint!r}: choose "
                              f"one of {', '.join(AC_MODES)}")
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r}: choose one of "
+                             f"{', '.join(SCHEDULES)}")
         if self.mixed_precision not in PRECISIONS:
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose one of "
                              f"{', '.join(PRECISIONS)}")
@@ -61,6 +68,7 @@ class Meshes:
     mesh: DeviceMesh
     experts: DeviceMesh | None
     encoders: DeviceMesh | None
+    pipeline: PipelineRunner | None = None  # pp > 1: this rank's stage and its schedule
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -87,6 +95,12 @@ def _parallelize(model: nn.Module, dims: ParallelDims, settings: Settings,
     mesh = dims.build_mesh(device_type)
     has_encoders = bool(encoders(model))
     encoder_mesh = dims.build_encoder_mesh(device_type) if has_encoders else None
+    return _apply(model, dims, settings, device_type, mesh, encoder_mesh)
+
+
+def _apply(model: nn.Module, dims: ParallelDims, settings: Settings, device_type: str,
+           mesh: DeviceMesh, encoder_mesh: DeviceMesh | None) -> Meshes:
+    """Every axis but PP, in the fixed order, on `model` (a whole model or a pipeline stage)."""
     if dims.tp > 1 or dims.encoder_tp > 1:
         apply_tp(model, mesh["tp"], encoder_mesh["encoder_tp"]
                  if encoder_mesh is not None and dims.encoder_tp > 1 else None)
@@ -115,13 +129,30 @@ def parallelize_omni(model: nn.Module, dims: ParallelDims, settings: Settings,
 
 
 def parallelize_lm(model: nn.Module, dims: ParallelDims, settings: Settings,
-                   device_type: str = "cpu") -> Meshes:
-    """A text-only model (an `OmniModel` without encoders), in place. Pipeline parallelism is
-    applied by `apply_pp` and run by its schedule, not through the trainer's step yet."""
-    if dims.pp > 1:
-        raise ValueError(f"pp={dims.pp}: the trainer's step does not run a pipeline schedule "
-                         f"yet (parallel.apply_pp does, from code)")
-    return parallelize_omni(model, dims, settings, device_type)
+                   device_type: str = "cpu", microbatch_tokens: int | None = None) -> Meshes:
+    """A text-only model (an `OmniModel` without encoders), in place. With pp > 1 PP comes
+    first: `model.decoder` becomes this rank's stage (`apply_pp`: the same parameter names,
+    the other stages' layers dropped), the other axes are applied to the stage, and
+    `Meshes.pipeline` runs it. Every micro-batch a stage runs is padded to
+    `microbatch_tokens` (the packer's budget)."""
+    if dims.pp == 1:
+        return parallelize_omni(model, dims, settings, device_type)
+    dims.validate_for(model.config)
+    if encoders(model):
+        raise ValueError(f"pp={dims.pp}: stage 0 takes token ids, so a model with encoders "
+                         f"cannot be pipelined yet")
+    if microbatch_tokens is None:
+        raise ValueError(f"pp={dims.pp}: parallelize_lm needs microbatch_tokens")
+    if settings.pp_schedule == "1f1b" and settings.pp_microbatches < dims.pp:
+        raise ValueError(f"pp_microbatches={settings.pp_microbatches}: 1F1B needs at least "
+                         f"pp={dims.pp} micro-batches per schedule run")
+    mesh = dims.build_mesh(device_type)
+    runner = apply_pp(model.decoder, mesh["pp"], settings.pp_schedule,
+                      settings.pp_microbatches, microbatch_tokens=microbatch_tokens)
+    model.decoder = runner.module  # frees the other stages' layers
+    meshes = _apply(runner.module, dims, settings, device_type, mesh, None)
+    meshes.pipeline = runner
+    return meshes
 
 
 def parallelize_video_gen(model: nn.Module, dims: ParallelDims, settings: Settings,

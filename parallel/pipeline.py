@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from omniscale import kernels
 from omniscale.backbone.attention import rope_tables
-from omniscale.backbone.decoder import MoEDecoder
+from omniscale.backbone.decoder import MoEDecoder, grouped_loss
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.parallel.tensor import vocab_parallel_loss
 
@@ -95,7 +95,9 @@ class DecoderStage(nn.Module):
         if isinstance(weight_VD, DTensor):  # apply_tp split the LM head over the vocabulary
             return vocab_parallel_loss(weight_VD, hidden_TD, labels_T)
         ce = kernels.get("linear_cross_entropy", hidden_TD.device)
-        return ce(hidden_TD, weight_VD, labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+        # bf16 mixed precision: the head computes in its weight's dtype (as MoEDecoder.loss)
+        return ce(hidden_TD.to(weight_VD.dtype), weight_VD, labels_T, ignore_index=IGNORE_INDEX,
+                  reduction="sum")
 
     @torch.no_grad()
     def update_bias(self, load_LE: torch.Tensor) -> None:
@@ -116,7 +118,11 @@ class PipelineRunner:
     """Runs one pipelined training step on this rank's stage. `module` is the stage's
     `nn.Module`: give its parameters to the optimizer, read its `load_LE` (this stage's MoE
     layers' expert loads over the last step) for `module.update_bias`. Wrappers that act in
-    place (`fully_shard`, checkpointing) may be applied to it after `apply_pp`."""
+    place (`fully_shard`, checkpointing) may be applied to it after `apply_pp`.
+
+    After a step the last stage also holds what a trainer logs, detached: `router_sum` (the
+    micro-batches' router losses added up) and, when the step was given sequence groups,
+    `loss_G` / `n_G` (summed cross-entropy and counted targets per group)."""
 
     def __init__(self, module: DecoderStage, stage: PipelineStage, schedule: str,
                  n_microbatches: int, loss_fn: Callable, microbatch_tokens: int):
@@ -125,6 +131,11 @@ class PipelineRunner:
         self.microbatch_tokens = microbatch_tokens
         self._loss_fn = loss_fn
         self._n_tokens: torch.Tensor | None = None
+        self._router_divisor = n_microbatches
+        self._num_groups = 0
+        self.router_sum: torch.Tensor | None = None
+        self.loss_G: torch.Tensor | None = None
+        self.n_G: torch.Tensor | None = None
         self.schedule = SCHEDULES[schedule](stage, n_microbatches, loss_fn=self._microbatch_loss,
                                             scale_grads=False)
 
@@ -137,17 +148,31 @@ class PipelineRunner:
         return self.stage.is_last
 
     def _microbatch_loss(self, output: tuple[torch.Tensor, torch.Tensor],
-                         labels_1T: torch.Tensor) -> torch.Tensor:
+                         target: torch.Tensor) -> torch.Tensor:
         hidden_1TD, router_loss_1 = output
-        ce_sum = self.module.loss(hidden_1TD[0], labels_1T[0])
-        return self._loss_fn(ce_sum, router_loss_1[0], self._n_tokens, self.n_microbatches)
+        hidden_TD = hidden_1TD[0]
+        if self._num_groups:  # target [1, 2, T]: labels and each token's group
+            labels_T, group_T = target[0]
+            loss_G, n_G = grouped_loss(self.module.loss, hidden_TD, labels_T, group_T,
+                                       self._num_groups)
+            self.loss_G = self.loss_G + loss_G.detach()
+            self.n_G = self.n_G + n_G
+            ce_sum = loss_G.sum()
+        else:
+            ce_sum = self.module.loss(hidden_TD, target[0])
+        self.router_sum = self.router_sum + router_loss_1[0].detach()
+        return self._loss_fn(ce_sum, router_loss_1[0], self._n_tokens, self._router_divisor)
 
-    def step(self, microbatches: Sequence, n_tokens: int | torch.Tensor | None = None
-             ) -> torch.Tensor | None:
+    def step(self, microbatches: Sequence, n_tokens: int | torch.Tensor | None = None,
+             router_divisor: int | None = None, groups: Sequence[torch.Tensor] | None = None,
+             num_groups: int = 0) -> torch.Tensor | None:
         """Forward and backward over the step's micro-batches (the same list on every rank of
         the pp group); gradients accumulate into the stage's parameters. `n_tokens` overrides
-        the loss denominator (e.g. counted tokens summed over data-parallel ranks). Returns the
-        step loss (detached) on the last stage, None elsewhere."""
+        the loss denominator (e.g. counted tokens summed over data-parallel ranks) and
+        `router_divisor` the router loss's (e.g. micro-batches summed over data-parallel ranks
+        and over several `step` calls). `groups[m]`: a group id per sequence of micro-batch m
+        (`num_groups` of them) for the per-group loss split. Returns the loss (detached) on
+        the last stage, None elsewhere."""
         if len(microbatches) != self.n_microbatches:
             raise ValueError(f"apply_pp: n_microbatches={self.n_microbatches}, the step got "
                              f"{len(microbatches)} micro-batches")
@@ -157,12 +182,30 @@ class PipelineRunner:
         kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
         self._n_tokens = (labels_MT != IGNORE_INDEX).sum() if n_tokens is None else \
             torch.as_tensor(n_tokens)
+        self._router_divisor = router_divisor or self.n_microbatches
+        self._num_groups = num_groups if groups is not None else 0
+        target = labels_MT
+        if self._num_groups:
+            # padding rows (beyond each micro-batch's own sequences) fall in no group
+            group_MT = torch.stack([_token_groups(mb, g, self.microbatch_tokens, num_groups)
+                                    for mb, g in zip(microbatches, groups, strict=True)])
+            target = torch.stack([labels_MT, group_MT.to(device)], dim=1)
         self.module.load_LE = None
+        self.router_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.loss_G = torch.zeros(self._num_groups, dtype=torch.float32, device=device)
+        self.n_G = torch.zeros(self._num_groups, dtype=torch.int64, device=device)
         losses: list[torch.Tensor] = []
         args = (ids_MT,) if self.is_first else ()
-        target = labels_MT if self.is_last else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        self.schedule.step(*args, target=target if self.is_last else None, losses=losses,
+                           return_outputs=False, **kwargs)
         return torch.stack(losses).sum().detach() if self.is_last else None
+
+
+def _token_groups(mb, group_S: torch.Tensor, tokens: int, pad_group: int) -> torch.Tensor:
+    """Each token's group id, padded to `tokens` with `pad_group` (a group nobody reads)."""
+    lengths_S = mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]
+    group_T = torch.repeat_interleave(group_S.to(torch.int64), lengths_S.to(torch.int64))
+    return nn.functional.pad(group_T, (0, tokens - group_T.shape[0]), value=pad_group)
 
 
 def stack_microbatches(microbatches: Sequence, tokens: int

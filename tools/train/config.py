@@ -87,6 +87,9 @@ class ParallelSection(_Strict):
     sp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)  # pipeline stages
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    # micro-batches per schedule run (lm task): a step's run in chunks of this many, the last
+    # filled with padding; more shrinks the pipeline bubble, each is padded to the budget
+    pp_microbatches: int = Field(4, ge=1)
     encoder_dp_shard: int = -1  # the encoders' own FSDP group (-1: every rank)
     encoder_tp: int = Field(1, ge=1)
     activation_checkpoint: Literal["none", "selective", "full"] = "none"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from omniscale.tools.train import checkpoint
 from omniscale.tools.train.build import build_model, build_optimizer, model_config
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.metrics import MetricsWriter, Progress
+from omniscale.tools.train.pipeline_step import pipeline_step
 from omniscale.tools.train.step import StepContext, train_step
 
 
@@ -118,16 +120,20 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
             model, step_fn = build_model(mcfg, cfg.seed, device), train_step
-        meshes = parallelize(cfg.task)(model, dims, settings_of(cfg, device), device.type)
+        meshes = parallelize(cfg)(model, dims, settings_of(cfg, device), device.type)
+        if meshes.pipeline is not None:
+            step_fn = pipeline_step
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer, verified=True)
         alpha, beta = mcfg.cost_coefficients() if mcfg is not None else (0.0, 0.0)
         ctx = StepContext(cfg, dims.dp_sp, data_rank, [s.name for s in spec.sources], alpha,
                           beta, peak_flops(cfg, device), device=device,
-                          group=meshes.mesh["dp_sp"].get_group() if dims.tp > 1 else None,
+                          group=meshes.mesh["dp_sp"].get_group()
+                          if dims.tp * dims.pp > 1 else None,
                           writer=rank == 0, devices=world,
-                          encoder_copies=dims.tp // dims.encoder_tp)
+                          encoder_copies=dims.tp // dims.encoder_tp, tp_rank=dims.tp_rank(rank),
+                          pipeline=meshes.pipeline)
         _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn)
         dist.barrier()  # nobody stops the plane while another rank still talks to it
     finally:
@@ -144,9 +150,12 @@ def parallel_dims(cfg: RunConfig, world: int, mcfg):
     from omniscale.parallel import ParallelDims
 
     p = cfg.parallel
-    if p.pp > 1:  # applied and tested from code (tests/parallel), not by the step yet
-        raise UserError(f"parallel.pp={p.pp}: omniscale train does not run pipeline stages "
-                        f"yet (parallel.apply_pp does, from code)")
+    if p.pp > 1 and cfg.task != "lm":
+        raise UserError(f"parallel.pp={p.pp}: pipeline stages run the lm task only (stage 0 "
+                        f"takes token ids; task is {cfg.task})")
+    if p.pp > 1 and p.pp_schedule == "1f1b" and p.pp_microbatches < p.pp:
+        raise UserError(f"parallel.pp_microbatches={p.pp_microbatches}: 1F1B needs at least "
+                        f"pp={p.pp} micro-batches per schedule run")
     if p.encoder_tp not in (1, p.tp):
         # an encoder TP group must encode the same items: the backbone's TP peers do
         raise UserError(f"parallel.encoder_tp={p.encoder_tp}: must be 1 or tp={p.tp} (its "
@@ -176,15 +185,17 @@ def settings_of(cfg: RunConfig, device: torch.device):
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     return Settings(activation_checkpoint=p.activation_checkpoint, mixed_precision=precision,
-                    compile=p.compile, cpu_offload=p.cpu_offload)
+                    compile=p.compile, cpu_offload=p.cpu_offload, pp_schedule=p.pp_schedule,
+                    pp_microbatches=p.pp_microbatches)
 
 
-def parallelize(task: str):
+def parallelize(cfg: RunConfig):
     """The task's ``parallelize_*`` (parallel/parallelize.py)."""
     from omniscale.parallel import parallelize as plans
 
-    return {"omni": plans.parallelize_omni, "lm": plans.parallelize_lm,
-            "video_gen": plans.parallelize_video_gen}[task]
+    if cfg.task == "lm":  # pipeline stages exchange micro-batches padded to the budget
+        return partial(plans.parallelize_lm, microbatch_tokens=cfg.data.micro_batch_tokens)
+    return {"omni": plans.parallelize_omni, "video_gen": plans.parallelize_video_gen}[cfg.task]
 
 
 def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):

@@ -23,7 +23,7 @@ from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at
-from omniscale.tools.train.media_step import StepMedia, encode_and_reshard
+from omniscale.tools.train.media_step import encode_and_reshard
 from omniscale.tools.train.metrics import CostFit, CostRefit
 
 
@@ -44,6 +44,8 @@ class StepContext:
     writer: bool = True  # global rank 0: writes files, keeps the cost refit
     devices: int = 1  # every process of the job (for MFU)
     encoder_copies: int = 1  # TP peers encoding the same items (their gradients add up)
+    tp_rank: int = 0  # this process's tensor-parallel rank
+    pipeline: object = None  # parallel.pipeline.PipelineRunner when pp > 1
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
 
@@ -62,11 +64,13 @@ def placeholder(empty):
         seq_sp_index_S=torch.zeros(1, dtype=torch.int64), seq_refs=None)
 
 
-def dump_gradients(ctx: StepContext, step: int, model: torch.nn.Module) -> None:
+def dump_gradients(ctx: StepContext, step: int, model: torch.nn.Module,
+                   pp_group=None) -> None:
     """``debug.dump_grads_at_step``: the step's gradients before clipping, summed over the
-    ranks, to ``RUN_DIR/grads-step-N.pt`` (rank 0 writes; ``torch.load(...,
-    weights_only=True)`` reads the dict). Tests compare them between 1 and N processes."""
-    grads = full_gradients(model)
+    ranks (every stage's, given the pipeline's ``pp_group``), to ``RUN_DIR/grads-step-N.pt``
+    (rank 0 writes; ``torch.load(..., weights_only=True)`` reads the dict). Tests compare them
+    between 1 and N processes."""
+    grads = full_gradients(model, pp_group)
     if ctx.writer:
         torch.save(grads, Path(ctx.cfg.output_dir) / f"grads-step-{step}.pt")
 
@@ -85,7 +89,7 @@ def distinct_skipped(batch, world: int, reported: float, group=None) -> float:
     return float(len(set().union(*map(set, ids))))
 
 
-def _groups(mb, sources: list[str]) -> torch.Tensor:
+def source_groups(mb, sources: list[str]) -> torch.Tensor:
     """Each sequence's source index (a source added by a reload later: the last group)."""
     index = {name: i for i, name in enumerate(sources)}
     refs = mb.seq_refs or [None] * (mb.cu_seqlens_S1.numel() - 1)
@@ -159,21 +163,24 @@ class StepCounts:
         return max(self.target_tokens, 1.0)
 
 
-def _set_lr(optimizer, step: int, cfg) -> float:
+def set_lr(optimizer, step: int, cfg) -> float:
     lr = lr_at(step, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
 
 
-def _global_counts(ctx: StepContext, batch, prepared, media: StepMedia) -> StepCounts:
-    n_local = sum(int((mb.labels_T != IGNORE_INDEX).sum()) for mb, _ in prepared)
+def global_counts(ctx: StepContext, batch, micro_batches, media_moved: int = 0
+                  ) -> StepCounts:
+    """The step's counts summed over the data ranks (``micro_batches``: as this rank runs
+    them, placeholders included)."""
+    n_local = sum(int((mb.labels_T != IGNORE_INDEX).sum()) for mb in micro_batches)
     tokens_local = sum(mb.num_tokens for mb in batch.micro_batches)
     flops = _flops(batch.micro_batches, ctx.flops_alpha, ctx.flops_beta)
     # slices of samples split over an SP group, counted where slice 0 is
     split_local = sum(int(((mb.seq_sp_size_S > 1) & (mb.seq_sp_index_S == 0)).sum())
                       for mb in batch.micro_batches if mb.seq_refs is not None)
-    counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media.moved,
+    counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media_moved,
                            split_local], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(counts, group=ctx.group)
     counts[3] = distinct_skipped(batch, ctx.world, float(counts[3]), ctx.group)
@@ -187,7 +194,7 @@ def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> S
     sums = StepSums.zeros(n_groups, ctx.device)
     routed_global = max(counts.tokens, 1.0)  # tokens through the routers: every token
     for (mb, items), routed in zip(prepared, batch.micro_batches):
-        groups_S = _groups(mb, ctx.sources)
+        groups_S = source_groups(mb, ctx.sources)
         with sp_batch(model, mb):  # split sequences' attention over their SP group
             out = model.forward_with_media(mb, items, seq_group_S=groups_S,
                                            num_groups=n_groups)
@@ -216,13 +223,13 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     AdamW → metrics."""
     cfg = ctx.cfg
     start = time.perf_counter()
-    lr = _set_lr(optimizer, step, cfg)
+    lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
     media = encode_and_reshard(model, batch, ctx.rank, ctx.world, group=ctx.group,
                                copies=ctx.encoder_copies)
     prepared = [media.items_for(mb) for mb in batch.micro_batches]
     prepared = [(mb if mb.num_tokens else placeholder(mb), items) for mb, items in prepared]
-    counts = _global_counts(ctx, batch, prepared, media)
+    counts = global_counts(ctx, batch, [mb for mb, _ in prepared], media.moved)
     sums = _backbone(ctx, model, prepared, batch, counts)
     media.backward()
     if step == cfg.debug.dump_grads_at_step:
@@ -233,7 +240,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
     sums.all_reduce(ctx.group)
     if sums.load_LE is not None and sums.load_LE.numel():
         model.decoder.update_bias(sums.load_LE)
-    return _row(ctx, step, batch, lr, grad_norm, compute_s, counts, sums)
+    return metrics_row(ctx, step, batch, lr, grad_norm, compute_s, counts, sums)
 
 
 def timing(ctx: StepContext, batch, compute_s: float) -> dict:
@@ -257,7 +264,7 @@ def timing(ctx: StepContext, batch, compute_s: float) -> dict:
             "imbalance_measured": max(secs) / (sum(secs) / len(secs))}
 
 
-def _row(ctx: StepContext, step: int, batch, lr: float, grad_norm: float, compute_s: float,
+def metrics_row(ctx: StepContext, step: int, batch, lr: float, grad_norm: float, compute_s: float,
          counts: StepCounts, sums: StepSums) -> dict:
     times = timing(ctx, batch, compute_s)
     step_s = times["step_s"]

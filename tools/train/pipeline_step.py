@@ -1,0 +1,115 @@
+"""One optimizer step of the ``lm`` task under pipeline parallelism (``parallel.pp`` > 1).
+
+Every rank of a pipeline loads the same plan (PP peers share a data rank). The step's
+micro-batches run through the stage's schedule (``parallel.pipeline.PipelineRunner``: GPipe or
+1F1B) in chunks of ``parallel.pp_microbatches``; the last chunk is filled with placeholder
+micro-batches, and every micro-batch is padded to the plane's ``micro_batch_tokens`` (stages
+exchange fixed shapes). Gradients accumulate over the chunks, so the update equals one
+process's: the cross-entropy is summed and divided once by the global target-token count.
+
+The router losses are per-micro-batch means over equally padded micro-batches, so they are
+weighted 1 / (micro-batches over all data ranks): the global mean. Padding tokens reach the
+routers, so with a non-zero aux or z-loss (or aux-free bias updates) a pipelined run is not
+bit-exact with an unpipelined one; the cross-entropy and its gradients are.
+
+Metrics: the last stage scores the loss (per source, from each token's group id carried with
+the labels), the first stage counts the mix, each stage its own MoE layers' loads; one
+all-reduce over the world (each quantity contributed by one tensor-parallel copy) gives every
+rank the row.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from omniscale.parallel.grads import clip_grad_norm
+from omniscale.tools.train.step import (
+    StepContext,
+    StepSums,
+    dump_gradients,
+    global_counts,
+    metrics_row,
+    placeholder,
+    set_lr,
+    source_groups,
+)
+
+
+def _chunks(micro_batches: list, size: int) -> list[list]:
+    """Runs of ``size`` micro-batches; empty slots and the last run's tail become
+    placeholders (all labels ignored)."""
+    mbs = [mb if mb.num_tokens else placeholder(mb) for mb in micro_batches]
+    mbs += [placeholder(micro_batches[0])] * (-len(mbs) % size)
+    return [mbs[i:i + size] for i in range(0, len(mbs), size)]
+
+
+def _stage_loads(ctx: StepContext, model, runner) -> torch.Tensor | None:
+    """This stage's MoE loads (L_stage × E) placed at its rows of the whole model's."""
+    config = model.config
+    if config.moe is None or runner.module.load_LE is None:
+        return None
+    lo, _ = runner.module.layer_range
+    first = sum(config.is_moe_layer(i) for i in range(lo))
+    load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts, dtype=torch.float64,
+                          device=ctx.device)
+    stage_LE = runner.module.load_LE.to(ctx.device, torch.float64)
+    load_LE[first:first + stage_LE.shape[0]] = stage_LE
+    return load_LE
+
+
+def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
+    """chunks of micro-batches through the schedule → clip over every stage → AdamW →
+    metrics."""
+    cfg, runner = ctx.cfg, ctx.pipeline
+    start = time.perf_counter()
+    lr = set_lr(optimizer, step, cfg)
+    optimizer.zero_grad(set_to_none=True)
+    chunks = _chunks(batch.micro_batches, runner.n_microbatches)
+    counts = global_counts(ctx, batch, [mb for chunk in chunks for mb in chunk])
+    n_groups = len(ctx.sources) + 1
+    sums = StepSums.zeros(n_groups, ctx.device)
+    # one copy of each figure enters the world's all-reduce: the loss from the last stage,
+    # the mix from the first, loads from every stage, each from tensor-parallel rank 0
+    scores = runner.is_last and ctx.tp_rank == 0
+    counts_mix = runner.is_first and ctx.tp_rank == 0
+    router_divisor = ctx.world * len(chunks) * runner.n_microbatches
+    for chunk in chunks:
+        runner.step(chunk, n_tokens=counts.loss_divisor, router_divisor=router_divisor,
+                    groups=[source_groups(mb, ctx.sources) for mb in chunk],
+                    num_groups=n_groups)
+        load = _stage_loads(ctx, model, runner)
+        if load is not None and ctx.tp_rank == 0:
+            sums.load_LE = load if sums.load_LE is None else sums.load_LE + load
+        if scores:
+            sums.loss_G += runner.loss_G.double()
+            sums.n_G += runner.n_G.double()
+            sums.router += runner.router_sum.double() / router_divisor
+    if counts_mix:
+        for mb in batch.micro_batches:
+            if mb.seq_refs is None:
+                continue
+            groups_S = source_groups(mb, ctx.sources)
+            lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
+            sums.samples_G += torch.bincount(groups_S, minlength=n_groups).to(ctx.device)
+            sums.tokens_G += torch.bincount(groups_S, weights=lengths_S,
+                                            minlength=n_groups).to(ctx.device)
+    pp_group = runner.stage.group
+    if step == cfg.debug.dump_grads_at_step:
+        dump_gradients(ctx, step, model, pp_group)
+    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, pp_group)
+    optimizer.step()
+    compute_s = time.perf_counter() - start
+    if sums.load_LE is None and model.config.moe is not None:  # a stage without MoE layers
+        sums.load_LE = torch.zeros(model.config.n_moe_layers, model.config.moe.num_experts,
+                                   dtype=torch.float64, device=ctx.device)
+    sums.all_reduce(None)  # the whole world: every stage's figures
+    if sums.load_LE is not None and sums.load_LE.numel():
+        config = model.config
+        lo, hi = runner.module.layer_range
+        first = sum(config.is_moe_layer(i) for i in range(lo))
+        n = sum(config.is_moe_layer(i) for i in range(lo, hi))
+        if n:
+            model.decoder.update_bias(sums.load_LE[first:first + n])
+    return metrics_row(ctx, step, batch, lr, grad_norm, compute_s, counts, sums)
