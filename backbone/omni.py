@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from omniscale.backbone.config import ModelConfig
-from omniscale.backbone.decoder import MoEDecoder, grouped_loss
+from omniscale.backbone.decoder import MoEDecoder
 from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
 from omniscale.encoders.vision import VisionConfig, VisionEncoder
@@ -112,18 +112,14 @@ class OmniModel(nn.Module):
 
     # ---- step 2: scatter + decoder -------------------------------------------------------
 
-    def forward_with_media(self, batch, items: list[torch.Tensor],
-                           zero: torch.Tensor | None = None,
-                           seq_group_S: torch.Tensor | None = None, num_groups: int = 0
-                           ) -> dict:
-        """Decode ``batch`` with ``items[m]`` in media item m's placeholder block; returns
-        ``loss_sum`` (next-token cross-entropy summed over text targets), ``n_tokens`` and
-        ``aux`` (the decoder's router terms). ``zero`` (MediaEmbeddings.zero) joins the
-        embeddings, so backward reaches every encoder through the decoder on every rank, in
-        the same order whether or not the rank had media (FSDP issues collectives in that
-        order). ``seq_group_S`` (a group id per sequence, e.g. its source) adds
-        ``loss_sum_G`` and ``n_tokens_G``: the loss split by group (the rows of each group
-        scored apart, so the split costs no extra logits)."""
+    def decode(self, batch, items: list[torch.Tensor], zero: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict]:
+        """``(hidden_TD, aux)``: ``batch`` decoded with ``items[m]`` in media item m's
+        placeholder block (final-normed hidden states, and the decoder's router terms).
+        ``zero`` (MediaEmbeddings.zero) joins the embeddings, so backward reaches every encoder
+        through the decoder on every rank, in the same order whether or not the rank had media
+        (FSDP issues collectives in that order). The loss is the caller's
+        (``decoder.loss``, or a trainer's split of it)."""
         embeds_TD = self.decoder.embed_tokens(batch.input_ids_T.to(
             self.decoder.embed_tokens.weight.device))
         embeds_TD = scatter_media(embeds_TD, batch.media_token_start_M, items,
@@ -131,19 +127,17 @@ class OmniModel(nn.Module):
         if zero is not None:
             embeds_TD = embeds_TD + zero.to(embeds_TD.dtype)
         device = embeds_TD.device
-        hidden_TD, aux = self.decoder(embeds_TD, batch.position_ids_T.to(device),
-                                      batch.cu_seqlens_S1.to(device), batch.max_seqlen,
-                                      mrope_3T=batch.mrope_3T.to(device))
-        labels_T = batch.labels_T.to(device)
-        if seq_group_S is None:
-            loss_sum, n_tokens = self.decoder.loss(hidden_TD, labels_T)
-            return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
-        lengths_S = (batch.cu_seqlens_S1[1:] - batch.cu_seqlens_S1[:-1]).to(device)
-        group_T = torch.repeat_interleave(seq_group_S.to(device), lengths_S)
-        loss_G, n_G = grouped_loss(lambda h, y: self.decoder.loss(h, y)[0], hidden_TD,
-                                   labels_T, group_T, num_groups)
-        return {"loss_sum": loss_G.sum(), "n_tokens": n_G.sum(), "aux": aux,
-                "loss_sum_G": loss_G, "n_tokens_G": n_G}
+        return self.decoder(embeds_TD, batch.position_ids_T.to(device),
+                            batch.cu_seqlens_S1.to(device), batch.max_seqlen,
+                            mrope_3T=batch.mrope_3T.to(device))
+
+    def forward_with_media(self, batch, items: list[torch.Tensor],
+                           zero: torch.Tensor | None = None) -> dict:
+        """``decode`` and the loss: ``loss_sum`` (next-token cross-entropy summed over text
+        targets), ``n_tokens`` and ``aux``."""
+        hidden_TD, aux = self.decode(batch, items, zero)
+        loss_sum, n_tokens = self.decoder.loss(hidden_TD, batch.labels_T.to(hidden_TD.device))
+        return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
 
     def forward(self, batch) -> dict:
         """Both steps on one rank; the idle encoders' zero term joins the embeddings."""

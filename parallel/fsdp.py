@@ -34,7 +34,7 @@ from omniscale.parallel.mesh import fsdp_mesh
 
 # Root methods a trainer calls instead of forward (OmniModel's two-step API, and the encoder
 # call of the trainer's step): FSDP gathers the root's parameters around them as around forward.
-ROOT_METHODS = ("encode_media", "encode_items", "forward_with_media")
+ROOT_METHODS = ("encode_media", "encode_items", "decode", "forward_with_media")
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool = False,

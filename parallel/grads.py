@@ -12,12 +12,13 @@ import torch.distributed as dist
 from omniscale.parallel.dcp import plain_name
 
 
-def clip_grad_norm(model: torch.nn.Module, clip: float, pp_group=None) -> float:
+def clip_grad_norm(model: torch.nn.Module, clip: float, pp_group=None) -> torch.Tensor:
     """Clip by the global gradient norm. Encoders and backbone are sharded over different
     meshes, so the norm is taken per mesh (each a DTensor reduced to a full scalar) and
     combined, then every gradient is scaled by the same factor. Expert-parallel experts are
     different parameters on each rank of their ep group: their squares are summed over it;
-    so are pipeline stages' over `pp_group` (each stage holds its own layers)."""
+    so are pipeline stages' over `pp_group` (each stage holds its own layers). Returns the
+    norm before clipping as a float64 device scalar (reading it would wait for the device)."""
     params = [p for p in model.parameters() if p.grad is not None]
     ep_mesh_of = {id(p): m.ep_mesh for m in model.modules()
                   if getattr(m, "num_global_experts", None) is not None for p in m.parameters()}
@@ -45,7 +46,7 @@ def clip_grad_norm(model: torch.nn.Module, clip: float, pp_group=None) -> float:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
-    return float(total)
+    return total
 
 
 def full_gradients(model: torch.nn.Module, pp_group=None) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ def every_source_one(demo, tmp_path_factory):
     (every source spec, extra settings, rows of 4 steps, step 0's gradients). The reference
     the multi-process layouts are compared with; a 3-step run's rows are its first three
     (the learning rate's schedule is fixed by ``optim.decay_steps``, not by ``steps``)."""
-    from tests.tools.test_train_media import TINY_MOE, _run, every_source
+    from tests.tools.train_runs import TINY_MOE, every_source
+    from tests.tools.train_runs import run_omni as _run
 
     root = tmp_path_factory.mktemp("every-source-one")
     extra = {"data.spec": every_source(demo, root / "every.yaml"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
-from tests.tools.test_train_media import _run
+from tests.tools.train_runs import run_omni as _run
 
 
 def test_async_checkpoint_resumes_bit_for_bit(demo, tmp_path, every_source_one):

@@ -17,11 +17,9 @@ import yaml
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
-from tests.tools.test_train_media import (
-    _run,
-    _same_rows,
-    assert_same_gradients,
-)
+from tests.tools.train_runs import assert_same_gradients
+from tests.tools.train_runs import assert_same_rows as _same_rows
+from tests.tools.train_runs import run_omni as _run
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,80 +13,24 @@ matches where the packing is the same).
 
 from __future__ import annotations
 
-import math
-
-import torch
-import yaml
-
-from omniscale.tools.train.launch import train
-from omniscale.tools.train.metrics import read_metrics
-
-DUMP = 0  # the step whose gradients are compared (later steps: losses and norms)
-TINY_MOE = "{num_experts: 8, top_k: 2, expert_ffn_dim: 128"  # the tiny preset's MoE
-
-
-def every_source(demo, out):
-    """The demo's sources at equal weights from step 0 (its schedule starts with text and
-    images only): the steps hold video and audio for both encoders."""
-    spec = yaml.safe_load((demo / "mix.yaml").read_text())
-    spec.pop("schedule", None)
-    spec["tokenizer"] = str(demo / spec["tokenizer"])
-    spec["sources"] = [dict(s, path=str(demo / s["path"]), weight=1) for s in spec["sources"]]
-    out.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return out
-
-
-def _run(demo, out, nproc, **extra):
-    sets = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
-            "data.workers": 0, "data.global_batch_tokens": 8192,
-            "data.micro_batch_tokens": 4096, "optim.warmup_steps": 1, "optim.decay_steps": 4,
-            "eval.enabled": False, "output_dir": out, "steps": 3,
-            "data.refit_costs_every": 3, "debug.dump_grads_at_step": DUMP, **extra}
-    train("configs/demo_omni.yaml", nproc=nproc, sets=[f"{k}={v}" for k, v in sets.items()],
-          progress=False)
-    grads = torch.load(out / f"grads-step-{DUMP}.pt", weights_only=True)
-    return read_metrics(out / "metrics.jsonl"), grads
-
-
-def assert_same_gradients(one: dict, two: dict, trained=("vision.", "decoder."),
-                          rel: float = 1e-5) -> None:
-    """Each parameter's gradient: the same name, shape and values (relative to its norm).
-    ``trained``: parts whose gradients must not be zero (a vacuous comparison otherwise)."""
-    assert one.keys() == two.keys()
-    for prefix in trained:
-        assert sum(float(g.norm()) for n, g in one.items() if n.startswith(prefix)) > 0, prefix
-    worst = []
-    for name, a in one.items():
-        b = two[name]
-        assert a.shape == b.shape, name
-        err = float((a.double() - b.double()).norm())
-        worst.append((err / max(float(a.double().norm()), 1e-30), name))
-    assert all(err <= rel for err, _ in worst), sorted(worst)[-5:]
-
-
-def _same_rows(one, two) -> None:
-    assert [r["tokens"] for r in one] == [r["tokens"] for r in two]
-    assert [r["mix_samples"] for r in one] == [r["mix_samples"] for r in two]
-    assert all(r["router_loss"] > 0 for r in one)  # router losses on
-    for a, b in zip(one, two, strict=True):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["loss"], b["loss"])
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-6), a["step"]
-        assert math.isclose(a["router_loss"], b["router_loss"], rel_tol=1e-6), a["step"]
-        assert a["source_loss"].keys() == b["source_loss"].keys()
-        for name, value in a["source_loss"].items():
-            assert math.isclose(value, b["source_loss"][name], rel_tol=1e-5), name
+from tests.tools.train_runs import (
+    DUMP,
+    assert_same_gradients,
+    assert_same_rows,
+    run_omni,
+)
 
 
 def test_two_ranks_with_encoder_plan_and_reshard_match_one(demo, tmp_path):
     """The demo's first steps (text and images), aux and z router losses on."""
-    (one, g_one), (two, g_two) = (_run(demo, tmp_path / "one", 1),
-                                  _run(demo, tmp_path / "two", 2))
+    (one, g_one), (two, g_two) = (run_omni(demo, tmp_path / "one", 1),
+                                  run_omni(demo, tmp_path / "two", 2))
     # the same micro-batches, 2 on the one rank and 1 on each of two: the aux loss's load
     # fractions are per micro-batch, so only then is it the same loss
     assert [r["micro_batches"] for r in one] == [2, 2, 2]
     assert [r["micro_batches"] for r in two] == [1, 1, 1]
     assert_same_gradients(g_one, g_two)
-    _same_rows(one, two)
+    assert_same_rows(one, two)
     # the 2-rank plan moved media between ranks (otherwise the reshard was not exercised)
     assert sum(r["media_items_moved"] for r in two) > 0
     assert all(r["media_items_moved"] == 0 for r in one)
@@ -110,10 +54,10 @@ def test_every_modality_and_z_loss_over_other_packings_match_one(demo, tmp_path,
     packing is another loss."""
     extra, one, g_one = every_source_one  # 4 steps of one process (tests/tools/conftest.py)
     one = one[:3]
-    two, g_two = _run(demo, tmp_path / "two", 2, **extra)
+    two, g_two = run_omni(demo, tmp_path / "two", 2, **extra)
     # another packing: at some step rank 0 of two holds as many micro-batches as the one rank
     assert any(a["micro_batches"] == b["micro_batches"] for a, b in zip(one, two))
     assert {"video_caption", "audio_caption"} <= one[DUMP]["mix_samples"].keys()
     assert_same_gradients(g_one, g_two, trained=("vision.", "audio.", "decoder."))
-    _same_rows(one, two)
+    assert_same_rows(one, two)
     assert sum(r["media_items_moved"] for r in two) > 0

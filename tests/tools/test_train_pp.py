@@ -1,6 +1,7 @@
 """Pipeline parallelism through ``omniscale train`` (the lm task, parallel.pp > 1): the stages
 train what one process does, under both schedules, and a pipelined checkpoint resumes without
-pipelining.
+pipelining. The pipelined runs log every 2 steps (one reduction per interval), the reference
+every step: the rows must agree all the same.
 
 Every micro-batch a stage runs is padded to the token budget and padding tokens reach the
 routers, so the router losses are off here (tools/train/pipeline_step.py); the cross-entropy,
@@ -15,7 +16,7 @@ import torch
 
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
-from tests.tools.test_train_media import TINY_MOE, assert_same_gradients
+from tests.tools.train_runs import TINY_MOE, assert_same_gradients
 
 DUMP = 1  # a step after one update: the stages' optimizer steps agree too
 
@@ -50,10 +51,11 @@ def _same_rows(one, pp) -> None:
 def test_1f1b_over_pp2_x_dp_shard2_trains_what_one_process_does_and_resumes_without(
         demo, tmp_path, one):
     rows_one, g_one = one
-    rows, grads = _run(demo, tmp_path / "pp", 4, **{
+    # log_every 2: steps 0-1 reduced and logged together, step 2 at the checkpoint
+    rows, grads = _run(demo, tmp_path / "pp", 4, log_every=2, **{
         "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "1f1b",
         "parallel.pp_microbatches": 2})
-    assert len(rows) == 3
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["checkpoint"] == 3
     _same_rows(rows_one, rows)
     assert_same_gradients(g_one, grads, trained=("decoder.layers.0.", "decoder.layers.1.",
                                                  "decoder.lm_head.", "decoder.embed_tokens."))

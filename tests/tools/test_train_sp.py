@@ -83,7 +83,7 @@ def test_four_processes_sp_ep_and_fsdp_train_what_one_does(demo, tmp_path):
     the loss and every parameter's gradient, the aux router loss off (another packing)."""
     import torch
 
-    from tests.tools.test_train_media import assert_same_gradients
+    from tests.tools.train_runs import assert_same_gradients
 
     spec = {"data.spec": media_only(demo, tmp_path / "media.yaml"),
             "model.overrides.moe.aux_loss_coef": 0, "debug.dump_grads_at_step": 0}

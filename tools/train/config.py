@@ -155,6 +155,8 @@ class RunConfig(_Strict):
     seed: int = 0
     steps: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)
+    # metrics stay on the device and are reduced and written once per log_every steps (one
+    # row per step all the same; a checkpoint logs first)
     log_every: int = Field(1, ge=1)
     output_dir: str = "runs/demo_omni"
     deterministic: bool = True  # torch.use_deterministic_algorithms: bit-exact resume on CPU

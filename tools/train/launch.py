@@ -21,7 +21,7 @@ import yaml
 from omniscale.dataplane.errors import UserError
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.config import RunConfig, load_config
-from omniscale.tools.train.loop import RankJob, train_rank
+from omniscale.tools.train.loop import RankJob, mesh_dims, train_rank
 from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
 
 
@@ -85,8 +85,9 @@ def _spawned(rank: int, world: int, job: RankJob) -> None:
 
 
 def data_ranks(cfg: RunConfig, nproc: int) -> int:
-    """The ranks an external plane must plan for: TP and PP peers share one."""
-    return max(nproc // (cfg.parallel.tp * cfg.parallel.pp), 1)
+    """The ranks an external plane must plan for (``ParallelDims.dp_sp``: TP and PP peers
+    share one)."""
+    return mesh_dims(cfg, nproc).dp_sp
 
 
 def check_plane(url: str, token: str | None, nproc: int, start: int, sp: int = 1

@@ -26,6 +26,7 @@ from omniscale.tools.train.build import build_model, build_optimizer, model_conf
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.metrics import MetricsWriter, Progress
 from omniscale.tools.train.pipeline_step import pipeline_step
+from omniscale.tools.train.records import flush
 from omniscale.tools.train.step import StepContext, train_step
 
 
@@ -147,8 +148,6 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
 def parallel_dims(cfg: RunConfig, world: int, mcfg):
     """The run's layout from ``parallel:`` (a one-line UserError naming the axis when it cannot
     work, on every rank before the plane starts)."""
-    from omniscale.parallel import ParallelDims
-
     p = cfg.parallel
     if p.pp > 1 and cfg.task != "lm":
         raise UserError(f"parallel.pp={p.pp}: pipeline stages run the lm task only (stage 0 "
@@ -165,15 +164,27 @@ def parallel_dims(cfg: RunConfig, world: int, mcfg):
             if getattr(p, name) > 1:
                 raise UserError(f"parallel.{name}={getattr(p, name)}: for the omni and lm tasks "
                                 f"only")
+    dims = mesh_dims(cfg, world)
+    if mcfg is not None:
+        try:
+            dims.validate_for(mcfg)
+        except ValueError as e:
+            raise UserError(f"parallel.{e} (with --nproc {world})") from None
+    return dims
+
+
+def mesh_dims(cfg: RunConfig, world: int):
+    """``ParallelDims`` of ``parallel:`` over ``world`` processes (a one-line UserError when
+    the sizes cannot split it)."""
+    from omniscale.parallel import ParallelDims
+
+    p = cfg.parallel
     try:
-        dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, ep=p.ep, sp=p.sp,
+        return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, ep=p.ep, sp=p.sp,
                             tp=p.tp, pp=p.pp, encoder_dp_shard=p.encoder_dp_shard,
                             encoder_tp=p.encoder_tp, world_size=world)
-        if mcfg is not None:
-            dims.validate_for(mcfg)
     except ValueError as e:
         raise UserError(f"parallel.{e} (with --nproc {world})") from None
-    return dims
 
 
 def settings_of(cfg: RunConfig, device: torch.device):
@@ -251,36 +262,52 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
     writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step) if ctx.writer else None
     bar = Progress(ctx.writer, job.progress, cfg.steps, job.start_step, cfg.log_every)
     client = loader.client
-    tokens_before = writer.tokens_before if writer is not None else 0
+    tokens_before = [writer.tokens_before if writer is not None else 0]
     # checkpoint.async_save: the writer thread coordinates on a gloo group of its own
     async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
     pending = None  # the checkpoint being written in the background
+    records = []  # steps trained since the last log, their metrics still on the device
     try:
         for step in range(job.start_step, cfg.steps):
             batch = next(loader)
             assert batch.step == step, (batch.step, step)
-            row = step_fn(ctx, step, model, optimizer, batch)
-            if ctx.device.type == "cuda":  # this rank's peak since the start (GiB)
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
+            records.append(step_fn(ctx, step, model, optimizer, batch))
             loader.commit(step)
-            if "mix_samples" in row:
-                row["mix_target"] = _target_mix(spec, step, tokens_before)
-            if rank == 0 and cfg.data.refit_costs_every and \
-                    (step + 1) % cfg.data.refit_costs_every == 0:
-                row["cost_refit"] = _refit(ctx, client)
-            tokens_before += row["tokens"]
             done = step + 1
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            save = done % cfg.checkpoint_every == 0 or done == cfg.steps
+            if save or done % cfg.log_every == 0:  # every step it covers is logged first
+                _log(ctx, flush(ctx, records), writer, bar, spec, client, tokens_before,
+                     checkpoint=done if save else None)
+                records = []
+            if save:
                 checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
                 pending = checkpoint.save(run_dir, done, model, optimizer, client, rank,
                                           cfg.checkpoint.keep_last, async_group)
-                row["checkpoint"] = done
-            if writer is not None:
-                writer.write(row)
-            bar.update(f"loss {row['loss']:.3f}  lr {row['lr']:.2e}  "
-                       f"{row['tokens_per_s']:,.0f} tok/s")
         checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
     finally:
         bar.close()
         if writer is not None:
             writer.close()
+
+
+def _log(ctx: StepContext, rows: list[dict], writer, bar, spec, client, tokens_before: list,
+         checkpoint: int | None) -> None:
+    """Write a log interval's rows (rank 0) with what only the loop knows: the schedule's
+    target mix, the cost refit, peak memory, the checkpoint the last row's step starts."""
+    cfg = ctx.cfg
+    for row in rows:
+        step = row["step"]
+        if ctx.device.type == "cuda":  # this rank's peak since the start (GiB)
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
+        if "mix_samples" in row:
+            row["mix_target"] = _target_mix(spec, step, tokens_before[0])
+        if ctx.writer and cfg.data.refit_costs_every and \
+                (step + 1) % cfg.data.refit_costs_every == 0:
+            row["cost_refit"] = _refit(ctx, client)
+        tokens_before[0] += row["tokens"]
+        if checkpoint == step + 1:
+            row["checkpoint"] = checkpoint
+        if writer is not None:
+            writer.write(row)
+        bar.update(f"loss {row['loss']:.3f}  lr {row['lr']:.2e}  "
+                   f"{row['tokens_per_s']:,.0f} tok/s")

@@ -25,15 +25,16 @@ import time
 import torch
 
 from omniscale.parallel.grads import clip_grad_norm
+from omniscale.tools.train.records import StepRecord, StepSums
 from omniscale.tools.train.step import (
     StepContext,
-    StepSums,
     dump_gradients,
     global_counts,
-    metrics_row,
+    omni_record,
     placeholder,
     set_lr,
     source_groups,
+    update_bias,
 )
 
 
@@ -50,18 +51,15 @@ def _stage_loads(ctx: StepContext, model, runner) -> torch.Tensor | None:
     config = model.config
     if config.moe is None or runner.module.load_LE is None:
         return None
-    lo, _ = runner.module.layer_range
-    first = sum(config.is_moe_layer(i) for i in range(lo))
     load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts, dtype=torch.float64,
                           device=ctx.device)
-    stage_LE = runner.module.load_LE.to(ctx.device, torch.float64)
-    load_LE[first:first + stage_LE.shape[0]] = stage_LE
+    load_LE[_moe_rows(config, runner)] = runner.module.load_LE.to(ctx.device, torch.float64)
     return load_LE
 
 
-def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
+def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepRecord:
     """chunks of micro-batches through the schedule → clip over every stage → AdamW →
-    metrics."""
+    record."""
     cfg, runner = ctx.cfg, ctx.pipeline
     start = time.perf_counter()
     lr = set_lr(optimizer, step, cfg)
@@ -100,16 +98,17 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
         dump_gradients(ctx, step, model, pp_group)
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, pp_group)
     optimizer.step()
-    compute_s = time.perf_counter() - start
-    if sums.load_LE is None and model.config.moe is not None:  # a stage without MoE layers
-        sums.load_LE = torch.zeros(model.config.n_moe_layers, model.config.moe.num_experts,
+    config = model.config
+    if config.moe is not None and sums.load_LE is None:  # no MoE layer here, or a TP copy
+        sums.load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts,
                                    dtype=torch.float64, device=ctx.device)
-    sums.all_reduce(None)  # the whole world: every stage's figures
-    if sums.load_LE is not None and sums.load_LE.numel():
-        config = model.config
-        lo, hi = runner.module.layer_range
-        first = sum(config.is_moe_layer(i) for i in range(lo))
-        n = sum(config.is_moe_layer(i) for i in range(lo, hi))
-        if n:
-            model.decoder.update_bias(sums.load_LE[first:first + n])
-    return metrics_row(ctx, step, batch, lr, grad_norm, compute_s, counts, sums)
+    update_bias(ctx, model, sums.load_LE, _moe_rows(config, runner))
+    return omni_record(ctx, step, batch, lr, grad_norm, time.perf_counter() - start, counts,
+                       sums)
+
+
+def _moe_rows(config, runner) -> slice:
+    """This stage's MoE layers among the whole model's."""
+    lo, hi = runner.module.layer_range
+    first = sum(config.is_moe_layer(i) for i in range(lo))
+    return slice(first, first + sum(config.is_moe_layer(i) for i in range(lo, hi)))

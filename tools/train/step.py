@@ -1,4 +1,4 @@
-"""One optimizer step of the omni task on one rank, and the metrics row it produces.
+"""One optimizer step of the omni (and lm) task on one rank, and the metrics row it produces.
 
 Encoders on this rank's encoder plan → reshard → backbone micro-batches (``media_step``) →
 loss → backward → clip → AdamW. Gradients are summed across ranks by FSDP, so each rank's
@@ -8,23 +8,29 @@ before the first micro-batch): the update equals the single-process one. The rou
 batch's tokens, so the z-loss is the global batch's mean however the plane packs it; the aux
 loss's load fractions are each micro-batch's own (the global ones are known only after the
 last micro-batch's forward), so it equals one process's where the packing is the same.
+
+The step returns a ``records.StepRecord``: its metrics stay on the device until the loop
+flushes them (once per ``log_every`` steps).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from omniscale.backbone.decoder import grouped_loss
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at
 from omniscale.tools.train.media_step import encode_and_reshard
 from omniscale.tools.train.metrics import CostFit, CostRefit
+from omniscale.tools.train.records import StepRecord, StepSums, step_record
 
 
 @dataclasses.dataclass
@@ -48,6 +54,12 @@ class StepContext:
     pipeline: object = None  # parallel.pipeline.PipelineRunner when pp > 1
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
+
+    @property
+    def sum_group(self):
+        """Where a step's sums are added up: the data ranks, or the whole world under
+        pipeline parallelism (each stage contributes its own figures)."""
+        return None if self.pipeline is not None else self.group
 
 
 def placeholder(empty):
@@ -75,36 +87,12 @@ def dump_gradients(ctx: StepContext, step: int, model: torch.nn.Module,
         torch.save(grads, Path(ctx.cfg.output_dir) / f"grads-step-{step}.pt")
 
 
-def distinct_skipped(batch, world: int, reported: float, group=None) -> float:
-    """Corrupt samples skipped this step, each once: the rank training a sample and the rank
-    encoding its media both decode it, and both skip it (``reported`` is the ranks' sum over
-    ``group``, the ``world`` data ranks)."""
-    if reported == 0 or world == 1:
-        return reported
-    from omniscale.loaders.assemble import sample_id
-
-    ids: list = [None] * world
-    dist.all_gather_object(ids, sorted(sample_id(bad) for bad, _ in batch.replaced),
-                           group=group)
-    return float(len(set().union(*map(set, ids))))
-
-
 def source_groups(mb, sources: list[str]) -> torch.Tensor:
     """Each sequence's source index (a source added by a reload later: the last group)."""
     index = {name: i for i, name in enumerate(sources)}
     refs = mb.seq_refs or [None] * (mb.cu_seqlens_S1.numel() - 1)
     return torch.tensor([index.get(r.source, len(sources)) if r is not None else 0
                          for r in refs], dtype=torch.int64)
-
-
-def _measure(ctx: StepContext, batch, seconds: list[float]) -> None:
-    """Every rank's sequence lengths of this step to rank 0, for the cost refit."""
-    lengths = [int(n) for mb in batch.micro_batches
-               for n in (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).tolist()]
-    gathered: list = [None] * ctx.world
-    dist.all_gather_object(gathered, lengths, group=ctx.group)
-    if ctx.writer:
-        ctx.refit.add(gathered, seconds)
 
 
 def _flops(mbs, alpha: float, beta: float) -> float:
@@ -116,51 +104,20 @@ def _flops(mbs, alpha: float, beta: float) -> float:
 
 
 @dataclasses.dataclass
-class StepSums:
-    """What one step adds up on this rank, on the device, all-reduced once after backward:
-    per source group (G) the loss sum, target tokens, samples and tokens; the router loss;
-    the experts' load per MoE layer (L×E)."""
-
-    loss_G: torch.Tensor
-    n_G: torch.Tensor
-    samples_G: torch.Tensor
-    tokens_G: torch.Tensor
-    router: torch.Tensor
-    load_LE: torch.Tensor | None = None
-
-    @classmethod
-    def zeros(cls, n_groups: int, device: torch.device) -> "StepSums":
-        loss_G, n_G, samples_G, tokens_G = torch.zeros(4, n_groups, dtype=torch.float64,
-                                                       device=device)
-        return cls(loss_G, n_G, samples_G, tokens_G,
-                   torch.zeros((), dtype=torch.float64, device=device))
-
-    def all_reduce(self, group) -> None:
-        n = self.loss_G.numel()
-        stats = torch.cat([self.loss_G, self.n_G, self.samples_G, self.tokens_G,
-                           self.router.reshape(1)])
-        dist.all_reduce(stats, group=group)
-        self.loss_G, self.n_G, self.samples_G, self.tokens_G = stats[:4 * n].reshape(4, n)
-        self.router = stats[-1]
-        if self.load_LE is not None and self.load_LE.numel():
-            dist.all_reduce(self.load_LE, group=group)
-
-
-@dataclasses.dataclass
 class StepCounts:
-    """The global batch's counts (all-reduced before the first micro-batch: every rank's
-    loss is divided by the global target-token count)."""
+    """The global batch's counts, summed over the data ranks before the first micro-batch
+    (every rank's loss is divided by the global target-token count), kept on the device:
+    ``values`` = target tokens, tokens, FLOPs, media items moved, samples split over SP."""
 
-    target_tokens: float
-    tokens: float
-    flops: float
-    skipped: float
-    media_moved: float
-    sp_split_samples: float
+    values: torch.Tensor
 
     @property
-    def loss_divisor(self) -> float:
-        return max(self.target_tokens, 1.0)
+    def loss_divisor(self) -> torch.Tensor:
+        return self.values[0].clamp_min(1.0)
+
+    @property
+    def routed(self) -> torch.Tensor:  # tokens through the routers: every token
+        return self.values[1].clamp_min(1.0)
 
 
 def set_lr(optimizer, step: int, cfg) -> float:
@@ -180,11 +137,21 @@ def global_counts(ctx: StepContext, batch, micro_batches, media_moved: int = 0
     # slices of samples split over an SP group, counted where slice 0 is
     split_local = sum(int(((mb.seq_sp_size_S > 1) & (mb.seq_sp_index_S == 0)).sum())
                       for mb in batch.micro_batches if mb.seq_refs is not None)
-    counts = torch.tensor([n_local, tokens_local, flops, len(batch.skipped), media_moved,
-                           split_local], dtype=torch.float64, device=ctx.device)
+    counts = torch.tensor([n_local, tokens_local, flops, media_moved, split_local],
+                          dtype=torch.float64, device=ctx.device)
     dist.all_reduce(counts, group=ctx.group)
-    counts[3] = distinct_skipped(batch, ctx.world, float(counts[3]), ctx.group)
-    return StepCounts(*counts.tolist())
+    return StepCounts(counts)
+
+
+def source_losses(model, mb, hidden_TD: torch.Tensor, groups_S: torch.Tensor,
+                  n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_G, n_G)``: the micro-batch's summed cross-entropy and counted targets per
+    source group (each group's rows scored apart: the split costs no extra logits)."""
+    device = hidden_TD.device
+    lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).to(device)
+    group_T = torch.repeat_interleave(groups_S.to(device), lengths_S)
+    return grouped_loss(lambda h, y: model.decoder.loss(h, y)[0], hidden_TD,
+                        mb.labels_T.to(device), group_T, n_groups)
 
 
 def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> StepSums:
@@ -192,19 +159,18 @@ def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> S
     turn comes after every micro-batch, ``StepMedia.backward``)."""
     n_groups = len(ctx.sources) + 1
     sums = StepSums.zeros(n_groups, ctx.device)
-    routed_global = max(counts.tokens, 1.0)  # tokens through the routers: every token
     for (mb, items), routed in zip(prepared, batch.micro_batches):
         groups_S = source_groups(mb, ctx.sources)
         with sp_batch(model, mb):  # split sequences' attention over their SP group
-            out = model.forward_with_media(mb, items, seq_group_S=groups_S,
-                                           num_groups=n_groups)
+            hidden_TD, aux = model.decode(mb, items)
+        loss_G, n_G = source_losses(model, mb, hidden_TD, groups_S, n_groups)
         # The router losses are per-token means over the micro-batch: weighted by its share
         # of the global batch's tokens (a placeholder's: 0), they add up to the global mean.
-        router_share = routed.num_tokens / routed_global
-        loss = out["loss_sum"] / counts.loss_divisor + out["aux"]["router_loss"] * router_share
+        router_share = routed.num_tokens / counts.routed
+        loss = loss_G.sum() / counts.loss_divisor + aux["router_loss"] * router_share
         loss.backward()
-        sums.loss_G += out["loss_sum_G"].detach().double()
-        sums.n_G += out["n_tokens_G"].detach().double()
+        sums.loss_G += loss_G.detach().double()
+        sums.n_G += n_G.detach().double()
         if mb.seq_refs is not None:
             lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
             first_S = (mb.seq_sp_index_S == 0).double()  # a split sample counts once
@@ -212,15 +178,28 @@ def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> S
                                              minlength=n_groups).to(ctx.device)
             sums.tokens_G += torch.bincount(groups_S, weights=lengths_S,
                                             minlength=n_groups).to(ctx.device)
-        sums.router += out["aux"]["router_loss"].detach().double() * router_share
-        load = out["aux"]["load_LE"].detach().to(torch.float64)
+        sums.router += aux["router_loss"].detach().double() * router_share
+        load = aux["load_LE"].detach().to(torch.float64)
         sums.load_LE = load if sums.load_LE is None else sums.load_LE + load
     return sums
 
 
-def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
+def update_bias(ctx: StepContext, model, load_LE: torch.Tensor | None,
+                rows: slice = slice(None)) -> None:
+    """Aux-loss-free balancing: the step's expert loads summed over the ranks now (only when
+    the model moves its biases: otherwise they wait for the log interval's reduction);
+    ``rows``: the MoE layers this rank holds (a pipeline stage's)."""
+    moe = model.config.moe
+    if moe is None or moe.bias_update_rate <= 0 or load_LE is None:
+        return
+    load_LE = load_LE.clone()
+    dist.all_reduce(load_LE, group=ctx.sum_group)
+    model.decoder.update_bias(load_LE[rows])
+
+
+def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepRecord:
     """encode → reshard → backbone micro-batches → reshard and encoder backward → clip →
-    AdamW → metrics."""
+    AdamW → record."""
     cfg = ctx.cfg
     start = time.perf_counter()
     lr = set_lr(optimizer, step, cfg)
@@ -236,50 +215,39 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> dict:
         dump_gradients(ctx, step, model)
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
-    compute_s = time.perf_counter() - start
-    sums.all_reduce(ctx.group)
-    if sums.load_LE is not None and sums.load_LE.numel():
-        model.decoder.update_bias(sums.load_LE)
-    return metrics_row(ctx, step, batch, lr, grad_norm, compute_s, counts, sums)
+    update_bias(ctx, model, sums.load_LE)
+    return omni_record(ctx, step, batch, lr, grad_norm, time.perf_counter() - start, counts,
+                       sums)
 
 
-def timing(ctx: StepContext, batch, compute_s: float) -> dict:
-    """Per-rank predicted cost vs measured seconds, the data wait, and the step time the
-    slowest rank sets (every task's row has these)."""
-    meta = batch.metadata
-    per_rank = torch.tensor([meta.get("predicted_cost", 0.0), compute_s, batch.data_wait_s],
-                            dtype=torch.float64, device=ctx.device)
-    gathered = [torch.zeros_like(per_rank) for _ in range(ctx.world)]
-    dist.all_gather(gathered, per_rank, group=ctx.group)
-    costs = [float(g[0]) for g in gathered]
-    secs = [float(g[1]) for g in gathered]
-    waits = [float(g[2]) for g in gathered]
-    predicted = ctx.fit.k * max(costs) if ctx.fit.k is not None else None
-    ctx.fit.update(costs, secs)
-    step_s = max(s + w for s, w in zip(secs, waits))
-    return {"step_s": step_s, "data_wait_frac": max(waits) / max(step_s, 1e-9),
-            "predicted_step_s": predicted, "measured_step_s": max(secs),
-            "rank_compute_s": secs, "rank_predicted_cost": costs,
-            "imbalance_predicted": meta.get("imbalance"),
-            "imbalance_measured": max(secs) / (sum(secs) / len(secs))}
+def sequence_lengths(batch) -> list[int]:
+    return [int(n) for mb in batch.micro_batches
+            for n in (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).tolist()]
 
 
-def metrics_row(ctx: StepContext, step: int, batch, lr: float, grad_norm: float, compute_s: float,
-         counts: StepCounts, sums: StepSums) -> dict:
-    times = timing(ctx, batch, compute_s)
+def omni_record(ctx: StepContext, step: int, batch, lr: float, grad_norm: torch.Tensor,
+                compute_s: float, counts: StepCounts, sums: StepSums) -> StepRecord:
+    load_shape = tuple(sums.load_LE.shape) if sums.load_LE is not None else None
+    return step_record(ctx, step, batch, lr=lr, grad_norm=grad_norm, counts=counts.values,
+                       sums=sums.flat(), row=partial(_omni_row, ctx, load_shape),
+                       compute_s=compute_s, lengths=sequence_lengths(batch))
+
+
+def _omni_row(ctx: StepContext, load_shape, record: StepRecord, flat: torch.Tensor,
+              counts: torch.Tensor, times: dict, skipped: int) -> dict:
+    sums = StepSums.from_flat(flat, len(ctx.sources) + 1, load_shape)
+    target_tokens, tokens, flops, moved, split = counts.tolist()
     step_s = times["step_s"]
-    _measure(ctx, batch, times["rank_compute_s"])
     names = ctx.sources + ["(other)"]
-    flops_per_s = counts.flops / max(step_s, 1e-9)
-    row = {"step": step, "loss": float(sums.loss_G.sum()) / counts.loss_divisor,
-           "router_loss": float(sums.router), "lr": lr, "grad_norm": grad_norm,
-           "tokens": int(counts.tokens), "target_tokens": int(counts.target_tokens),
-           "tokens_per_s": counts.tokens / max(step_s, 1e-9), **times,
+    flops_per_s = flops / max(step_s, 1e-9)
+    row = {"step": record.step, "loss": float(sums.loss_G.sum()) / max(target_tokens, 1.0),
+           "router_loss": float(sums.router), "lr": record.lr,
+           "tokens": int(tokens), "target_tokens": int(target_tokens),
+           "tokens_per_s": tokens / max(step_s, 1e-9), **times,
            "tflops_per_s": flops_per_s / 1e12,
            "mfu": (flops_per_s / (ctx.peak_flops * ctx.devices) if ctx.peak_flops else None),
-           "micro_batches": len(batch.micro_batches), "skipped": int(counts.skipped),
-           "media_items_moved": int(counts.media_moved),
-           "sp_split_samples": int(counts.sp_split_samples),
+           "micro_batches": record.micro_batches, "skipped": skipped,
+           "media_items_moved": int(moved), "sp_split_samples": int(split),
            "source_loss": {n: float(s / c) for n, s, c in zip(names, sums.loss_G, sums.n_G)
                            if c > 0},
            "mix_samples": {n: int(s) for n, s in zip(names, sums.samples_G) if s > 0},

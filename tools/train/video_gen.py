@@ -219,34 +219,32 @@ def evaluate_video_gen(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = E
     return out
 
 
-def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
+def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
     """One optimizer step of the video_gen task: every micro-batch's clips, loss divided by
-    the global patch count (all ranks), clip, AdamW. Time and noise come from a generator
-    seeded by (seed, step, rank): a resumed run draws what the uninterrupted one drew."""
+    the global patch count (all ranks), clip, AdamW; a ``records.StepRecord`` back. Time and
+    noise come from a generator seeded by (seed, step, rank): a resumed run draws what the
+    uninterrupted one drew."""
     import time
 
     import torch.distributed as dist
 
     from omniscale.parallel.grads import clip_grad_norm
-    from omniscale.tools.train.build import lr_at
-    from omniscale.tools.train.step import distinct_skipped, placeholder, timing
+    from omniscale.tools.train.records import step_record
+    from omniscale.tools.train.step import placeholder, set_lr
 
     cfg = ctx.cfg
     start = time.perf_counter()
-    lr = lr_at(step, cfg)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
     generator = torch.Generator().manual_seed(
         (cfg.seed * 1_000_003 + step) * 1_009 + ctx.rank)
     mbs = [mb if mb.num_tokens else placeholder(mb) for mb in batch.micro_batches]
     n_local = sum(int(mb.vision_grid_thw_V3[mb.vision_kind_V == VIDEO].prod(dim=1).sum())
                   for mb in mbs)
-    counts = torch.tensor([n_local, len(batch.skipped)], dtype=torch.float64, device=ctx.device)
+    counts = torch.tensor([n_local], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(counts, group=ctx.group)
-    counts[1] = distinct_skipped(batch, ctx.world, float(counts[1]), ctx.group)
-    n_global = max(float(counts[0]), 1.0)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    n_global = counts[0].clamp_min(1.0)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=ctx.device)
     for mb in mbs:
         out = video_gen_loss(model, mb, generator)
         loss = out["loss_sum"]
@@ -256,9 +254,13 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch) -> dict:
         loss_sum += out["loss_sum"].detach().double()
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
-    compute_s = time.perf_counter() - start
-    dist.all_reduce(loss_sum, group=ctx.group)
-    times = timing(ctx, batch, compute_s)
-    return {"step": step, "loss": float(loss_sum) / n_global, "lr": lr, "grad_norm": grad_norm,
-            "tokens": int(counts[0]), "tokens_per_s": float(counts[0]) / max(times["step_s"], 1e-9),
-            **times, "micro_batches": len(mbs), "skipped": int(counts[1])}
+    return step_record(ctx, step, batch, lr=lr, grad_norm=grad_norm, counts=counts,
+                       sums=loss_sum, row=_video_row, compute_s=time.perf_counter() - start)
+
+
+def _video_row(record, sums: torch.Tensor, counts: torch.Tensor, times: dict,
+               skipped: int) -> dict:
+    patches = float(counts[0])
+    return {"step": record.step, "loss": float(sums[0]) / max(patches, 1.0), "lr": record.lr,
+            "tokens": int(patches), "tokens_per_s": patches / max(times["step_s"], 1e-9),
+            **times, "micro_batches": record.micro_batches, "skipped": skipped}

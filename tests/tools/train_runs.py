@@ -1,0 +1,72 @@
+"""Short demo training runs and the comparisons the trainer's layout tests share: one process
+against N on the rows (loss, grad norm, router loss, loss per source) and on every
+parameter's gradient (``debug.dump_grads_at_step``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import yaml
+
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
+
+DUMP = 0  # the step whose gradients are compared (later steps: losses and norms)
+TINY_MOE = "{num_experts: 8, top_k: 2, expert_ffn_dim: 128"  # the tiny preset's MoE
+
+
+def every_source(demo, out):
+    """The demo's sources at equal weights from step 0 (its schedule starts with text and
+    images only): the steps hold video and audio for both encoders."""
+    spec = yaml.safe_load((demo / "mix.yaml").read_text())
+    spec.pop("schedule", None)
+    spec["tokenizer"] = str(demo / spec["tokenizer"])
+    spec["sources"] = [dict(s, path=str(demo / s["path"]), weight=1) for s in spec["sources"]]
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+def run_omni(demo, out, nproc, **extra):
+    """A short omni run of the demo (3 steps, no eval) with step DUMP's gradients: (rows,
+    gradients)."""
+    sets = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
+            "data.workers": 0, "data.global_batch_tokens": 8192,
+            "data.micro_batch_tokens": 4096, "optim.warmup_steps": 1, "optim.decay_steps": 4,
+            "eval.enabled": False, "output_dir": out, "steps": 3,
+            "data.refit_costs_every": 3, "debug.dump_grads_at_step": DUMP, **extra}
+    train("configs/demo_omni.yaml", nproc=nproc, sets=[f"{k}={v}" for k, v in sets.items()],
+          progress=False)
+    grads = torch.load(out / f"grads-step-{DUMP}.pt", weights_only=True)
+    return read_metrics(out / "metrics.jsonl"), grads
+
+
+def assert_same_gradients(one: dict, two: dict, trained=("vision.", "decoder."),
+                          rel: float = 1e-5) -> None:
+    """Each parameter's gradient: the same name, shape and values (relative to its norm).
+    ``trained``: parts whose gradients must not be zero (a vacuous comparison otherwise)."""
+    assert one.keys() == two.keys()
+    for prefix in trained:
+        assert sum(float(g.norm()) for n, g in one.items() if n.startswith(prefix)) > 0, prefix
+    worst = []
+    for name, a in one.items():
+        b = two[name]
+        assert a.shape == b.shape, name
+        err = float((a.double() - b.double()).norm())
+        worst.append((err / max(float(a.double().norm()), 1e-30), name))
+    assert all(err <= rel for err, _ in worst), sorted(worst)[-5:]
+
+
+def assert_same_rows(one, two) -> None:
+    """Two runs' rows: the same tokens and mix, losses, norms and router losses within
+    float tolerance (router losses on)."""
+    assert [r["tokens"] for r in one] == [r["tokens"] for r in two]
+    assert [r["mix_samples"] for r in one] == [r["mix_samples"] for r in two]
+    assert all(r["router_loss"] > 0 for r in one)  # router losses on
+    for a, b in zip(one, two, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["loss"], b["loss"])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-6), a["step"]
+        assert math.isclose(a["router_loss"], b["router_loss"], rel_tol=1e-6), a["step"]
+        assert a["source_loss"].keys() == b["source_loss"].keys()
+        for name, value in a["source_loss"].items():
+            assert math.isclose(value, b["source_loss"][name], rel_tol=1e-5), name

@@ -1,0 +1,141 @@
+"""A step's metrics, kept on the device until the loop logs them.
+
+A step function returns a `StepRecord`: its sums on the device (this rank's share), the
+step's global counts (already summed over the data ranks: the loss needed them first), its
+gradient norm (a device scalar), and what this rank knows on the host (predicted cost,
+compute and data-wait seconds, sequence lengths, replaced samples). The loop keeps the
+records of `log_every` steps and `flush` turns them into one metrics row per step with one
+all-reduce, one all-gather and one object gather, and one host synchronisation: nothing in a
+step waits for its metrics. A checkpoint flushes first, so every step it covers is logged.
+
+Sums are all-reduced over `StepContext.sum_group` (the data ranks; the whole world under
+pipeline parallelism, where each figure is contributed by one stage), timings gathered over
+the data ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class StepSums:
+    """What one step adds up on this rank, on the device: per source group (G) the loss sum,
+    target tokens, samples and tokens; the router loss; the experts' load per MoE layer
+    (L×E)."""
+
+    loss_G: torch.Tensor
+    n_G: torch.Tensor
+    samples_G: torch.Tensor
+    tokens_G: torch.Tensor
+    router: torch.Tensor
+    load_LE: torch.Tensor | None = None
+
+    @classmethod
+    def zeros(cls, n_groups: int, device: torch.device) -> StepSums:
+        loss_G, n_G, samples_G, tokens_G = torch.zeros(4, n_groups, dtype=torch.float64,
+                                                       device=device)
+        return cls(loss_G, n_G, samples_G, tokens_G,
+                   torch.zeros((), dtype=torch.float64, device=device))
+
+    def flat(self) -> torch.Tensor:
+        parts = [self.loss_G, self.n_G, self.samples_G, self.tokens_G, self.router.reshape(1)]
+        if self.load_LE is not None:
+            parts.append(self.load_LE.reshape(-1).to(torch.float64))
+        return torch.cat(parts)
+
+    @classmethod
+    def from_flat(cls, values: torch.Tensor, n_groups: int,
+                  load_shape: tuple[int, ...] | None) -> StepSums:
+        g = n_groups
+        load = values[4 * g + 1:].reshape(load_shape) if load_shape is not None else None
+        return cls(values[:g], values[g:2 * g], values[2 * g:3 * g], values[3 * g:4 * g],
+                   values[4 * g], load)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step as the step function left it (module docstring). `row(record, sums, counts,
+    times, skipped)` builds the metrics row from the reduced sums and the counts (CPU
+    float64 tensors), the timing fields and the distinct skipped samples."""
+
+    step: int
+    lr: float
+    grad_norm: torch.Tensor
+    counts: torch.Tensor  # summed over the data ranks already
+    sums: torch.Tensor  # this rank's share
+    row: Callable
+    compute_s: float
+    data_wait_s: float
+    predicted_cost: float
+    imbalance_predicted: float | None
+    micro_batches: int
+    skipped: int  # corrupt samples this rank skipped
+    replaced: list = dataclasses.field(default_factory=list)  # their sample ids
+    lengths: list[int] | None = None  # sequence lengths, for the cost refit
+    extra: dict = dataclasses.field(default_factory=dict)  # anything the row builder needs
+
+
+def step_record(ctx, step: int, batch, **fields) -> StepRecord:
+    """A record with the batch's host-side facts filled in."""
+    from omniscale.loaders.assemble import sample_id
+
+    meta = batch.metadata
+    return StepRecord(step=step, data_wait_s=batch.data_wait_s,
+                      predicted_cost=meta.get("predicted_cost", 0.0),
+                      imbalance_predicted=meta.get("imbalance"),
+                      micro_batches=len(batch.micro_batches), skipped=len(batch.skipped),
+                      replaced=sorted(sample_id(bad) for bad, _ in batch.replaced), **fields)
+
+
+def _timing(ctx, record: StepRecord, costs: list[float], secs: list[float],
+            waits: list[float]) -> dict:
+    """Per-rank predicted cost vs measured seconds, the data wait, and the step time the
+    slowest rank sets (every task's row has these)."""
+    predicted = ctx.fit.k * max(costs) if ctx.fit.k is not None else None
+    ctx.fit.update(costs, secs)
+    step_s = max(s + w for s, w in zip(secs, waits))
+    return {"step_s": step_s, "data_wait_frac": max(waits) / max(step_s, 1e-9),
+            "predicted_step_s": predicted, "measured_step_s": max(secs),
+            "rank_compute_s": secs, "rank_predicted_cost": costs,
+            "imbalance_predicted": record.imbalance_predicted,
+            "imbalance_measured": max(secs) / (sum(secs) / len(secs))}
+
+
+def flush(ctx, records: list[StepRecord]) -> list[dict]:
+    """The rows of `records` (every rank calls it at the same step; rows on every rank)."""
+    if not records:
+        return []
+    sums = torch.cat([r.sums for r in records])
+    dist.all_reduce(sums, group=ctx.sum_group)
+    host = torch.tensor([[r.predicted_cost, r.compute_s, r.data_wait_s, r.skipped]
+                         for r in records], dtype=torch.float64, device=ctx.device)
+    gathered = [torch.zeros_like(host) for _ in range(ctx.world)]
+    dist.all_gather(gathered, host, group=ctx.group)
+    objects: list = [None] * ctx.world
+    dist.all_gather_object(objects, [(r.lengths, r.replaced) for r in records], group=ctx.group)
+    # the one host synchronisation of the interval
+    sums = sums.cpu()
+    per_rank = torch.stack(gathered, dim=1).tolist()  # [step][rank][field]
+    norms = torch.stack([r.grad_norm.double().reshape(()).cpu() for r in records]).tolist()
+    rows, offset = [], 0
+    for i, record in enumerate(records):
+        size = record.sums.numel()
+        costs, secs, waits, skipped = (list(column) for column in zip(*per_rank[i]))
+        times = _timing(ctx, record, costs, secs, waits)
+        reported = sum(skipped)
+        if reported and ctx.world > 1:  # the rank training a sample and the one encoding
+            # its media both decode it, and both skip it: each sample once
+            reported = len(set().union(*(set(map(tuple, o[i][1])) for o in objects)))
+        if record.lengths is not None and ctx.writer:
+            ctx.refit.add([o[i][0] for o in objects], secs)
+        row = record.row(record, sums[offset:offset + size], record.counts.cpu(), times,
+                         int(reported))
+        row["grad_norm"] = norms[i]
+        rows.append(row)
+        offset += size
+    return rows
