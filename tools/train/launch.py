@@ -21,7 +21,7 @@ import yaml
 from omniscale.dataplane.errors import UserError
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.config import RunConfig, load_config
-from omniscale.tools.train.loop import RankJob, mesh_dims, train_rank
+from omniscale.tools.train.loop import RankJob, layout, mesh_dims, train_rank
 from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
 
 
@@ -141,6 +141,7 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
                                plane_token)
     for stale in run_dir.glob("error-rank*.txt"):
         stale.unlink()
+    layout(cfg, nproc)  # an impossible layout: one line now, before any process starts
     if plane is not None:
         check_plane(plane, plane_token, data_ranks(cfg, nproc), start, cfg.parallel.sp)
     with tempfile.TemporaryDirectory(prefix="omniscale-pg-") as tmp:

@@ -23,6 +23,7 @@ from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.build import build_model, build_optimizer, model_config
+from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.metrics import MetricsWriter, Progress
 from omniscale.tools.train.pipeline_step import pipeline_step
@@ -100,10 +101,8 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
                             init_method=job.store, rank=rank, world_size=world)
     plane = loader = None
     try:
-        spec = load_spec(job.spec)
-        video = cfg.task == "video_gen"
-        mcfg = None if video else model_config(cfg, spec.media, spec.tokenizer)
-        dims = parallel_dims(cfg, world, mcfg)  # every rank, before the plane starts
+        spec, mcfg, dims = layout(cfg, world)  # every rank, before the plane starts
+        video = mcfg is None
         if job.resume_from:  # a refused checkpoint leaves RUN_DIR/plane as it was
             checkpoint.verify(Path(job.resume_from))
         if rank == 0 and job.plane_url is None:
@@ -134,7 +133,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
                           if dims.tp * dims.pp > 1 else None,
                           writer=rank == 0, devices=world,
                           encoder_copies=dims.tp // dims.encoder_tp, tp_rank=dims.tp_rank(rank),
-                          pipeline=meshes.pipeline)
+                          pipeline=meshes.pipeline, clock=ComputeClock(device.type))
         _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn)
         dist.barrier()  # nobody stops the plane while another rank still talks to it
     finally:
@@ -143,6 +142,15 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         if plane is not None:
             plane.stop()
         dist.destroy_process_group()
+
+
+def layout(cfg: RunConfig, world: int):
+    """``(spec, model config, ParallelDims)`` of the run over ``world`` processes (the model
+    config is None for video_gen); a one-line UserError when the layout cannot work. The
+    launcher checks it before it spawns anything, every rank again before the plane starts."""
+    spec = load_spec(cfg.data.spec)
+    mcfg = None if cfg.task == "video_gen" else model_config(cfg, spec.media, spec.tokenizer)
+    return spec, mcfg, parallel_dims(cfg, world, mcfg)
 
 
 def parallel_dims(cfg: RunConfig, world: int, mcfg):

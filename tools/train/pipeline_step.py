@@ -20,8 +20,6 @@ rank the row.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from omniscale.parallel.grads import clip_grad_norm
@@ -61,7 +59,7 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepR
     """chunks of micro-batches through the schedule → clip over every stage → AdamW →
     record."""
     cfg, runner = ctx.cfg, ctx.pipeline
-    start = time.perf_counter()
+    ctx.clock.start()
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
     chunks = _chunks(batch.micro_batches, runner.n_microbatches)
@@ -103,8 +101,7 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepR
         sums.load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts,
                                    dtype=torch.float64, device=ctx.device)
     update_bias(ctx, model, sums.load_LE, _moe_rows(config, runner))
-    return omni_record(ctx, step, batch, lr, grad_norm, time.perf_counter() - start, counts,
-                       sums)
+    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums)
 
 
 def _moe_rows(config, runner) -> slice:

@@ -69,7 +69,8 @@ class StepRecord:
     counts: torch.Tensor  # summed over the data ranks already
     sums: torch.Tensor  # this rank's share
     row: Callable
-    compute_s: float
+    wall_s: float  # the step's wall-clock seconds on this rank (waits included)
+    compute_s: float  # of which computing (compute_clock.ComputeClock)
     data_wait_s: float
     predicted_cost: float
     imbalance_predicted: float | None
@@ -93,17 +94,19 @@ def step_record(ctx, step: int, batch, **fields) -> StepRecord:
 
 
 def _timing(ctx, record: StepRecord, costs: list[float], secs: list[float],
-            waits: list[float]) -> dict:
-    """Per-rank predicted cost vs measured seconds, the data wait, and the step time the
-    slowest rank sets (every task's row has these)."""
+            walls: list[float], waits: list[float]) -> dict:
+    """Per-rank predicted cost vs measured compute seconds (their imbalance is the honest
+    one: waiting excluded), the data wait, and the wall-clock step the slowest rank sets
+    (every task's row has these)."""
     predicted = ctx.fit.k * max(costs) if ctx.fit.k is not None else None
     ctx.fit.update(costs, secs)
-    step_s = max(s + w for s, w in zip(secs, waits))
+    step_s = max(s + w for s, w in zip(walls, waits))
     return {"step_s": step_s, "data_wait_frac": max(waits) / max(step_s, 1e-9),
             "predicted_step_s": predicted, "measured_step_s": max(secs),
-            "rank_compute_s": secs, "rank_predicted_cost": costs,
+            "rank_compute_s": secs, "rank_wall_s": walls, "rank_predicted_cost": costs,
+            "compute_clock": ctx.clock.kind,
             "imbalance_predicted": record.imbalance_predicted,
-            "imbalance_measured": max(secs) / (sum(secs) / len(secs))}
+            "imbalance_measured": max(secs) / max(sum(secs) / len(secs), 1e-12)}
 
 
 def flush(ctx, records: list[StepRecord]) -> list[dict]:
@@ -112,7 +115,7 @@ def flush(ctx, records: list[StepRecord]) -> list[dict]:
         return []
     sums = torch.cat([r.sums for r in records])
     dist.all_reduce(sums, group=ctx.sum_group)
-    host = torch.tensor([[r.predicted_cost, r.compute_s, r.data_wait_s, r.skipped]
+    host = torch.tensor([[r.predicted_cost, r.compute_s, r.wall_s, r.data_wait_s, r.skipped]
                          for r in records], dtype=torch.float64, device=ctx.device)
     gathered = [torch.zeros_like(host) for _ in range(ctx.world)]
     dist.all_gather(gathered, host, group=ctx.group)
@@ -125,8 +128,8 @@ def flush(ctx, records: list[StepRecord]) -> list[dict]:
     rows, offset = [], 0
     for i, record in enumerate(records):
         size = record.sums.numel()
-        costs, secs, waits, skipped = (list(column) for column in zip(*per_rank[i]))
-        times = _timing(ctx, record, costs, secs, waits)
+        costs, secs, walls, waits, skipped = (list(column) for column in zip(*per_rank[i]))
+        times = _timing(ctx, record, costs, secs, walls, waits)
         reported = sum(skipped)
         if reported and ctx.world > 1:  # the rank training a sample and the one encoding
             # its media both decode it, and both skip it: each sample once

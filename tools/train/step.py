@@ -16,7 +16,6 @@ flushes them (once per ``log_every`` steps).
 from __future__ import annotations
 
 import dataclasses
-import time
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at
+from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.media_step import encode_and_reshard
 from omniscale.tools.train.metrics import CostFit, CostRefit
 from omniscale.tools.train.records import StepRecord, StepSums, step_record
@@ -52,6 +52,7 @@ class StepContext:
     encoder_copies: int = 1  # TP peers encoding the same items (their gradients add up)
     tp_rank: int = 0  # this process's tensor-parallel rank
     pipeline: object = None  # parallel.pipeline.PipelineRunner when pp > 1
+    clock: ComputeClock = dataclasses.field(default_factory=ComputeClock)  # per-rank compute
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
 
@@ -201,7 +202,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepReco
     """encode → reshard → backbone micro-batches → reshard and encoder backward → clip →
     AdamW → record."""
     cfg = ctx.cfg
-    start = time.perf_counter()
+    ctx.clock.start()
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
     media = encode_and_reshard(model, batch, ctx.rank, ctx.world, group=ctx.group,
@@ -216,8 +217,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepReco
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     update_bias(ctx, model, sums.load_LE)
-    return omni_record(ctx, step, batch, lr, grad_norm, time.perf_counter() - start, counts,
-                       sums)
+    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums)
 
 
 def sequence_lengths(batch) -> list[int]:
@@ -226,11 +226,14 @@ def sequence_lengths(batch) -> list[int]:
 
 
 def omni_record(ctx: StepContext, step: int, batch, lr: float, grad_norm: torch.Tensor,
-                compute_s: float, counts: StepCounts, sums: StepSums) -> StepRecord:
+                seconds: tuple[float, float], counts: StepCounts, sums: StepSums
+                ) -> StepRecord:
+    """The step's record; ``seconds``: (wall, compute) of ``ComputeClock.stop``."""
     load_shape = tuple(sums.load_LE.shape) if sums.load_LE is not None else None
     return step_record(ctx, step, batch, lr=lr, grad_norm=grad_norm, counts=counts.values,
                        sums=sums.flat(), row=partial(_omni_row, ctx, load_shape),
-                       compute_s=compute_s, lengths=sequence_lengths(batch))
+                       wall_s=seconds[0], compute_s=seconds[1],
+                       lengths=sequence_lengths(batch))
 
 
 def _omni_row(ctx: StepContext, load_shape, record: StepRecord, flat: torch.Tensor,

@@ -224,8 +224,6 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
     the global patch count (all ranks), clip, AdamW; a ``records.StepRecord`` back. Time and
     noise come from a generator seeded by (seed, step, rank): a resumed run draws what the
     uninterrupted one drew."""
-    import time
-
     import torch.distributed as dist
 
     from omniscale.parallel.grads import clip_grad_norm
@@ -233,7 +231,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
     from omniscale.tools.train.step import placeholder, set_lr
 
     cfg = ctx.cfg
-    start = time.perf_counter()
+    ctx.clock.start()
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
     generator = torch.Generator().manual_seed(
@@ -254,8 +252,9 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
         loss_sum += out["loss_sum"].detach().double()
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
+    wall_s, compute_s = ctx.clock.stop()
     return step_record(ctx, step, batch, lr=lr, grad_norm=grad_norm, counts=counts,
-                       sums=loss_sum, row=_video_row, compute_s=time.perf_counter() - start)
+                       sums=loss_sum, row=_video_row, wall_s=wall_s, compute_s=compute_s)
 
 
 def _video_row(record, sums: torch.Tensor, counts: torch.Tensor, times: dict,
