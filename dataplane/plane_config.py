@@ -10,6 +10,8 @@ from omniscale.balancer.types import PlannerConfig
 from omniscale.dataplane.errors import UserError
 
 MAX_DP = 1 << 16
+# the planner and the baselines of balancer.baselines (dataplane.windows.plan_policy)
+POLICIES = ("omniscale", "strided", "first_fit", "token_lpt", "kk_cost")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class PlaneConfig:
     # Longer samples are truncated (text only) or skipped (with media); default: the most one
     # SP group can hold, micro_batch_tokens x min(sp_max, ranks rounded down to a power of 2).
     max_sample_tokens: int | None = None
+    # who places samples: the planner ("omniscale") or a baseline (windows.POLICIES), so a
+    # run can train with a baseline's plans through the same plane (exactly-once all the same)
+    balance: str = "omniscale"
 
     def __post_init__(self) -> None:
         if (self.global_batch_tokens is None) == (self.global_batch_samples is None):
@@ -36,6 +41,8 @@ class PlaneConfig:
         for name in ("dp", "micro_batch_tokens", "window", "snapshot_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}: must be >= 1")
+        if self.balance not in POLICIES:
+            raise UserError(f"--balance {self.balance}: choose one of {', '.join(POLICIES)}")
         if self.dp > MAX_DP:
             raise UserError(f"--dp {self.dp}: at most {MAX_DP} ranks (every step plans a "
                             "table per rank)")

@@ -27,7 +27,6 @@ from pathlib import Path
 import pyarrow as pa
 
 from omniscale.balancer.cost import Costs
-from omniscale.balancer.planner import plan_window
 from omniscale.dataplane.catalog import Catalog
 from omniscale.dataplane.corrupt import CorruptLedger
 from omniscale.dataplane.journal import Journal
@@ -35,7 +34,7 @@ from omniscale.dataplane.mixer import Mixer, MixtureExhausted
 from omniscale.dataplane.plan_table import fingerprint, rank_tables
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.dataplane.spec import MixSpec, spec_from_text
-from omniscale.dataplane.windows import Window, window_samples
+from omniscale.dataplane.windows import Window, plan_policy, window_samples
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +229,9 @@ class PlaneState:
             return
         samples = window_samples(batches, self.spec.media)
         first = k * W
-        plans = plan_window(samples, self.costs, self.config.planner(self.dp_at(first),
-                                                                      len(batches)))
+        plans = plan_policy(samples, self.costs, self.config.planner(self.dp_at(first),
+                                                                      len(batches)),
+                            self.config.balance)
         window = Window(k, first, start.mixer_state, self.spec_ref,
                         [r for b in batches for r in b], samples, plans,
                         [self.dp_at(first)] * len(plans))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.journal import Journal, JournalError
@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 # Settings that decide what the plane plans: a restart must keep them (dp may change).
 PLANNING_FIELDS = ("micro_batch_tokens", "window", "global_batch_tokens",
                    "global_batch_samples", "sp_max", "epsilon", "cost_linear",
-                   "cost_quadratic", "max_sample_tokens")
+                   "cost_quadratic", "max_sample_tokens", "balance")
+# what a state dir written before a field existed was planned with
+DEFAULTS = {f.name: f.default for f in fields(PlaneConfig)}
 
 
 def start_record(journal: Journal) -> tuple[int, dict] | None:
@@ -44,9 +46,10 @@ def check_settings(start: dict, config: PlaneConfig) -> None:
     """A restart with other planning settings would plan other steps: refused in one line."""
     was = start["config"]
     for name in PLANNING_FIELDS:
-        if was.get(name) != getattr(config, name):
+        before = was.get(name, DEFAULTS[name])
+        if before != getattr(config, name):
             raise UserError(f"--{name.replace('_', '-')} {getattr(config, name)}: this state "
-                            f"dir was planned with {was.get(name)} (only --dp may change on a "
+                            f"dir was planned with {before} (only --dp may change on a "
                             "restart)")
 
 

@@ -9,13 +9,15 @@ different number of ranks (an elastic restore mid-window) without touching its h
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
+from omniscale.balancer.baselines import BASELINES, SPLIT_SUFFIX, split_sizes
 from omniscale.balancer.cost import Costs
-from omniscale.balancer.planner import plan_step
+from omniscale.balancer.planner import plan_step, plan_window
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
 from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.geometry import MediaGeometry, audio_tokens
@@ -62,26 +64,69 @@ def subset(samples: WindowSamples, idx_n: np.ndarray, batch_n: np.ndarray
         item_tokens_M=samples.item_tokens_M[item_m]), item_m
 
 
+def plan_policy(samples: WindowSamples, costs: Costs, config: PlannerConfig,
+                policy: str = "omniscale") -> list[StepPlan]:
+    """The window's plans by ``policy``: the planner (``omniscale``: reorders samples between
+    the window's steps) or a baseline of ``balancer.baselines`` (each global batch as drawn,
+    placed its own way; with ``sp_max`` > 1 its ``+split`` variant, given exactly the
+    planner's long-short split decided over the window: the same splitting)."""
+    if policy == "omniscale":
+        return plan_window(samples, costs, config)
+    sizes_N = split_sizes(samples, costs, config, n_steps=config.window) \
+        if config.sp_max > 1 else None
+    plans = []
+    for b in range(config.window):
+        idx_n = np.flatnonzero(samples.batch_N == b)
+        plans.append(_baseline_step(samples, idx_n, b, costs, config, policy,
+                                    None if sizes_N is None else sizes_N[idx_n]))
+    return plans
+
+
+def _baseline_step(samples: WindowSamples, idx_n: np.ndarray, step: int, costs: Costs,
+                   config: PlannerConfig, policy: str, sizes_n: np.ndarray | None) -> StepPlan:
+    """Window samples ``idx_n`` placed as step ``step`` by the named baseline (``sizes_n``:
+    their SP group sizes, None for no split)."""
+    one_step = dataclasses.replace(config, window=1)
+    sub, item_m = subset(samples, idx_n, np.zeros(len(idx_n), np.int64))
+    if sizes_n is None:
+        plan = BASELINES[policy](sub, costs, one_step)
+    else:
+        plan = BASELINES[policy + SPLIT_SUFFIX](sub, costs, one_step, sp_size_N=sizes_n)
+    return _to_window(plan, samples, idx_n, item_m, step)
+
+
+def _to_window(plan: StepPlan, samples: WindowSamples, idx_n: np.ndarray, item_m: np.ndarray,
+               step: int) -> StepPlan:
+    """A plan of the subset ``idx_n`` back in window numbering, as step ``step``."""
+    plan.step = step
+    plan.sample_P = idx_n[plan.sample_P]
+    plan.item_M = item_m[plan.item_M]
+    plan.item_sample_M = idx_n[plan.item_sample_M]
+    plan.displacement_P = np.abs(step - samples.batch_N[plan.sample_P]).astype(np.int32)
+    return plan
+
+
 def replan_tail(plans: list[StepPlan], samples: WindowSamples, from_step: int, costs: Costs,
-                config: PlannerConfig) -> list[StepPlan]:
+                config: PlannerConfig, policy: str = "omniscale") -> list[StepPlan]:
     """Plans whose steps ``< from_step`` are kept and whose later steps are re-planned on
     ``config.dp`` ranks, each step with exactly the samples it had (steps are window-local).
     Used when a job resumes mid-window with a different number of ranks: what was trained
     stays trained, and every later step trains the same global batch as before (DESIGN.md:
     the same global batches re-planned onto the new ranks) -- only ranks and micro-batches
-    change, so the run's loss curve does not depend on when it was resized."""
-    one_step = PlannerConfig(dp=config.dp, micro_batch_tokens=config.micro_batch_tokens,
-                             window=1, sp_max=config.sp_max, epsilon=config.epsilon)
+    change, so the run's loss curve does not depend on when it was resized. ``policy``: the
+    run's (``plan_policy``)."""
+    one_step = dataclasses.replace(config, window=1)
     fresh = []
     for plan in plans[from_step:]:
         idx_n = np.sort(plan.samples()).astype(np.int64)
         sub, item_m = subset(samples, idx_n, np.zeros(len(idx_n), np.int64))
-        new = plan_step(sub, costs, one_step, step=plan.step)
-        new.sample_P = idx_n[new.sample_P]  # back to window numbering
-        new.item_M = item_m[new.item_M]
-        new.item_sample_M = idx_n[new.item_sample_M]
-        new.displacement_P = np.abs(new.step - samples.batch_N[new.sample_P]).astype(np.int32)
-        fresh.append(new)
+        if policy == "omniscale":
+            fresh.append(_to_window(plan_step(sub, costs, one_step, step=plan.step), samples,
+                                    idx_n, item_m, plan.step))
+        else:
+            sizes_n = split_sizes(sub, costs, one_step) if config.sp_max > 1 else None
+            fresh.append(_baseline_step(samples, idx_n, plan.step, costs, config, policy,
+                                        sizes_n))
     return plans[:from_step] + fresh
 
 
@@ -112,7 +157,7 @@ class Window:
         if local >= len(self.plans):
             return
         self.plans = replan_tail(self.plans, self.samples, local, costs,
-                                 config.planner(dp, len(self.plans) - local))
+                                 config.planner(dp, len(self.plans) - local), config.balance)
         self.dp_of_step[local:] = [dp] * (len(self.plans) - local)
         self.tables = {key: t for key, t in self.tables.items() if key[0] < step}
         self.prints = {key: f for key, f in self.prints.items() if key[0] < step}

@@ -9,6 +9,7 @@ import sys
 import threading
 
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plane_config import POLICIES
 
 
 def add_commands(commands) -> None:
@@ -35,6 +36,9 @@ def add_commands(commands) -> None:
     batch.add_argument("--global-batch-samples", type=int)
     serve.add_argument("--micro-batch-tokens", type=int, default=16384)
     serve.add_argument("--sp-max", type=int, default=8)
+    serve.add_argument("--balance", default="omniscale", choices=POLICIES,
+                       help="who places samples on ranks: the planner (default) or a baseline "
+                            "policy, to compare them on the same run")
     serve.add_argument("--max-sample-tokens", type=int, default=None,
                        help="longer text is truncated, longer media samples skipped "
                             "(default: micro-batch tokens x SP group)")
@@ -114,7 +118,8 @@ def _serve(args: argparse.Namespace) -> int:
         dp=args.dp, micro_batch_tokens=args.micro_batch_tokens, window=args.window,
         global_batch_tokens=args.global_batch_tokens,
         global_batch_samples=args.global_batch_samples, sp_max=args.sp_max,
-        snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens)
+        snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens,
+        balance=args.balance)
     return (_serve_on_ray if args.ray else _serve_here)(args, config)
 
 

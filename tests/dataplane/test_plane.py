@@ -71,6 +71,48 @@ def test_resize_mid_window_keeps_every_sample_once(demo, tmp_path):
     assert_exactly_once(tmp_path)
 
 
+@pytest.mark.parametrize("policy", ["strided", "first_fit", "token_lpt", "kk_cost"])
+def test_baseline_policies_plan_through_the_same_plane(demo, tmp_path, policy):
+    """``--balance``: a baseline places each global batch as drawn; restart, resize and the
+    audit hold as for the planner, and a restart may not change the policy."""
+    config = dataclasses.replace(CONFIG, balance=policy)
+    ours = train(DataPlane(demo / "mix.yaml", tmp_path / "ours", CONFIG), 0, 8)
+    plane = DataPlane(demo / "mix.yaml", tmp_path / "base", config)
+    theirs = train(plane, 0, 6)
+    ahead = {s: [plane.get_plan(s, r) for r in range(2)] for s in (6, 7)}
+    theirs.update(ahead)
+    # the same global batches (the mixer draws them), placed otherwise
+    for first in (0, 4):
+        window = range(first, first + 4)
+        assert keys(t for s in window for t in ours[s]) == \
+            keys(t for s in window for t in theirs[s])
+    assert any(ours[s] != theirs[s] for s in range(8))
+    again = DataPlane(demo / "mix.yaml", tmp_path / "base", config)  # as after a crash
+    assert {s: [again.get_plan(s, r) for r in range(2)] for s in (6, 7)} == ahead
+    bigger = DataPlane(demo / "mix.yaml", tmp_path / "base", dataclasses.replace(config, dp=3))
+    replanned = train(bigger, 6, 8)  # mid-window, on 3 ranks: the same samples per step
+    for s in (6, 7):
+        assert keys(replanned[s]) == keys(ahead[s])
+    train(bigger, 8, 20)
+    assert_exactly_once(tmp_path / "base")
+    with pytest.raises(UserError, match=f"^--balance omniscale: this state dir was planned "
+                                        f"with {policy} "):
+        DataPlane(demo / "mix.yaml", tmp_path / "base", dataclasses.replace(CONFIG, dp=3))
+
+
+def test_policy_names_are_the_planner_and_every_baseline():
+    import typing
+
+    from omniscale.balancer.baselines import BASELINES_NO_SPLIT
+    from omniscale.dataplane.plane_config import POLICIES
+    from omniscale.tools.train.config import DataSection
+
+    assert POLICIES == ("omniscale", *BASELINES_NO_SPLIT)
+    assert typing.get_args(DataSection.model_fields["balance"].annotation) == POLICIES
+    with pytest.raises(UserError, match="^--balance lpt: choose one of omniscale, strided, "):
+        dataclasses.replace(CONFIG, balance="lpt")
+
+
 def test_restore_step_rolls_back_later_commits(demo, tmp_path):
     plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
     original = train(plane, 0, 14)  # snapshots at 4, 8, 12

@@ -30,7 +30,8 @@ def full_row(step: int, ranks: int = 4) -> dict:
         "mix_target": {"text": text_weight, "image": 1 - text_weight, "audio": 0.0},
         "rank_compute_s": [0.6 + 0.01 * r for r in range(ranks)],
         "rank_predicted_cost": [1e8 + 1e6 * r for r in range(ranks)],
-        "imbalance_measured": 1.02, "imbalance_predicted": 1.01,
+        "imbalance_measured": 1.02, "imbalance_predicted": 1.01, "compute_clock": "cpu",
+        "balance": "token_lpt",
         "expert_load": [[100 + e * (layer + 1) for e in range(8)] for layer in range(2)],
         "expert_load_max_over_mean": [1.1, 1.2],
     }
@@ -75,6 +76,8 @@ def test_every_plot_from_full_rows(tmp_path):
     assert "accounting is unknown" not in page
     assert "30 (steps 0–29)" in page
     assert f"{full_row(29)['loss']:.4g}" in page  # final loss in the summary
+    assert "placement policy (data.balance)</td><td>token_lpt" in page
+    assert "mean measured imbalance of compute time (max/mean)" in page
     assert "mean tokens/s" in page
     assert "image_caption" in page and "0.66" in page and "from eval.json" in page
     # audio: wanted (weight 0) but never drawn, still reported beside the others

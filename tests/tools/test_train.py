@@ -75,12 +75,18 @@ def test_two_processes_train_with_fsdp_and_commit_every_step(demo, tmp_path):
     # Two real processes on gloo, FSDP over both: ranks with and without a modality must
     # reach the encoders in the same backward order (MediaEmbeddings.zero joins the
     # embeddings), and the clip must combine norms from the encoder and backbone meshes.
+    # The plans come from a baseline policy (data.balance) through the same plane.
+    from omniscale.dataplane.audit import audit_state_dir
+
     out = tmp_path / "two"
-    result = train("configs/demo_omni.yaml", nproc=2, sets=_sets(demo, out, steps=2),
-                   progress=False)
+    result = train("configs/demo_omni.yaml", nproc=2, progress=False,
+                   sets=_sets(demo, out, steps=2) + ["data.balance=kk_cost"])
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and result["steps"] == 2
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    assert {r["balance"] for r in rows} == {"kk_cost"}
+    report = audit_state_dir(out / "plane")
+    assert (report["next_step"], report["duplicated"], report["missing"]) == (2, 0, 0)
 
 
 def test_an_empty_slot_becomes_a_one_token_batch_that_adds_nothing():

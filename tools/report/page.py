@@ -52,8 +52,12 @@ def summary_rows(rows: list[dict]) -> list[tuple[str, str]]:
     if step_s := numbers("step_s"):
         out.append(("time in steps", f"{sum(step_s):,.1f} s"))
     if imbalance := numbers("imbalance_measured"):
-        out.append(("mean measured imbalance (max/mean)",
+        clocks = {r.get("compute_clock") for r in rows} - {None}
+        how = " of compute time" if clocks == {"cpu"} else ""
+        out.append((f"mean measured imbalance{how} (max/mean)",
                     format_value(sum(imbalance) / len(imbalance))))
+    if policies := list(dict.fromkeys(r["balance"] for r in rows if r.get("balance"))):
+        out.append(("placement policy (data.balance)", ", ".join(policies)))
     return out
 
 

@@ -55,6 +55,9 @@ class DataSection(_Strict):
     # send it to the plane -- not in deterministic mode, where plans must not depend on timing
     # (the fit is then only logged), so that a resumed run replays bit for bit.
     refit_costs_every: int = Field(50, ge=0)
+    # who places samples on ranks: the planner, or a baseline policy through the same plane
+    # (to measure the planner's gain on this very run)
+    balance: Literal["omniscale", "strided", "first_fit", "token_lpt", "kk_cost"] = "omniscale"
 
 
 class OptimSection(_Strict):

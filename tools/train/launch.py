@@ -90,10 +90,11 @@ def data_ranks(cfg: RunConfig, nproc: int) -> int:
     return mesh_dims(cfg, nproc).dp_sp
 
 
-def check_plane(url: str, token: str | None, nproc: int, start: int, sp: int = 1
-                ) -> None:
+def check_plane(url: str, token: str | None, nproc: int, start: int, sp: int = 1,
+                balance: str = "omniscale") -> None:
     """An external plane must plan for this job: ``nproc`` data ranks, sequence-parallel groups no
-    larger than ``parallel.sp``, next step = the step the trainer starts at."""
+    larger than ``parallel.sp``, the run's placement policy, next step = the step the trainer
+    starts at."""
     from omniscale.dataplane.client import PlaneClient
 
     try:
@@ -108,6 +109,10 @@ def check_plane(url: str, token: str | None, nproc: int, start: int, sp: int = 1
     if config.get("sp_max", 1) > sp:
         raise UserError(f"--plane {url}: the plane may split samples over {config['sp_max']} "
                         f"ranks (--sp-max), this run's parallel.sp is {sp}")
+    if config.get("balance", "omniscale") != balance:
+        raise UserError(f"--plane {url}: the plane places samples with --balance "
+                        f"{config.get('balance', 'omniscale')}, this run's data.balance is "
+                        f"{balance}")
     if status["next_step"] != start:
         raise UserError(f"--plane {url}: the plane's next step is {status['next_step']}, the "
                         f"run starts at step {start} (restart the plane with --restore-step "
@@ -143,7 +148,8 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
         stale.unlink()
     layout(cfg, nproc)  # an impossible layout: one line now, before any process starts
     if plane is not None:
-        check_plane(plane, plane_token, data_ranks(cfg, nproc), start, cfg.parallel.sp)
+        check_plane(plane, plane_token, data_ranks(cfg, nproc), start, cfg.parallel.sp,
+                    cfg.data.balance)
     with tempfile.TemporaryDirectory(prefix="omniscale-pg-") as tmp:
         job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
                       str(found[1]) if found else None, f"file://{tmp}/store", progress,
@@ -159,7 +165,8 @@ def _train_one_rank(cfg, run_dir: Path, rank: int, world: int, start: int, found
                     plane, plane_token) -> dict:
     """One rank of a torchrun launch (``tools.train.torchrun``); rank 0 evaluates after."""
     if rank == 0 and plane is not None:
-        check_plane(plane, plane_token, data_ranks(cfg, world), start, cfg.parallel.sp)
+        check_plane(plane, plane_token, data_ranks(cfg, world), start, cfg.parallel.sp,
+                    cfg.data.balance)
     job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
                   str(found[1]) if found else None, "env://", progress,
                   plane_url=plane, plane_token=plane_token)

@@ -56,7 +56,7 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
     extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0} if cost else {}
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
                        global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp,
-                       snapshot_every=cfg.checkpoint_every, **extra)
+                       snapshot_every=cfg.checkpoint_every, balance=d.balance, **extra)
 
 
 def device_of(cfg: RunConfig, rank: int) -> torch.device:
@@ -307,6 +307,7 @@ def _log(ctx: StepContext, rows: list[dict], writer, bar, spec, client, tokens_b
         step = row["step"]
         if ctx.device.type == "cuda":  # this rank's peak since the start (GiB)
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
+        row["balance"] = cfg.data.balance  # the placement policy the plans came from
         if "mix_samples" in row:
             row["mix_target"] = _target_mix(spec, step, tokens_before[0])
         if ctx.writer and cfg.data.refit_costs_every and \
