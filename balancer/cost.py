@@ -218,13 +218,16 @@ def _design(features_X) -> np.ndarray:
     return np.stack([lengths, lengths * lengths, np.ones_like(lengths)], axis=1)
 
 
-def fit(features_X, times_T) -> FitResult:
+def fit(features_X, times_T, nonnegative: bool = False) -> FitResult:
     """Least-squares α, β, γ from measured times.
 
     `features_X` is either one length per measurement (a single sequence each) or, per
     measurement, an array of the lengths of the sequences it ran (a step or micro-batch whose
     time is the sum of its sequences' costs). Raises ValueError when the measurements cannot
     determine three parameters, rather than return a silently meaningless model.
+    `nonnegative`: the best fit with every coefficient ≥ 0 (each subset of the three terms is
+    fitted and the best one whose coefficients are all ≥ 0 kept: exact for three terms), so
+    noise cannot make a cost that falls with length.
     """
     A_TK = _design(features_X)
     t_T = np.asarray(times_T, dtype=np.float64).reshape(-1)
@@ -241,6 +244,8 @@ def fit(features_X, times_T) -> FitResult:
                          "(need at least 3 different lengths or length mixes)")
     coef_K, *_ = np.linalg.lstsq(A_TK / scale_K, t_T, rcond=None)
     coef_K = coef_K / scale_K
+    if nonnegative and (coef_K < 0).any():
+        coef_K = nonnegative_lstsq(A_TK / scale_K, t_T) / scale_K
     pred_T = A_TK @ coef_K
     ss_res = float(((t_T - pred_T) ** 2).sum())
     ss_tot = float(((t_T - t_T.mean()) ** 2).sum())
@@ -249,3 +254,22 @@ def fit(features_X, times_T) -> FitResult:
     mape = float(np.median(np.abs(pred_T[nonzero] - t_T[nonzero]) / np.abs(t_T[nonzero]))) \
         if nonzero.any() else 0.0
     return FitResult(model=CostModel(*(float(c) for c in coef_K)), r2=r2, mape=mape)
+
+
+def nonnegative_lstsq(A_TK: np.ndarray, t_T: np.ndarray) -> np.ndarray:
+    """The least-squares coefficients ≥ 0 (zero on the terms left out), over every subset of
+    the columns (exact; for the few terms of a cost model)."""
+    import itertools
+
+    best, best_res = np.zeros(A_TK.shape[1]), float((t_T ** 2).sum())
+    for size in range(1, A_TK.shape[1] + 1):
+        for cols in itertools.combinations(range(A_TK.shape[1]), size):
+            sub, *_ = np.linalg.lstsq(A_TK[:, cols], t_T, rcond=None)
+            if (sub < 0).any():
+                continue
+            coef = np.zeros(A_TK.shape[1])
+            coef[list(cols)] = sub
+            res = float(((A_TK @ coef - t_T) ** 2).sum())
+            if res < best_res:
+                best, best_res = coef, res
+    return best

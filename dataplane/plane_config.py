@@ -4,9 +4,11 @@ trainer's ``data`` section). Invalid combinations are one-line UserErrors at con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from omniscale.balancer.types import PlannerConfig
+from omniscale.balancer.cost import CostModel, Costs
+from omniscale.balancer.types import ENCODER_KINDS, PlannerConfig
 from omniscale.dataplane.errors import UserError
 
 MAX_DP = 1 << 16
@@ -33,6 +35,9 @@ class PlaneConfig:
     # who places samples: the planner ("omniscale") or a baseline (windows.POLICIES), so a
     # run can train with a baseline's plans through the same plane (exactly-once all the same)
     balance: str = "omniscale"
+    # a calibrated cost model (`omniscale balance calibrate`): α, β, γ of the LLM ("llm") and
+    # of each encoder kind, in seconds; None prices encoders relative to cost_linear/quadratic
+    costs: dict | None = None
 
     def __post_init__(self) -> None:
         if (self.global_batch_tokens is None) == (self.global_batch_samples is None):
@@ -41,6 +46,8 @@ class PlaneConfig:
         for name in ("dp", "micro_batch_tokens", "window", "snapshot_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}: must be >= 1")
+        if self.costs is not None:
+            _check_costs(self.costs)
         if self.balance not in POLICIES:
             raise UserError(f"--balance {self.balance}: choose one of {', '.join(POLICIES)}")
         if self.dp > MAX_DP:
@@ -48,6 +55,14 @@ class PlaneConfig:
                             "table per rank)")
         PlannerConfig(dp=self.dp, micro_batch_tokens=self.micro_batch_tokens,
                       window=self.window, sp_max=self.sp_max, epsilon=self.epsilon)
+
+    def cost_model(self, linear: float, quadratic: float) -> Costs:
+        """The planner's costs with the LLM's ``linear·L + quadratic·L²`` (the refit may move
+        them during a run): a calibrated model's γ and encoders, or encoders relative to it."""
+        if self.costs is None:
+            return Costs.from_llm(linear, quadratic)
+        return Costs(llm=CostModel(linear, quadratic, self.costs["llm"][2]),
+                     encoders=tuple(CostModel(*self.costs[kind]) for kind in ENCODER_KINDS))
 
     def planner(self, dp: int, window: int) -> PlannerConfig:
         return PlannerConfig(dp=dp, micro_batch_tokens=self.micro_batch_tokens, window=window,
@@ -63,3 +78,13 @@ class PlaneConfig:
     def batch(self) -> dict:
         return {"global_batch_tokens": self.global_batch_tokens,
                 "global_batch_samples": self.global_batch_samples}
+
+
+def _check_costs(costs: dict) -> None:
+    for name in ("llm", *ENCODER_KINDS):
+        value = costs.get(name)
+        if not (isinstance(value, (list, tuple)) and len(value) == 3 and
+                all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                    for v in value)):
+            raise UserError(f"--costs: {name}: expected three finite coefficients >= 0 "
+                            f"(alpha, beta, gamma), got {value!r}")

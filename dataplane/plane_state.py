@@ -64,7 +64,7 @@ class PlaneState:
     def __init__(self, config: PlaneConfig, store: Journal, cap: int, spec_ref: dict):
         self.config, self.store, self.cap = config, store, cap
         self._mix_from(spec_ref)
-        self.costs = Costs.from_llm(config.cost_linear, config.cost_quadratic)
+        self.costs = config.cost_model(config.cost_linear, config.cost_quadratic)
         self.next_window = self.next_step = 0
         self.exhausted_at: int | None = None
         self.windows: dict[int, Window] = {}
@@ -95,7 +95,7 @@ class PlaneState:
         start = WindowStart.from_json(snap["start"])
         state = cls(config, store, int(snap["sample_cap"]), start.spec)
         state.mixer.load_state_dict(start.mixer_state)
-        state.costs = Costs.from_llm(*start.costs)
+        state.costs = config.cost_model(*start.costs)
         state.next_window, state.next_step = k, int(snap["step"])
         state.starts = {k: start}
         state.committed = set(snap["committed_ahead"])
@@ -196,7 +196,7 @@ class PlaneState:
     def costs_of(self, k: int) -> Costs:
         """The cost model window ``k`` was planned with (a resize re-plans with the same)."""
         start = self.starts.get(k)
-        return Costs.from_llm(*start.costs) if start is not None else self.costs
+        return self.config.cost_model(*start.costs) if start is not None else self.costs
 
     def plan_through(self, step: int) -> None:
         """Draw and plan windows until ``step`` is planned or the data runs out."""
@@ -210,7 +210,7 @@ class PlaneState:
                 self._apply_reload(ref)
         for window, linear, quadratic in self.cost_changes:
             if window == k:
-                self.costs = Costs.from_llm(linear, quadratic)
+                self.costs = self.config.cost_model(linear, quadratic)
         self.corrupt.apply(self.mixer.catalog, k)  # reports that arrived before this window
         start = WindowStart(_copy(self.mixer.state_dict()), self.spec_ref,
                             (self.costs.llm.alpha, self.costs.llm.beta))
@@ -263,7 +263,7 @@ class PlaneState:
         if k < self.next_window:
             start = self.starts[k]
             self._mix_from(start.spec, start.mixer_state)
-            self.costs = Costs.from_llm(*start.costs)
+            self.costs = self.config.cost_model(*start.costs)
             self.next_window, self.exhausted_at = k, None
             self.corrupt.unapply_after(k)
         for j in [j for j in self.starts if j > k]:

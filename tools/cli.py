@@ -7,6 +7,7 @@ non-zero exit; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -69,6 +70,17 @@ def _balance_simulate(args: argparse.Namespace) -> int:
     from omniscale.tools.balance_sim import simulate_command
 
     simulate_command(args)
+    return 0
+
+
+def _balance_calibrate(args: argparse.Namespace) -> int:
+    from omniscale.tools.balance_calibrate import calibrate, summary
+
+    result = calibrate(args.config, args.set or [], repeats=args.repeats,
+                       progress=lambda line: print(line, flush=True))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(summary(result))
+    print(f"wrote {args.out} (data.costs / plane serve --costs)")
     return 0
 
 
@@ -170,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plan-out", metavar="FILE.parquet",
                      help="write our plan: one row per placement")
     sim.set_defaults(func=_balance_simulate)
+    cal = balance_commands.add_parser(
+        "calibrate", help="time the run's model here and fit the balancer's cost model")
+    cal.add_argument("config", metavar="CONFIG.yaml", help="the run config (model and data)")
+    cal.add_argument("--out", default="costs.json", help="cost file to write (costs.json)")
+    cal.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override a config field, as for train")
+    cal.add_argument("--repeats", type=int, default=3,
+                     help="timed runs per measurement, the median kept (default 3)")
+    cal.set_defaults(func=_balance_calibrate)
     train = commands.add_parser(
         "train", help="train a model: embedded plane, loaders, FSDP ranks, checkpoints, eval")
     train.add_argument("config", nargs="?", metavar="CONFIG.yaml",

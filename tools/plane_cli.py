@@ -36,6 +36,9 @@ def add_commands(commands) -> None:
     batch.add_argument("--global-batch-samples", type=int)
     serve.add_argument("--micro-batch-tokens", type=int, default=16384)
     serve.add_argument("--sp-max", type=int, default=8)
+    serve.add_argument("--costs", metavar="costs.json", default=None,
+                       help="cost model of `omniscale balance calibrate` (default: relative "
+                            "costs, 24576·L + L²)")
     serve.add_argument("--balance", default="omniscale", choices=POLICIES,
                        help="who places samples on ranks: the planner (default) or a baseline "
                             "policy, to compare them on the same run")
@@ -119,8 +122,16 @@ def _serve(args: argparse.Namespace) -> int:
         global_batch_tokens=args.global_batch_tokens,
         global_batch_samples=args.global_batch_samples, sp_max=args.sp_max,
         snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens,
-        balance=args.balance)
+        balance=args.balance, **_costs(args.costs))
     return (_serve_on_ray if args.ray else _serve_here)(args, config)
+
+
+def _costs(path: str | None) -> dict:
+    if path is None:
+        return {}
+    from omniscale.tools.balance_calibrate import plane_costs
+
+    return plane_costs(path)
 
 
 def _serve_here(args: argparse.Namespace, config) -> int:

@@ -58,6 +58,9 @@ class DataSection(_Strict):
     # who places samples on ranks: the planner, or a baseline policy through the same plane
     # (to measure the planner's gain on this very run)
     balance: Literal["omniscale", "strided", "first_fit", "token_lpt", "kk_cost"] = "omniscale"
+    # the cost model from `omniscale balance calibrate` (seconds of this machine); default:
+    # the model's FLOPs per sequence (the online refit moves either)
+    costs: str | None = None
 
 
 class OptimSection(_Strict):

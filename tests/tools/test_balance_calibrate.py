@@ -1,0 +1,77 @@
+"""``omniscale balance calibrate``: the fit recovers a known cost model, the run's model is
+timed end to end, and the plane and trainer read the cost file."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from omniscale.balancer.cost import fit, nonnegative_lstsq
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plane_config import PlaneConfig
+from omniscale.tools.balance_calibrate import backbone_fit, backbone_mixes, calibrate, plane_costs
+
+TRUE = (5e-5, 1e-8, 2e-4, 2e-2)  # α per token, β per token², γ per sequence, δ per micro-batch
+
+
+def _seconds(mixes, rng, noise=0.02):
+    a, b, g, d = TRUE
+    t = np.array([sum(a * n + b * n * n + g for n in m) + d for m in mixes])
+    return (t * (1 + noise * rng.standard_normal(len(t)))).tolist()
+
+
+def test_backbone_fit_recovers_a_known_model_and_predicts_held_out_mixes():
+    rng = np.random.default_rng(0)
+    grid, mixes = backbone_mixes(4096, rng, held_out=12)
+    assert all(sum(m) <= 4096 for m in grid + mixes) and not any(m in grid for m in mixes)
+    result = backbone_fit(grid, _seconds(grid, rng), mixes, _seconds(mixes, rng))
+    got = (result["alpha"], result["beta"], result["gamma"], result["per_micro_batch"])
+    for want, value, tol in zip(TRUE, got, (0.1, 0.1, 0.5, 0.1), strict=True):
+        assert abs(value - want) <= tol * want, (want, value)
+    assert result["held_out"]["mape"] < 0.05 and result["held_out"]["r2"] > 0.95
+
+
+def test_nonnegative_fit_never_lets_a_cost_fall_with_length():
+    # times of a purely linear cost with a little noise: plain least squares puts a small
+    # negative β (a cost that falls with length at large L); the constrained fit keeps β ≥ 0
+    lengths = np.array([100, 200, 400, 800, 1600, 3200], np.float64)
+    times = 1e-4 * lengths * np.array([1.0, 1.0, 1.0, 1.0, 1.0, 0.97]) + 1e-3
+    assert fit(lengths, times).model.beta < 0
+    model = fit(lengths, times, nonnegative=True).model
+    assert min(model.alpha, model.beta, model.gamma) >= 0
+    # the constrained optimum, checked against a brute-force grid over (α, γ) with β = 0
+    A = np.stack([lengths, lengths ** 2, np.ones_like(lengths)], axis=1)
+    best = nonnegative_lstsq(A, times)
+    assert best[1] == 0 and np.allclose(best, [model.alpha, model.beta, model.gamma])
+
+
+def test_calibrate_times_the_runs_model_and_the_plane_reads_it(demo, tmp_path):
+    result = calibrate("configs/demo_omni.yaml", [f"data.spec={demo / 'mix.yaml'}",
+                                                  "data.micro_batch_tokens=1024",
+                                                  "eval.enabled=false"],
+                       repeats=1, held_out=4, progress=lambda line: None)
+    llm = result["llm"]
+    assert result["unit"] == "seconds" and llm["alpha"] > 0 and llm["r2"] > 0.5
+    assert set(result["encoders"]) == {"image", "video", "audio"}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(result))
+    args = plane_costs(path)
+    config = PlaneConfig(dp=2, global_batch_tokens=8192, **args)
+    costs = config.cost_model(config.cost_linear, config.cost_quadratic)
+    image = result["encoders"]["image"]
+    assert costs.item_cost(np.array([64]), np.array([0]))[0] == pytest.approx(
+        image["alpha"] * 64 + image["beta"] * 64 ** 2 + image["gamma"])
+    assert costs.llm(np.array([100]))[0] == pytest.approx(
+        llm["alpha"] * 100 + llm["beta"] * 100 ** 2 + llm["gamma"])
+
+
+def test_a_bad_cost_file_is_one_line(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"llm": {"alpha": 1.0}}))
+    with pytest.raises(UserError, match=r"costs.json: not a cost file of `omniscale balance "
+                                        r"calibrate` \('beta'\)$"):
+        plane_costs(path)
+    with pytest.raises(UserError, match=r"^--costs: llm: expected three finite coefficients"):
+        PlaneConfig(dp=2, global_batch_tokens=8192, costs={"llm": [1.0, -1.0, 0.0]})
