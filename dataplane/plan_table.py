@@ -55,7 +55,7 @@ def item_kinds(ref: SampleRef) -> list[tuple[int, int]]:
 
 
 def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
-                step: int, dp: int) -> list[pa.Table]:
+                step: int, dp: int, side: dict | None = None) -> list[pa.Table]:
     """The plan of absolute step ``step`` split into one table per rank.
 
     ``refs`` are the window's samples (window-local index = position); ``first_item_N`` is
@@ -64,6 +64,7 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
     A rank's rows are its LLM placements in placement order, then the encoder items it
     encodes in item order. Built once per step with array operations: every row of the step
     in that order (a stable sort by rank), then each rank's table is a zero-copy slice.
+    ``side``: more metadata for every rank (what the best baseline would predict).
     """
     sample_P = np.asarray(plan.sample_P, np.int64)
     rank_P = np.asarray(plan.rank_P, np.int64)
@@ -155,7 +156,7 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
         meta = {"step": step, "rank": r, "dp": dp, **shared,
                 "predicted_cost": float(cost_R[r]) if len(cost_R) else 0.0,
                 "step_max_cost": step_max, "lower_bound": lower_bound,
-                "imbalance": imbalance, "reshard": plan.reshard}
+                "imbalance": imbalance, "reshard": plan.reshard, **(side or {})}
         out.append(table.slice(int(starts_R[r]), int(counts_R[r]))
                    .replace_schema_metadata({METADATA_KEY: json.dumps(meta)}))
     return out

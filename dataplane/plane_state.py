@@ -34,7 +34,7 @@ from omniscale.dataplane.mixer import Mixer, MixtureExhausted
 from omniscale.dataplane.plan_table import fingerprint, rank_tables
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.dataplane.spec import MixSpec, spec_from_text
-from omniscale.dataplane.windows import Window, plan_policy, window_samples
+from omniscale.dataplane.windows import Window, best_baseline, plan_policy, window_samples
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,11 @@ class PlaneState:
         if (step, rank) not in window.tables:
             plan, dp = window.plans[local], window.dp_of_step[local]
             first_item_N = window.samples.item_offsets_N1[:-1]
-            for r, table in enumerate(rank_tables(plan, window.refs, first_item_N, step, dp)):
+            side = best_baseline(window.samples, local, self.costs_of(window.k),
+                                 self.config.planner(dp, len(window.plans))) \
+                if self.config.balance == "omniscale" else None
+            for r, table in enumerate(rank_tables(plan, window.refs, first_item_N, step, dp,
+                                                  side)):
                 window.tables[(step, r)] = table
         return window.tables[(step, rank)]
 

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from omniscale.balancer.baselines import BASELINES, SPLIT_SUFFIX, split_sizes
+from omniscale.balancer.baselines import (
+    BASELINES,
+    BASELINES_NO_SPLIT,
+    SPLIT_SUFFIX,
+    split_sizes,
+)
 from omniscale.balancer.cost import Costs
 from omniscale.balancer.planner import plan_step, plan_window
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
@@ -93,6 +98,25 @@ def _baseline_step(samples: WindowSamples, idx_n: np.ndarray, step: int, costs: 
     else:
         plan = BASELINES[policy + SPLIT_SUFFIX](sub, costs, one_step, sp_size_N=sizes_n)
     return _to_window(plan, samples, idx_n, item_m, step)
+
+
+def best_baseline(samples: WindowSamples, step: int, costs: Costs,
+                  config: PlannerConfig) -> dict:
+    """What the best baseline would predict for the window's global batch ``step`` as drawn
+    (the planner may have moved samples between the window's steps): the least step cost
+    (costliest rank) over the baselines, and which one. ``config``: the window's planner
+    settings (the long-short split decided over the window, as ``plan_policy`` does)."""
+    idx_n = np.flatnonzero(samples.batch_N == step)
+    sizes_N = split_sizes(samples, costs, config, n_steps=config.window) \
+        if config.sp_max > 1 else None
+    best: dict = {}
+    for policy in BASELINES_NO_SPLIT:
+        plan = _baseline_step(samples, idx_n, step, costs, config, policy,
+                              None if sizes_N is None else sizes_N[idx_n])
+        cost = float(plan.rank_cost_R.max()) if len(plan.rank_cost_R) else 0.0
+        if not best or cost < best["baseline_step_cost"]:
+            best = {"baseline": policy, "baseline_step_cost": cost}
+    return best
 
 
 def _to_window(plan: StepPlan, samples: WindowSamples, idx_n: np.ndarray, item_m: np.ndarray,

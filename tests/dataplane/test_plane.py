@@ -11,6 +11,7 @@ import pytest
 
 from omniscale.dataplane.audit import audit_state_dir
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.plan_table import plan_metadata
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import RequestError
 from tests.dataplane.plane_steps import commit_step
@@ -87,6 +88,14 @@ def test_baseline_policies_plan_through_the_same_plane(demo, tmp_path, policy):
         assert keys(t for s in window for t in ours[s]) == \
             keys(t for s in window for t in theirs[s])
     assert any(ours[s] != theirs[s] for s in range(8))
+    # ours carry what the best baseline would predict for each global batch as drawn: never
+    # more than this baseline's own plan of it, the same when it is the best
+    for s in range(8):
+        side, plan = plan_metadata(ours[s][0]), plan_metadata(theirs[s][0])
+        assert "baseline" not in plan
+        assert side["baseline_step_cost"] <= plan["step_max_cost"] * (1 + 1e-12)
+        if side["baseline"] == policy:
+            assert side["baseline_step_cost"] == pytest.approx(plan["step_max_cost"])
     again = DataPlane(demo / "mix.yaml", tmp_path / "base", config)  # as after a crash
     assert {s: [again.get_plan(s, r) for r in range(2)] for s in (6, 7)} == ahead
     bigger = DataPlane(demo / "mix.yaml", tmp_path / "base", dataclasses.replace(config, dp=3))

@@ -31,7 +31,8 @@ def full_row(step: int, ranks: int = 4) -> dict:
         "rank_compute_s": [0.6 + 0.01 * r for r in range(ranks)],
         "rank_predicted_cost": [1e8 + 1e6 * r for r in range(ranks)],
         "imbalance_measured": 1.02, "imbalance_predicted": 1.01, "compute_clock": "cpu",
-        "balance": "token_lpt",
+        "balance": "omniscale", "predicted_step_cost": 1.0e8,
+        "baseline_predicted_step_cost": 1.2e8, "baseline_policy": "kk_cost",
         "expert_load": [[100 + e * (layer + 1) for e in range(8)] for layer in range(2)],
         "expert_load_max_over_mean": [1.1, 1.2],
     }
@@ -76,7 +77,9 @@ def test_every_plot_from_full_rows(tmp_path):
     assert "accounting is unknown" not in page
     assert "30 (steps 0–29)" in page
     assert f"{full_row(29)['loss']:.4g}" in page  # final loss in the summary
-    assert "placement policy (data.balance)</td><td>token_lpt" in page
+    assert "placement policy (data.balance)</td><td>omniscale" in page
+    assert "predicted gain over the best baseline (Σ step cost)</td><td>1.200×" in page
+    assert_valid_png(run / "report" / "balancer.png")
     assert "mean measured imbalance of compute time (max/mean)" in page
     assert "mean tokens/s" in page
     assert "image_caption" in page and "0.66" in page and "from eval.json" in page

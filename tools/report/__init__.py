@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omniscale.tools.report.balance_plot import plot_balancer
 from omniscale.tools.report.inputs import read_accounting, read_eval_results, read_metrics_rows
 from omniscale.tools.report.page import render
 from omniscale.tools.report.plots import PLOTS, Plot
+
+FIGURES = (*PLOTS, ("balancer.png", plot_balancer))  # in the report's order
 
 
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
@@ -24,7 +27,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out.mkdir(parents=True, exist_ok=True)
     accounting = read_accounting(run_dir)
     plots = []
-    for file_name, draw in PLOTS:
+    for file_name, draw in FIGURES:
         (out / file_name).unlink(missing_ok=True)  # a plot skipped now must not show a stale PNG
         try:
             plots.append(draw(rows, out / file_name, accounting))
@@ -41,6 +44,6 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
 
 def report_command(run_dir: str, out_dir: str | None) -> int:
     index = build_report(run_dir, out_dir)
-    drawn = sum((index.parent / name).exists() for name, _ in PLOTS)
-    print(f"wrote {index} ({drawn} of {len(PLOTS)} plots; open it in a browser)")
+    drawn = sum((index.parent / name).exists() for name, _ in FIGURES)
+    print(f"wrote {index} ({drawn} of {len(FIGURES)} plots; open it in a browser)")
     return 0

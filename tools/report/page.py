@@ -56,6 +56,10 @@ def summary_rows(rows: list[dict]) -> list[tuple[str, str]]:
         how = " of compute time" if clocks == {"cpu"} else ""
         out.append((f"mean measured imbalance{how} (max/mean)",
                     format_value(sum(imbalance) / len(imbalance))))
+    from omniscale.tools.report.balance_plot import predicted_gain
+
+    if (gain := predicted_gain(rows)) is not None:
+        out.append(("predicted gain over the best baseline (Σ step cost)", f"{gain:.3f}×"))
     if policies := list(dict.fromkeys(r["balance"] for r in rows if r.get("balance"))):
         out.append(("placement policy (data.balance)", ", ".join(policies)))
     return out

@@ -6,8 +6,8 @@ time instead: a rank blocked in a gloo collective sleeps on a condition variable
 none. It counts the whole process (the step's own thread and the native threads it drives:
 intra-op OpenMP workers, gloo's transport) minus every *other Python thread* of the process
 (the loader's assembly and plan threads, an embedded plane, the metrics writer, an async
-checkpoint writer), each read from its own CPU clock: none of them computes the model, and
-with ``data.workers: 0`` the assembly thread decodes beside the step.
+checkpoint writer), each read from the kernel's per-thread accounting: none of them computes
+the model, and with ``data.workers: 0`` the assembly thread decodes beside the step.
 
 On CUDA the wall time is all it has today (``kind = "wall"``): kernels run asynchronously
 and NCCL waits sit in the compute stream's timeline, so an honest figure needs per-kernel
@@ -21,15 +21,20 @@ import time
 
 
 def _other_threads_cpu() -> dict[int, float]:
-    """CPU seconds of every live Python thread but the calling one, by thread ident."""
-    me = threading.get_ident()
+    """CPU seconds of every live Python thread but the calling one, by native thread id, from
+    ``/proc/self/task/TID/schedstat`` (nanoseconds on the CPU). Not ``pthread_getcpuclockid``:
+    a thread that ends between ``enumerate()`` and the call leaves a dangling handle, and
+    reading it crashed the process; a vanished ``/proc`` entry is just skipped."""
+    me = threading.get_native_id()
     seconds = {}
     for thread in threading.enumerate():
-        if thread.ident is None or thread.ident == me:
+        tid = thread.native_id
+        if tid is None or tid == me:
             continue
         try:
-            seconds[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-        except (OSError, ProcessLookupError):  # it ended between enumerate() and now
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                seconds[tid] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):  # it ended, or no schedstat here
             continue
     return seconds
 

@@ -1,0 +1,158 @@
+"""End-to-end balancing benchmark: the same training run once per placement policy.
+
+    .venv/bin/python tools/bench/e2e.py [--steps 12] [--warmup 3] [--rounds 3] [--nproc 2]
+        [--scale small] [--out docs/bench/e2e.json]
+
+Each run is ``omniscale train configs/demo_omni.yaml --nproc 2`` with ``data.balance`` set to
+the policy and everything else equal: model (the tiny omni preset), seed, steps, data (the
+demo at ``--scale``, every source from step 0: text with image, video and audio, long-tailed),
+``parallel.sp 2`` so that a sample longer than a micro-batch is split over the two ranks (every
+baseline gets the planner's split decision: the same splitting), FSDP over both processes.
+Policies run in a different order each round (rotated), each in a fresh run directory; the
+first ``--warmup`` steps of each run are left out.
+
+Per policy and round: tokens/s (the measured steps' tokens over their summed step time),
+median step time, and the mean measured (compute clock, waiting excluded) and predicted
+imbalance. The headline is the median over rounds of ours / the best baseline of that round
+(the baseline with the most tokens/s), with its minimum and maximum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, str(ROOT))
+
+from omniscale.tools.bench.provenance import provenance  # noqa: E402
+
+POLICIES = ("omniscale", "token_lpt", "kk_cost", "first_fit", "strided")
+OURS = "omniscale"
+
+
+def every_source_spec(demo: Path, out: Path) -> Path:
+    """The demo's sources at equal weights from step 0 (its schedule starts with text and
+    images only)."""
+    import yaml
+
+    spec = yaml.safe_load((demo / "mix.yaml").read_text())
+    spec.pop("schedule", None)
+    spec["tokenizer"] = str(demo / spec["tokenizer"])
+    spec["sources"] = [dict(s, path=str(demo / s["path"]), weight=1) for s in spec["sources"]]
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+def prepare(data: Path, scale: str) -> Path:
+    from omniscale.loaders.index import index_paths
+    from omniscale.tools.demo import generate
+
+    demo = data / f"demo-{scale}"
+    if not (demo / "mix.yaml").is_file():
+        print(f"generating the {scale} demo under {demo} ...", flush=True)
+        generate(demo, scale=scale, seed=3, progress=False)
+    index_paths([demo / "mix.yaml"], progress=False)
+    return every_source_spec(demo, data / f"every-{scale}.yaml")
+
+
+def run(policy: str, spec: Path, out: Path, args) -> dict:
+    sets = {"data.spec": spec, "data.balance": policy, "steps": args.steps,
+            "checkpoint_every": args.steps, "output_dir": out, "eval.enabled": "false",
+            "parallel.sp": 2, "parallel.dp_shard": 1, "data.workers": args.workers,
+            "data.global_batch_tokens": args.global_batch_tokens,
+            "data.micro_batch_tokens": args.micro_batch_tokens, "optim.warmup_steps": 2,
+            "deterministic": "true"}
+    if args.costs:
+        sets["data.costs"] = args.costs
+    cmd = [sys.executable, "-m", "omniscale", "train", "configs/demo_omni.yaml", "--nproc",
+           str(args.nproc), "--no-progress"]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{policy}: omniscale train failed:\n{done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = rows[args.warmup:]
+    seconds = sum(r["step_s"] for r in measured)
+    return {"tokens_per_s": sum(r["tokens"] for r in measured) / seconds,
+            "step_s_median": statistics.median(r["step_s"] for r in measured),
+            "imbalance_measured": statistics.mean(r["imbalance_measured"] for r in measured),
+            "imbalance_predicted": statistics.mean(r["imbalance_predicted"] for r in measured),
+            "tokens": sum(r["tokens"] for r in measured), "steps": len(measured),
+            "loss_last": rows[-1]["loss"]}
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "omniscale-bench")
+    ap.add_argument("--scale", default="small", choices=("tiny", "small", "medium"))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
+    ap.add_argument("--global-batch-tokens", type=int, default=16384)
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
+    ap.add_argument("--costs", help="a cost file of `omniscale balance calibrate` for every run")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    started = provenance()
+    policies = args.policies.split(",")
+    spec = prepare(args.data, args.scale)
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="omniscale-e2e-") as tmp:
+        for r in range(args.rounds):
+            order = policies[r % len(policies):] + policies[:r % len(policies)]
+            runs = {}
+            for policy in order:
+                runs[policy] = run(policy, spec, Path(tmp) / f"r{r}-{policy}", args)
+                print(f"round {r + 1}/{args.rounds} {policy:10s} "
+                      f"{runs[policy]['tokens_per_s']:8.0f} tok/s  step "
+                      f"{runs[policy]['step_s_median']:.3f} s  imbalance measured "
+                      f"{runs[policy]['imbalance_measured']:.3f} predicted "
+                      f"{runs[policy]['imbalance_predicted']:.3f}", flush=True)
+            baselines = [p for p in policies if p != OURS]
+            best = max(baselines, key=lambda p: runs[p]["tokens_per_s"]) if baselines else None
+            ratio = runs[OURS]["tokens_per_s"] / runs[best]["tokens_per_s"] \
+                if best and OURS in runs else None
+            rounds.append({"order": order, "runs": runs, "best_baseline": best,
+                           "ratio_vs_best_baseline": ratio})
+    summary = {p: {k: statistics.median(r["runs"][p][k] for r in rounds)
+                   for k in ("tokens_per_s", "step_s_median", "imbalance_measured",
+                             "imbalance_predicted")} for p in policies}
+    ratios = [r["ratio_vs_best_baseline"] for r in rounds if r["ratio_vs_best_baseline"]]
+    result = {"command": " ".join(["tools/bench/e2e.py"] + (argv or sys.argv[1:])),
+              **started, "scale": args.scale, "nproc": args.nproc, "steps": args.steps,
+              "warmup": args.warmup, "global_batch_tokens": args.global_batch_tokens,
+              "micro_batch_tokens": args.micro_batch_tokens, "sp": 2, "rounds": rounds,
+              "median": summary,
+              "ratio_vs_best_baseline": _spread(ratios) if ratios else None}
+    for p in policies:
+        s = summary[p]
+        print(f"{p:10s} {s['tokens_per_s']:8.0f} tok/s  step {s['step_s_median']:.3f} s  "
+              f"imbalance measured {s['imbalance_measured']:.3f} predicted "
+              f"{s['imbalance_predicted']:.3f}")
+    if ratios:
+        spread = result["ratio_vs_best_baseline"]
+        print(f"ours / best baseline (tokens/s, median of {len(ratios)} rounds): "
+              f"{spread['median']:.3f}x ({spread['min']:.3f}-{spread['max']:.3f})")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
