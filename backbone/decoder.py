@@ -135,10 +135,16 @@ def grouped_loss(loss_sum, hidden_TD: torch.Tensor, labels_T: torch.Tensor,
     """`(loss_G, n_G)`: the summed cross-entropy and counted targets of each group's rows
     (e.g. each token's source), scored apart so the split costs no extra logits.
     `loss_sum(hidden_TD, labels_T)` is the summed loss of some rows (`MoEDecoder.loss`'s
-    first value, or a pipeline stage's `loss`)."""
+    first value, or a pipeline stage's `loss`). Give `group_T` on the CPU: each group's rows
+    are then found there and copied over without waiting for the device (finding them on a
+    GPU would wait for it, once per group)."""
     losses, counts = [], []
+    device = hidden_TD.device
     for g in range(num_groups):
         rows_T = (group_T == g).nonzero().squeeze(1)
+        if rows_T.device != device:
+            rows_T = (rows_T.pin_memory() if device.type == "cuda" else rows_T).to(
+                device, non_blocking=True)
         if rows_T.numel() == 0:
             losses.append(hidden_TD.new_zeros((), dtype=torch.float32))
             counts.append(torch.zeros((), dtype=torch.int64, device=hidden_TD.device))

@@ -128,10 +128,17 @@ def _train_ep(rank, world, ep, path, save_after, load, seed):
     return _steps(model, mesh, dims, path, save_after, load)
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (2, 1), (1, 1)])
-def test_expert_parallel_checkpoint_loads_on_any_layout(tmp_path, world, ep):
-    path = str(tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def saved_with_ep(tmp_path_factory):
+    """A checkpoint saved on 4 ranks with ep=2 after step 1 (read-only for the tests)."""
+    path = str(tmp_path_factory.mktemp("ep-ckpt") / "ckpt")
     on_4, saved, _ = run_ranks(_train_ep, 4, 2, path, 1, False, 0)[0]
+    return path, on_4, saved
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (2, 1), (1, 1)])
+def test_expert_parallel_checkpoint_loads_on_any_layout(saved_with_ep, world, ep):
+    path, on_4, saved = saved_with_ep
     again, _, loaded = run_ranks(_train_ep, world, ep, path, None, True, 123)[0]
     _assert_same_state(loaded, saved)
     assert [s for s, _ in again] == [1, 2]

@@ -148,11 +148,10 @@ def source_losses(model, mb, hidden_TD: torch.Tensor, groups_S: torch.Tensor,
                   n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_G, n_G)``: the micro-batch's summed cross-entropy and counted targets per
     source group (each group's rows scored apart: the split costs no extra logits)."""
-    device = hidden_TD.device
-    lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).to(device)
-    group_T = torch.repeat_interleave(groups_S.to(device), lengths_S)
+    lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).cpu()
+    group_T = torch.repeat_interleave(groups_S.cpu(), lengths_S)  # on the host: no sync
     return grouped_loss(lambda h, y: model.decoder.loss(h, y)[0], hidden_TD,
-                        mb.labels_T.to(device), group_T, n_groups)
+                        mb.labels_T.to(hidden_TD.device), group_T, n_groups)
 
 
 def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> StepSums:
@@ -160,6 +159,7 @@ def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> S
     turn comes after every micro-batch, ``StepMedia.backward``)."""
     n_groups = len(ctx.sources) + 1
     sums = StepSums.zeros(n_groups, ctx.device)
+    mix = torch.zeros(2, n_groups, dtype=torch.float64)  # samples, tokens: known on the host
     for (mb, items), routed in zip(prepared, batch.micro_batches):
         groups_S = source_groups(mb, ctx.sources)
         with sp_batch(model, mb):  # split sequences' attention over their SP group
@@ -175,14 +175,20 @@ def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> S
         if mb.seq_refs is not None:
             lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
             first_S = (mb.seq_sp_index_S == 0).double()  # a split sample counts once
-            sums.samples_G += torch.bincount(groups_S, weights=first_S,
-                                             minlength=n_groups).to(ctx.device)
-            sums.tokens_G += torch.bincount(groups_S, weights=lengths_S,
-                                            minlength=n_groups).to(ctx.device)
+            mix[0] += torch.bincount(groups_S, weights=first_S, minlength=n_groups)
+            mix[1] += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
         sums.router += aux["router_loss"].detach().double() * router_share
         load = aux["load_LE"].detach().to(torch.float64)
         sums.load_LE = load if sums.load_LE is None else sums.load_LE + load
+    sums.samples_G, sums.tokens_G = _on(mix, ctx.device)  # one copy a step
     return sums
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for it (pinned, then copied async)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def update_bias(ctx: StepContext, model, load_LE: torch.Tensor | None,
