@@ -1,6 +1,6 @@
 """End-to-end balancing benchmark: the same training run once per placement policy.
 
-    .venv/bin/python tools/bench/e2e.py [--steps 12] [--warmup 3] [--rounds 3] [--nproc 2]
+    .venv/bin/python tools/bench/e2e.py [--steps 12] [--warmup 4] [--rounds 3] [--nproc 2]
         [--scale small] [--out docs/bench/e2e.json]
 
 Each run is ``omniscale train configs/demo_omni.yaml --nproc 2`` with ``data.balance`` set to
@@ -86,6 +86,10 @@ def run(policy: str, spec: Path, out: Path, args) -> dict:
             "imbalance_measured": statistics.mean(r["imbalance_measured"] for r in measured),
             "imbalance_predicted": statistics.mean(r["imbalance_predicted"] for r in measured),
             "tokens": sum(r["tokens"] for r in measured), "steps": len(measured),
+            "micro_batches_mean": statistics.mean(r["micro_batches"] for r in measured),
+            "sp_split_samples": sum(r.get("sp_split_samples", 0) for r in measured),
+            "compute_s_mean": statistics.mean(statistics.mean(r["rank_compute_s"])
+                                              for r in measured),
             "loss_last": rows[-1]["loss"]}
 
 
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "omniscale-bench")
     ap.add_argument("--scale", default="small", choices=("tiny", "small", "medium"))
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="steps left out (a whole window: the planner moves samples within it)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
