@@ -62,6 +62,12 @@ def test_headlines_from_the_committed_bench_json():
     assert len(paired) >= 5 and tokens["ratio"] == paired[len(paired) // 2]  # the median
     assert "RSS growth MiB per worker, ours, 1000 sources" in loader
 
+    e2e_json = json.loads((DOCS / "e2e.json").read_text())
+    e2e = by_metric(headline_rows("e2e", e2e_json))
+    speed = e2e["training tokens/s: ours vs the best baseline policy (median of rounds)"]
+    assert speed["ratio"] == e2e_json["ratio_vs_best_baseline"]["median"]
+    assert speed["target"] == ">= 1.25" and speed["met"] is (speed["ratio"] >= 1.25)
+
 
 def test_model_headlines_from_the_committed_bench_json():
     """Every row of docs/bench/model.json maps to its headlines; expected values come from the

@@ -39,7 +39,7 @@ def test_video_gen_task_trains_the_dit_on_two_processes(demo, tmp_path):
 def test_ray_source_loaders_train_exactly_what_worker_processes_do(demo, tmp_path):
     # Same plans, decoding by reference either way: the losses must be identical.
     def run(out, loader):
-        sets = {"data.spec": demo / "mix.yaml", "data.workers": 1, "steps": 3,
+        sets = {"data.spec": demo / "mix.yaml", "data.workers": 1, "steps": 2,
                 "checkpoint_every": 3, "output_dir": out, "eval.enabled": False,
                 "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 4096,
                 "data.loader": loader, "data.ray_actor_cpus": 0.2}

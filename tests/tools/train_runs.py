@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-import yaml
 
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
@@ -17,14 +16,11 @@ TINY_MOE = "{num_experts: 8, top_k: 2, expert_ffn_dim: 128"  # the tiny preset's
 
 
 def every_source(demo, out):
-    """The demo's sources at equal weights from step 0 (its schedule starts with text and
-    images only): the steps hold video and audio for both encoders."""
-    spec = yaml.safe_load((demo / "mix.yaml").read_text())
-    spec.pop("schedule", None)
-    spec["tokenizer"] = str(demo / spec["tokenizer"])
-    spec["sources"] = [dict(s, path=str(demo / s["path"]), weight=1) for s in spec["sources"]]
-    out.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return out
+    """The demo's sources at equal weights from step 0: the steps hold video and audio for
+    both encoders."""
+    from omniscale.tools.demo.specs import every_source_spec
+
+    return every_source_spec(demo, out)
 
 
 def run_omni(demo, out, nproc, **extra):

@@ -150,6 +150,15 @@ BENCHES: dict[str, Bench] = {
         "plane.py", quick_args=("--quick",), quick_is_own_flag=True, missed_exit_code=1,
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
                         target="target", met="met"),)),
+    "e2e": Bench(
+        "e2e.py", quick_args=("--rounds", "1", "--steps", "6", "--warmup", "2", "--scale",
+                              "tiny", "--policies", "omniscale,token_lpt"),
+        metrics=(
+            Metric("training tokens/s: ours vs the best baseline policy (median of rounds)",
+                   value="median.omniscale.tokens_per_s", ratio="ratio_vs_best_baseline.median",
+                   target=Goal(">=", 1.25)),
+            Metric("measured imbalance (compute clock) of our plans",
+                   value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)))),
     "gpu_check": Bench(
         "gpu_check.sh", needs_cuda=True, json_in_out_dir="kernels_h200.json",
         metrics=KERNEL_ROWS),

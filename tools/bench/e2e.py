@@ -37,22 +37,10 @@ POLICIES = ("omniscale", "token_lpt", "kk_cost", "first_fit", "strided")
 OURS = "omniscale"
 
 
-def every_source_spec(demo: Path, out: Path) -> Path:
-    """The demo's sources at equal weights from step 0 (its schedule starts with text and
-    images only)."""
-    import yaml
-
-    spec = yaml.safe_load((demo / "mix.yaml").read_text())
-    spec.pop("schedule", None)
-    spec["tokenizer"] = str(demo / spec["tokenizer"])
-    spec["sources"] = [dict(s, path=str(demo / s["path"]), weight=1) for s in spec["sources"]]
-    out.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return out
-
-
 def prepare(data: Path, scale: str) -> Path:
     from omniscale.loaders.index import index_paths
     from omniscale.tools.demo import generate
+    from omniscale.tools.demo.specs import every_source_spec
 
     demo = data / f"demo-{scale}"
     if not (demo / "mix.yaml").is_file():

@@ -81,3 +81,15 @@ def write_spec(path: Path, spec: dict, header: str) -> None:
     # anchors and aliases: legal, but hard to read.
     body = yaml.safe_dump(json.loads(json.dumps(spec)), sort_keys=False)
     path.write_text(comment + body)
+
+
+def every_source_spec(demo: Path, out: Path) -> Path:
+    """A copy of ``demo``'s mix.yaml with every source at equal weight from step 0 (its
+    schedule starts with text and images only), written to ``out`` with absolute paths: steps
+    that hold video and audio for both encoders (tests and benchmarks)."""
+    spec = yaml.safe_load((demo / "mix.yaml").read_text())
+    spec.pop("schedule", None)
+    spec["tokenizer"] = str(demo / spec["tokenizer"])
+    spec["sources"] = [dict(s, path=str(demo / s["path"]), weight=1) for s in spec["sources"]]
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
