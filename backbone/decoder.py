@@ -130,6 +130,14 @@ class MoEDecoder(nn.Module):
             moe.update_bias(load_E)
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on CUDA pinned, then copied
+    asynchronously (a pageable copy waits for the stream first)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def grouped_loss(loss_sum, hidden_TD: torch.Tensor, labels_T: torch.Tensor,
                  group_T: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(loss_G, n_G)`: the summed cross-entropy and counted targets of each group's rows
@@ -143,8 +151,7 @@ def grouped_loss(loss_sum, hidden_TD: torch.Tensor, labels_T: torch.Tensor,
     for g in range(num_groups):
         rows_T = (group_T == g).nonzero().squeeze(1)
         if rows_T.device != device:
-            rows_T = (rows_T.pin_memory() if device.type == "cuda" else rows_T).to(
-                device, non_blocking=True)
+            rows_T = host_to_device(rows_T, device)
         if rows_T.numel() == 0:
             losses.append(hidden_TD.new_zeros((), dtype=torch.float32))
             counts.append(torch.zeros((), dtype=torch.int64, device=hidden_TD.device))

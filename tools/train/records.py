@@ -73,24 +73,22 @@ class StepRecord:
     compute_s: float  # of which computing (compute_clock.ComputeClock)
     data_wait_s: float
     predicted_cost: float
-    imbalance_predicted: float | None
-    plan: dict  # the plan's step cost, and what the best baseline would predict (the plane's)
+    plan: dict  # the plan's predicted imbalance and step cost, and the best baseline's
     micro_batches: int
     skipped: int  # corrupt samples this rank skipped
     replaced: list = dataclasses.field(default_factory=list)  # their sample ids
     lengths: list[int] | None = None  # sequence lengths, for the cost refit
-    extra: dict = dataclasses.field(default_factory=dict)  # anything the row builder needs
 
 
-def step_record(ctx, step: int, batch, **fields) -> StepRecord:
+def step_record(step: int, batch, **fields) -> StepRecord:
     """A record with the batch's host-side facts filled in."""
     from omniscale.loaders.assemble import sample_id
 
     meta = batch.metadata
     return StepRecord(step=step, data_wait_s=batch.data_wait_s,
                       predicted_cost=meta.get("predicted_cost", 0.0),
-                      imbalance_predicted=meta.get("imbalance"),
-                      plan={"predicted_step_cost": meta.get("step_max_cost"),
+                      plan={"imbalance_predicted": meta.get("imbalance"),
+                            "predicted_step_cost": meta.get("step_max_cost"),
                             "baseline_predicted_step_cost": meta.get("baseline_step_cost"),
                             "baseline_policy": meta.get("baseline")},
                       micro_batches=len(batch.micro_batches), skipped=len(batch.skipped),
@@ -109,7 +107,7 @@ def _timing(ctx, record: StepRecord, costs: list[float], secs: list[float],
             "predicted_step_s": predicted, "measured_step_s": max(secs),
             "rank_compute_s": secs, "rank_wall_s": walls, "rank_predicted_cost": costs,
             "compute_clock": ctx.clock.kind,
-            "imbalance_predicted": record.imbalance_predicted, **record.plan,
+            **record.plan,
             "imbalance_measured": max(secs) / max(sum(secs) / len(secs), 1e-12)}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from omniscale.backbone.decoder import grouped_loss
+from omniscale.backbone.decoder import grouped_loss, host_to_device
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
@@ -180,15 +180,8 @@ def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> S
         sums.router += aux["router_loss"].detach().double() * router_share
         load = aux["load_LE"].detach().to(torch.float64)
         sums.load_LE = load if sums.load_LE is None else sums.load_LE + load
-    sums.samples_G, sums.tokens_G = _on(mix, ctx.device)  # one copy a step
+    sums.samples_G, sums.tokens_G = host_to_device(mix, ctx.device)  # one copy a step
     return sums
-
-
-def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without waiting for it (pinned, then copied async)."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def update_bias(ctx: StepContext, model, load_LE: torch.Tensor | None,
@@ -236,7 +229,7 @@ def omni_record(ctx: StepContext, step: int, batch, lr: float, grad_norm: torch.
                 ) -> StepRecord:
     """The step's record; ``seconds``: (wall, compute) of ``ComputeClock.stop``."""
     load_shape = tuple(sums.load_LE.shape) if sums.load_LE is not None else None
-    return step_record(ctx, step, batch, lr=lr, grad_norm=grad_norm, counts=counts.values,
+    return step_record(step, batch, lr=lr, grad_norm=grad_norm, counts=counts.values,
                        sums=sums.flat(), row=partial(_omni_row, ctx, load_shape),
                        wall_s=seconds[0], compute_s=seconds[1],
                        lengths=sequence_lengths(batch))

@@ -253,7 +253,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     wall_s, compute_s = ctx.clock.stop()
-    return step_record(ctx, step, batch, lr=lr, grad_norm=grad_norm, counts=counts,
+    return step_record(step, batch, lr=lr, grad_norm=grad_norm, counts=counts,
                        sums=loss_sum, row=_video_row, wall_s=wall_s, compute_s=compute_s)
 
 
