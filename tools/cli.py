@@ -75,9 +75,12 @@ def _balance_simulate(args: argparse.Namespace) -> int:
 
 def _balance_calibrate(args: argparse.Namespace) -> int:
     from omniscale.tools.balance_calibrate import calibrate, summary
+    from omniscale.tools.bench.provenance import provenance
 
+    started = provenance()  # commit and load: whoever reads the figures can weigh them
     result = calibrate(args.config, args.set or [], repeats=args.repeats,
                        progress=lambda line: print(line, flush=True))
+    result = {"command": " ".join(["omniscale", *sys.argv[1:]]), **started, **result}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(summary(result))
     print(f"wrote {args.out} (data.costs / plane serve --costs)")
