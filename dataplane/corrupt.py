@@ -147,11 +147,25 @@ class CorruptLedger:
     def occupants(self, step: int) -> dict[tuple, SampleRef | None]:
         """{sample ``step`` planned: what its place holds now (the last replacement of its
         chain; None: left out)} for every place a report of ``step`` changed."""
+        # planned_sample's walk up each chain, with every replacement parsed once: calling it
+        # per event re-parsed every event's JSON, quadratic in the step's reports (seconds of
+        # plane time per report on a source that is mostly corrupt)
+        mine = [(e, ref_from_json(e["replacement"])) for e in self.events if e["step"] == step]
+        parent = {}  # replacement -> the sample it replaced (the first such event, as there)
+        for e, ref in mine:
+            if e["replacement"]:
+                parent.setdefault((ref.source, ref.shard, ref.key, ref.epoch),
+                                  (e["source"], e["shard"], e["key"], e["epoch"]))
         out = {}
-        for e in self.events:  # in report order: a later link of a chain overrides
-            if e["step"] == step:
-                bad = (e["source"], e["shard"], e["key"], e["epoch"])
-                out[self.planned_sample(step, bad)] = ref_from_json(e["replacement"])
+        for e, ref in mine:  # in report order: a later link of a chain overrides
+            sample = (e["source"], e["shard"], e["key"], e["epoch"])
+            seen = {sample}
+            while (up := parent.get(sample)) is not None:
+                sample = up
+                if sample in seen:  # cannot happen (a replacement is never its own ancestor)
+                    break
+                seen.add(sample)
+            out[sample] = ref
         return out
 
     def find(self, step: int, source: str, shard: str, key: str, epoch: int) -> dict | None:
