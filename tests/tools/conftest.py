@@ -25,3 +25,13 @@ def every_source_one(demo, tmp_path_factory):
              "model.overrides.moe": TINY_MOE + ", aux_loss_coef: 0}"}
     rows, grads = _run(demo, root / "one", 1, **extra, steps=4)
     return extra, rows, grads
+
+
+@pytest.fixture(scope="session")
+def omni_one(demo, tmp_path_factory):
+    """One process on the demo mix with ``run_omni``'s settings (router losses on), 4 steps:
+    (rows, step 0's gradients). The reference of the 2-rank media test and the expert-parallel
+    test, run once for both; a 3-step run's rows are its first three (see above)."""
+    from tests.tools.train_runs import run_omni as _run
+
+    return _run(demo, tmp_path_factory.mktemp("omni-one") / "one", 1, steps=4)
