@@ -33,14 +33,46 @@ def lpt(cost_N, order_N, load_R):
 
 
 @njit(cache=True)
-def local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners):
+def lpt_capped(cost_N, tokens_N, order_N, load_R, tok_R, cap):
+    """`lpt` among the ranks whose tokens stay within `cap` (the least-filled rank when none
+    has room). Updates `load_R` and `tok_R` in place; returns every sample's rank."""
+    rank_N = np.full(len(cost_N), -1, np.int64)
+    n_ranks = len(load_R)
+    for o in range(len(order_N)):
+        i = order_N[o]
+        best = -1
+        for r in range(n_ranks):
+            if tok_R[r] + tokens_N[i] <= cap and (best < 0 or load_R[r] < load_R[best]):
+                best = r
+        if best < 0:
+            best = int(np.argmin(tok_R))
+        rank_N[i] = best
+        load_R[best] += cost_N[i]
+        tok_R[best] += tokens_N[i]
+    return rank_N
+
+
+def local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners,
+                 tokens_N=None, tok_R=None, cap=-1):
     """Move or swap movable samples off the most loaded rank while that lowers its load.
 
     Per iteration: the best single move to the least loaded rank, or the best swap with a
     sample of one of the `n_partners` least loaded ranks (the only ranks a swap can help
-    much). Never raises the maximum, so the result is never worse than its input. Updates
-    `rank_N` and `load_R` in place; returns the number of improvements made.
+    much). Never raises the maximum, so the result is never worse than its input. With a
+    token `cap` (>= 0; `tokens_N` and the per-rank `tok_R` given), no move or swap takes a
+    rank over it. Updates `rank_N`, `load_R` (and `tok_R`) in place; returns the number of
+    improvements made.
     """
+    if cap < 0:
+        tokens_N, tok_R = np.zeros(len(cost_N), np.int64), np.zeros(len(load_R), np.int64)
+    return _local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners, tokens_N,
+                         tok_R, cap)
+
+
+@njit(cache=True)
+def _local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners, tokens_N, tok_R,
+                  cap):
+    capped = cap >= 0
     n = len(cost_N)
     n_ranks = len(load_R)
     if n_ranks < 2:
@@ -73,6 +105,8 @@ def local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners):
         best_j = -1
         for m in range(n_mine):
             i = mine[m]
+            if capped and tok_R[low] + tokens_N[i] > cap:
+                continue
             new = max(top - cost_N[i], load_R[low] + cost_N[i])
             if new < best_new - tiny:
                 best_new, best_i, best_j = new, i, -1
@@ -85,6 +119,9 @@ def local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners):
                 d = cost_N[i] - cost_N[j]
                 if d <= 0:
                     continue
+                if capped and (tok_R[q] + tokens_N[i] - tokens_N[j] > cap
+                               or tok_R[r] + tokens_N[j] - tokens_N[i] > cap):
+                    continue
                 new = max(top - d, load_R[q] + d)
                 if new < best_new - tiny:
                     best_new, best_i, best_j = new, i, j
@@ -94,6 +131,9 @@ def local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners):
             rank_N[best_i] = low
             load_R[r] -= cost_N[best_i]
             load_R[low] += cost_N[best_i]
+            if capped:
+                tok_R[r] -= tokens_N[best_i]
+                tok_R[low] += tokens_N[best_i]
         else:
             q = rank_N[best_j]
             d = cost_N[best_i] - cost_N[best_j]
@@ -101,6 +141,10 @@ def local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners):
             rank_N[best_j] = r
             load_R[r] -= d
             load_R[q] += d
+            if capped:
+                dt = tokens_N[best_i] - tokens_N[best_j]
+                tok_R[r] -= dt
+                tok_R[q] += dt
         made += 1
     return made
 
@@ -133,9 +177,16 @@ def place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R):
 
 
 def assign_ranks(unit_cost_N: np.ndarray, sp_size_N: np.ndarray, dp: int,
-                 search_iters: int | None = None, n_partners: int = 4):
+                 search_iters: int | None = None, n_partners: int = 4,
+                 slice_tokens_N: np.ndarray | None = None, token_cap: int | None = None):
     """First rank of every sample (its rank if whole, its group's first rank if split) and the
-    resulting per-rank cost. Deterministic: stable orders, lowest index on ties."""
+    resulting per-rank cost. Deterministic: stable orders, lowest index on ties.
+
+    ``token_cap``: whole samples go only where the rank's tokens (``slice_tokens_N`` per rank
+    of a sample) stay within it, where they can: a rank over ``m × micro_batch_tokens`` needs
+    an (m+1)-th micro-batch on every rank, whose fixed cost may exceed what the cost balance
+    gains (``planner``).
+    """
     unit_cost_N = np.ascontiguousarray(unit_cost_N, np.float64)
     sp_size_N = np.ascontiguousarray(sp_size_N, np.int64)
     n = len(unit_cost_N)
@@ -146,7 +197,16 @@ def assign_ranks(unit_cost_N: np.ndarray, sp_size_N: np.ndarray, dp: int,
                                             -sp_size_N[split_N]))]
     first_N = place_sp_groups(unit_cost_N, sp_size_N, sp_order, load_R)
     whole_order = index_N[~split_N][np.lexsort((index_N[~split_N], -unit_cost_N[~split_N]))]
-    rank_N = lpt(unit_cost_N, whole_order, load_R)
     iters = 2 * dp + 16 if search_iters is None else search_iters
-    local_search(unit_cost_N, rank_N, ~split_N, load_R, iters, n_partners)
+    if token_cap is None:
+        rank_N = lpt(unit_cost_N, whole_order, load_R)
+        local_search(unit_cost_N, rank_N, ~split_N, load_R, iters, n_partners)
+    else:
+        tokens_N = np.ascontiguousarray(slice_tokens_N, np.int64)
+        tok_R = np.zeros(dp, np.int64)
+        for i in np.flatnonzero(split_N):
+            tok_R[first_N[i]:first_N[i] + sp_size_N[i]] += tokens_N[i]
+        rank_N = lpt_capped(unit_cost_N, tokens_N, whole_order, load_R, tok_R, int(token_cap))
+        local_search(unit_cost_N, rank_N, ~split_N, load_R, iters, n_partners, tokens_N, tok_R,
+                     int(token_cap))
     return np.where(split_N, first_N, rank_N), load_R

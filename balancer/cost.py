@@ -135,7 +135,10 @@ class Costs:
     Ulysses all-to-alls, times (k−1)/k, the part of its slice a rank sends (0 for a sample
     that is not split). `reshard_per_token`: cost of moving one LLM-token embedding from the
     rank that encoded it to the rank that consumes it. `CommModel.collectives` derives both
-    from a model config and a bandwidth.
+    from a model config and a bandwidth. `micro_batch`: the fixed cost of one micro-batch on
+    every rank (launches, the per-micro-batch FSDP gathers; `omniscale balance calibrate`
+    measures it), which a plan pays once per slot; 0 leaves the slot count to the token budget
+    and the balance alone.
     """
 
     llm: CostModel
@@ -143,13 +146,14 @@ class Costs:
         default_factory=lambda: (_ZERO, _ZERO, _ZERO))  # indexed like types.ENCODER_KINDS
     sp_comm_per_token: float = 0.0
     reshard_per_token: float = 0.0
+    micro_batch: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.encoders) != len(ENCODER_KINDS):
             raise ValueError(f"encoders: need one CostModel per kind {ENCODER_KINDS}, "
                              f"got {len(self.encoders)}")
-        if self.sp_comm_per_token < 0 or self.reshard_per_token < 0:
-            raise ValueError("sp_comm_per_token, reshard_per_token: must be >= 0")
+        if self.sp_comm_per_token < 0 or self.reshard_per_token < 0 or self.micro_batch < 0:
+            raise ValueError("sp_comm_per_token, reshard_per_token, micro_batch: must be >= 0")
 
     @classmethod
     def from_model_dims(cls, active_params: int, n_layers: int, d_attn: int,

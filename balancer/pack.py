@@ -229,12 +229,14 @@ def _compact(slot_N, tok_RB, cost_RB, n_open):
 
 
 @njit(cache=True)
-def pack(first_N, sp_size_N, slice_tokens_N, unit_cost_N, n_ranks, budget, extra_slots=1):
+def pack(first_N, sp_size_N, slice_tokens_N, unit_cost_N, n_ranks, budget, extra_slots=1,
+         slot_cost=0.0):
     """Slot of every sample on its given rank (one slot for all slices of a split sample).
 
     Fills grids starting with M … M+extra_slots open slots, M the slots the token budget needs
-    on the fullest rank, and keeps the least Σ heights (fewest slots on ties): a grid filled
-    to the budget may have no room to even out slot costs. Returns slot_N, mb_tokens_RB,
+    on the fullest rank, and keeps the least Σ heights + slots × ``slot_cost`` (a micro-batch's
+    fixed cost on every rank; fewest slots on ties): a grid filled to the budget may have no
+    room to even out slot costs, but a slot more costs its fixed cost. Returns slot_N, mb_tokens_RB,
     mb_cost_RB, n_slots. Requires slice_tokens_N <= budget (the split guarantees it).
     Deterministic: stable orders, lowest index on ties.
     """
@@ -251,7 +253,8 @@ def pack(first_N, sp_size_N, slice_tokens_N, unit_cost_N, n_ranks, budget, extra
                                      budget, m)
         total = 0.0
         for b in range(n_o):
-            total += c_RB[:, b].max()
+            if t_RB[:, b].max() > 0:  # slots empty everywhere are dropped (_compact)
+                total += c_RB[:, b].max() + slot_cost
         if total < best_sum * (1 - 1e-9):
             best_sum = total
             slot_N, tok_RB, cost_RB, n_open = s_N, t_RB, c_RB, n_o

@@ -64,6 +64,33 @@ def _split(samples, cost_N, n_steps, costs, config):
     return sp_size_N, unit_cost(cost_N, samples.tokens_N, sp_size_N, costs.sp_comm_per_token)
 
 
+def _place(unit_n, k_n, slice_n, costs: Costs, config: PlannerConfig):
+    """Ranks and slots: (first rank, slot, tokens [R, B], cost [R, B], slots).
+
+    The assignment balances cost per rank, which can give a rank more tokens than the fewest
+    micro-batches hold, and then every rank runs one micro-batch more. When a micro-batch has a
+    fixed cost (``costs.micro_batch``), an assignment that keeps every rank within the fewest
+    micro-batches' tokens is tried too, and the plan with the shorter predicted step (Σ over
+    slots of the costliest rank, plus the slots' fixed cost) kept.
+    """
+    dp, budget = config.dp, config.micro_batch_tokens
+    first_n, _ = assign_ranks(unit_n, k_n, dp)
+    placed = (first_n, *pack(first_n, k_n, slice_n, unit_n, dp, budget, 1, costs.micro_batch))
+    fewest = -(-int((slice_n * k_n).sum()) // (dp * budget))
+    if costs.micro_batch <= 0 or placed[4] <= fewest:
+        return placed
+    first_c, _ = assign_ranks(unit_n, k_n, dp, slice_tokens_N=slice_n,
+                              token_cap=fewest * budget)
+    capped = (first_c, *pack(first_c, k_n, slice_n, unit_n, dp, budget, 1, costs.micro_batch))
+    return min((placed, capped), key=lambda p: _step_time(p[3], costs.micro_batch))
+
+
+def _step_time(cost_RB: np.ndarray, micro_batch: float) -> float:
+    """Predicted step when ranks meet every micro-batch: Σ slots (costliest rank + fixed)."""
+    return float(cost_RB.max(axis=0).sum() + micro_batch * cost_RB.shape[1]) \
+        if cost_RB.size else 0.0
+
+
 def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: np.ndarray,
               unit_N: np.ndarray, item_cost_M: np.ndarray, costs: Costs,
               config: PlannerConfig) -> StepPlan:
@@ -72,9 +99,7 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
     k_n = sp_size_N[idx_n].astype(np.int64)
     unit_n = np.ascontiguousarray(unit_N[idx_n], np.float64)
     slice_n = np.asarray(slice_tokens(samples.tokens_N[idx_n], k_n), np.int64)
-    first_n, _ = assign_ranks(unit_n, k_n, dp)
-    slot_n, tok_RB, cost_RB, n_slots = pack(first_n, k_n, slice_n, unit_n, dp,
-                                            config.micro_batch_tokens)
+    first_n, slot_n, tok_RB, cost_RB, n_slots = _place(unit_n, k_n, slice_n, costs, config)
     # One placement per slice: sample i split over k ranks has rows sp_index 0..k-1 on the
     # ranks first..first+k-1, all in the same slot.
     group_p = np.repeat(np.arange(len(idx_n)), k_n)

@@ -36,7 +36,9 @@ class PlaneConfig:
     # run can train with a baseline's plans through the same plane (exactly-once all the same)
     balance: str = "omniscale"
     # a calibrated cost model (`omniscale balance calibrate`): α, β, γ of the LLM ("llm") and
-    # of each encoder kind, in seconds; None prices encoders relative to cost_linear/quadratic
+    # of each encoder kind, in seconds, and optionally the fixed cost of a micro-batch
+    # ("micro_batch") and of the collectives per token (COLLECTIVES); None prices encoders
+    # relative to cost_linear/quadratic
     costs: dict | None = None
 
     def __post_init__(self) -> None:
@@ -62,7 +64,8 @@ class PlaneConfig:
         if self.costs is None:
             return Costs.from_llm(linear, quadratic)
         return Costs(llm=CostModel(linear, quadratic, self.costs["llm"][2]),
-                     encoders=tuple(CostModel(*self.costs[kind]) for kind in ENCODER_KINDS))
+                     encoders=tuple(CostModel(*self.costs[kind]) for kind in ENCODER_KINDS),
+                     **{name: float(self.costs.get(name, 0.0)) for name in SCALARS})
 
     def planner(self, dp: int, window: int) -> PlannerConfig:
         return PlannerConfig(dp=dp, micro_batch_tokens=self.micro_batch_tokens, window=window,
@@ -80,7 +83,15 @@ class PlaneConfig:
                 "global_batch_samples": self.global_batch_samples}
 
 
+# the calibrated costs that are one number each (Costs fields of the same name)
+SCALARS = ("micro_batch", "sp_comm_per_token", "reshard_per_token")
+
+
 def _check_costs(costs: dict) -> None:
+    for name in SCALARS:
+        value = costs.get(name, 0.0)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise UserError(f"--costs: {name}: expected a finite number >= 0, got {value!r}")
     for name in ("llm", *ENCODER_KINDS):
         value = costs.get(name)
         if not (isinstance(value, (list, tuple)) and len(value) == 3 and

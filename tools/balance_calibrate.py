@@ -152,9 +152,9 @@ def _scores(pred: np.ndarray, t: np.ndarray) -> dict:
 def backbone_fit(grid: list[list[int]], grid_s: list[float], mixes: list[list[int]],
                  mixes_s: list[float]) -> dict:
     """``α·ΣL + β·ΣL² + γ·n + δ`` (all ≥ 0) fitted on the grid, scored on the held-out mixes.
-    δ is a micro-batch's fixed cost (launches, the LM head's setup): every rank runs the same
-    number of micro-batches in a step, so it never changes a placement and the planner leaves
-    it out, but the fit needs it to predict a micro-batch's time."""
+    δ is a micro-batch's fixed cost (launches, the LM head's setup), paid on every rank once
+    per micro-batch slot: the planner weighs it against the balance an extra slot would buy
+    (``Costs.micro_batch``)."""
     A, t = _mix_rows(grid), np.asarray(grid_s)
     scale = A.max(axis=0)
     coef = nonnegative_lstsq(A / scale, t) / scale
@@ -204,13 +204,16 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
 
 def plane_costs(path: str | Path) -> dict:
     """``PlaneConfig`` arguments from a calibration file: ``cost_linear``, ``cost_quadratic``
-    and ``costs`` (every kind's α, β, γ in seconds). One line naming the file on a bad one."""
+    and ``costs`` (every kind's α, β, γ in seconds, a micro-batch's fixed cost). One line
+    naming the file on a bad one."""
     from omniscale.balancer.types import ENCODER_KINDS
 
     try:
         doc = json.loads(Path(path).read_text())
         llm = [float(doc["llm"][k]) for k in ("alpha", "beta", "gamma")]
-        costs = {"llm": llm}
+        costs = {"llm": llm, "micro_batch": float(doc["llm"].get("per_micro_batch", 0.0)),
+                 **{k: float(v) for k, v in doc.get("collectives", {}).items()
+                    if k in ("sp_comm_per_token", "reshard_per_token")}}
         for kind in ENCODER_KINDS:
             e = doc.get("encoders", {}).get(kind)
             costs[kind] = [float(e[k]) for k in ("alpha", "beta", "gamma")] if e else \

@@ -65,6 +65,7 @@ def test_calibrate_times_the_runs_model_and_the_plane_reads_it(demo, tmp_path):
         image["alpha"] * 64 + image["beta"] * 64 ** 2 + image["gamma"])
     assert costs.llm(np.array([100]))[0] == pytest.approx(
         llm["alpha"] * 100 + llm["beta"] * 100 ** 2 + llm["gamma"])
+    assert costs.micro_batch == llm["per_micro_batch"]
 
 
 def test_a_bad_cost_file_is_one_line(tmp_path):
@@ -75,3 +76,12 @@ def test_a_bad_cost_file_is_one_line(tmp_path):
         plane_costs(path)
     with pytest.raises(UserError, match=r"^--costs: llm: expected three finite coefficients"):
         PlaneConfig(dp=2, global_batch_tokens=8192, costs={"llm": [1.0, -1.0, 0.0]})
+    good = {"llm": [1.0, 0.0, 0.0], "image": [0.0] * 3, "video": [0.0] * 3, "audio": [0.0] * 3}
+    with pytest.raises(UserError, match=r"^--costs: micro_batch: expected a finite number >= 0, "
+                                        r"got -0.5$"):
+        PlaneConfig(dp=2, global_batch_tokens=8192, costs={**good, "micro_batch": -0.5})
+    config = PlaneConfig(dp=2, global_batch_tokens=8192,
+                         costs={**good, "micro_batch": 0.25, "reshard_per_token": 1e-6})
+    costs = config.cost_model(1.0, 0.0)
+    assert (costs.micro_batch, costs.reshard_per_token, costs.sp_comm_per_token) == \
+        (0.25, 1e-6, 0.0)
