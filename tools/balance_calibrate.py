@@ -17,6 +17,7 @@ starts from it. Every time is the median of ``--repeats`` runs after a warm-up.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -165,10 +166,11 @@ def backbone_fit(grid: list[list[int]], grid_s: list[float], mixes: list[list[in
 
 
 def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int = 12,
-              progress=print) -> dict:
-    """Measure and fit (module docstring); returns the JSON document."""
+              progress=print, nproc: int = 1) -> dict:
+    """Measure and fit (module docstring); returns the JSON document. ``nproc``: the ranks
+    the run puts on this machine; on CPU every measurement gets the threads one of them gets
+    (``tools.train.loop``), so the fit prices what a rank does."""
     from omniscale.dataplane.spec import load_spec
-    from omniscale.tools.train.build import build_model, model_config
     from omniscale.tools.train.config import load_config
     from omniscale.tools.train.launch import ensure_data
     from omniscale.tools.train.loop import device_of
@@ -179,6 +181,23 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
     ensure_data(cfg)
     spec = load_spec(cfg.data.spec)
     device = device_of(cfg, 0)
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: must be >= 1")
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    started = time.perf_counter()
+    try:
+        return _measure(cfg, spec, device, repeats, held_out, progress) | {
+            "nproc": nproc, "threads": torch.get_num_threads(),
+            "elapsed_s": round(time.perf_counter() - started, 1)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(cfg, spec, device, repeats: int, held_out: int, progress) -> dict:
+    from omniscale.tools.train.build import build_model, model_config
+
     model = build_model(model_config(cfg, spec.media, spec.tokenizer), cfg.seed, device)
     budget = cfg.data.micro_batch_tokens
     grid, mixes = backbone_mixes(budget, np.random.default_rng(cfg.seed), held_out)

@@ -9,7 +9,10 @@ demo at ``--scale``, every source from step 0: text with image, video and audio,
 ``parallel.sp 2`` so that a sample longer than a micro-batch is split over the two ranks (every
 baseline gets the planner's split decision: the same splitting), FSDP over both processes.
 Policies run in a different order each round (rotated), each in a fresh run directory; the
-first ``--warmup`` steps of each run are left out.
+first ``--warmup`` steps of each run are left out. Every policy plans with the same cost model:
+by default ``omniscale balance calibrate`` times this run's model here first (``--costs
+calibrate``; its fit goes into the JSON), as a user would; ``--costs FILE`` takes a cost file,
+``--costs flops`` the model's FLOP counts.
 
 Per policy and round: tokens/s (the measured steps' tokens over their summed step time),
 median step time, and the mean measured (compute clock, waiting excluded) and predicted
@@ -57,7 +60,7 @@ def run(policy: str, spec: Path, out: Path, args) -> dict:
             "data.global_batch_tokens": args.global_batch_tokens,
             "data.micro_batch_tokens": args.micro_batch_tokens, "optim.warmup_steps": 2,
             "deterministic": "true"}
-    if args.costs:
+    if args.costs != "flops":
         sets["data.costs"] = args.costs
     cmd = [sys.executable, "-m", "omniscale", "train", "configs/demo_omni.yaml", "--nproc",
            str(args.nproc), "--no-progress"]
@@ -76,9 +79,31 @@ def run(policy: str, spec: Path, out: Path, args) -> dict:
             "tokens": sum(r["tokens"] for r in measured), "steps": len(measured),
             "micro_batches_mean": statistics.mean(r["micro_batches"] for r in measured),
             "sp_split_samples": sum(r.get("sp_split_samples", 0) for r in measured),
+            "media_items_moved_mean": statistics.mean(r.get("media_items_moved", 0)
+                                                      for r in measured),
             "compute_s_mean": statistics.mean(statistics.mean(r["rank_compute_s"])
                                               for r in measured),
             "loss_last": rows[-1]["loss"]}
+
+
+def calibrate(spec: Path, args) -> dict:
+    """``omniscale balance calibrate`` of the benchmark's run (its model, spec and micro-batch
+    budget, each rank's threads) into ``args.costs``; the fit's summary."""
+    cmd = [sys.executable, "-m", "omniscale", "balance", "calibrate", "configs/demo_omni.yaml",
+           "--set", f"data.spec={spec}", "--set", "eval.enabled=false",
+           "--set", f"data.micro_batch_tokens={args.micro_batch_tokens}",
+           "--nproc", str(args.nproc), "--out", args.costs]
+    print("calibrating the cost model:", " ".join(cmd[2:]), flush=True)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"omniscale balance calibrate failed:\n{done.stderr[-2000:]}")
+    doc = json.loads(Path(args.costs).read_text())
+    print("\n".join(done.stdout.strip().splitlines()[-5:]), flush=True)
+    return {"llm": {k: doc["llm"][k] for k in ("alpha", "beta", "gamma", "per_micro_batch",
+                                               "r2", "mape", "held_out")},
+            "encoders": {k: {f: v[f] for f in ("alpha", "beta", "gamma", "r2", "mape")}
+                         for k, v in doc["encoders"].items()},
+            "elapsed_s": doc.get("elapsed_s"), "threads": doc.get("threads")}
 
 
 def _spread(values: list[float]) -> dict:
@@ -97,13 +122,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
     ap.add_argument("--global-batch-tokens", type=int, default=16384)
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
-    ap.add_argument("--costs", help="a cost file of `omniscale balance calibrate` for every run")
+    ap.add_argument("--costs", default="calibrate",
+                    help="the cost model of every run: calibrate (time the model here first, "
+                         "the default), a cost file of `omniscale balance calibrate`, or flops")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     started = provenance()
     policies = args.policies.split(",")
     spec = prepare(args.data, args.scale)
+    calibration = None
+    if args.costs == "calibrate":
+        args.costs = str(args.data / f"costs-{args.scale}-{args.micro_batch_tokens}.json")
+        calibration = calibrate(spec, args)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="omniscale-e2e-") as tmp:
         for r in range(args.rounds):
@@ -129,7 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"command": " ".join(["tools/bench/e2e.py"] + (argv or sys.argv[1:])),
               **started, "scale": args.scale, "nproc": args.nproc, "steps": args.steps,
               "warmup": args.warmup, "global_batch_tokens": args.global_batch_tokens,
-              "micro_batch_tokens": args.micro_batch_tokens, "sp": 2, "rounds": rounds,
+              "micro_batch_tokens": args.micro_batch_tokens, "sp": 2,
+              "costs": args.costs, "calibration": calibration, "rounds": rounds,
               "median": summary,
               "ratio_vs_best_baseline": _spread(ratios) if ratios else None}
     for p in policies:
