@@ -181,8 +181,9 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
     ensure_data(cfg)
     spec = load_spec(cfg.data.spec)
     device = device_of(cfg, 0)
-    if nproc < 1:
-        raise UserError(f"--nproc {nproc}: must be >= 1")
+    for flag, value in (("--nproc", nproc), ("--repeats", repeats), ("--held-out", held_out)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))

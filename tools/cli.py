@@ -79,7 +79,8 @@ def _balance_calibrate(args: argparse.Namespace) -> int:
 
     started = provenance()  # commit and load: whoever reads the figures can weigh them
     result = calibrate(args.config, args.set or [], repeats=args.repeats,
-                       progress=lambda line: print(line, flush=True), nproc=args.nproc)
+                       held_out=args.held_out, progress=lambda line: print(line, flush=True),
+                       nproc=args.nproc)
     result = {"command": " ".join(["omniscale", *sys.argv[1:]]), **started, **result}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(summary(result))
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a config field, as for train")
     cal.add_argument("--repeats", type=int, default=3,
                      help="timed runs per measurement, the median kept (default 3)")
+    cal.add_argument("--held-out", type=int, default=12,
+                     help="random mixes timed apart from the fit, to score it (default 12)")
     cal.add_argument("--nproc", type=int, default=1,
                      help="ranks the run puts on this machine: on CPU each measurement gets "
                           "the threads one of them gets (default 1)")

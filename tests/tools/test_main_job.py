@@ -21,8 +21,11 @@ STEPS = 6
 def test_make_demo(tmp_path):
     demo, run_dir = tmp_path / "demo", tmp_path / "run"
     short = f"--set steps={STEPS} --set checkpoint_every={STEPS} --set eval.max_samples=4"
+    # the cost file timed with one run per measurement and a few held-out mixes: the same
+    # command, shortened like the training run
     run = subprocess.run(["make", "-C", str(ROOT), "demo", f"DEMO={demo}", f"RUN={run_dir}",
-                          f"TRAIN_SET={short}"], capture_output=True, text=True, timeout=600)
+                          f"TRAIN_SET={short}", "CALIBRATE=--repeats 1 --held-out 4"],
+                         capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "Traceback" not in out
@@ -33,6 +36,12 @@ def test_make_demo(tmp_path):
     assert "0 corrupt" in run.stdout and "schedule" in run.stdout
     png = demo / "mix.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+    # the balancer's cost model, timed here, is what the run plans with
+    costs = json.loads((demo / "costs.json").read_text())
+    assert costs["unit"] == "seconds" and costs["nproc"] == 2 and costs["llm"]["alpha"] > 0
+    config = (run_dir / "config.yaml").read_text()
+    assert f"costs: {demo / 'costs.json'}" in config, config
 
     # the training run: one progress line per step, a checkpoint, the evaluation, the report
     assert f"step {STEPS}/{STEPS}" in run.stdout

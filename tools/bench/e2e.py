@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the cost model of every run: calibrate (time the model here first, "
                          "the default), a cost file of `omniscale balance calibrate`, or flops")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--no-reshard", action="store_true",
+                    help="diagnostic: price moving an encoder output at 1 s per token in the "
+                         "cost file, so every item is encoded where it is consumed")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     started = provenance()
@@ -135,6 +138,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.costs == "calibrate":
         args.costs = str(args.data / f"costs-{args.scale}-{args.micro_batch_tokens}.json")
         calibration = calibrate(spec, args)
+    if args.no_reshard:
+        doc = json.loads(Path(args.costs).read_text()) if args.costs != "flops" else None
+        if doc is None:
+            raise SystemExit("--no-reshard needs a cost file (--costs calibrate or FILE)")
+        doc["collectives"] = {**doc.get("collectives", {}), "reshard_per_token": 1.0}
+        args.costs = str(args.data / "costs-no-reshard.json")
+        Path(args.costs).write_text(json.dumps(doc, indent=2) + "\n")
     rounds = []
     with tempfile.TemporaryDirectory(prefix="omniscale-e2e-") as tmp:
         for r in range(args.rounds):
@@ -161,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
               **started, "scale": args.scale, "nproc": args.nproc, "steps": args.steps,
               "warmup": args.warmup, "global_batch_tokens": args.global_batch_tokens,
               "micro_batch_tokens": args.micro_batch_tokens, "sp": 2,
-              "costs": args.costs, "calibration": calibration, "rounds": rounds,
+              "costs": args.costs, "calibration": calibration,
+              "no_reshard": args.no_reshard, "rounds": rounds,
               "median": summary,
               "ratio_vs_best_baseline": _spread(ratios) if ratios else None}
     for p in policies:
