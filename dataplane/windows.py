@@ -77,14 +77,21 @@ def plan_policy(samples: WindowSamples, costs: Costs, config: PlannerConfig,
     planner's long-short split decided over the window: the same splitting)."""
     if policy == "omniscale":
         return plan_window(samples, costs, config)
-    sizes_N = split_sizes(samples, costs, config, n_steps=config.window) \
-        if config.sp_max > 1 else None
+    sizes_N = _window_split(samples, costs, config)
     plans = []
     for b in range(config.window):
         idx_n = np.flatnonzero(samples.batch_N == b)
         plans.append(_baseline_step(samples, idx_n, b, costs, config, policy,
                                     None if sizes_N is None else sizes_N[idx_n]))
     return plans
+
+
+def _window_split(samples: WindowSamples, costs: Costs, config: PlannerConfig
+                  ) -> np.ndarray | None:
+    """The planner's long-short split decided over the whole window (what every baseline is
+    given), or None when nothing may split."""
+    return split_sizes(samples, costs, config, n_steps=config.window) \
+        if config.sp_max > 1 else None
 
 
 def _baseline_step(samples: WindowSamples, idx_n: np.ndarray, step: int, costs: Costs,
@@ -107,8 +114,7 @@ def best_baseline(samples: WindowSamples, step: int, costs: Costs,
     (costliest rank) over the baselines, and which one. ``config``: the window's planner
     settings (the long-short split decided over the window, as ``plan_policy`` does)."""
     idx_n = np.flatnonzero(samples.batch_N == step)
-    sizes_N = split_sizes(samples, costs, config, n_steps=config.window) \
-        if config.sp_max > 1 else None
+    sizes_N = _window_split(samples, costs, config)
     best: dict = {}
     for policy in BASELINES_NO_SPLIT:
         plan = _baseline_step(samples, idx_n, step, costs, config, policy,

@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.costs = str(args.data / f"costs-{args.scale}-{args.micro_batch_tokens}.json")
         calibration = calibrate(spec, args)
     if args.no_reshard:
-        doc = json.loads(Path(args.costs).read_text()) if args.costs != "flops" else None
-        if doc is None:
+        if args.costs == "flops":
             raise SystemExit("--no-reshard needs a cost file (--costs calibrate or FILE)")
+        doc = json.loads(Path(args.costs).read_text())
         doc["collectives"] = {**doc.get("collectives", {}), "reshard_per_token": 1.0}
         args.costs = str(args.data / "costs-no-reshard.json")
         Path(args.costs).write_text(json.dumps(doc, indent=2) + "\n")

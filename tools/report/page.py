@@ -8,6 +8,7 @@ import html
 import math
 from pathlib import Path
 
+from omniscale.tools.report.balance_plot import predicted_gain
 from omniscale.tools.report.inputs import is_number
 from omniscale.tools.report.plots import Plot
 
@@ -56,8 +57,6 @@ def summary_rows(rows: list[dict]) -> list[tuple[str, str]]:
         how = " of compute time" if clocks == {"cpu"} else ""
         out.append((f"mean measured imbalance{how} (max/mean)",
                     format_value(sum(imbalance) / len(imbalance))))
-    from omniscale.tools.report.balance_plot import predicted_gain
-
     if (gain := predicted_gain(rows)) is not None:
         out.append(("predicted gain over the best baseline (Σ step cost)", f"{gain:.3f}×"))
     if policies := list(dict.fromkeys(r["balance"] for r in rows if r.get("balance"))):

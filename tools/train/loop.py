@@ -53,11 +53,13 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
     d = cfg.data
     # parallel.sp: the plane may split a sample over an aligned group of up to that many
     # ranks; longer text is truncated to what such a group holds, longer media samples skipped.
-    extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0} if cost else {}
+    extra = {}
     if d.costs:  # calibrated on this machine: seconds, encoders priced on their own
         from omniscale.tools.balance_calibrate import plane_costs
 
         extra = plane_costs(d.costs)
+    elif cost:
+        extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0}
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
                        global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp,
                        snapshot_every=cfg.checkpoint_every, balance=d.balance, **extra)
