@@ -1,11 +1,11 @@
 """Run a function on N real processes with a gloo process group, and collect what each returns.
 
 Multi-rank behaviour is tested with real processes (no mocks): ``run_ranks(fn, world, *args)``
-spawns ``world`` processes, initialises ``torch.distributed`` with gloo over a file store in a
-temporary directory, calls ``fn(rank, world, *args)`` in each and returns the per-rank results
-(anything picklable, e.g. losses and gradient dicts of CPU tensors: tensors are fine). A failure in
-any rank is
-re-raised here with that rank's traceback. ``fn`` must be importable (a module-level function).
+starts ``world`` processes (as the trainer starts its ranks), initialises ``torch.distributed``
+with gloo over a file store in a temporary directory, calls ``fn(rank, world, *args)`` in each
+and returns the per-rank results (anything picklable, e.g. losses and gradient dicts of CPU
+tensors: tensors are fine). A failure in any rank is re-raised here with that rank's
+traceback. ``fn`` must be importable (a module-level function).
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from omniscale.tools.train.fork_server import adopt_environment, launch_environment, start_method
 
-def _worker(rank: int, world: int, store: str, fn, args, queue) -> None:
+
+def _worker(rank: int, world: int, store: str, fn, args, queue, env) -> None:
+    adopt_environment(env)
     import torch
     import torch.distributed as dist
 
@@ -56,11 +59,12 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
 
 
 def _run_once(fn, world: int, args: tuple, timeout: float) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method())  # the trainer's: forked from a server, imports once
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, queue))
+        procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, queue,
+                                                     launch_environment()))
                  for r in range(world)]
         for p in procs:
             p.start()

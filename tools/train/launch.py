@@ -1,7 +1,8 @@
 """``omniscale train``: resolve the config, make the demo data if needed, run the ranks, evaluate.
 
-``--nproc 1`` trains in this process. ``--nproc N`` spawns N processes with
-``torch.multiprocessing`` (spawn start method) that rendezvous over a gloo/nccl process group
+``--nproc 1`` trains in this process. ``--nproc N`` starts N processes with
+``torch.multiprocessing`` (forked from a server that imported the trainer once:
+``tools.train.fork_server``) that rendezvous over a gloo/nccl process group
 through a file store in a temporary directory -- the single-machine launch. Under ``torchrun``
 (any number of nodes) each process runs one rank through ``env://`` (``tools.train.torchrun``).
 Rank 0
@@ -21,6 +22,7 @@ import yaml
 from omniscale.dataplane.errors import UserError
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.config import RunConfig, load_config
+from omniscale.tools.train.fork_server import adopt_environment, launch_environment, start_method
 from omniscale.tools.train.loop import RankJob, layout, mesh_dims, train_rank
 from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
 
@@ -81,7 +83,8 @@ def ensure_data(cfg: RunConfig) -> None:
               f"{bad[0]}")
 
 
-def _spawned(rank: int, world: int, job: RankJob) -> None:
+def _spawned(rank: int, world: int, job: RankJob, env: dict[str, str]) -> None:
+    adopt_environment(env)
     try:
         train_rank(rank, world, job)
     except UserError as e:
@@ -261,8 +264,8 @@ def _spawn(job: RankJob, nproc: int, run_dir: Path) -> None:
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
     try:
-        mp.start_processes(_spawned, args=(nproc, job), nprocs=nproc, join=True,
-                           start_method="spawn")
+        mp.start_processes(_spawned, args=(nproc, job, launch_environment()), nprocs=nproc,
+                           join=True, start_method=start_method())
     except mp.ProcessExitedException:
         errors = sorted(run_dir.glob("error-rank*.txt"))
         if errors:
