@@ -2,10 +2,11 @@
 
 The plan's rows say which samples the rank trains (role ``llm``: micro-batch, SP slice) and
 which media items it encodes for other ranks (role ``encode``). A sample is decoded once per
-step however many rows name it. A sample that failed to decode is handled by the policy:
-``fail`` raises its CorruptSample; ``skip`` reports it to the plane, which quarantines it and
-hands back a replacement from the same source, decoded here in its place (every rank of an SP
-group reporting the same sample gets the same replacement, so their slices still fit).
+step however many rows name it, and only as far as this rank uses it (:func:`decode_work`).
+A sample that failed to decode is handled by the policy: ``fail`` raises its CorruptSample;
+``skip`` reports it to the plane, which quarantines it and hands back a replacement from the
+same source, decoded here in its place, whole (every rank of an SP group reporting the same
+sample gets the same replacement, so their slices still fit).
 
 An encoder item of a replaced sample is dropped: the item it names no longer exists, and the
 replacement's media travel whole in the consuming rank's PackedBatch.
@@ -23,6 +24,7 @@ import torch
 from omniscale.dataplane.plan_table import fingerprint, plan_metadata
 from omniscale.dataplane.refs import SampleRef, table_to_refs
 from omniscale.loaders.collate import PackedBatch, collate
+from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.sequence import DecodedSample
@@ -82,6 +84,49 @@ def unique_refs(table: pa.Table) -> list[SampleRef]:
             seen.add(sample_id(ref))
             out.append(ref)
     return out
+
+
+def decode_work(table: pa.Table, rank: int | None = None
+                ) -> list[tuple[SampleRef, DecodeNeed | None]]:
+    """:func:`unique_refs`, each with what data rank ``rank`` uses of it: the text if it
+    trains the sample, the media items its rows say it encodes (``encode`` rows, and the
+    ``encode_ranks`` of its ``llm`` rows that name it). Media another rank encodes reach this
+    rank as embeddings, so their pixels are not decoded here. ``rank`` None, or a sample this
+    rank uses whole: None (decode it all)."""
+    refs = unique_refs(table)
+    if rank is None:
+        return [(ref, None) for ref in refs]
+    cols = {n: table.column(n).to_pylist() for n in ("role", "encode_ranks", "item_kind",
+                                                     "item_index")}
+    text, items, whole = set(), {}, set()
+    for i, ref in enumerate(table_to_refs(table)):
+        sid = sample_id(ref)
+        used = items.setdefault(sid, set())
+        if cols["role"][i] == "encode":
+            used.add((cols["item_kind"][i], cols["item_index"][i]))
+            continue
+        text.add(sid)
+        order = _item_order(ref)
+        encoders = cols["encode_ranks"][i] or []
+        if len(encoders) != len(order):  # a plan without an encoder plan: encoded here
+            whole.add(sid)
+        used.update(item for item, r in zip(order, encoders) if r == rank)
+    work = []
+    for ref in refs:
+        sid = sample_id(ref)
+        if sid in whole or (sid in text and len(items[sid]) == len(_item_order(ref))):
+            work.append((ref, None))
+        else:
+            work.append((ref, DecodeNeed(sid in text, frozenset(items[sid]))))
+    return work
+
+
+def _item_order(ref: SampleRef) -> list[tuple[str, int]]:
+    """A sample's media items as (kind, index within the kind), in item order."""
+    return [(kind, i) for kind, counts in (("image", ref.image_patches),
+                                           ("video", ref.video_patches),
+                                           ("audio", ref.audio_frames))
+            for i in range(len(counts))]
 
 
 class StepAssembler:

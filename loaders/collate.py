@@ -46,7 +46,9 @@ class PackedBatch:
     media_num_tokens_M: torch.Tensor  # int64 [M]: block length
     media_kind_M: torch.Tensor  # int64 [M]: 0 image, 1 video, 2 audio
     media_sample_M: torch.Tensor  # int64 [M]: the sequence (in S) holding the block
-    media_index_M: torch.Tensor  # int64 [M]: the item's row in V (vision) or A (audio)
+    # int64 [M]: the item's row in V (vision) or A (audio); -1 for an item whose pixels or
+    # frames were not decoded here (another rank encodes it: ``loaders.decode.DecodeNeed``)
+    media_index_M: torch.Tensor
     media_item_M: torch.Tensor  # int64 [M]: the item's index among its sample's items of its kind
     # The SampleRef trained in each sequence (set by loaders.assemble; None when collated
     # without a plan): with media_item_M it names every item as the plan's reshard map does.
@@ -83,7 +85,9 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
             if item.token_start + item.num_tokens <= lo or item.token_start >= hi:
                 continue  # its block is on another rank's slice
             m_item.append(index_in_kind)
-            if item.kind == "audio":
+            if item.tensor is None:  # not decoded here: another rank encodes it
+                m_index.append(-1)
+            elif item.kind == "audio":
                 m_index.append(len(frames))
                 mels.append(item.tensor)
                 frames.append(item.frames)

@@ -1,4 +1,10 @@
-"""SampleRef -> DecodedSample: read the bytes, decode every member, lay out the sequence.
+"""SampleRef -> DecodedSample: read the bytes, decode the members, lay out the sequence.
+
+A :class:`DecodeNeed` narrows the work to what one rank uses of a sample (the encoder plan
+moves media between ranks): the media items it encodes are decoded, the items another rank
+encodes only probed from their headers (``loaders.probe``: the grid or frame count the layout
+needs), and the text only when the rank trains the sample. Whatever is decoded equals a whole
+decode's; an item left undecoded has ``tensor`` None.
 
 The decoded sample must be what the plane planned with: its media features (patches per image,
 t·h·w per clip, mel frames per clip) and its length equal the ref's, which came from the
@@ -9,6 +15,7 @@ refused like any corrupt one rather than silently breaking a token budget or an 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +28,7 @@ from omniscale.loaders.decode_video import decode_video
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
 from omniscale.loaders.layout import media_order, member_kind, split_member_name
-from omniscale.loaders.probe import Corrupt
+from omniscale.loaders.probe import Corrupt, probe_audio, probe_image, probe_video
 from omniscale.loaders.readers import RawSample, SampleReader
 from omniscale.loaders.sequence import (
     KINDS,
@@ -33,6 +40,16 @@ from omniscale.loaders.sequence import (
 )
 
 _DECODERS = {"image": decode_image, "video": decode_video}
+_PROBES = {"image": probe_image, "video": probe_video}
+
+
+@dataclass(frozen=True)
+class DecodeNeed:
+    """What a rank uses of one sample: its sequence (``text``: it trains the sample) and the
+    media ``items`` it encodes, as (kind, index within the kind). None instead of a need: all."""
+
+    text: bool
+    items: frozenset[tuple[str, int]]
 
 
 class SampleDecoder:
@@ -44,11 +61,13 @@ class SampleDecoder:
         self.tokenizer = load_tokenizer(tokenizer)
         self.geometry = geometry
 
-    def decode(self, ref: SampleRef) -> DecodedSample:
-        """The ref's sample; CorruptSample (``source/key: reason``) for anything wrong."""
-        return self.decode_raw(ref, self.reader.read(ref))
+    def decode(self, ref: SampleRef, need: DecodeNeed | None = None) -> DecodedSample:
+        """The ref's sample (what ``need`` asks of it); CorruptSample (``source/key:
+        reason``) for anything wrong."""
+        return self.decode_raw(ref, self.reader.read(ref), need)
 
-    def decode_raw(self, ref: SampleRef, raw: RawSample) -> DecodedSample:
+    def decode_raw(self, ref: SampleRef, raw: RawSample, need: DecodeNeed | None = None
+                   ) -> DecodedSample:
         g, tok = self.geometry, self.tokenizer
         text_data, text_name, found = b"", None, {kind: [] for kind in KINDS}
         for name, data in raw.members:
@@ -63,9 +82,18 @@ class SampleDecoder:
                 found[kind].append((media_order(suffix), name, data))
         items: list[MediaItem] = []
         for kind in KINDS:
-            for _, name, data in sorted(found[kind]):
-                items.append(self._decode_item(ref, kind, name, data))
+            for index, (_, name, data) in enumerate(sorted(found[kind])):
+                if need is None or (kind, index) in need.items:
+                    items.append(self._decode_item(ref, kind, name, data))
+                elif need.text:  # another rank encodes it; its block still needs a length
+                    items.append(self._probe_item(ref, kind, name, data))
+                else:
+                    items.append(MediaItem(kind, None, None, None, -1, 0))
         _check_features(ref, items)
+        if need is not None and not need.text:  # only encoding here: no sequence
+            empty = torch.zeros(0, dtype=torch.int64)
+            return DecodedSample(ref.source, ref.key, empty, empty, empty,
+                                 torch.zeros(3, 0, dtype=torch.int64), tok.pad_id, items)
         try:
             _, text_ids = tokenize(text_data, tok)
         except Corrupt as e:
@@ -98,6 +126,18 @@ class SampleDecoder:
         except Corrupt as e:
             raise CorruptSample(ref.source, ref.key, f"member {name!r}: {e}") from None
 
+    def _probe_item(self, ref: SampleRef, kind: str, name: str, data: bytes) -> MediaItem:
+        """An item's block length (and vision grid) from its headers, as the index had them."""
+        g = self.geometry
+        try:
+            if kind == "audio":
+                frames = probe_audio(data, g)
+                return MediaItem(kind, None, None, frames, -1, audio_tokens(frames))
+            grid = _PROBES[kind](data, g)
+            return MediaItem(kind, None, grid, None, -1, vision_tokens(grid, g))
+        except Corrupt as e:
+            raise CorruptSample(ref.source, ref.key, f"member {name!r}: {e}") from None
+
 
 def _llm_grid(grid_thw: tuple[int, int, int] | None, g: MediaGeometry):
     if grid_thw is None:
@@ -107,15 +147,21 @@ def _llm_grid(grid_thw: tuple[int, int, int] | None, g: MediaGeometry):
 
 
 def _check_features(ref: SampleRef, items: list[MediaItem]) -> None:
-    """The decoded media must be the media the ref was planned with (item for item)."""
+    """The decoded media must be the media the ref was planned with (item for item; an item
+    neither decoded nor probed counts as planned)."""
     if ref.llm_tokens <= 0:
         return  # a hand-made ref without features: nothing to hold it to
     decoded = {"image_patches": [], "video_patches": [], "audio_frames": []}
+    seen = {"image": 0, "video": 0, "audio": 0}
     for it in items:
-        if it.kind == "audio":
-            decoded["audio_frames"].append(it.frames)
+        column = "audio_frames" if it.kind == "audio" else f"{it.kind}_patches"
+        index, seen[it.kind] = seen[it.kind], seen[it.kind] + 1
+        if it.grid_thw is None and it.frames is None:  # neither decoded nor probed
+            planned = getattr(ref, column)
+            value = planned[index] if index < len(planned) else None
         else:
-            decoded[f"{it.kind}_patches"].append(math.prod(it.grid_thw))
+            value = it.frames if it.kind == "audio" else math.prod(it.grid_thw)
+        decoded[column].append(value)
     for column, values in decoded.items():
         planned = list(getattr(ref, column))
         if values != planned:

@@ -31,7 +31,7 @@ from torch.utils.data._utils import signal_handling
 
 from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.assemble import StepAssembler, StepBatch, sample_id, unique_refs
+from omniscale.loaders.assemble import StepAssembler, StepBatch, decode_work, sample_id
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.prefetch import END, PlanPrefetcher
 from omniscale.loaders.worker import Decoded, RefDataset, TimedDecoder, decoder_spec, identity
@@ -42,14 +42,20 @@ class StepLoader:
 
     Subclasses implement :meth:`_decoded_steps`, a generator of
     ``(step, plan table, {sample uid: Decoded})`` in step order, run on the assembly thread.
+
+    ``skip_moved_media``: media items the plan has another rank encode are not decoded here
+    (``assemble.decode_work``): their embeddings arrive by the reshard, which the omni task's
+    step does (``tools.train.media_step``); a consumer of the pixels themselves (the
+    video_gen task) keeps the default, every sample whole.
     """
 
     def __init__(self, plane_url: str, rank: int, sources: dict[str, str | Path],
                  tokenizer_path: str | Path, geometry: MediaGeometry, num_workers: int = 2,
                  prefetch_steps: int = 2, policy: str = "skip", decode_timeout: float = 30.0,
                  token: str | None = None, start_step: int = 0,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, skip_moved_media: bool = False) -> None:
         self.url, self.rank, self.token = plane_url, int(rank), token
+        self.skip_moved_media = skip_moved_media
         self.geometry = geometry
         self.num_workers, self.decode_timeout = int(num_workers), decode_timeout
         self.spec = decoder_spec(sources, tokenizer_path, geometry)
@@ -160,6 +166,10 @@ class StepLoader:
     def _decoded_steps(self):
         raise NotImplementedError
 
+    def _work(self, table) -> list:
+        """A plan's decode work: ``(ref, DecodeNeed | None)`` per distinct sample."""
+        return decode_work(table, self.rank if self.skip_moved_media else None)
+
 
 class RankLoader(StepLoader):
     """The default backend: ``torch.utils.data`` worker processes decode by reference.
@@ -201,7 +211,7 @@ class RankLoader(StepLoader):
 
     def _decoded_steps(self):
         steps: deque = deque()  # (step, table, items), END, or an exception: sampler order
-        it = self._start(_PlanItems(self.plans, steps))
+        it = self._start(_PlanItems(self.plans, steps, self._work))
         first = None
         redo_step, in_a_row = None, 0  # worker deaths in a row while on one step
         try:
@@ -242,7 +252,7 @@ class RankLoader(StepLoader):
                                   f"new workers decode again from step {step} (restart "
                                   f"{self.worker_restarts})", RuntimeWarning, stacklevel=2)
                     steps = deque()
-                    it = self._start(_PlanItems(self.plans, steps, replay))
+                    it = self._start(_PlanItems(self.plans, steps, self._work, replay))
                     continue
                 yield step, table, decoded
         finally:
@@ -347,12 +357,15 @@ def _shutdown(it) -> None:
 
 
 class _PlanItems:
-    """The sampler: work items ``((step, i), ref)`` of each plan, recording each step's item
-    count in ``steps`` before its first item leaves (the consumer reads counts from there).
-    ``replay``: entries of ``steps`` a replaced DataLoader had pulled, sent again first."""
+    """The sampler: work items ``((step, i), (ref, need))`` of each plan (``work``: the
+    loader's), recording each step's item count in ``steps`` before its first item leaves
+    (the consumer reads counts from there). ``replay``: entries of ``steps`` a replaced
+    DataLoader had pulled, sent again first."""
 
-    def __init__(self, plans: PlanPrefetcher, steps: deque, replay: list | None = None) -> None:
-        self.plans, self.steps, self.replay = plans, steps, list(replay or ())
+    def __init__(self, plans: PlanPrefetcher, steps: deque, work, replay: list | None = None
+                 ) -> None:
+        self.plans, self.steps, self.work = plans, steps, work
+        self.replay = list(replay or ())
 
     def __iter__(self):
         for entry in self.replay:
@@ -360,7 +373,7 @@ class _PlanItems:
             if entry is END or isinstance(entry, BaseException):
                 return
             step, table, _ = entry
-            yield from _items(step, unique_refs(table) or [None])
+            yield from _items(step, self.work(table) or [None])
         while True:
             try:
                 got = self.plans.get()
@@ -371,11 +384,11 @@ class _PlanItems:
                 self.steps.append(END)
                 return
             step, table = got
-            refs = unique_refs(table) or [None]
-            self.steps.append((step, table, len(refs)))
-            yield from _items(step, refs)
+            work = self.work(table) or [None]
+            self.steps.append((step, table, len(work)))
+            yield from _items(step, work)
 
 
-def _items(step: int, refs: list):
-    for i, ref in enumerate(refs):
-        yield (step, i), ref
+def _items(step: int, work: list):
+    for i, item in enumerate(work):
+        yield (step, i), item

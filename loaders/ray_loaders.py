@@ -21,7 +21,8 @@ from collections.abc import Callable
 import ray
 
 from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.assemble import sample_id, unique_refs
+from omniscale.loaders.assemble import sample_id
+from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.index_schema import read_index
 from omniscale.loaders.pipeline import StepLoader
 from omniscale.loaders.prefetch import END
@@ -37,8 +38,8 @@ class SourceDecoder:
     def __init__(self, spec: DecoderSpec, timeout: float | None) -> None:
         self.decoder = TimedDecoder(spec, timeout)
 
-    def decode(self, ref: SampleRef) -> Decoded:
-        return self.decoder.decode(ref)
+    def decode(self, ref: SampleRef, need: DecodeNeed | None = None) -> Decoded:
+        return self.decoder.decode(ref, need)
 
 
 def probe_refs(source: str, path: str, n: int = PROBE_SAMPLES) -> list[SampleRef]:
@@ -115,10 +116,10 @@ class RayRankLoader(StepLoader):
                    for _ in range(n)]
             for name, n in self.replicas.items()}
 
-    def _submit(self, ref: SampleRef):
+    def _submit(self, ref: SampleRef, need: DecodeNeed | None):
         pool = self.pools[ref.source]
         self._turn[ref.source] += 1
-        return pool[self._turn[ref.source] % len(pool)].decode.remote(ref)
+        return pool[self._turn[ref.source] % len(pool)].decode.remote(ref, need)
 
     def _decoded_steps(self):
         pending: deque = deque()  # (step, table, refs, futures), oldest first
@@ -134,8 +135,9 @@ class RayRankLoader(StepLoader):
                     done = True
                     break
                 step, table = got
-                refs = unique_refs(table)
-                pending.append((step, table, refs, [self._submit(r) for r in refs]))
+                work = self._work(table)
+                pending.append((step, table, [r for r, _ in work],
+                                [self._submit(r, need) for r, need in work]))
             if not pending:
                 return
             step, table, refs, futures = pending.popleft()

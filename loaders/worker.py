@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.decode import SampleDecoder
+from omniscale.loaders.decode import DecodeNeed, SampleDecoder
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.readers import SampleReader
@@ -69,14 +69,14 @@ class TimedDecoder:
         self._jobs: queue.Queue | None = None
         self.timeouts = 0
 
-    def decode(self, ref: SampleRef | None) -> Decoded:
+    def decode(self, ref: SampleRef | None, need: DecodeNeed | None = None) -> Decoded:
         if ref is None:  # a step with nothing to decode still sends one item through
             return Decoded(None)
         start = time.perf_counter()
         if self.timeout is None:
-            out = _run(self._current(), ref)
+            out = _run(self._current(), ref, need)
         else:
-            out = self._watched(ref)
+            out = self._watched(ref, need)
         out.seconds = time.perf_counter() - start
         return out
 
@@ -85,14 +85,14 @@ class TimedDecoder:
             self._decoder = self.spec.build()
         return self._decoder
 
-    def _watched(self, ref: SampleRef) -> Decoded:
+    def _watched(self, ref: SampleRef, need: DecodeNeed | None) -> Decoded:
         if self._jobs is None:
             self._jobs = queue.Queue()
             decoder = self._current()
             threading.Thread(target=_serve, args=(decoder, self._jobs), daemon=True,
                              name="omniscale-decode").start()
         reply: queue.Queue = queue.Queue(maxsize=1)
-        self._jobs.put((ref, reply))
+        self._jobs.put((ref, need, reply))
         try:
             return reply.get(timeout=self.timeout)
         except queue.Empty:
@@ -117,13 +117,13 @@ def _serve(decoder: SampleDecoder, jobs: queue.Queue) -> None:
         if job is None:
             decoder.reader.close()
             return
-        ref, reply = job
-        reply.put(_run(decoder, ref))
+        ref, need, reply = job
+        reply.put(_run(decoder, ref, need))
 
 
-def _run(decoder: SampleDecoder, ref: SampleRef) -> Decoded:
+def _run(decoder: SampleDecoder, ref: SampleRef, need: DecodeNeed | None) -> Decoded:
     try:
-        return Decoded(ref, decoder.decode(ref))
+        return Decoded(ref, decoder.decode(ref, need))
     except CorruptSample as e:
         return Decoded(ref, error=e)
     except Exception as e:  # noqa: BLE001 -- a decoder bug on one file must not kill a worker
@@ -132,19 +132,20 @@ def _run(decoder: SampleDecoder, ref: SampleRef) -> Decoded:
 
 
 class RefDataset(torch.utils.data.Dataset):
-    """A map-style dataset whose "indices" are work items ``(tag, ref)``: the sampler hands
-    each worker refs, the worker decodes them. Stateless apart from its decoder, built lazily
-    in the worker process (after the fork) so no open file crosses processes."""
+    """A map-style dataset whose "indices" are work items ``(tag, (ref, need))`` or
+    ``(tag, None)``: the sampler hands each worker refs, the worker decodes them. Stateless
+    apart from its decoder, built lazily in the worker process (after the fork) so no open
+    file crosses processes."""
 
     def __init__(self, spec: DecoderSpec, timeout: float | None) -> None:
         self.spec, self.timeout = spec, timeout
         self._decoder: TimedDecoder | None = None
 
-    def __getitem__(self, item: tuple[object, SampleRef | None]) -> tuple[object, Decoded]:
+    def __getitem__(self, item: tuple[object, tuple | None]) -> tuple[object, Decoded]:
         if self._decoder is None:
             self._decoder = TimedDecoder(self.spec, self.timeout)
-        tag, ref = item
-        return tag, self._decoder.decode(ref)
+        tag, work = item
+        return tag, self._decoder.decode(*(work or (None,)))
 
 
 def identity(x):

@@ -14,6 +14,7 @@ import torch
 
 from omniscale.dataplane.plan_table import item_kinds
 from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.decode_audio import decode_audio
 from omniscale.loaders.decode_image import decode_image, patchify
 from omniscale.loaders.decode_video import _decord_frames, _pyav_frames, decode_video
@@ -215,6 +216,57 @@ def test_a_ref_whose_features_disagree_is_a_stale_index(spec):
         decoder.decode(stale)
     with pytest.raises(CorruptSample, match="stale index"):
         decoder.decode(dataclasses.replace(ref, llm_tokens=ref.llm_tokens + 1))
+
+
+def _needs(items: list[tuple[str, int]]):
+    """Needs that leave out some of ``items``: each item alone with and without the text, and
+    the text alone."""
+    yield DecodeNeed(True, frozenset())
+    for item in items:
+        yield DecodeNeed(True, frozenset({item}))
+        yield DecodeNeed(False, frozenset({item}))
+
+
+@pytest.mark.parametrize("source", ["image_caption", "video_caption", "audio_caption",
+                                    "interleaved"])
+def test_a_partial_decode_is_the_whole_decode_less_what_it_leaves_out(spec, source):
+    """Items another rank encodes are probed, not decoded: the sequence, every block and grid
+    equal a whole decode's; decoded items equal theirs; the text only when asked for."""
+    decoder = demo_decoder(spec)
+    refs = [r for r in refs_of(spec, source) if r.image_patches or r.video_patches
+            or r.audio_frames][:3]
+    assert refs
+    for ref in refs:
+        full = decoder.decode(ref)
+        items = [(it.kind, sum(x.kind == it.kind for x in full.media[:i]))
+                 for i, it in enumerate(full.media)]
+        for need in _needs(items):
+            part = decoder.decode(ref, need)
+            assert len(part.media) == len(full.media)
+            if need.text:
+                for name in ("input_ids_L", "labels_L", "position_ids_L", "mrope_3L"):
+                    assert torch.equal(getattr(part, name), getattr(full, name)), name
+            else:
+                assert len(part) == 0
+            for item, a, b in zip(items, part.media, full.media, strict=True):
+                assert a.kind == b.kind
+                if item in need.items:
+                    assert torch.equal(a.tensor, b.tensor), (ref.key, item)
+                else:
+                    assert a.tensor is None
+                if item in need.items or need.text:  # decoded or probed: its block's place
+                    assert (a.grid_thw, a.frames, a.num_tokens) == \
+                        (b.grid_thw, b.frames, b.num_tokens)
+                if need.text:
+                    assert a.token_start == b.token_start
+
+
+def test_a_partial_decode_still_refuses_a_stale_index(spec):
+    decoder = demo_decoder(spec)
+    ref = refs_of(spec, "image_caption")[0]
+    stale = dataclasses.replace(ref, image_patches=(ref.image_patches[0] + 4,))
+    with pytest.raises(CorruptSample, match="stale index"):
+        decoder.decode(stale, DecodeNeed(True, frozenset()))  # the probe sees it
 
 
 def test_a_capped_text_sample_is_truncated_to_its_plan(spec):

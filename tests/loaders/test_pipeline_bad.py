@@ -161,11 +161,11 @@ def test_a_hung_decode_times_out_and_is_skipped(bad_demo, tmp_path, monkeypatch)
 
     hung = []  # per process: forked workers each get their own copy
 
-    def hang(self, ref):
+    def hang(self, ref, need=None):
         if (ref.source, ref.key) == victim and not hung:
             hung.append(True)
             never.wait()  # a decode stuck forever (say, in a C library)
-        return real(self, ref)
+        return real(self, ref, need)
     monkeypatch.setattr(SampleDecoder, "decode", hang)
     batches, reasons, *_, report = run(spec, tmp_path / "state", steps=3, num_workers=2,
                                        decode_timeout=1.0)

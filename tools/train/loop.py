@@ -227,8 +227,10 @@ def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
     """The rank's loader: DataLoader worker processes (``data.loader: workers``) or per-source
     Ray actor pools (``ray``: joins ``data.ray_address``, or starts a local Ray)."""
     args = (url, rank, {s.name: s.path for s in spec.sources}, spec.tokenizer, spec.media)
+    # The omni step reshards encoder outputs, so a rank decodes only the media it encodes.
     kw = dict(num_workers=cfg.data.workers, prefetch_steps=cfg.data.prefetch_steps,
-              policy=cfg.data.policy, start_step=job.start_step, token=job.plane_token)
+              policy=cfg.data.policy, start_step=job.start_step, token=job.plane_token,
+              skip_moved_media=cfg.task == "omni")
     if cfg.data.loader == "workers":
         return RankLoader(*args, **kw)
     import ray

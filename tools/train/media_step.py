@@ -67,7 +67,8 @@ class _Inputs:
 
 
 def _batch_items(mb: PackedBatch):
-    """(key, tensor, grid, frames) of every media item of a micro-batch, in media order."""
+    """(key, tensor, grid, frames) of every media item of a micro-batch, in media order
+    (tensor None: not decoded here)."""
     vision_rows = (mb.vision_grid_thw_V3.prod(dim=1)).tolist()
     vision_starts = [0] + torch.tensor(vision_rows, dtype=torch.int64).cumsum(0).tolist()
     audio_rows = mb.audio_frames_A.tolist()
@@ -75,7 +76,9 @@ def _batch_items(mb: PackedBatch):
     for kind, seq, row, index in zip(mb.media_kind_M.tolist(), mb.media_sample_M.tolist(),
                                      mb.media_index_M.tolist(), mb.media_item_M.tolist()):
         key = item_key(mb.seq_refs[seq], kind, index)
-        if kind == ENCODER_KINDS.index("audio"):
+        if row < 0:  # not decoded on this rank: another one encodes it
+            yield key, None, None, None
+        elif kind == ENCODER_KINDS.index("audio"):
             a, b = audio_starts[row], audio_starts[row + 1]
             yield key, mb.audio_mel_AF[a:b], None, audio_rows[row]
         else:
@@ -94,8 +97,12 @@ def _step_inputs(batch, received_keys: set) -> _Inputs:
         if mb.seq_refs is None:
             continue
         for key, tensor, grid, frames in _batch_items(mb):
-            if key not in received_keys:
-                inputs.add(key, tensor, grid, frames)
+            if key in received_keys:
+                continue
+            if tensor is None:
+                raise RuntimeError(f"media item {key}: neither decoded on this rank nor sent "
+                                   "to it by the plan's reshard (loader and plan disagree)")
+            inputs.add(key, tensor, grid, frames)
     return inputs
 
 
