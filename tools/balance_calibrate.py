@@ -3,15 +3,17 @@ on the run's own model, on this machine.
 
 The backbone runs forward + backward over a grid of packed micro-batches (mixes of short and
 long sequences up to the run's ``micro_batch_tokens``); ``balancer.cost.fit`` fits
-``α·ΣL + β·ΣL² + γ·n + δ`` (n sequences; δ a micro-batch's fixed cost, the same on every rank,
-so the planner leaves it out) to the seconds. Held-out mixes drawn at random, never in
+``α·ΣL + β·ΣL² + γ·n + δ`` (n sequences; δ a micro-batch's fixed cost, which the planner
+weighs per micro-batch slot) to the seconds. Held-out mixes drawn at random, never in
 the fit, give the R² and MAPE that say whether the model predicts. Each encoder runs forward
 + backward over a grid of item sizes (image and video patches, audio mel frames) and gets its
 own ``α·s + β·s² + γ`` per item.
 
 The JSON (``--out``) is what ``data.costs`` and ``plane serve --costs`` read: the plane then
 plans in seconds of this machine (``PlaneConfig.costs``), and the trainer's online refit
-starts from it. Every time is the median of ``--repeats`` runs after a warm-up.
+starts from it. Every time is the median of ``--repeats`` runs. On CUDA each shape gets a
+warm-up run first (kernel choice, the allocator's pools); on CPU, where the first run at a
+shape costs what the others do, one warm-up run per model part is enough.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _seconds(run, device: torch.device, repeats: int) -> float:
-    run()  # warm-up: first calls allocate and pick kernels
+    if device.type == "cuda":
+        run()  # warm-up: a new shape picks its kernels and grows the allocator's pools
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -203,6 +206,7 @@ def _measure(cfg, spec, device, repeats: int, held_out: int, progress) -> dict:
     budget = cfg.data.micro_batch_tokens
     grid, mixes = backbone_mixes(budget, np.random.default_rng(cfg.seed), held_out)
     grid_s, mixes_s = [], []
+    _backbone_step(model, grid[-1], device)()  # warm-up: first calls allocate, initialise
     for i, lengths in enumerate(grid + mixes):
         (grid_s if i < len(grid) else mixes_s).append(
             _seconds(_backbone_step(model, lengths, device), device, repeats))
@@ -211,6 +215,7 @@ def _measure(cfg, spec, device, repeats: int, held_out: int, progress) -> dict:
     llm = backbone_fit(grid, grid_s, mixes, mixes_s)
     encoders = {}
     for kind, sizes in encoder_grids(model, spec.media).items():
+        _encoder_step(model, kind, sizes[-1], device)()  # warm-up
         seconds = [_seconds(_encoder_step(model, kind, s, device), device, repeats)
                    for s in sizes]
         items = [int(np.prod(s)) for s in sizes]
