@@ -34,7 +34,14 @@ from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.assemble import StepAssembler, StepBatch, decode_work, sample_id
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.prefetch import END, PlanPrefetcher
-from omniscale.loaders.worker import Decoded, RefDataset, TimedDecoder, decoder_spec, identity
+from omniscale.loaders.worker import (
+    Decoded,
+    RefDataset,
+    TimedDecoder,
+    as_tensors,
+    decoder_spec,
+    identity,
+)
 
 
 class StepLoader:
@@ -233,7 +240,7 @@ class RankLoader(StepLoader):
                             got = self._next_item(it)
                             if got is None:  # closing
                                 return
-                        out = got[1]
+                        out = as_tensors(got[1])
                         if out.ref is not None:
                             decoded[sample_id(out.ref)] = out
                 except _WorkerDied as e:

@@ -145,7 +145,35 @@ class RefDataset(torch.utils.data.Dataset):
         if self._decoder is None:
             self._decoder = TimedDecoder(self.spec, self.timeout)
         tag, work = item
-        return tag, self._decoder.decode(*(work or (None,)))
+        return tag, as_arrays(self._decoder.decode(*(work or (None,))))
+
+
+# What crosses from a worker process to the trainer: numpy arrays, not tensors. The DataLoader
+# hands a tensor over as a shared-memory segment of its own plus a file descriptor (several
+# per sample, each a handful of system calls on both sides); arrays travel inside the item's
+# one pickled payload, and the trainer side wraps them again without a copy.
+_SAMPLE_ARRAYS = ("input_ids_L", "labels_L", "position_ids_L", "mrope_3L")
+
+
+def as_arrays(out: Decoded) -> Decoded:
+    """``out`` with its sample's tensors as numpy arrays (in place), for the trip out of a
+    worker process; :func:`as_tensors` undoes it."""
+    return _convert(out, lambda t: t.numpy())
+
+
+def as_tensors(out: Decoded) -> Decoded:
+    return _convert(out, torch.from_numpy)
+
+
+def _convert(out: Decoded, fn) -> Decoded:
+    sample = out.sample
+    if sample is not None:
+        for name in _SAMPLE_ARRAYS:
+            setattr(sample, name, fn(getattr(sample, name)))
+        for item in sample.media:
+            if item.tensor is not None:
+                item.tensor = fn(item.tensor)
+    return out
 
 
 def identity(x):
