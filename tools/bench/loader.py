@@ -9,7 +9,9 @@ from step 0 (Parquet ``docs`` left out: webdataset cannot read it). Ours: an emb
 a ``torch.utils.data.DataLoader`` with the same number of workers over a ``webdataset``
 pipeline per source (shards split by worker, sources mixed by ``RandomMix`` in the proportions
 ours drew), the same decoders (``SampleDecoder.decode_raw``) and the same packing
-(``collate``, one batch per ``--pack`` samples), for the same number of samples. Samples/s and
+(``collate``, one batch per ``--pack`` samples, packed in the workers as webdataset's
+``batched`` stage does: a worker hands over one batch of tensors per ``--pack`` samples, the
+baseline's best transfer), for the same number of samples. Samples/s and
 LLM tokens/s of both, and their ratio. The two alternate over ``--rounds`` rounds (ours first
 in even rounds, the baseline first in odd ones); the headline is the median of the per-round
 paired ratios, with their minimum and maximum.
@@ -104,26 +106,19 @@ def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str,
     import torch
 
     from omniscale.dataplane.spec import load_spec
-    from omniscale.loaders.collate import collate
 
     spec = load_spec(spec_path)
-    dataset = _MixedWebDataset(spec, weights)
+    dataset = _MixedWebDataset(spec, weights, pack)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
                                          collate_fn=lambda x: x, prefetch_factor=4)
     it = iter(loader)
-    warm = [next(it) for _ in range(pack)]  # worker start-up is not throughput
-    collate([(s, 1, 0) for s in warm], spec.media)
+    next(it)  # worker start-up is not throughput
     start = time.perf_counter()
     n = tokens = 0
-    chunk = []
     while n < samples:
-        sample = next(it)
-        chunk.append((sample, 1, 0))
-        n += 1
-        tokens += len(sample)
-        if len(chunk) == pack:
-            collate(chunk, spec.media)
-            chunk = []
+        batch = next(it)
+        n += int(batch.cu_seqlens_S1.numel()) - 1
+        tokens += batch.num_tokens
     seconds = time.perf_counter() - start
     del it
     return {"samples": n, "tokens": tokens, "seconds": seconds,
@@ -132,12 +127,23 @@ def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str,
 
 class _MixedWebDataset(torch.utils.data.IterableDataset):
     """An IterableDataset: one webdataset pipeline per source, mixed by weight, decoded with
-    our decoders. Built lazily in each worker (shards split by worker)."""
+    our decoders and packed ``pack`` samples to a batch. Built lazily in each worker (shards
+    split by worker)."""
 
-    def __init__(self, spec, weights: dict[str, float]) -> None:
-        self.spec, self.weights = spec, weights
+    def __init__(self, spec, weights: dict[str, float], pack: int) -> None:
+        self.spec, self.weights, self.pack = spec, weights, pack
 
     def __iter__(self):
+        from omniscale.loaders.collate import collate
+
+        chunk = []
+        for sample in self._samples():
+            chunk.append((sample, 1, 0))
+            if len(chunk) == self.pack:
+                yield collate(chunk, self.spec.media)
+                chunk = []
+
+    def _samples(self):
         import webdataset as wds
 
         from omniscale.dataplane.refs import SampleRef
