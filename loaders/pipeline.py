@@ -38,8 +38,8 @@ from omniscale.loaders.worker import (
     Decoded,
     RefDataset,
     TimedDecoder,
-    as_tensors,
     decoder_spec,
+    from_one_buffer,
     identity,
 )
 
@@ -240,7 +240,7 @@ class RankLoader(StepLoader):
                             got = self._next_item(it)
                             if got is None:  # closing
                                 return
-                        out = as_tensors(got[1])
+                        out = from_one_buffer(got[1])
                         if out.ref is not None:
                             decoded[sample_id(out.ref)] = out
                 except _WorkerDied as e:

@@ -14,6 +14,7 @@ raised would take the whole DataLoader down with it, and the trainer side decide
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -38,6 +39,7 @@ class Decoded:
     sample: DecodedSample | None = None
     error: CorruptSample | None = None
     seconds: float = 0.0
+    buffer: torch.Tensor | None = None  # the sample's tensors, packed (as_one_buffer)
 
 
 @dataclass(frozen=True)
@@ -145,34 +147,51 @@ class RefDataset(torch.utils.data.Dataset):
         if self._decoder is None:
             self._decoder = TimedDecoder(self.spec, self.timeout)
         tag, work = item
-        return tag, as_arrays(self._decoder.decode(*(work or (None,))))
+        return tag, as_one_buffer(self._decoder.decode(*(work or (None,))))
 
 
-# What crosses from a worker process to the trainer: numpy arrays, not tensors. The DataLoader
-# hands a tensor over as a shared-memory segment of its own plus a file descriptor (several
-# per sample, each a handful of system calls on both sides); arrays travel inside the item's
-# one pickled payload, and the trainer side wraps them again without a copy.
-_SAMPLE_ARRAYS = ("input_ids_L", "labels_L", "position_ids_L", "mrope_3L")
+# What crosses from a worker process to the trainer: one buffer per sample. The DataLoader
+# hands every tensor over as a shared-memory segment of its own plus a file descriptor (a
+# handful of system calls on both sides, several tensors per sample); packed into one uint8
+# buffer a sample costs one. The trainer side views its tensors out of the buffer without a
+# copy. The message itself stays small (the descriptor and shapes): a worker killed while
+# sending cannot leave a half-written payload in the result pipe that others still write to.
+_SAMPLE_TENSORS = ("input_ids_L", "labels_L", "position_ids_L", "mrope_3L")
+_ALIGN = 16  # every tensor starts at a multiple of this within the buffer (any dtype's size)
 
 
-def as_arrays(out: Decoded) -> Decoded:
-    """``out`` with its sample's tensors as numpy arrays (in place), for the trip out of a
-    worker process; :func:`as_tensors` undoes it."""
-    return _convert(out, lambda t: t.numpy())
-
-
-def as_tensors(out: Decoded) -> Decoded:
-    return _convert(out, torch.from_numpy)
-
-
-def _convert(out: Decoded, fn) -> Decoded:
+def as_one_buffer(out: Decoded) -> Decoded:
+    """``out`` with its sample's tensors packed into one uint8 buffer (in place: each tensor
+    field holds its (dtype, shape, offset) until :func:`from_one_buffer`)."""
     sample = out.sample
-    if sample is not None:
-        for name in _SAMPLE_ARRAYS:
-            setattr(sample, name, fn(getattr(sample, name)))
-        for item in sample.media:
-            if item.tensor is not None:
-                item.tensor = fn(item.tensor)
+    if sample is None or out.buffer is not None:
+        return out
+    holders = [(sample, n) for n in _SAMPLE_TENSORS]
+    holders += [(item, "tensor") for item in sample.media if item.tensor is not None]
+    parts, at = [], 0
+    for obj, name in holders:
+        t = getattr(obj, name).contiguous()
+        raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        pad = -raw.numel() % _ALIGN
+        parts += [raw, torch.zeros(pad, dtype=torch.uint8)]
+        setattr(obj, name, (t.dtype, tuple(t.shape), at))
+        at += raw.numel() + pad
+    out.buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return out
+
+
+def from_one_buffer(out: Decoded) -> Decoded:
+    """Undo :func:`as_one_buffer`: every tensor a view into the buffer."""
+    buffer = out.buffer
+    if out.sample is None or buffer is None:
+        return out
+    holders = [(out.sample, n) for n in _SAMPLE_TENSORS]
+    holders += [(item, "tensor") for item in out.sample.media if item.tensor is not None]
+    for obj, name in holders:
+        dtype, shape, at = getattr(obj, name)
+        n = math.prod(shape) * dtype.itemsize
+        setattr(obj, name, buffer[at:at + n].view(dtype).view(shape))
+    out.buffer = None
     return out
 
 
