@@ -21,7 +21,8 @@ from typing import Callable
 import pyarrow as pa
 import torch
 
-from omniscale.dataplane.plan_table import fingerprint, plan_metadata
+from omniscale.balancer.types import ENCODER_KINDS
+from omniscale.dataplane.plan_table import fingerprint, item_kinds, plan_metadata
 from omniscale.dataplane.refs import SampleRef, table_to_refs
 from omniscale.loaders.collate import PackedBatch, collate
 from omniscale.loaders.decode import DecodeNeed
@@ -122,11 +123,8 @@ def decode_work(table: pa.Table, rank: int | None = None
 
 
 def _item_order(ref: SampleRef) -> list[tuple[str, int]]:
-    """A sample's media items as (kind, index within the kind), in item order."""
-    return [(kind, i) for kind, counts in (("image", ref.image_patches),
-                                           ("video", ref.video_patches),
-                                           ("audio", ref.audio_frames))
-            for i in range(len(counts))]
+    """A sample's media items as (kind, index within the kind), in the plane's item order."""
+    return [(ENCODER_KINDS[kind], i) for kind, i in item_kinds(ref)]
 
 
 class StepAssembler:
