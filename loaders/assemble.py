@@ -77,30 +77,25 @@ def sample_id(ref: SampleRef) -> tuple:
     return (*ref.uid, ref.epoch)
 
 
-def unique_refs(table: pa.Table) -> list[SampleRef]:
-    """The distinct samples a plan names, in first-mention order: one decode each."""
-    seen, out = set(), []
-    for ref in table_to_refs(table):
-        if sample_id(ref) not in seen:
-            seen.add(sample_id(ref))
-            out.append(ref)
-    return out
-
-
 def decode_work(table: pa.Table, rank: int | None = None
                 ) -> list[tuple[SampleRef, DecodeNeed | None]]:
-    """:func:`unique_refs`, each with what data rank ``rank`` uses of it: the text if it
-    trains the sample, the media items its rows say it encodes (``encode`` rows, and the
-    ``encode_ranks`` of its ``llm`` rows that name it). Media another rank encodes reach this
-    rank as embeddings, so their pixels are not decoded here. ``rank`` None, or a sample this
-    rank uses whole: None (decode it all)."""
-    refs = unique_refs(table)
+    """The distinct samples a plan names, in first-mention order (one decode each), each
+    with what data rank ``rank`` uses of it: the text if it trains the sample, the media items
+    its rows say it encodes (``encode`` rows, and the ``encode_ranks`` of its ``llm`` rows
+    that name it). Media another rank encodes reach this rank as embeddings, so their pixels
+    are not decoded here. ``rank`` None, or a sample this rank uses whole: None (decode it
+    all)."""
+    all_refs = table_to_refs(table)
+    first: dict[tuple, SampleRef] = {}
+    for ref in all_refs:
+        first.setdefault(sample_id(ref), ref)
+    refs = list(first.values())
     if rank is None:
         return [(ref, None) for ref in refs]
     cols = {n: table.column(n).to_pylist() for n in ("role", "encode_ranks", "item_kind",
                                                      "item_index")}
     text, items, whole = set(), {}, set()
-    for i, ref in enumerate(table_to_refs(table)):
+    for i, ref in enumerate(all_refs):
         sid = sample_id(ref)
         used = items.setdefault(sid, set())
         if cols["role"][i] == "encode":

@@ -147,7 +147,9 @@ class RefDataset(torch.utils.data.Dataset):
         if self._decoder is None:
             self._decoder = TimedDecoder(self.spec, self.timeout)
         tag, work = item
-        return tag, as_one_buffer(self._decoder.decode(*(work or (None,))))
+        out = self._decoder.decode(*(work or (None,)))
+        # Packed only to leave a worker process (num_workers=0 decodes in the trainer's).
+        return tag, as_one_buffer(out) if torch.utils.data.get_worker_info() else out
 
 
 # What crosses from a worker process to the trainer: one buffer per sample. The DataLoader
@@ -163,13 +165,10 @@ _ALIGN = 16  # every tensor starts at a multiple of this within the buffer (any 
 def as_one_buffer(out: Decoded) -> Decoded:
     """``out`` with its sample's tensors packed into one uint8 buffer (in place: each tensor
     field holds its (dtype, shape, offset) until :func:`from_one_buffer`)."""
-    sample = out.sample
-    if sample is None or out.buffer is not None:
+    if out.sample is None or out.buffer is not None:
         return out
-    holders = [(sample, n) for n in _SAMPLE_TENSORS]
-    holders += [(item, "tensor") for item in sample.media if item.tensor is not None]
     parts, at = [], 0
-    for obj, name in holders:
+    for obj, name in _tensor_slots(out.sample):
         t = getattr(obj, name).contiguous()
         raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         pad = -raw.numel() % _ALIGN
@@ -185,14 +184,18 @@ def from_one_buffer(out: Decoded) -> Decoded:
     buffer = out.buffer
     if out.sample is None or buffer is None:
         return out
-    holders = [(out.sample, n) for n in _SAMPLE_TENSORS]
-    holders += [(item, "tensor") for item in out.sample.media if item.tensor is not None]
-    for obj, name in holders:
+    for obj, name in _tensor_slots(out.sample):
         dtype, shape, at = getattr(obj, name)
         n = math.prod(shape) * dtype.itemsize
         setattr(obj, name, buffer[at:at + n].view(dtype).view(shape))
     out.buffer = None
     return out
+
+
+def _tensor_slots(sample: DecodedSample) -> list[tuple[object, str]]:
+    """(object, attribute) of every tensor a decoded sample holds, in a fixed order."""
+    slots = [(sample, name) for name in _SAMPLE_TENSORS]
+    return slots + [(item, "tensor") for item in sample.media if item.tensor is not None]
 
 
 def identity(x):
