@@ -71,6 +71,24 @@ class StepBatch:
         return sum(b.num_tokens for b in self.micro_batches)
 
 
+@dataclass
+class DecodedStep:
+    """What the decode stage hands the assembler for a step (or a worker for a chunk of one,
+    ``loaders.chunks``): samples decoded one by one, by :func:`sample_id`, and what a worker
+    already built of the others -- micro-batches by index, encoder items by plan row."""
+
+    samples: dict[tuple, Decoded]
+    micro_batches: dict[int, PackedBatch] = field(default_factory=dict)
+    encode_items: dict[int, EncodeItem] = field(default_factory=dict)
+    seconds: float = 0.0  # decode time spent on it
+
+    def update(self, other: "DecodedStep") -> None:
+        self.samples.update(other.samples)
+        self.micro_batches.update(other.micro_batches)
+        self.encode_items.update(other.encode_items)
+        self.seconds += other.seconds
+
+
 def sample_id(ref: SampleRef) -> tuple:
     """A planned sample: (source, shard, key, epoch). A small source can put one key into
     a step twice, from two epochs; each is its own sample (and its own replacement)."""
@@ -135,7 +153,9 @@ class StepAssembler:
         self.report, self.decode, self.pin_memory = report, decode, pin_memory
         self.corrupt_reasons: Counter = Counter()  # coarse reason -> samples skipped
 
-    def assemble(self, step: int, table: pa.Table, decoded: dict[tuple, Decoded]) -> StepBatch:
+    def assemble(self, step: int, table: pa.Table, decoded: DecodedStep) -> StepBatch:
+        """The step's batch: what workers built as it is, the rest packed here (a sample
+        decoded alone goes through the policy first)."""
         meta = plan_metadata(table)
         batch = StepBatch(step, [], [], meta, fingerprint(table), plan=table)
         refs = table_to_refs(table)
@@ -145,10 +165,16 @@ class StepAssembler:
         resolved: dict[tuple, tuple[DecodedSample | None, SampleRef]] = {}
         micro = [[] for _ in range(int(meta.get("num_micro_batches", 0)))]
         trained = [[] for _ in micro]  # the ref each sequence trains (a replacement's, if any)
+        built, encoded = decoded.micro_batches, decoded.encode_items
         for i, ref in enumerate(refs):
+            if i in encoded:
+                batch.encode_items.append(encoded[i])
+                continue
+            if cols["role"][i] == "llm" and cols["micro_batch"][i] in built:
+                continue
             sid = sample_id(ref)
             if sid not in resolved:
-                resolved[sid] = self._resolve(step, ref, decoded[sid], batch)
+                resolved[sid] = self._resolve(step, ref, decoded.samples[sid], batch)
             sample, used = resolved[sid]
             as_planned = sample_id(used) == sid
             if sample is None:
@@ -166,9 +192,14 @@ class StepAssembler:
                 batch.encode_items.append(EncodeItem(
                     ref, kind, index, cols["consume_rank"][i], item.tensor, item.grid_thw,
                     item.frames))
-        batch.micro_batches = [collate(mb, self.geometry) for mb in micro]
-        for packed, refs_of_mb in zip(batch.micro_batches, trained):
-            packed.seq_refs = refs_of_mb
+        while len(micro) <= max(built, default=-1):
+            micro.append([])
+            trained.append([])
+        batch.micro_batches = [built.get(i) or collate(mb, self.geometry)
+                               for i, mb in enumerate(micro)]
+        for i, (packed, refs_of_mb) in enumerate(zip(batch.micro_batches, trained)):
+            if i not in built:
+                packed.seq_refs = refs_of_mb
         if self.pin_memory:
             _pin(batch)
         return batch

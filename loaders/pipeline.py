@@ -31,16 +31,21 @@ from torch.utils.data._utils import signal_handling
 
 from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.assemble import StepAssembler, StepBatch, decode_work, sample_id
+from omniscale.loaders.assemble import (
+    DecodedStep,
+    StepAssembler,
+    StepBatch,
+    decode_work,
+)
+from omniscale.loaders.chunks import plan_chunks
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.prefetch import END, PlanPrefetcher
 from omniscale.loaders.worker import (
-    Decoded,
     RefDataset,
     TimedDecoder,
     decoder_spec,
-    from_one_buffer,
     identity,
+    unpack,
 )
 
 
@@ -48,7 +53,7 @@ class StepLoader:
     """What both backends share: plan prefetch, assembly thread, iteration, commit.
 
     Subclasses implement :meth:`_decoded_steps`, a generator of
-    ``(step, plan table, {sample uid: Decoded})`` in step order, run on the assembly thread.
+    ``(step, plan table, assemble.DecodedStep)`` in step order, run on the assembly thread.
 
     ``skip_moved_media``: media items the plan has another rank encode are not decoded here
     (``assemble.decode_work``): their embeddings arrive by the reshard, which the omni task's
@@ -181,9 +186,11 @@ class StepLoader:
 class RankLoader(StepLoader):
     """The default backend: ``torch.utils.data`` worker processes decode by reference.
 
-    The DataLoader's sampler is fed from the plan queue: each plan becomes one work item per
-    distinct sample (one dummy item for an empty plan), so workers run ahead across step
-    boundaries. Results come back in order; a step is complete after its item count.
+    The DataLoader's sampler is fed from the plan queue: each plan becomes work items of a
+    micro-batch each (``loaders.chunks``: the worker decodes its samples and packs it; one
+    dummy item for an empty plan), so workers run ahead across step boundaries and hand a
+    micro-batch over in one piece (:func:`loaders.worker.pack`). Results come back in order;
+    a step is complete after its item count.
 
     A worker that dies (``kill -9``, the OOM killer) is replaced: the whole DataLoader is,
     since its queues may be left locked by the dead process. The new one's sampler first
@@ -218,7 +225,7 @@ class RankLoader(StepLoader):
 
     def _decoded_steps(self):
         steps: deque = deque()  # (step, table, items), END, or an exception: sampler order
-        it = self._start(_PlanItems(self.plans, steps, self._work))
+        it = self._start(_PlanItems(self.plans, steps, self._chunks))
         first = None
         redo_step, in_a_row = None, 0  # worker deaths in a row while on one step
         try:
@@ -231,7 +238,7 @@ class RankLoader(StepLoader):
                 if isinstance(head, BaseException):
                     raise head
                 step, table, count = head
-                decoded: dict[tuple, Decoded] = {}
+                decoded = DecodedStep({})
                 try:
                     for _ in range(count):
                         if first is not None:
@@ -240,9 +247,7 @@ class RankLoader(StepLoader):
                             got = self._next_item(it)
                             if got is None:  # closing
                                 return
-                        out = from_one_buffer(got[1])
-                        if out.ref is not None:
-                            decoded[sample_id(out.ref)] = out
+                        decoded.update(unpack(got[1]))
                 except _WorkerDied as e:
                     pids = e.pids
                     in_a_row = in_a_row + 1 if step == redo_step else 1
@@ -259,18 +264,26 @@ class RankLoader(StepLoader):
                                   f"new workers decode again from step {step} (restart "
                                   f"{self.worker_restarts})", RuntimeWarning, stacklevel=2)
                     steps = deque()
-                    it = self._start(_PlanItems(self.plans, steps, self._work, replay))
+                    it = self._start(_PlanItems(self.plans, steps, self._chunks, replay))
                     continue
                 yield step, table, decoded
         finally:
             self._it = None
             _shutdown(it)
 
+    def _chunks(self, table) -> list:
+        """A plan's work items (``loaders.chunks.plan_chunks``: a micro-batch each, built in
+        the worker); ``[None]`` for a plan with nothing to decode (its step still passes
+        through)."""
+        rank = self.rank if self.skip_moved_media else None
+        return plan_chunks(table, rank, encode_parts=max(1, self.num_workers)) or [None]
+
     def _start(self, sampler: "_PlanItems"):
         """A DataLoader over ``sampler``, iterating: forks the workers, which start on the
         first items at once."""
         loader = torch.utils.data.DataLoader(
-            RefDataset(self.spec, self.decode_timeout), batch_size=None, sampler=sampler,
+            RefDataset(self.spec, self.decode_timeout, self.geometry), batch_size=None,
+            sampler=sampler,
             num_workers=self.num_workers, collate_fn=identity, pin_memory=False,
             timeout=self._POLL_S if self.num_workers else 0,
             prefetch_factor=2 if self.num_workers else None)
@@ -364,14 +377,14 @@ def _shutdown(it) -> None:
 
 
 class _PlanItems:
-    """The sampler: work items ``((step, i), (ref, need))`` of each plan (``work``: the
-    loader's), recording each step's item count in ``steps`` before its first item leaves
-    (the consumer reads counts from there). ``replay``: entries of ``steps`` a replaced
-    DataLoader had pulled, sent again first."""
+    """The sampler: work items ``((step, i), chunk)`` of each plan (``chunks``: the loader's
+    cut of a plan), recording each step's item count in ``steps`` before its first item
+    leaves (the consumer reads counts from there). ``replay``: entries of ``steps`` a
+    replaced DataLoader had pulled, sent again first."""
 
-    def __init__(self, plans: PlanPrefetcher, steps: deque, work, replay: list | None = None
+    def __init__(self, plans: PlanPrefetcher, steps: deque, chunks, replay: list | None = None
                  ) -> None:
-        self.plans, self.steps, self.work = plans, steps, work
+        self.plans, self.steps, self.chunks = plans, steps, chunks
         self.replay = list(replay or ())
 
     def __iter__(self):
@@ -380,7 +393,7 @@ class _PlanItems:
             if entry is END or isinstance(entry, BaseException):
                 return
             step, table, _ = entry
-            yield from _items(step, self.work(table) or [None])
+            yield from _items(step, self.chunks(table))
         while True:
             try:
                 got = self.plans.get()
@@ -391,9 +404,9 @@ class _PlanItems:
                 self.steps.append(END)
                 return
             step, table = got
-            work = self.work(table) or [None]
-            self.steps.append((step, table, len(work)))
-            yield from _items(step, work)
+            chunks = self.chunks(table)
+            self.steps.append((step, table, len(chunks)))
+            yield from _items(step, chunks)
 
 
 def _items(step: int, work: list):

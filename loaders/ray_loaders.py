@@ -21,7 +21,7 @@ from collections.abc import Callable
 import ray
 
 from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.assemble import sample_id
+from omniscale.loaders.assemble import DecodedStep, sample_id
 from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.index_schema import read_index
 from omniscale.loaders.pipeline import StepLoader
@@ -142,7 +142,7 @@ class RayRankLoader(StepLoader):
                 return
             step, table, refs, futures = pending.popleft()
             outs = ray.get(futures)  # each actor bounds each decode by decode_timeout
-            yield step, table, {sample_id(r): o for r, o in zip(refs, outs)}
+            yield step, table, DecodedStep({sample_id(r): o for r, o in zip(refs, outs)})
 
     def close(self) -> None:
         super().close()

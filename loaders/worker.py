@@ -14,7 +14,9 @@ raised would take the whole DataLoader down with it, and the trainer side decide
 
 from __future__ import annotations
 
+import io
 import math
+import pickle
 import queue
 import threading
 import time
@@ -39,7 +41,6 @@ class Decoded:
     sample: DecodedSample | None = None
     error: CorruptSample | None = None
     seconds: float = 0.0
-    buffer: torch.Tensor | None = None  # the sample's tensors, packed (as_one_buffer)
 
 
 @dataclass(frozen=True)
@@ -134,68 +135,100 @@ def _run(decoder: SampleDecoder, ref: SampleRef, need: DecodeNeed | None) -> Dec
 
 
 class RefDataset(torch.utils.data.Dataset):
-    """A map-style dataset whose "indices" are work items ``(tag, (ref, need))`` or
-    ``(tag, None)``: the sampler hands each worker refs, the worker decodes them. Stateless
-    apart from its decoder, built lazily in the worker process (after the fork) so no open
-    file crosses processes."""
+    """A map-style dataset whose "indices" are work items ``(tag, chunk)``
+    (``loaders.chunks.ChunkWork``, None for a step with nothing to decode): the sampler hands
+    each worker a micro-batch's refs, the worker decodes and packs them. Stateless apart from
+    its decoder, built lazily in the worker process (after the fork) so no open file crosses
+    processes."""
 
-    def __init__(self, spec: DecoderSpec, timeout: float | None) -> None:
-        self.spec, self.timeout = spec, timeout
+    def __init__(self, spec: DecoderSpec, timeout: float | None, geometry: MediaGeometry
+                 ) -> None:
+        self.spec, self.timeout, self.geometry = spec, timeout, geometry
         self._decoder: TimedDecoder | None = None
 
-    def __getitem__(self, item: tuple[object, tuple | None]) -> tuple[object, Decoded]:
+    def __getitem__(self, item: tuple[object, object]) -> tuple[object, object]:
+        from omniscale.loaders.chunks import decode_chunk  # it builds on this module
+
         if self._decoder is None:
             self._decoder = TimedDecoder(self.spec, self.timeout)
-        tag, work = item
-        out = self._decoder.decode(*(work or (None,)))
+        tag, chunk = item
+        out = decode_chunk(chunk, self._decoder.decode, self.geometry)
         # Packed only to leave a worker process (num_workers=0 decodes in the trainer's).
-        return tag, as_one_buffer(out) if torch.utils.data.get_worker_info() else out
+        return tag, pack(out) if torch.utils.data.get_worker_info() else out
 
 
-# What crosses from a worker process to the trainer: one buffer per sample. The DataLoader
-# hands every tensor over as a shared-memory segment of its own plus a file descriptor (a
-# handful of system calls on both sides, several tensors per sample); packed into one uint8
-# buffer a sample costs one. The trainer side views its tensors out of the buffer without a
-# copy. The message itself stays small (the descriptor and shapes): a worker killed while
-# sending cannot leave a half-written payload in the result pipe that others still write to.
-_SAMPLE_TENSORS = ("input_ids_L", "labels_L", "position_ids_L", "mrope_3L")
+# What crosses from a worker process to the trainer: one shared-memory buffer per work item.
+# The DataLoader hands every tensor over as a shared-memory segment of its own plus a file
+# descriptor, fetched by the trainer over a connection to the worker (a handful of system
+# calls on both sides, many tensors per micro-batch); an item costs one. The buffer is
+# allocated in shared memory and filled once (a tensor the pickler meets outside shared memory
+# would be copied into it again). The rest of the object travels inside the buffer too,
+# pickled: the message itself (the buffer's descriptor) stays small whatever the item, so a
+# worker killed while sending cannot leave a half-written payload in the result pipe that the
+# other workers still write to. The trainer views every tensor out of the buffer.
 _ALIGN = 16  # every tensor starts at a multiple of this within the buffer (any dtype's size)
 
 
-def as_one_buffer(out: Decoded) -> Decoded:
-    """``out`` with its sample's tensors packed into one uint8 buffer (in place: each tensor
-    field holds its (dtype, shape, offset) until :func:`from_one_buffer`)."""
-    if out.sample is None or out.buffer is not None:
-        return out
-    parts, at = [], 0
-    for obj, name in _tensor_slots(out.sample):
-        t = getattr(obj, name).contiguous()
-        raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        pad = -raw.numel() % _ALIGN
-        parts += [raw, torch.zeros(pad, dtype=torch.uint8)]
-        setattr(obj, name, (t.dtype, tuple(t.shape), at))
-        at += raw.numel() + pad
-    out.buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return out
+@dataclass
+class Packed:
+    """An object in one uint8 buffer: its tensors, then the rest of it pickled (from byte
+    ``described_at``), each tensor standing there as (dtype, shape, offset)."""
+
+    buffer: torch.Tensor
+    described_at: int
 
 
-def from_one_buffer(out: Decoded) -> Decoded:
-    """Undo :func:`as_one_buffer`: every tensor a view into the buffer."""
-    buffer = out.buffer
-    if out.sample is None or buffer is None:
-        return out
-    for obj, name in _tensor_slots(out.sample):
-        dtype, shape, at = getattr(obj, name)
+class _TensorsOut(pickle.Pickler):
+    """Pickles an object with every tensor replaced by its place in the buffer to be."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[tuple[torch.Tensor, int]] = []
+        self.size = 0
+
+    def persistent_id(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        at = self.size
+        self.tensors.append((obj, at))
+        self.size += obj.numel() * obj.element_size()
+        self.size += -self.size % _ALIGN
+        return obj.dtype, tuple(obj.shape), at
+
+
+class _TensorsIn(pickle.Unpickler):
+    def __init__(self, file, buffer: torch.Tensor) -> None:
+        super().__init__(file)
+        self.buffer = buffer
+
+    def persistent_load(self, pid):
+        dtype, shape, at = pid
         n = math.prod(shape) * dtype.itemsize
-        setattr(obj, name, buffer[at:at + n].view(dtype).view(shape))
-    out.buffer = None
-    return out
+        return self.buffer[at:at + n].view(dtype).view(shape)
 
 
-def _tensor_slots(sample: DecodedSample) -> list[tuple[object, str]]:
-    """(object, attribute) of every tensor a decoded sample holds, in a fixed order."""
-    slots = [(sample, name) for name in _SAMPLE_TENSORS]
-    return slots + [(item, "tensor") for item in sample.media if item.tensor is not None]
+def pack(obj) -> Packed:
+    """``obj`` (any picklable object holding CPU tensors) in one shared-memory buffer."""
+    described = io.BytesIO()
+    pickler = _TensorsOut(described)
+    pickler.dump(obj)
+    at, tail = pickler.size, described.getbuffer()
+    buffer = torch.empty(at + len(tail), dtype=torch.uint8).share_memory_()
+    for t, start in pickler.tensors:
+        if t.numel():
+            buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(
+                t.shape).copy_(t)
+    buffer[at:] = torch.frombuffer(tail, dtype=torch.uint8)
+    return Packed(buffer, at)
+
+
+def unpack(packed):
+    """Undo :func:`pack`: the object, every tensor a view into the buffer (an object that
+    never left its process comes back as it is)."""
+    if not isinstance(packed, Packed):
+        return packed
+    described = packed.buffer[packed.described_at:].numpy().tobytes()
+    return _TensorsIn(io.BytesIO(described), packed.buffer).load()
 
 
 def identity(x):

@@ -1,0 +1,139 @@
+"""A rank's plan cut into worker chunks, and what a worker makes of one: whole micro-batches.
+
+The plan names every sample a step needs before any is decoded, so a worker can do more than
+decode: given all the samples of a micro-batch it packs the micro-batch itself
+(``loaders.collate``) and builds the encoder items the plan's ``encode`` rows ask of those
+samples. The trainer side then only views the finished tensors out of the worker's buffer
+(``loaders.worker.pack``): no per-sample hand-over, no copy into a batch.
+
+A chunk is the samples of one micro-batch (or of several, when a sample's rows name more than
+one), or a share of the samples this rank only encodes media of. Each distinct sample is in
+exactly one chunk, so it is decoded once per step as before. A sample that fails to decode
+leaves its micro-batch unpacked: the worker returns that micro-batch's samples one by one and
+the trainer side applies the corrupt-sample policy (a replacement from the plane) and packs it
+(``loaders.assemble``), exactly as when every sample comes back alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pyarrow as pa
+
+from omniscale.dataplane.refs import SampleRef, table_to_refs
+from omniscale.loaders.assemble import DecodedStep, EncodeItem, decode_work, sample_id
+from omniscale.loaders.collate import collate
+from omniscale.loaders.decode import DecodeNeed
+from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.worker import Decoded
+
+
+@dataclass
+class ChunkWork:
+    """One worker item: distinct samples to decode, and what to build of them."""
+
+    work: list[tuple[SampleRef, DecodeNeed | None]]
+    # micro-batch index -> its sequences in plan order: (index in ``work``, sp_size, sp_index)
+    micro: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # the plan's encode rows on these samples: (row, index in ``work``, kind, index, consumer)
+    encode: list[tuple[int, int, str, int, int]] = field(default_factory=list)
+
+
+def plan_chunks(table: pa.Table, rank: int | None, encode_parts: int = 1) -> list[ChunkWork]:
+    """The plan's decode work (``assemble.decode_work``, what ``rank`` uses of each sample;
+    None: whole samples) cut into chunks: one per micro-batch, in order, then the samples
+    only encoded here in ``encode_parts`` chunks. Empty for a plan with no samples."""
+    work = decode_work(table, rank)
+    if not work:
+        return []
+    where = {sample_id(ref): i for i, (ref, _) in enumerate(work)}
+    refs = table_to_refs(table)
+    cols = {n: table.column(n).to_pylist() for n in (
+        "role", "micro_batch", "sp_size", "sp_index", "item_kind", "item_index",
+        "consume_rank")}
+    micro: dict[int, list[tuple[int, int, int]]] = {}
+    encode: dict[int, list[tuple[int, int, str, int, int]]] = {}
+    home: dict[int, int] = {}  # sample (index in work) -> a micro-batch training it
+    joined = _Groups()  # micro-batches that share a sample go to one worker together
+    for row, ref in enumerate(refs):
+        w = where[sample_id(ref)]
+        if cols["role"][row] == "llm":
+            mb = cols["micro_batch"][row]
+            micro.setdefault(mb, []).append((w, cols["sp_size"][row], cols["sp_index"][row]))
+            joined.union(home.setdefault(w, mb), mb)
+        else:
+            encode.setdefault(w, []).append((row, w, cols["item_kind"][row],
+                                             cols["item_index"][row], cols["consume_rank"][row]))
+    groups: dict[int, list[int]] = {}
+    for mb in sorted(micro):
+        groups.setdefault(joined.find(mb), []).append(mb)
+    chunks = []
+    for mbs in groups.values():
+        members = sorted({w for mb in mbs for w, _, _ in micro[mb]})
+        chunks.append(_chunk(work, members, {mb: micro[mb] for mb in mbs}, encode))
+    only_encoded = [w for w in range(len(work)) if w not in home]
+    parts = max(1, min(encode_parts, len(only_encoded)))
+    for p in range(parts):
+        members = only_encoded[p * len(only_encoded) // parts:
+                               (p + 1) * len(only_encoded) // parts]
+        if members:
+            chunks.append(_chunk(work, members, {}, encode))
+    return chunks
+
+
+def _chunk(work: list, members: list[int], micro: dict, encode: dict) -> ChunkWork:
+    """A ChunkWork over ``members`` (indices into the plan's work), renumbered locally."""
+    local = {w: i for i, w in enumerate(members)}
+    return ChunkWork(
+        [work[w] for w in members],
+        {mb: [(local[w], size, index) for w, size, index in seqs] for mb, seqs in micro.items()},
+        [(row, local[w], kind, index, consumer)
+         for w in members for row, _, kind, index, consumer in encode.get(w, ())])
+
+
+class _Groups:
+    """Union-find over micro-batch indices."""
+
+    def __init__(self) -> None:
+        self.parent: dict[int, int] = {}
+
+    def find(self, x: int) -> int:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            x = self.parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def decode_chunk(chunk: ChunkWork | None, decode: Callable[..., Decoded],
+                 geometry: MediaGeometry) -> DecodedStep:
+    """What a worker returns for a chunk (None: a plan with nothing to decode): its
+    micro-batches packed and its encode rows' items where every sample decoded, the samples
+    one by one where one did not (the trainer side decides their policy)."""
+    out = DecodedStep({})
+    if chunk is None:
+        return out
+    outs = [decode(ref, need) for ref, need in chunk.work]
+    loose: set[int] = {i for i, o in enumerate(outs) if o.error is not None}
+    for mb, seqs in chunk.micro.items():
+        if any(w in loose for w, _, _ in seqs):
+            loose.update(w for w, _, _ in seqs)  # packed by the trainer side, with replacements
+            continue
+        batch = collate([(outs[w].sample, size, index) for w, size, index in seqs], geometry)
+        batch.seq_refs = [outs[w].ref for w, _, _ in seqs]
+        out.micro_batches[mb] = batch
+    for row, w, kind, index, consumer in chunk.encode:
+        if w in loose:
+            continue
+        sample = outs[w].sample
+        item = [m for m in sample.media if m.kind == kind][index]
+        out.encode_items[row] = EncodeItem(outs[w].ref, kind, index, consumer, item.tensor,
+                                           item.grid_thw, item.frames)
+    out.samples = {sample_id(outs[w].ref): outs[w] for w in sorted(loose)}
+    out.seconds = sum(o.seconds for o in outs)
+    return out
