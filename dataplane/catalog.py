@@ -33,6 +33,8 @@ from omniscale.loaders.index_schema import (
     read_shard,
 )
 
+PLANE_READS = range(2, INDEX_VERSION + 1)  # index versions the plane can plan from
+
 ON_EXHAUSTED = ("next_epoch", "stop", "drop_source")
 _COLUMNS = ["key", "offset", "size", "members", "text_tokens", "image_patches",
             "video_patches", "audio_frames", "llm_tokens", "error"]
@@ -79,10 +81,11 @@ class SourceState:
         if not metadata.get("shards"):
             raise UserError(f"{index_path(self.path)}: source {name!r} has no index (or no "
                             f"shards in it); run `omniscale data index` first")
-        if metadata.get("version") != INDEX_VERSION:
+        if metadata.get("version") not in PLANE_READS:
+            # 2 and 3 differ only in a column the plane never reads (the text's token ids).
             raise UserError(f"{index_path(self.path)}: index version {metadata.get('version')}, "
-                            f"the plane needs {INDEX_VERSION}; re-run `omniscale data index "
-                            f"{self.path}`")
+                            f"the plane reads {min(PLANE_READS)} to {max(PLANE_READS)}; re-run "
+                            f"`omniscale data index {self.path}`")
         # Only the shard names, rows and row groups are kept (read_shard needs the latter).
         self._metadata = {"shards": {s: {"rows": int(e.get("rows", 0)),
                                          "row_group": e.get("row_group")}

@@ -38,6 +38,7 @@ from omniscale.loaders.sequence import (
     MediaItem,
     build_sequence,
 )
+from omniscale.loaders.token_ids import TokenIds
 
 _DECODERS = {"image": decode_image, "video": decode_video}
 _PROBES = {"image": probe_image, "video": probe_video}
@@ -55,11 +56,12 @@ class DecodeNeed:
 class SampleDecoder:
     """Decodes refs of one dataset (one tokenizer, one media geometry); one per worker."""
 
-    def __init__(self, reader: SampleReader, tokenizer: str | Path, geometry: MediaGeometry
-                 ) -> None:
+    def __init__(self, reader: SampleReader, tokenizer: str | Path, geometry: MediaGeometry,
+                 token_ids: TokenIds | None = None) -> None:
         self.reader = reader
         self.tokenizer = load_tokenizer(tokenizer)
         self.geometry = geometry
+        self.token_ids = token_ids  # the index's ids by ref (None: tokenize every text)
 
     def decode(self, ref: SampleRef, need: DecodeNeed | None = None) -> DecodedSample:
         """The ref's sample (what ``need`` asks of it); CorruptSample (``source/key:
@@ -94,10 +96,12 @@ class SampleDecoder:
             empty = torch.zeros(0, dtype=torch.int64)
             return DecodedSample(ref.source, ref.key, empty, empty, empty,
                                  torch.zeros(3, 0, dtype=torch.int64), tok.pad_id, items)
-        try:
-            _, text_ids = tokenize(text_data, tok)
-        except Corrupt as e:
-            raise CorruptSample(ref.source, ref.key, f"member {text_name!r}: {e}") from None
+        text_ids = self.token_ids.get(ref) if self.token_ids is not None else None
+        if text_ids is None:
+            try:
+                _, text_ids = tokenize(text_data, tok)
+            except Corrupt as e:
+                raise CorruptSample(ref.source, ref.key, f"member {text_name!r}: {e}") from None
         slots = [ItemSlot(it.kind, it.num_tokens, _llm_grid(it.grid_thw, g)) for it in items]
         cap = ref.llm_tokens if ref.llm_tokens > 0 and not items else None
         try:

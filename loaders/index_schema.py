@@ -14,6 +14,9 @@ Columns:
 - cost features: ``text_tokens`` (non-media tokens, ``<eos>`` included), ``image_patches``
   (patches per image), ``video_patches`` (t·h·w patches per clip), ``audio_frames`` (log-mel
   frames per clip), ``llm_tokens`` (the whole sequence after media expansion);
+- ``text_ids``: the text's token ids as the tokenizer encodes them (media markers single
+  tokens, no ``<eos>``): the loaders read them by ref instead of tokenizing again
+  (``loaders.token_ids``); the plane never reads this column;
 - ``error``: null for a good sample; for a corrupt one, why (the sample is kept in the index,
   marked, so that audits can account for it, and planners skip it).
 
@@ -34,7 +37,7 @@ import pyarrow.parquet as pq
 from omniscale.dataplane.errors import UserError
 
 INDEX_FILENAME = "_index.parquet"
-INDEX_VERSION = 2  # 2: one row group per shard
+INDEX_VERSION = 3  # 2: one row group per shard; 3: text_ids
 METADATA_KEY = b"omniscale"
 
 MEMBER_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
@@ -50,6 +53,7 @@ INDEX_SCHEMA = pa.schema([
     ("video_patches", pa.list_(pa.int32())),
     ("audio_frames", pa.list_(pa.int32())),
     ("llm_tokens", pa.int32()),
+    ("text_ids", pa.list_(pa.int32())),
     ("error", pa.string()),
 ])
 

@@ -40,6 +40,7 @@ from omniscale.loaders.assemble import (
 from omniscale.loaders.chunks import plan_chunks
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.prefetch import END, PlanPrefetcher
+from omniscale.loaders.token_ids import check_tokenizer
 from omniscale.loaders.worker import (
     RefDataset,
     TimedDecoder,
@@ -70,6 +71,7 @@ class StepLoader:
         self.skip_moved_media = skip_moved_media
         self.geometry = geometry
         self.num_workers, self.decode_timeout = int(num_workers), decode_timeout
+        check_tokenizer(sources, tokenizer_path)  # the index's token ids must be this one's
         self.spec = decoder_spec(sources, tokenizer_path, geometry)
         self.client = PlaneClient(plane_url, token=token)
         self._report_client = PlaneClient(plane_url, token=token)  # used by the assembly thread

@@ -23,7 +23,7 @@ import ray
 from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.assemble import DecodedStep, sample_id
 from omniscale.loaders.decode import DecodeNeed
-from omniscale.loaders.index_schema import read_index
+from omniscale.loaders.index_schema import INDEX_SCHEMA, read_index
 from omniscale.loaders.pipeline import StepLoader
 from omniscale.loaders.prefetch import END
 from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
@@ -44,7 +44,7 @@ class SourceDecoder:
 
 def probe_refs(source: str, path: str, n: int = PROBE_SAMPLES) -> list[SampleRef]:
     """The first ``n`` good samples of a source's index, as refs (uncapped)."""
-    table = read_index(path)
+    table = read_index(path, columns=[f.name for f in INDEX_SCHEMA if f.name != "text_ids"])
     rows = [r for r in table.slice(0, 4 * n).to_pylist() if r["error"] is None][:n]
     return [SampleRef(0, source, r["shard"], r["key"], r["offset"], r["size"],
                       tuple((m["name"], m["offset"], m["size"]) for m in r["members"] or ()),

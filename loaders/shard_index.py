@@ -67,7 +67,8 @@ def index_shard(source_dir: str, shard: str, fmt: str, tokenizer_path: str,
 
 
 def _row(shard: str, key: str, offset: int, size: int, members: Sequence[TarMember] = (),
-         features: SampleFeatures | None = None, error: str | None = None) -> dict:
+         features: SampleFeatures | None = None, error: str | None = None,
+         text_ids: list[int] | None = None) -> dict:
     f = features
     return {
         "shard": shard, "key": key, "offset": offset, "size": size,
@@ -77,6 +78,7 @@ def _row(shard: str, key: str, offset: int, size: int, members: Sequence[TarMemb
         "video_patches": f.video_patches if f else [],
         "audio_frames": f.audio_frames if f else [],
         "llm_tokens": f.llm_tokens if f else None,
+        "text_ids": text_ids if f else None,
         "error": error,
     }
 
@@ -87,20 +89,21 @@ def _tar_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry
     rows = []
     with open(path, "rb") as f:
         for sample in scan.samples:
-            features, error = None, sample.error
+            features, error, ids = None, sample.error, None
             if error is None:
                 try:
-                    features = _tar_sample_features(f, sample, counter, g)
+                    features, ids = _tar_sample_features(f, sample, counter, g)
                 except Corrupt as e:
                     error = str(e)
             rows.append(_row(shard, sample.key, sample.offset, sample.size, sample.members,
-                             features, error))
+                             features, error, ids))
     return rows, scan.problems
 
 
 def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGeometry
-                         ) -> SampleFeatures:
-    """Probe every member the sequence uses; Corrupt names the member at fault."""
+                         ) -> tuple[SampleFeatures, list[int]]:
+    """Probe every member the sequence uses (features and the text's token ids); Corrupt
+    names the member at fault."""
     text, text_member = "", None
     grids = {"image": [], "video": []}
     audio_frames: list[int] = []
@@ -126,9 +129,10 @@ def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGe
                 audio_frames.append(probe_audio(data, g))
         except Corrupt as e:
             raise Corrupt(f"member {member.name!r}: {e}") from None
+    ids = counter.encode_batch([text])[0]
     try:
-        return sample_features(counter.text_tokens(text), text, grids["image"], grids["video"],
-                               audio_frames, g)
+        return sample_features(counter.count(ids), text, grids["image"], grids["video"],
+                               audio_frames, g), ids
     except Corrupt as e:
         # Only a text can hold markers, so a mismatch names the text member.
         raise Corrupt(f"member {text_member.name!r}: {e}") from None
@@ -145,6 +149,7 @@ class _TextRecord:
     text: str | None
     error: str | None = None
     features: SampleFeatures | None = None
+    ids: list[int] | None = None
 
 
 def _text_rows(shard: str, records: list[_TextRecord], counter: TokenCounter,
@@ -152,13 +157,14 @@ def _text_rows(shard: str, records: list[_TextRecord], counter: TokenCounter,
     good = [r for r in records if r.error is None]
     for start in range(0, len(good), TEXT_BATCH):
         batch = good[start:start + TEXT_BATCH]
-        for record, tokens in zip(batch, counter.text_tokens_batch([r.text for r in batch])):
+        for record, ids in zip(batch, counter.encode_batch([r.text for r in batch])):
             try:
-                record.features = sample_features(tokens, record.text, [], [], [], g)
+                record.features = sample_features(counter.count(ids), record.text, [], [], [], g)
+                record.ids = ids
             except Corrupt as e:
                 record.error = f"{record.where}: {e}"
     return [_row(shard, r.key, r.offset, r.size, features=r.features,
-                 error=r.error) for r in records]
+                 error=r.error, text_ids=r.ids) for r in records]
 
 
 def _parquet_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry,

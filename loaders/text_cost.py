@@ -36,13 +36,13 @@ class TokenCounter:
         loaded = load_tokenizer(path)
         return cls(loaded.tokenizer, frozenset(loaded.marker_ids.values()))
 
-    def text_tokens(self, text: str) -> int:
-        return self.text_tokens_batch([text])[0]
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, as the decoders encode it (``decode_text``)."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def text_tokens_batch(self, texts: list[str]) -> list[int]:
-        """Non-media tokens of each text, ``<eos>`` included."""
-        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-        return [len(e.ids) - sum(i in self.marker_ids for i in e.ids) + 1 for e in encodings]
+    def count(self, ids: list[int]) -> int:
+        """Non-media tokens of a text's ids, ``<eos>`` included."""
+        return len(ids) - sum(i in self.marker_ids for i in ids) + 1
 
 
 def tokenizer_fingerprint(path: str | Path) -> str:

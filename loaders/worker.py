@@ -31,6 +31,7 @@ from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.readers import SampleReader
 from omniscale.loaders.sequence import DecodedSample
+from omniscale.loaders.token_ids import TokenIds
 
 
 @dataclass
@@ -54,7 +55,7 @@ class DecoderSpec:
 
     def build(self) -> SampleDecoder:
         return SampleDecoder(SampleReader(self.sources, max_open=self.max_open),
-                             self.tokenizer, self.geometry)
+                             self.tokenizer, self.geometry, TokenIds(self.sources))
 
 
 def decoder_spec(sources: dict, tokenizer: str | Path, geometry: MediaGeometry,

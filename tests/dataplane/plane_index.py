@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from omniscale.loaders.index_schema import INDEX_SCHEMA, METADATA_KEY, index_path
+from omniscale.loaders.index_schema import INDEX_SCHEMA, INDEX_VERSION, METADATA_KEY, index_path
 
 
 def rows(shard: str, tokens: list[int], corrupt: frozenset[int] = frozenset()) -> list[dict]:
@@ -29,7 +29,7 @@ def write_index(source_dir: Path, shards: dict[str, list[dict]]) -> Path:
     """Write ``source_dir/_index.parquet`` holding ``shards`` (name -> rows; [] for a shard
     whose samples were all unreadable)."""
     source_dir.mkdir(parents=True, exist_ok=True)
-    meta: dict = {"version": 2, "format": "webdataset", "shards": {}}
+    meta: dict = {"version": INDEX_VERSION, "format": "webdataset", "shards": {}}
     group = 0
     for shard, shard_rows in sorted(shards.items()):
         meta["shards"][shard] = {"rows": len(shard_rows),

@@ -38,6 +38,7 @@ def write_index(source_dir: Path, llm_tokens: list[int], errors: list[str | None
         "video_patches": [[] for _ in range(n)],
         "audio_frames": [[] for _ in range(n)],
         "llm_tokens": llm_tokens,
+        "text_ids": [None] * n,
         "error": errors,
     }, schema=INDEX_SCHEMA)
     pq.write_table(table, index_path(source_dir))

@@ -18,7 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from omniscale.loaders.index_schema import INDEX_SCHEMA, MEMBER_TYPE, METADATA_KEY, index_path
+from omniscale.loaders.index_schema import (
+    INDEX_SCHEMA,
+    INDEX_VERSION,
+    MEMBER_TYPE,
+    METADATA_KEY,
+    index_path,
+)
 
 
 def _empty_lists(n: int) -> pa.Array:
@@ -46,8 +52,9 @@ def write_source(source_dir: Path, shards: int, per_shard: int, max_tokens: int,
         "members": pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)), members),
         "text_tokens": pa.array(tokens_N), "image_patches": _empty_lists(n),
         "video_patches": _empty_lists(n), "audio_frames": _empty_lists(n),
-        "llm_tokens": pa.array(tokens_N), "error": pa.nulls(n, pa.string())}
-    meta = {"version": 2, "format": "webdataset",
+        "llm_tokens": pa.array(tokens_N), "text_ids": pa.nulls(n, pa.list_(pa.int32())),
+        "error": pa.nulls(n, pa.string())}
+    meta = {"version": INDEX_VERSION, "format": "webdataset",
             "shards": {f"{stem}.tar": {"rows": per_shard, "row_group": i}
                        for i, stem in enumerate(stems)}}
     schema = INDEX_SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta)})

@@ -1,0 +1,92 @@
+"""Token ids by reference: the index tokenized every text once, the loaders read the ids back.
+
+``omniscale data index`` encodes each sample's text to count its tokens and keeps the ids in
+the index's ``text_ids`` column (``loaders.index_schema``); a worker reads one shard's ids at a
+time (its row group, that column and the keys) and looks samples up by key, keeping a few
+shards (least recently used dropped), like the reader keeps open shards. Tokenizing a long
+document costs about a millisecond per kilobyte; reading its ids back costs next to nothing.
+
+The ids are only good for the tokenizer that made them: the index records its sha256, and a
+loader whose tokenizer differs refuses to start (:func:`check_tokenizer`), since the index's
+token counts -- what the plane budgets with -- would be wrong too. A source whose index has
+no ids (written by a hand-made ref, or a sample without a row) is tokenized as before.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.index_schema import index_path, read_index_metadata, read_shard
+from omniscale.loaders.text_cost import tokenizer_fingerprint
+
+MAX_SHARDS = 16  # shards whose ids a worker keeps
+
+
+def check_tokenizer(sources: dict[str, str | Path], tokenizer: str | Path) -> None:
+    """A UserError naming the first source indexed with another tokenizer than ``tokenizer``
+    (an index without a recorded tokenizer passes)."""
+    mine = tokenizer_fingerprint(tokenizer)
+    for name, path in sources.items():
+        theirs = read_index_metadata(path).get("tokenizer_sha256")
+        if theirs is not None and theirs != mine:
+            raise UserError(f"{index_path(path)}: source {name!r} was indexed with another "
+                            f"tokenizer (sha256 {theirs[:12]}…) than this run's {tokenizer} "
+                            f"({mine[:12]}…); re-run `omniscale data index` with it")
+
+
+class TokenIds:
+    """The index's token ids of named sources' samples; one per worker (not thread-safe)."""
+
+    def __init__(self, sources: dict[str, str | Path], max_shards: int = MAX_SHARDS) -> None:
+        self._roots = {name: str(path) for name, path in sources.items()}
+        self._meta: dict[str, dict] = {}
+        self._shards: OrderedDict[tuple[str, str], dict[str, list | None]] = OrderedDict()
+        self._max = max_shards
+
+    def get(self, ref: SampleRef) -> np.ndarray | None:
+        """The ref's text token ids (int64), or None when the index has none for it."""
+        root = self._roots.get(ref.source)
+        if root is None or not ref.shard:
+            return None
+        at = (ref.source, ref.shard)
+        shard = self._shards.get(at)
+        if shard is None:
+            shard = self._shards[at] = self._load(ref.source, root, ref.shard)
+            if len(self._shards) > self._max:
+                self._shards.popitem(last=False)
+        else:
+            self._shards.move_to_end(at)
+        return shard.get(ref.key)
+
+    def _load(self, source: str, root: str, shard: str) -> "_ShardIds":
+        meta = self._meta.get(source)
+        if meta is None:
+            meta = self._meta[source] = read_index_metadata(root)
+        if shard not in meta.get("shards", {}) or meta.get("version", 0) < 3:
+            return _ShardIds([], None)
+        table = read_shard(root, shard, meta, columns=["key", "text_ids"])
+        return _ShardIds(table.column("key").to_pylist(),
+                         table.column("text_ids").combine_chunks())
+
+
+class _ShardIds:
+    """One shard's ids: a key's row, then its slice of the list column's values (no copy
+    until the int64 conversion the sequence layout wants)."""
+
+    def __init__(self, keys: list[str], column) -> None:
+        self.row = {key: i for i, key in enumerate(keys)}
+        if column is not None:
+            self.valid = column.is_valid().to_numpy(zero_copy_only=False)
+            self.offsets = column.offsets.to_numpy()
+            self.values = column.values.to_numpy()
+
+    def get(self, key: str) -> np.ndarray | None:
+        i = self.row.get(key)
+        if i is None or not self.valid[i]:
+            return None
+        return self.values[self.offsets[i]:self.offsets[i + 1]].astype(np.int64)
