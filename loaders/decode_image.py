@@ -88,8 +88,12 @@ def resize_rgb(image, height: int, width: int) -> np.ndarray:
 
     if image.size != (width, height):
         image = image.resize((width, height), Image.Resampling.BICUBIC)
-    pixels_HWC = np.asarray(image, dtype=np.float32) / 255.0
-    return (pixels_HWC - IMAGE_MEAN) / IMAGE_STD
+    return normalize(np.asarray(image))
+
+
+def normalize(pixels_HWC: np.ndarray) -> np.ndarray:
+    """uint8 RGB pixels ``[..., C]`` -> float32, scaled to [0, 1] and standardised."""
+    return (pixels_HWC.astype(np.float32) / 255.0 - IMAGE_MEAN) / IMAGE_STD
 
 
 def patchify(frames_THWC: np.ndarray, g: MediaGeometry

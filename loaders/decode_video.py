@@ -1,14 +1,20 @@
-"""Video bytes -> sampled frames -> 3D patches (temporal patch size 2) and a ``(t, h, w)`` grid.
+"""Video bytes -> sampled frames at the target size -> 3D patches (temporal patch size 2) and
+a ``(t, h, w)`` grid.
 
-Frames are read with decord at ``geometry.video_frame_indices`` and resized with
-``geometry.video_resize``, the formulas the index used, so ``t*h*w`` equals the index's
-``video_patches``.
+The container's header is probed first (``loaders.probe.video_header``: a demux without
+decoding, bounded in frame size and packets), so garbage bytes and huge frames are refused
+before a decoder allocates anything; the header's frame size gives the target size
+(``geometry.video_resize``, the formula the index used, so ``t*h*w`` equals the index's
+``video_patches``). decord then decodes the frames at ``geometry.video_frame_indices``
+already scaled to that size by FFmpeg's bicubic scaler -- no full-size frame is ever made,
+and nothing else is decoded. decord 0.6 gets frames exactly 48 or 72 pixels wide wrong
+(4-channel garbage or an error, dmlc/decord#93, #336): those sizes, and any clip whose frames
+do not come back with the expected shape, are decoded with PyAV, scaled by the same scaler.
 
-Untrusted input: the container's header is probed first (``loaders.probe.probe_video``: a
-demux without decoding, bounded in frame size and packets), so garbage bytes and huge frames
-are refused before decord allocates anything. decord 0.6 decodes clips exactly 48 or 72 pixels
-wide as 4-channel garbage (dmlc/decord#93, #336) or fails on them; whenever its frames do not
-have the probed shape, the clip is decoded again with PyAV.
+Tolerance: scaling in FFmpeg instead of PIL (and from YUV rather than from RGB) moves pixel
+values by about 1.3 to 2.8 levels of 255 on average over the demo's clips, never the grid;
+``tests/loaders/test_decode.py`` holds decoded clips to within 4 levels on average of a
+full-size decode resized by PIL.
 """
 
 from __future__ import annotations
@@ -17,55 +23,54 @@ import io
 
 import numpy as np
 
-from omniscale.loaders.decode_image import VisionItem, patchify, resize_rgb
+from omniscale.loaders.decode_image import VisionItem, normalize, patchify
 from omniscale.loaders.geometry import MediaGeometry, video_frame_indices, video_resize
-from omniscale.loaders.probe import Corrupt, probe_video, short
+from omniscale.loaders.probe import Corrupt, short, video_header
 
 # Decoding walks the stream up to the last sampled frame; this bounds that walk in PyAV.
 MAX_DECODED_FRAMES = 1 << 16
+DECORD_BAD_WIDTHS = (48, 72)  # frame widths decord 0.6 decodes wrongly
 
 
 def decode_video(data: bytes, g: MediaGeometry) -> VisionItem:
     """Patches and grid of a clip; :class:`Corrupt` for anything unusable."""
-    probe_video(data, g)  # raises Corrupt for garbage, no frames, or oversized frames
-    frames_THWC = _decord_frames(data, g)
-    if frames_THWC is None:
-        frames_THWC = _pyav_frames(data, g)
-    height, width = frames_THWC.shape[1:3]
+    header = video_header(data)  # raises Corrupt for garbage, no frames, or oversized frames
     try:
-        target_h, target_w = video_resize(height, width, g)
+        height, width = video_resize(header.height, header.width, g)
     except ValueError as e:
         raise Corrupt(short(e)) from None
-    from PIL import Image
+    frames_THWC = _decord_frames(data, g, height, width)
+    if frames_THWC is None:
+        frames_THWC = _pyav_frames(data, g, height, width)
+    return VisionItem(*patchify(normalize(frames_THWC), g))
 
-    resized = np.stack([resize_rgb(Image.fromarray(frame), target_h, target_w)
-                        for frame in frames_THWC])
-    return VisionItem(*patchify(resized, g))
 
-
-def _decord_frames(data: bytes, g: MediaGeometry) -> np.ndarray | None:
-    """Sampled RGB frames [T, H, W, 3] uint8 from decord, or None when decord gets it wrong."""
+def _decord_frames(data: bytes, g: MediaGeometry, height: int, width: int
+                   ) -> np.ndarray | None:
+    """Sampled RGB frames [T, height, width, 3] uint8 from decord, or None when decord gets
+    it wrong."""
     import decord
 
+    if width in DECORD_BAD_WIDTHS:
+        return None
     try:
-        reader = decord.VideoReader(io.BytesIO(data), num_threads=1)
+        reader = decord.VideoReader(io.BytesIO(data), num_threads=1, width=width,
+                                    height=height)
         n, fps = len(reader), reader.get_avg_fps()
         if n <= 0:
             return None
-        first = reader[0].asnumpy()
-        if first.ndim != 3 or first.shape[2] != 3:
-            return None  # the 48/72-pixel-wide bug: 4 channels of garbage
-        frames = reader.get_batch(video_frame_indices(n, fps, g)).asnumpy()
+        wanted = video_frame_indices(n, fps, g)
+        frames = reader.get_batch(wanted).asnumpy()
     except Exception:  # noqa: BLE001 -- decord raises its own untyped errors; PyAV decides
         return None
-    if frames.ndim != 4 or frames.shape[1:] != first.shape or frames.dtype != np.uint8:
+    if frames.shape != (len(wanted), height, width, 3) or frames.dtype != np.uint8:
         return None
     return frames
 
 
-def _pyav_frames(data: bytes, g: MediaGeometry) -> np.ndarray:
-    """Sampled RGB frames [T, H, W, 3] uint8 decoded with PyAV, counting frames as the index
-    did (the stream's frame count, else its packets)."""
+def _pyav_frames(data: bytes, g: MediaGeometry, height: int, width: int) -> np.ndarray:
+    """Sampled RGB frames [T, height, width, 3] uint8 decoded with PyAV, counting frames as
+    the index did (the stream's frame count, else its packets)."""
     import av
 
     try:
@@ -86,7 +91,8 @@ def _pyav_frames(data: bytes, g: MediaGeometry) -> np.ndarray:
                 if i >= MAX_DECODED_FRAMES:
                     raise Corrupt(f"video has more than {MAX_DECODED_FRAMES} frames")
                 if i in wanted:
-                    picked[i] = frame.to_ndarray(format="rgb24")
+                    picked[i] = frame.reformat(width=width, height=height, format="rgb24",
+                                               interpolation="BICUBIC").to_ndarray()
                 last = i
                 if i >= wanted[-1]:
                     break

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
+from dataclasses import dataclass
 
 from omniscale.loaders.geometry import MediaGeometry, audio_mel_frames, image_grid, video_grid
 
@@ -64,8 +65,28 @@ def probe_image(data: bytes, g: MediaGeometry) -> tuple[int, int, int]:
         raise Corrupt(short(e)) from None
 
 
+@dataclass(frozen=True)
+class VideoHeader:
+    """What a clip's container says: frame count, rate and frame size."""
+
+    frames: int
+    fps: float
+    height: int
+    width: int
+
+
 def probe_video(data: bytes, g: MediaGeometry) -> tuple[int, int, int]:
-    """Patch grid ``(t, h, w)`` of a clip from container and stream metadata.
+    """Patch grid ``(t, h, w)`` of a clip from container and stream metadata."""
+    header = video_header(data)
+    try:
+        return video_grid(header.frames, header.fps, header.height, header.width, g)
+    except ValueError as e:
+        raise Corrupt(short(e)) from None
+
+
+def video_header(data: bytes) -> VideoHeader:
+    """A clip's :class:`VideoHeader`, demuxed without decoding; :class:`Corrupt` for garbage,
+    no frames or frames above ``MAX_VIDEO_FRAME_PIXELS``.
 
     When the container does not state the frame count (Matroska, WebM) the packets of the
     video stream are counted by demuxing, which reads no pixels.
@@ -93,10 +114,7 @@ def probe_video(data: bytes, g: MediaGeometry) -> tuple[int, int, int]:
     if width * height > MAX_VIDEO_FRAME_PIXELS:
         raise Corrupt(f"video frame size {width}x{height} is above {MAX_VIDEO_FRAME_PIXELS} "
                       "pixels")
-    try:
-        return video_grid(frames, fps, height, width, g)
-    except ValueError as e:
-        raise Corrupt(short(e)) from None
+    return VideoHeader(frames, fps, height, width)
 
 
 def _count_packets(container, stream) -> int:
