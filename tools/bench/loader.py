@@ -1,10 +1,12 @@
 """Loader benchmark: throughput against a DataLoader + webdataset pipeline, memory per worker.
 
     .venv/bin/python tools/bench/loader.py [--steps 40] [--workers 2] [--rounds 5]
-        [--out docs/bench/loader.json]
+        [--workloads mixed image video text] [--out docs/bench/loader.json]
 
-Throughput. The tiny demo (generated under --data unless there), its webdataset sources mixed
-from step 0 (Parquet ``docs`` left out: webdataset cannot read it). Ours: an embedded plane
+Throughput, per workload. The tiny demo (generated under --data unless there, indexed), its
+webdataset sources from step 0 (Parquet ``docs`` left out: webdataset cannot read it): all of
+them mixed, or the image, video or text source alone (the text workload runs 20 times the
+steps: its steps take a fraction of a millisecond each). Ours: an embedded plane
 (dp 1) and a RankLoader with ``--workers`` DataLoader workers, every step committed. Baseline:
 a ``torch.utils.data.DataLoader`` with the same number of workers over a ``webdataset``
 pipeline per source (shards split by worker, sources mixed by ``RandomMix`` in the proportions
@@ -47,9 +49,20 @@ from omniscale.tools.bench.provenance import provenance  # noqa: E402
 TAR_SOURCES = ("text", "image_caption", "video_caption", "audio_caption", "interleaved")
 
 
-def demo_spec(data: Path) -> Path:
+WORKLOADS = {  # source weights of each workload (webdataset reads only the tar sources)
+    "mixed": {s: 1 for s in TAR_SOURCES} | {"text": 0.25},
+    "image": {"image_caption": 1},
+    "video": {"video_caption": 1},
+    "text": {"text": 1},
+}
+# Steps per workload, as a multiple of --steps: a step of long documents takes a fraction of
+# a millisecond to load, so the text workload runs more of them to time something.
+STEP_FACTOR = {"text": 20}
+
+
+def demo_spec(data: Path, workload: str = "mixed") -> Path:
     """The demo under ``data`` (generated and indexed once) and a spec mixing its tar
-    sources from step 0."""
+    sources from step 0 in the workload's proportions."""
     import yaml
 
     from omniscale.loaders.index import index_paths
@@ -58,12 +71,13 @@ def demo_spec(data: Path) -> Path:
     demo = data / "demo"
     if not (demo / "mix.yaml").is_file():
         generate(demo, scale="tiny", seed=3, progress=False)
-        index_paths([demo / "mix.yaml"], progress=False)
+    index_paths([demo / "mix.yaml"], progress=False)  # incremental: re-indexes what changed
     spec = yaml.safe_load((demo / "mix.yaml").read_text())
     spec["sources"] = [s for s in spec["sources"] if s["name"] in TAR_SOURCES]
+    weights = {s: WORKLOADS[workload].get(s, 0) for s in TAR_SOURCES}
     spec["schedule"] = {"unit": "steps", "segments": [{"kind": "const", "start": 0, "end": None,
-                        "weights": {s: 1 for s in TAR_SOURCES} | {"text": 0.25}}]}
-    path = demo / "bench.yaml"
+                        "weights": weights}]}
+    path = demo / f"bench-{workload}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -267,45 +281,53 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pack", type=int, default=16, help="baseline samples per packed batch")
     ap.add_argument("--sources", type=int, nargs="+", default=[10, 100, 1000])
     ap.add_argument("--rounds", type=int, default=5, help="A/B rounds, alternating order")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     started = provenance()
-    spec_path = demo_spec(args.data)
+    workloads = {w: throughput(demo_spec(args.data, w), w, args) for w in args.workloads}
+    mem = memory(demo_spec(args.data), args.sources, args.data)
+    result = {"command": " ".join(["tools/bench/loader.py"] + (argv or sys.argv[1:])),
+              **started, "workers": args.workers, "workloads": workloads,
+              "memory_per_worker": mem, "load_avg_after": os.getloadavg()[0]}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def throughput(spec_path: Path, workload: str, args) -> dict:
+    """Ours against the baseline on one workload, alternating over ``args.rounds`` rounds."""
     # A first, untimed run of ours (the plane's plans are deterministic, so every round draws
     # the same): the baseline mixes sources in the proportions it drew, for as many samples.
-    first = run_ours(spec_path, args.steps, args.workers)
+    steps = args.steps * STEP_FACTOR.get(workload, 1)
+    first = run_ours(spec_path, steps, args.workers)
     total = sum(first["drawn_per_source"].values()) or 1
     weights = {k: v / total for k, v in first["drawn_per_source"].items()}
     rounds = []
     for r in range(args.rounds):
         runs = {}
         for side in (("ours", "baseline") if r % 2 == 0 else ("baseline", "ours")):
-            runs[side] = run_ours(spec_path, args.steps, args.workers) if side == "ours" else \
+            runs[side] = run_ours(spec_path, steps, args.workers) if side == "ours" else \
                 run_baseline(spec_path, first["samples"], args.workers, weights, args.pack)
         ratio = {k: runs["ours"][k] / runs["baseline"][k] for k in ("samples_per_s",
                                                                     "tokens_per_s")}
         rounds.append({"ours": runs["ours"], "baseline": runs["baseline"], "ratio": ratio})
-        print(f"round {r + 1}/{args.rounds}: ours {runs['ours']['samples_per_s']:7.1f} "
-              f"samples/s, baseline {runs['baseline']['samples_per_s']:7.1f}: "
-              f"{ratio['samples_per_s']:.2f}x samples/s, {ratio['tokens_per_s']:.2f}x tokens/s",
-              flush=True)
+        print(f"{workload} round {r + 1}/{args.rounds}: ours "
+              f"{runs['ours']['samples_per_s']:7.1f} samples/s, baseline "
+              f"{runs['baseline']['samples_per_s']:7.1f}: {ratio['samples_per_s']:.2f}x "
+              f"samples/s, {ratio['tokens_per_s']:.2f}x tokens/s", flush=True)
     ratio = {k: _spread([r["ratio"][k] for r in rounds]) for k in ("samples_per_s",
                                                                     "tokens_per_s")}
-    print(f"median paired ratio: {ratio['samples_per_s']['median']:.2f}x samples/s "
+    print(f"{workload}: median paired ratio {ratio['samples_per_s']['median']:.2f}x samples/s "
           f"({ratio['samples_per_s']['min']:.2f}-{ratio['samples_per_s']['max']:.2f}), "
           f"{ratio['tokens_per_s']['median']:.2f}x tokens/s "
           f"({ratio['tokens_per_s']['min']:.2f}-{ratio['tokens_per_s']['max']:.2f})")
-    mem = memory(spec_path, args.sources, args.data)
-    result = {"command": " ".join(["tools/bench/loader.py"] + (argv or sys.argv[1:])),
-              **started, "workers": args.workers, "rounds": rounds,
-              **{side: {k: statistics.median(r[side][k] for r in rounds)
-                        for k in ("samples_per_s", "tokens_per_s")}
-                 for side in ("ours", "baseline")},  # medians over the rounds
-              "ratio": {k: v["median"] for k, v in ratio.items()}, "ratio_spread": ratio,
-              "memory_per_worker": mem, "load_avg_after": os.getloadavg()[0]}
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return {"rounds": rounds,
+            **{side: {k: statistics.median(r[side][k] for r in rounds)
+                      for k in ("samples_per_s", "tokens_per_s", "data_wait_s")
+                      if k in rounds[0][side]}
+               for side in ("ours", "baseline")},  # medians over the rounds
+            "ratio": {k: v["median"] for k, v in ratio.items()}, "ratio_spread": ratio}
 
 
 def _spread(values: list[float]) -> dict:
