@@ -44,7 +44,7 @@ class TokenIds:
 
     def __init__(self, sources: dict[str, str | Path], max_shards: int = MAX_SHARDS) -> None:
         self._roots = {name: str(path) for name, path in sources.items()}
-        self._meta: dict[str, dict] = {}
+        self._meta: OrderedDict[str, dict] = OrderedDict()  # bounded too: 1,000s of sources
         self._shards: OrderedDict[tuple[str, str], dict[str, list | None]] = OrderedDict()
         self._max = max_shards
 
@@ -67,6 +67,10 @@ class TokenIds:
         meta = self._meta.get(source)
         if meta is None:
             meta = self._meta[source] = read_index_metadata(root)
+            if len(self._meta) > self._max:
+                self._meta.popitem(last=False)
+        else:
+            self._meta.move_to_end(source)
         if shard not in meta.get("shards", {}) or meta.get("version", 0) < 3:
             return _ShardIds([], None)
         table = read_shard(root, shard, meta, columns=["key", "text_ids"])
