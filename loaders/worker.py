@@ -167,7 +167,7 @@ class RefDataset(torch.utils.data.Dataset):
 # pickled: the message itself (the buffer's descriptor) stays small whatever the item, so a
 # worker killed while sending cannot leave a half-written payload in the result pipe that the
 # other workers still write to. The trainer views every tensor out of the buffer.
-_ALIGN = 16  # every tensor starts at a multiple of this within the buffer (any dtype's size)
+_ALIGN = 64  # every tensor starts at a cache line within the buffer (as torch allocates)
 
 
 @dataclass

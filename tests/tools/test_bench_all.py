@@ -57,9 +57,18 @@ def test_headlines_from_the_committed_bench_json():
 
     loader_json = json.loads((DOCS / "loader.json").read_text())
     loader = by_metric(headline_rows("loader", loader_json))
-    tokens = loader["tokens/s: RankLoader vs DataLoader + webdataset (median of paired rounds)"]
-    paired = sorted(r["ratio"]["tokens_per_s"] for r in loader_json["rounds"])
-    assert len(paired) >= 5 and tokens["ratio"] == paired[len(paired) // 2]  # the median
+    for workload in loader_json["workloads"]:
+        name = workload["workload"]
+        tokens = loader[f"{name} tokens/s: RankLoader vs DataLoader + webdataset (median of "
+                        "paired rounds)"]
+        paired = sorted(r["ratio"]["tokens_per_s"] for r in workload["rounds"])
+        assert len(paired) >= 5 and tokens["ratio"] == paired[len(paired) // 2]  # the median
+        samples = loader[f"{name} samples/s: RankLoader vs DataLoader + webdataset (median of "
+                         "paired rounds)"]
+        if samples["target"] is not None:
+            assert samples["met"] is (samples["ratio"] >= float(samples["target"][3:]))
+    assert {w["workload"] for w in loader_json["workloads"]} == {"mixed", "image", "video",
+                                                                 "text"}
     assert "RSS growth MiB per worker, ours, 1000 sources" in loader
 
     e2e_json = json.loads((DOCS / "e2e.json").read_text())

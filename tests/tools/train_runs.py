@@ -61,7 +61,10 @@ def assert_same_rows(one, two) -> None:
     assert all(r["router_loss"] > 0 for r in one)  # router losses on
     for a, b in zip(one, two, strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["loss"], b["loss"])
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-6), a["step"]
+        # A norm over every gradient, reduced in another order under another layout (TP sums
+        # partial norms): float32 noise reaches about 1.5e-6 relative on the demo's data.
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=5e-6), \
+            (a["step"], a["grad_norm"], b["grad_norm"])
         assert math.isclose(a["router_loss"], b["router_loss"], rel_tol=1e-6), a["step"]
         assert a["source_loss"].keys() == b["source_loss"].keys()
         for name, value in a["source_loss"].items():

@@ -136,14 +136,16 @@ BENCHES: dict[str, Bench] = {
                         "an fsync per record (s)", each="rows", value="group_commit_s",
                         baseline="fsync_each_s", ratio="speedup"),)),
     "loader": Bench(
-        "loader.py", quick_args=("--steps", "8", "--rounds", "2", "--sources", "10", "100"),
+        "loader.py", quick_args=("--steps", "8", "--rounds", "2", "--sources", "10", "100",
+                                 "--workloads", "mixed"),
         metrics=(
-            Metric("samples/s: RankLoader vs DataLoader + webdataset (median of paired "
-                   "rounds)", value="ours.samples_per_s", baseline="baseline.samples_per_s",
-                   ratio="ratio.samples_per_s"),
-            Metric("tokens/s: RankLoader vs DataLoader + webdataset (median of paired rounds)",
-                   value="ours.tokens_per_s", baseline="baseline.tokens_per_s",
-                   ratio="ratio.tokens_per_s"),
+            Metric("{workload} samples/s: RankLoader vs DataLoader + webdataset (median of "
+                   "paired rounds)", each="workloads", value="ours.samples_per_s",
+                   baseline="baseline.samples_per_s", ratio="ratio.samples_per_s",
+                   target="target", met="met"),
+            Metric("{workload} tokens/s: RankLoader vs DataLoader + webdataset (median of "
+                   "paired rounds)", each="workloads", value="ours.tokens_per_s",
+                   baseline="baseline.tokens_per_s", ratio="ratio.tokens_per_s"),
             Metric("RSS growth MiB per worker, {kind}, {sources} sources",
                    each="memory_per_worker", value="rss_growth_mib"))),
     "plane": Bench(
