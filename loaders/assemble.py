@@ -61,6 +61,7 @@ class StepBatch:
     replaced: list[tuple[SampleRef, SampleRef | None]] = field(default_factory=list)
     data_wait_s: float = 0.0  # time the trainer was blocked in next() for this step
     plan: pa.Table | None = None  # the rank's plan table (the reshard map is derived from it)
+    transfer_bytes: int = 0  # bytes worker processes handed over for this step
 
     @property
     def num_samples(self) -> int:
@@ -81,12 +82,14 @@ class DecodedStep:
     micro_batches: dict[int, PackedBatch] = field(default_factory=dict)
     encode_items: dict[int, EncodeItem] = field(default_factory=dict)
     seconds: float = 0.0  # decode time spent on it
+    transfer_bytes: int = 0  # what worker processes handed over for it
 
     def update(self, other: "DecodedStep") -> None:
         self.samples.update(other.samples)
         self.micro_batches.update(other.micro_batches)
         self.encode_items.update(other.encode_items)
         self.seconds += other.seconds
+        self.transfer_bytes += other.transfer_bytes
 
 
 def sample_id(ref: SampleRef) -> tuple:
@@ -157,7 +160,8 @@ class StepAssembler:
         """The step's batch: what workers built as it is, the rest packed here (a sample
         decoded alone goes through the policy first)."""
         meta = plan_metadata(table)
-        batch = StepBatch(step, [], [], meta, fingerprint(table), plan=table)
+        batch = StepBatch(step, [], [], meta, fingerprint(table), plan=table,
+                          transfer_bytes=decoded.transfer_bytes)
         refs = table_to_refs(table)
         cols = {n: table.column(n).to_pylist() for n in (
             "role", "micro_batch", "sp_size", "sp_index", "item_kind", "item_index",

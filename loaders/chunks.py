@@ -21,6 +21,7 @@ from typing import Callable
 
 import pyarrow as pa
 
+from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.dataplane.refs import SampleRef, table_to_refs
 from omniscale.loaders.assemble import DecodedStep, EncodeItem, decode_work, sample_id
 from omniscale.loaders.collate import collate
@@ -92,6 +93,24 @@ def _chunk(work: list, members: list[int], micro: dict, encode: dict) -> ChunkWo
          for w in members for row, _, kind, index, consumer in encode.get(w, ())])
 
 
+def _item_rows(batch, samples: list[int]) -> dict:
+    """(sample, kind, index within the kind) -> that item's rows of the batch's patches or
+    mel frames (views), for every item the batch holds whole (SP slices hold them whole too)."""
+    vision = [0] + batch.vision_grid_thw_V3.prod(dim=1).cumsum(0).tolist()
+    audio = [0] + batch.audio_frames_A.cumsum(0).tolist()
+    rows = {}
+    for kind, seq, row, index in zip(batch.media_kind_M.tolist(), batch.media_sample_M.tolist(),
+                                     batch.media_index_M.tolist(), batch.media_item_M.tolist()):
+        if row < 0:
+            continue
+        name = ENCODER_KINDS[kind]
+        if name == "audio":
+            rows[samples[seq], name, index] = batch.audio_mel_AF[audio[row]:audio[row + 1]]
+        else:
+            rows[samples[seq], name, index] = batch.pixel_patches_PD[vision[row]:vision[row + 1]]
+    return rows
+
+
 class _Groups:
     """Union-find over micro-batch indices."""
 
@@ -120,6 +139,7 @@ def decode_chunk(chunk: ChunkWork | None, decode: Callable[..., Decoded],
         return out
     outs = [decode(ref, need) for ref, need in chunk.work]
     loose: set[int] = {i for i, o in enumerate(outs) if o.error is not None}
+    packed_rows = {}  # (sample, kind, index) -> its rows in a packed micro-batch
     for mb, seqs in chunk.micro.items():
         if any(w in loose for w, _, _ in seqs):
             loose.update(w for w, _, _ in seqs)  # packed by the trainer side, with replacements
@@ -127,12 +147,15 @@ def decode_chunk(chunk: ChunkWork | None, decode: Callable[..., Decoded],
         batch = collate([(outs[w].sample, size, index) for w, size, index in seqs], geometry)
         batch.seq_refs = [outs[w].ref for w, _, _ in seqs]
         out.micro_batches[mb] = batch
+        packed_rows.update(_item_rows(batch, [w for w, _, _ in seqs]))
     for row, w, kind, index, consumer in chunk.encode:
         if w in loose:
             continue
         sample = outs[w].sample
         item = [m for m in sample.media if m.kind == kind][index]
-        out.encode_items[row] = EncodeItem(outs[w].ref, kind, index, consumer, item.tensor,
+        # The same rows of the packed micro-batch when it holds them: handed over once.
+        tensor = packed_rows.get((w, kind, index), item.tensor)
+        out.encode_items[row] = EncodeItem(outs[w].ref, kind, index, consumer, tensor,
                                            item.grid_thw, item.frames)
     out.samples = {sample_id(outs[w].ref): outs[w] for w in sorted(loose)}
     out.seconds = sum(o.seconds for o in outs)

@@ -46,6 +46,7 @@ from omniscale.loaders.worker import (
     TimedDecoder,
     decoder_spec,
     identity,
+    transfer_bytes,
     unpack,
 )
 
@@ -249,6 +250,7 @@ class RankLoader(StepLoader):
                             got = self._next_item(it)
                             if got is None:  # closing
                                 return
+                        decoded.transfer_bytes += transfer_bytes(got[1])
                         decoded.update(unpack(got[1]))
                 except _WorkerDied as e:
                     pids = e.pids

@@ -186,13 +186,26 @@ class _TensorsOut(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[tuple[torch.Tensor, int]] = []
         self.size = 0
+        # storage -> (storage offset, buffer offset, bytes) of a contiguous tensor placed: a
+        # contiguous view into it (an encoder item's rows of a packed micro-batch) is not
+        # copied again but points into the same bytes.
+        self.placed: dict[int, tuple[int, int, int]] = {}
 
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor):
             return None
+        nbytes = obj.numel() * obj.element_size()
+        ptr = obj.untyped_storage().data_ptr() if obj.is_contiguous() else None
+        if ptr in self.placed:
+            offset, at, size = self.placed[ptr]
+            start = at + (obj.storage_offset() - offset) * obj.element_size()
+            if at <= start and start + nbytes <= at + size:
+                return obj.dtype, tuple(obj.shape), start
         at = self.size
         self.tensors.append((obj, at))
-        self.size += obj.numel() * obj.element_size()
+        if ptr is not None and nbytes:
+            self.placed[ptr] = (obj.storage_offset(), at, nbytes)
+        self.size += nbytes
         self.size += -self.size % _ALIGN
         return obj.dtype, tuple(obj.shape), at
 
@@ -221,6 +234,11 @@ def pack(obj) -> Packed:
                 t.shape).copy_(t)
     buffer[at:] = torch.frombuffer(tail, dtype=torch.uint8)
     return Packed(buffer, at)
+
+
+def transfer_bytes(packed) -> int:
+    """Bytes a worker handed over in ``packed`` (0 for an object that never left its process)."""
+    return packed.buffer.numel() if isinstance(packed, Packed) else 0
 
 
 def unpack(packed):

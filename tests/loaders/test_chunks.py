@@ -124,3 +124,15 @@ def test_a_failed_sample_leaves_its_micro_batch_to_the_trainer_side():
     assert sorted(step.micro_batches) == [0, 2]  # c's micro-batch (1) is not built
     assert sorted(k[2] for k in step.samples) == ["c", "f"]  # it comes back sample by sample
     assert sorted(step.encode_items) == [1, 6]  # f's encode row goes with f
+
+
+def test_an_item_encoded_from_a_packed_micro_batch_crosses_once():
+    table = _table(ROWS)
+    chunk = plan_chunks(table, rank=None, encode_parts=2)[1]  # c and f, and f's audio encode row
+    assert chunk.encode == [(5, 1, "audio", 0, 0)]
+    out = decode_chunk(chunk, _fake_decode(set()), G)
+    tensors_with_item = pack(out).described_at
+    item = unpack(pack(out)).encode_items[5]
+    assert torch.equal(item.tensor, _fake_decode(set())(chunk.work[1][0]).sample.media[1].tensor)
+    out.encode_items.clear()
+    assert pack(out).described_at == tensors_with_item  # its rows are the micro-batch's own

@@ -101,11 +101,12 @@ def run_ours(spec_path: Path, steps: int, workers: int) -> dict:
             first = next(loader)  # worker start-up is not throughput
             loader.commit(first.step)
             start = time.perf_counter()
-            samples = tokens = 0
+            samples = tokens = moved = 0
             for _ in range(steps):
                 batch = next(loader)
                 samples += batch.num_samples
                 tokens += batch.num_tokens
+                moved += batch.transfer_bytes
                 loader.commit(batch.step)
             seconds = time.perf_counter() - start
             wait = loader.data_wait_s
@@ -114,7 +115,8 @@ def run_ours(spec_path: Path, steps: int, workers: int) -> dict:
         per_source[row["source"]] = row["served_samples"]
     return {"samples": samples, "tokens": tokens, "seconds": seconds,
             "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds,
-            "data_wait_s": wait, "drawn_per_source": per_source}
+            "data_wait_s": wait, "drawn_per_source": per_source,
+            "bytes_per_sample": moved / max(samples, 1)}
 
 
 def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str, float],
@@ -131,14 +133,18 @@ def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str,
     next(it)  # worker start-up is not throughput
     start = time.perf_counter()
     n = tokens = 0
+    moved = 0
     while n < samples:
         batch = next(it)
         n += int(batch.cu_seqlens_S1.numel()) - 1
         tokens += batch.num_tokens
+        moved += sum(t.numel() * t.element_size() for t in vars(batch).values()
+                     if isinstance(t, torch.Tensor))
     seconds = time.perf_counter() - start
     del it
     return {"samples": n, "tokens": tokens, "seconds": seconds,
-            "samples_per_s": n / seconds, "tokens_per_s": tokens / seconds}
+            "samples_per_s": n / seconds, "tokens_per_s": tokens / seconds,
+            "bytes_per_sample": moved / max(n, 1)}
 
 
 class _MixedWebDataset(torch.utils.data.IterableDataset):
@@ -329,7 +335,8 @@ def throughput(spec_path: Path, workload: str, args) -> dict:
             "target": None if target is None else f">= {target}",
             "met": None if target is None else ratio["samples_per_s"]["median"] >= target,
             **{side: {k: statistics.median(r[side][k] for r in rounds)
-                      for k in ("samples_per_s", "tokens_per_s", "data_wait_s")
+                      for k in ("samples_per_s", "tokens_per_s", "data_wait_s",
+                                "bytes_per_sample")
                       if k in rounds[0][side]}
                for side in ("ours", "baseline")},  # medians over the rounds
             "ratio": {k: v["median"] for k, v in ratio.items()}, "ratio_spread": ratio}
