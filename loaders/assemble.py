@@ -81,14 +81,12 @@ class DecodedStep:
     samples: dict[tuple, Decoded]
     micro_batches: dict[int, PackedBatch] = field(default_factory=dict)
     encode_items: dict[int, EncodeItem] = field(default_factory=dict)
-    seconds: float = 0.0  # decode time spent on it
     transfer_bytes: int = 0  # what worker processes handed over for it
 
     def update(self, other: "DecodedStep") -> None:
         self.samples.update(other.samples)
         self.micro_batches.update(other.micro_batches)
         self.encode_items.update(other.encode_items)
-        self.seconds += other.seconds
         self.transfer_bytes += other.transfer_bytes
 
 
@@ -98,15 +96,16 @@ def sample_id(ref: SampleRef) -> tuple:
     return (*ref.uid, ref.epoch)
 
 
-def decode_work(table: pa.Table, rank: int | None = None
+def decode_work(table: pa.Table, rank: int | None = None,
+                all_refs: list[SampleRef] | None = None
                 ) -> list[tuple[SampleRef, DecodeNeed | None]]:
     """The distinct samples a plan names, in first-mention order (one decode each), each
     with what data rank ``rank`` uses of it: the text if it trains the sample, the media items
     its rows say it encodes (``encode`` rows, and the ``encode_ranks`` of its ``llm`` rows
     that name it). Media another rank encodes reach this rank as embeddings, so their pixels
     are not decoded here. ``rank`` None, or a sample this rank uses whole: None (decode it
-    all)."""
-    all_refs = table_to_refs(table)
+    all). ``all_refs``: the table's refs, when the caller has them already."""
+    all_refs = all_refs if all_refs is not None else table_to_refs(table)
     first: dict[tuple, SampleRef] = {}
     for ref in all_refs:
         first.setdefault(sample_id(ref), ref)

@@ -21,10 +21,10 @@ from typing import Callable
 
 import pyarrow as pa
 
-from omniscale.balancer.types import ENCODER_KINDS
+from omniscale.balancer.types import ENCODER_KINDS as KINDS
 from omniscale.dataplane.refs import SampleRef, table_to_refs
 from omniscale.loaders.assemble import DecodedStep, EncodeItem, decode_work, sample_id
-from omniscale.loaders.collate import collate
+from omniscale.loaders.collate import collate, media_items
 from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.worker import Decoded
@@ -45,16 +45,16 @@ def plan_chunks(table: pa.Table, rank: int | None, encode_parts: int = 1) -> lis
     """The plan's decode work (``assemble.decode_work``, what ``rank`` uses of each sample;
     None: whole samples) cut into chunks: one per micro-batch, in order, then the samples
     only encoded here in ``encode_parts`` chunks. Empty for a plan with no samples."""
-    work = decode_work(table, rank)
+    refs = table_to_refs(table)
+    work = decode_work(table, rank, refs)
     if not work:
         return []
     where = {sample_id(ref): i for i, (ref, _) in enumerate(work)}
-    refs = table_to_refs(table)
     cols = {n: table.column(n).to_pylist() for n in (
         "role", "micro_batch", "sp_size", "sp_index", "item_kind", "item_index",
         "consume_rank")}
     micro: dict[int, list[tuple[int, int, int]]] = {}
-    encode: dict[int, list[tuple[int, int, str, int, int]]] = {}
+    encode: dict[int, list[tuple[int, str, int, int]]] = {}  # sample -> its encode rows
     home: dict[int, int] = {}  # sample (index in work) -> a micro-batch training it
     joined = _Groups()  # micro-batches that share a sample go to one worker together
     for row, ref in enumerate(refs):
@@ -64,7 +64,7 @@ def plan_chunks(table: pa.Table, rank: int | None, encode_parts: int = 1) -> lis
             micro.setdefault(mb, []).append((w, cols["sp_size"][row], cols["sp_index"][row]))
             joined.union(home.setdefault(w, mb), mb)
         else:
-            encode.setdefault(w, []).append((row, w, cols["item_kind"][row],
+            encode.setdefault(w, []).append((row, cols["item_kind"][row],
                                              cols["item_index"][row], cols["consume_rank"][row]))
     groups: dict[int, list[int]] = {}
     for mb in sorted(micro):
@@ -90,25 +90,7 @@ def _chunk(work: list, members: list[int], micro: dict, encode: dict) -> ChunkWo
         [work[w] for w in members],
         {mb: [(local[w], size, index) for w, size, index in seqs] for mb, seqs in micro.items()},
         [(row, local[w], kind, index, consumer)
-         for w in members for row, _, kind, index, consumer in encode.get(w, ())])
-
-
-def _item_rows(batch, samples: list[int]) -> dict:
-    """(sample, kind, index within the kind) -> that item's rows of the batch's patches or
-    mel frames (views), for every item the batch holds whole (SP slices hold them whole too)."""
-    vision = [0] + batch.vision_grid_thw_V3.prod(dim=1).cumsum(0).tolist()
-    audio = [0] + batch.audio_frames_A.cumsum(0).tolist()
-    rows = {}
-    for kind, seq, row, index in zip(batch.media_kind_M.tolist(), batch.media_sample_M.tolist(),
-                                     batch.media_index_M.tolist(), batch.media_item_M.tolist()):
-        if row < 0:
-            continue
-        name = ENCODER_KINDS[kind]
-        if name == "audio":
-            rows[samples[seq], name, index] = batch.audio_mel_AF[audio[row]:audio[row + 1]]
-        else:
-            rows[samples[seq], name, index] = batch.pixel_patches_PD[vision[row]:vision[row + 1]]
-    return rows
+         for w in members for row, kind, index, consumer in encode.get(w, ())])
 
 
 class _Groups:
@@ -147,7 +129,9 @@ def decode_chunk(chunk: ChunkWork | None, decode: Callable[..., Decoded],
         batch = collate([(outs[w].sample, size, index) for w, size, index in seqs], geometry)
         batch.seq_refs = [outs[w].ref for w, _, _ in seqs]
         out.micro_batches[mb] = batch
-        packed_rows.update(_item_rows(batch, [w for w, _, _ in seqs]))
+        packed_rows.update(((seqs[seq][0], KINDS[kind], index), tensor)
+                           for seq, kind, index, tensor, _, _ in media_items(batch)
+                           if tensor is not None)
     for row, w, kind, index, consumer in chunk.encode:
         if w in loose:
             continue
@@ -158,5 +142,4 @@ def decode_chunk(chunk: ChunkWork | None, decode: Callable[..., Decoded],
         out.encode_items[row] = EncodeItem(outs[w].ref, kind, index, consumer, tensor,
                                            item.grid_thw, item.frames)
     out.samples = {sample_id(outs[w].ref): outs[w] for w in sorted(loose)}
-    out.seconds = sum(o.seconds for o in outs)
     return out

@@ -16,12 +16,13 @@ V vision items, A audio items, AF mel frames of all audio items (rows) x mel bin
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.sequence import IGNORE_INDEX, DecodedSample
+from omniscale.loaders.sequence import IGNORE_INDEX, KINDS, DecodedSample
 
 
 @dataclass
@@ -126,6 +127,28 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
         media_sample_M=torch.tensor(m_seq, dtype=long),
         media_index_M=torch.tensor(m_index, dtype=long),
         media_item_M=torch.tensor(m_item, dtype=long))
+
+
+def media_items(batch: PackedBatch):
+    """``(sequence, kind id, index within its kind, tensor, grid, frames)`` of every media item
+    of a batch, in media order: its rows of ``pixel_patches_PD`` / ``audio_mel_AF`` (views),
+    its grid (vision) or mel frames (audio); tensor, grid and frames None for an item not
+    decoded here."""
+    vision_rows = batch.vision_grid_thw_V3.prod(dim=1).tolist()
+    vision = [0, *itertools.accumulate(vision_rows)]
+    audio_rows = batch.audio_frames_A.tolist()
+    audio = [0, *itertools.accumulate(audio_rows)]
+    audio_id = KINDS.index("audio")
+    for kind, seq, row, index in zip(batch.media_kind_M.tolist(), batch.media_sample_M.tolist(),
+                                     batch.media_index_M.tolist(), batch.media_item_M.tolist()):
+        if row < 0:
+            yield seq, kind, index, None, None, None
+        elif kind == audio_id:
+            yield (seq, kind, index, batch.audio_mel_AF[audio[row]:audio[row + 1]], None,
+                   audio_rows[row])
+        else:
+            yield (seq, kind, index, batch.pixel_patches_PD[vision[row]:vision[row + 1]],
+                   batch.vision_grid_thw_V3[row].tolist(), None)
 
 
 def sp_bounds(length: int, sp_size: int, sp_index: int) -> tuple[int, int]:

@@ -34,7 +34,7 @@ import torch
 
 from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.kernels.reference import IGNORE_INDEX
-from omniscale.loaders.collate import PackedBatch
+from omniscale.loaders.collate import PackedBatch, media_items
 from omniscale.parallel.reshard import ItemKey, local_reshard_plan, reshard
 
 
@@ -69,21 +69,8 @@ class _Inputs:
 def _batch_items(mb: PackedBatch):
     """(key, tensor, grid, frames) of every media item of a micro-batch, in media order
     (tensor None: not decoded here)."""
-    vision_rows = (mb.vision_grid_thw_V3.prod(dim=1)).tolist()
-    vision_starts = [0] + torch.tensor(vision_rows, dtype=torch.int64).cumsum(0).tolist()
-    audio_rows = mb.audio_frames_A.tolist()
-    audio_starts = [0] + torch.tensor(audio_rows, dtype=torch.int64).cumsum(0).tolist()
-    for kind, seq, row, index in zip(mb.media_kind_M.tolist(), mb.media_sample_M.tolist(),
-                                     mb.media_index_M.tolist(), mb.media_item_M.tolist()):
-        key = item_key(mb.seq_refs[seq], kind, index)
-        if row < 0:  # not decoded on this rank: another one encodes it
-            yield key, None, None, None
-        elif kind == ENCODER_KINDS.index("audio"):
-            a, b = audio_starts[row], audio_starts[row + 1]
-            yield key, mb.audio_mel_AF[a:b], None, audio_rows[row]
-        else:
-            a, b = vision_starts[row], vision_starts[row + 1]
-            yield key, mb.pixel_patches_PD[a:b], mb.vision_grid_thw_V3[row].tolist(), None
+    for seq, kind, index, tensor, grid, frames in media_items(mb):
+        yield item_key(mb.seq_refs[seq], kind, index), tensor, grid, frames
 
 
 def _step_inputs(batch, received_keys: set) -> _Inputs:
