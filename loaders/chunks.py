@@ -111,15 +111,16 @@ class _Groups:
             self.parent[max(ra, rb)] = min(ra, rb)
 
 
-def decode_chunk(chunk: ChunkWork | None, decode: Callable[..., Decoded],
+def decode_chunk(chunk: ChunkWork | None, decode_all: Callable[[list], list[Decoded]],
                  geometry: MediaGeometry) -> DecodedStep:
-    """What a worker returns for a chunk (None: a plan with nothing to decode): its
+    """What a worker returns for a chunk (None: a plan with nothing to decode), its samples
+    decoded by ``decode_all`` (``TimedDecoder.decode_all``): its
     micro-batches packed and its encode rows' items where every sample decoded, the samples
     one by one where one did not (the trainer side decides their policy)."""
     out = DecodedStep({})
     if chunk is None:
         return out
-    outs = [decode(ref, need) for ref, need in chunk.work]
+    outs = decode_all(chunk.work)
     loose: set[int] = {i for i, o in enumerate(outs) if o.error is not None}
     packed_rows = {}  # (sample, kind, index) -> its rows in a packed micro-batch
     for mb, seqs in chunk.micro.items():

@@ -3,10 +3,10 @@
 A worker (a ``torch.utils.data`` worker process or a Ray actor) holds one
 :class:`TimedDecoder`: a SampleDecoder (its reader keeps a bounded LRU of open shards, so its
 memory does not grow with the number of sources) run under a watchdog. Decoding happens on a
-helper thread the worker waits on for at most ``timeout`` seconds; on a timeout the thread and
-its decoder are abandoned (a hung C call cannot be interrupted, and the reader it holds is not
-thread-safe) and a fresh decoder takes over, so one pathological file costs one timeout, not a
-worker.
+helper thread, handed a work item's samples at once; the worker watches, allowing each sample
+``timeout`` seconds. On a timeout the thread and its decoder are abandoned (a hung C call
+cannot be interrupted, and the reader it holds is not thread-safe) and a fresh decoder takes
+over, so one pathological file costs one timeout, not a worker.
 
 Failures come back as data (:class:`Decoded` with ``error``), not exceptions: a worker that
 raised would take the whole DataLoader down with it, and the trainer side decides the policy.
@@ -41,7 +41,6 @@ class Decoded:
     ref: SampleRef | None
     sample: DecodedSample | None = None
     error: CorruptSample | None = None
-    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,12 @@ def decoder_spec(sources: dict, tokenizer: str | Path, geometry: MediaGeometry,
 
 
 class TimedDecoder:
-    """Decodes refs with a per-sample deadline; a timeout is a CorruptSample like any other."""
+    """Decodes refs with a per-sample deadline; a timeout is a CorruptSample like any other.
+
+    One hand-off per call, not per sample: :meth:`decode_all` gives a whole list to the decode
+    thread, which decodes it in order and stamps when each sample started; the calling thread
+    is the watchdog, asleep until the list is done or the current sample's deadline passes.
+    """
 
     def __init__(self, spec: DecoderSpec, timeout: float | None = 30.0) -> None:
         self.spec, self.timeout = spec, timeout
@@ -76,36 +80,50 @@ class TimedDecoder:
     def decode(self, ref: SampleRef | None, need: DecodeNeed | None = None) -> Decoded:
         if ref is None:  # a step with nothing to decode still sends one item through
             return Decoded(None)
-        start = time.perf_counter()
+        return self.decode_all([(ref, need)])[0]
+
+    def decode_all(self, work: list[tuple[SampleRef, DecodeNeed | None]]) -> list[Decoded]:
+        """Every ``(ref, need)`` of ``work`` decoded, in order; a sample past its deadline
+        comes back timed out and the rest go on with a fresh decoder."""
         if self.timeout is None:
-            out = _run(self._current(), ref, need)
-        else:
-            out = self._watched(ref, need)
-        out.seconds = time.perf_counter() - start
-        return out
+            decoder = self._current()
+            return [_run(decoder, ref, need) for ref, need in work]
+        outs: list[Decoded] = []
+        while len(outs) < len(work):
+            outs += self._watched(work[len(outs):])
+        return outs
 
     def _current(self) -> SampleDecoder:
         if self._decoder is None:
             self._decoder = self.spec.build()
         return self._decoder
 
-    def _watched(self, ref: SampleRef, need: DecodeNeed | None) -> Decoded:
+    def _watched(self, work: list) -> list[Decoded]:
+        """What the decode thread finished of ``work`` -- all of it, or the samples before
+        the one that ran past its deadline and that one timed out."""
         if self._jobs is None:
             self._jobs = queue.Queue()
-            decoder = self._current()
-            threading.Thread(target=_serve, args=(decoder, self._jobs), daemon=True,
+            threading.Thread(target=_serve, args=(self._current(), self._jobs), daemon=True,
                              name="omniscale-decode").start()
-        reply: queue.Queue = queue.Queue(maxsize=1)
-        self._jobs.put((ref, need, reply))
-        try:
-            return reply.get(timeout=self.timeout)
-        except queue.Empty:
-            # Abandon the stuck thread with its decoder; the next sample gets fresh ones.
-            self._jobs.put(None)  # it exits once (if ever) the stuck decode returns
-            self._jobs, self._decoder = None, None
-            self.timeouts += 1
-            return Decoded(ref, error=CorruptSample(
-                ref.source, ref.key, f"decode timed out after {self.timeout:g} s"))
+        job = _Job(work)
+        self._jobs.put(job)
+        with job.lock:
+            while len(job.outs) < len(work):
+                left = job.started + self.timeout - time.monotonic()
+                if left <= 0:
+                    break
+                job.lock.wait(left)  # woken once, when the list is done
+            else:
+                return job.outs
+            # Abandon the stuck thread with its decoder; the rest get fresh ones.
+            job.abandoned = True
+            outs = list(job.outs)
+        self._jobs.put(None)  # it exits once (if ever) the stuck decode returns
+        self._jobs, self._decoder = None, None
+        self.timeouts += 1
+        ref = work[len(outs)][0]
+        return outs + [Decoded(ref, error=CorruptSample(
+            ref.source, ref.key, f"decode timed out after {self.timeout:g} s"))]
 
     def close(self) -> None:
         if self._jobs is not None:
@@ -115,14 +133,34 @@ class TimedDecoder:
         self._jobs, self._decoder = None, None
 
 
+class _Job:
+    """A list handed to the decode thread: its results so far, and when the sample being
+    decoded started (the watchdog's deadline runs from there)."""
+
+    def __init__(self, work: list) -> None:
+        self.work, self.outs, self.abandoned = work, [], False
+        self.lock = threading.Condition()
+        self.started = time.monotonic()
+
+
 def _serve(decoder: SampleDecoder, jobs: queue.Queue) -> None:
     while True:
         job = jobs.get()
         if job is None:
             decoder.reader.close()
             return
-        ref, need, reply = job
-        reply.put(_run(decoder, ref, need))
+        for ref, need in job.work:
+            with job.lock:
+                if job.abandoned:
+                    break
+                job.started = time.monotonic()
+            out = _run(decoder, ref, need)
+            with job.lock:
+                if job.abandoned:
+                    break
+                job.outs.append(out)
+                if len(job.outs) == len(job.work):
+                    job.lock.notify()
 
 
 def _run(decoder: SampleDecoder, ref: SampleRef, need: DecodeNeed | None) -> Decoded:
@@ -153,7 +191,7 @@ class RefDataset(torch.utils.data.Dataset):
         if self._decoder is None:
             self._decoder = TimedDecoder(self.spec, self.timeout)
         tag, chunk = item
-        out = decode_chunk(chunk, self._decoder.decode, self.geometry)
+        out = decode_chunk(chunk, self._decoder.decode_all, self.geometry)
         # Packed only to leave a worker process (num_workers=0 decodes in the trainer's).
         return tag, pack(out) if torch.utils.data.get_worker_info() else out
 

@@ -77,6 +77,10 @@ def _fake_decode(fail: set[str]):
     return decode
 
 
+def _all(decode):
+    return lambda work: [decode(ref, need) for ref, need in work]
+
+
 def _assemble(decoded: DecodedStep, fail: set[str], table):
     reports = []
 
@@ -91,7 +95,7 @@ def _assemble(decoded: DecodedStep, fail: set[str], table):
 def _by_chunks(table, fail: set[str]) -> DecodedStep:
     step = DecodedStep({})
     for chunk in plan_chunks(table, rank=None, encode_parts=2):
-        step.update(unpack(pack(decode_chunk(chunk, _fake_decode(fail), G))))
+        step.update(unpack(pack(decode_chunk(chunk, _all(_fake_decode(fail)), G))))
     return step
 
 
@@ -130,7 +134,7 @@ def test_an_item_encoded_from_a_packed_micro_batch_crosses_once():
     table = _table(ROWS)
     chunk = plan_chunks(table, rank=None, encode_parts=2)[1]  # c and f, and f's audio encode row
     assert chunk.encode == [(5, 1, "audio", 0, 0)]
-    out = decode_chunk(chunk, _fake_decode(set()), G)
+    out = decode_chunk(chunk, _all(_fake_decode(set())), G)
     tensors_with_item = pack(out).described_at
     item = unpack(pack(out)).encode_items[5]
     assert torch.equal(item.tensor, _fake_decode(set())(chunk.work[1][0]).sample.media[1].tensor)
