@@ -34,6 +34,7 @@ from omniscale.backbone.decoder import MoEDecoder
 from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
 from omniscale.encoders.vision import VisionConfig, VisionEncoder
+from omniscale.loaders.pixels import vision_patches
 
 AUDIO = ENCODER_KINDS.index("audio")  # media_kind_M id of an audio clip
 
@@ -60,14 +61,14 @@ class OmniModel(nn.Module):
     # ---- step 1: encoders ----------------------------------------------------------------
 
     def encode_media(self, batch) -> MediaEmbeddings:
-        """Embeddings of every media item of ``batch`` (fields ``pixel_patches_PD``,
-        ``vision_grid_thw_V3``, ``audio_mel_AF``, ``audio_frames_A``, ``media_kind_M``,
-        ``media_index_M``, ``media_num_tokens_M``)."""
+        """Embeddings of every media item of ``batch`` (fields ``pixel_rows_RQ``,
+        ``vision_grid_thw_V3``, ``vision_rows_V``, ``audio_mel_AF``, ``audio_frames_A``,
+        ``media_kind_M``, ``media_index_M``, ``media_num_tokens_M``)."""
         device = self.decoder.embed_tokens.weight.device
         zero = torch.zeros((), device=device)
         rows: dict[str, list[torch.Tensor]] = {"vision": [], "audio": []}
-        outputs = self.encode_items(batch.pixel_patches_PD, batch.vision_grid_thw_V3,
-                                    batch.audio_mel_AF, batch.audio_frames_A)
+        outputs = self.encode_items(batch.pixel_rows_RQ, batch.vision_grid_thw_V3,
+                                    batch.vision_rows_V, batch.audio_mel_AF, batch.audio_frames_A)
         for name, (out_ND, lengths) in outputs.items():
             if lengths:
                 rows[name] = list(out_ND.split(lengths))
@@ -85,29 +86,34 @@ class OmniModel(nn.Module):
             items.append(block)
         return MediaEmbeddings(items, zero)
 
-    def encode_items(self, pixel_patches_PC: torch.Tensor, vision_grid_thw_V3: torch.Tensor,
-                     audio_mel_RB: torch.Tensor, audio_frames_A: torch.Tensor
-                     ) -> dict[str, tuple[torch.Tensor, list[int]]]:
+    def encode_items(self, pixel_rows_RQ: torch.Tensor, vision_grid_thw_V3: torch.Tensor,
+                     vision_rows_V: torch.Tensor, audio_mel_RB: torch.Tensor,
+                     audio_frames_A: torch.Tensor) -> dict[str, tuple[torch.Tensor, list[int]]]:
         """Each encoder once over a set of items (the trainer's encoder plan): per encoder,
-        ``(out_ND, rows per item)``. An encoder with no items runs its dummy input and returns
-        that output with no items (``[]``), so the caller can run its backward, with zero
-        gradients, on every rank alike."""
+        ``(out_ND, rows per item)``. Media arrive as the loader ships them (uint8 pixel rows,
+        float16 log-mel) and become the encoders' float32 inputs on this device. An encoder
+        with no items runs its dummy input and returns that output with no items (``[]``), so
+        the caller can run its backward, with zero gradients, on every rank alike."""
         device = self.decoder.embed_tokens.weight.device
         out: dict[str, tuple[torch.Tensor, list[int]]] = {}
-        for name, encoder, inputs, counts in (
-                ("vision", self.vision, (pixel_patches_PC, vision_grid_thw_V3),
-                 vision_grid_thw_V3),
-                ("audio", self.audio, (audio_mel_RB, audio_frames_A), audio_frames_A)):
+        for name, encoder, counts in (("vision", self.vision, vision_grid_thw_V3),
+                                      ("audio", self.audio, audio_frames_A)):
             if encoder is None:
                 if counts.shape[0]:
                     raise ValueError(f"items for the {name} encoder but the model has none "
                                      f"(config.{name} is None)")
                 continue
-            if counts.shape[0]:
-                out_ND = encoder(inputs[0].to(device), inputs[1])
-                out[name] = (out_ND, encoder.output_lengths(counts).tolist())
-            else:
+            if not counts.shape[0]:
                 out[name] = (encoder(*encoder.dummy_inputs(device)), [])
+                continue
+            if name == "vision":
+                inputs = vision_patches(pixel_rows_RQ.to(device, non_blocking=True),
+                                        vision_grid_thw_V3, vision_rows_V,
+                                        encoder.config.temporal_patch_size)
+            else:
+                inputs = audio_mel_RB.to(device, non_blocking=True).to(torch.float32)
+            out_ND = encoder(inputs, counts)
+            out[name] = (out_ND, encoder.output_lengths(counts).tolist())
         return out
 
     # ---- step 2: scatter + decoder -------------------------------------------------------

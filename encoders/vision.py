@@ -1,9 +1,11 @@
 """The vision encoder: one ViT for images and videos (Qwen2-VL style), packed by ``cu_seqlens``.
 
-Input is the decoder's patch tensor: every image and clip of a batch concatenated in item order,
-one row per patch of ``3 * temporal_patch_size * patch_size**2`` pixels (an image is its frame
-repeated ``temporal_patch_size`` times), patches of an item ordered ``(t, h/m, w/m, m, m)`` with
-``m = merge_size`` -- so each merge window's ``m*m`` patches are adjacent. A linear patch
+Input is a float patch tensor (``loaders.pixels.vision_patches`` makes it on the device from
+the loader's uint8 pixel rows): every image and clip of a batch concatenated in item order,
+one row per patch of ``3 * temporal_patch_size * patch_size**2`` normalised pixels (an image
+is its frame repeated ``temporal_patch_size`` times), patches of an item ordered
+``(t, h/m, w/m, m, m)`` with ``m = merge_size`` -- so each merge window's ``m*m`` patches are
+adjacent. A linear patch
 embedding (the same map as Qwen2-VL's stride = kernel Conv3d), 2D rotary positions (patch row,
 patch column), bidirectional blocks, and the merger to the LLM width.
 

@@ -10,8 +10,9 @@ Media go whole: an item whose placeholder block overlaps the rank's slice is inc
 full tensor (an encoder needs the whole image), and its block start is given relative to the
 batch, so it may be negative or past the end when the slice holds only part of the block.
 
-Legend: T tokens in the batch, S sequences (samples or slices), P vision patches, D patch width,
-V vision items, A audio items, AF mel frames of all audio items (rows) x mel bins, M media items.
+Legend: T tokens in the batch, S sequences (samples or slices), R pixel rows (``loaders.pixels``:
+a frame of a vision patch each), Q row width, V vision items, A audio items, AF mel frames of
+all audio items (rows) x mel bins, M media items.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.pixels import row_width
 from omniscale.loaders.sequence import IGNORE_INDEX, KINDS, DecodedSample
 
 
@@ -38,10 +40,15 @@ class PackedBatch:
     seq_len_full_S: torch.Tensor  # int64 [S]: the whole sample's length, before SP padding
     seq_sp_size_S: torch.Tensor  # int64 [S]: ranks the sample is split over (1: not split)
     seq_sp_index_S: torch.Tensor  # int64 [S]: which slice this rank holds
-    pixel_patches_PD: torch.Tensor  # float32 [P, D]: image + video patches, in media order
+    # uint8 [R, Q]: image + video pixel rows, in media order (``loaders.pixels.vision_patches``
+    # makes the encoder's float patches of them, on the trainer's device)
+    pixel_rows_RQ: torch.Tensor
     vision_grid_thw_V3: torch.Tensor  # int64 [V, 3]: each vision item's patch grid
     vision_kind_V: torch.Tensor  # int64 [V]: 0 image, 1 video
-    audio_mel_AF: torch.Tensor  # float32 [sum(audio_frames_A), n_mels]: log-mel frames
+    # int64 [V]: each item's rows in pixel_rows_RQ (patches x frames per patch: 1 for an image,
+    # temporal_patch_size for a clip)
+    vision_rows_V: torch.Tensor
+    audio_mel_AF: torch.Tensor  # float16 [sum(audio_frames_A), n_mels]: log-mel frames
     audio_frames_A: torch.Tensor  # int64 [A]: mel frames of each audio item
     media_token_start_M: torch.Tensor  # int64 [M]: block start in T (may lie outside [0, T))
     media_num_tokens_M: torch.Tensor  # int64 [M]: block length
@@ -105,7 +112,7 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
         full.append(len(sample))
         sizes.append(sp_size)
         indices.append(sp_index)
-    width = 0 if geometry is None else 3 * geometry.temporal_patch_size * geometry.patch_size ** 2
+    width = 0 if geometry is None else row_width(geometry)
     n_mels = 0 if geometry is None else geometry.n_mels
     long = torch.int64
     return PackedBatch(
@@ -116,10 +123,11 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
         seq_len_full_S=torch.tensor(full, dtype=long),
         seq_sp_size_S=torch.tensor(sizes, dtype=long),
         seq_sp_index_S=torch.tensor(indices, dtype=long),
-        pixel_patches_PD=_cat(patches, (0, width), torch.float32),
+        pixel_rows_RQ=_cat(patches, (0, width), torch.uint8),
         vision_grid_thw_V3=torch.tensor(grids, dtype=long).reshape(-1, 3),
         vision_kind_V=torch.tensor(vkinds, dtype=long),
-        audio_mel_AF=_cat(mels, (0, n_mels), torch.float32),
+        vision_rows_V=torch.tensor([p.shape[0] for p in patches], dtype=long),
+        audio_mel_AF=_cat(mels, (0, n_mels), torch.float16),
         audio_frames_A=torch.tensor(frames, dtype=long),
         media_token_start_M=torch.tensor(m_start, dtype=long),
         media_num_tokens_M=torch.tensor(m_len, dtype=long),
@@ -131,10 +139,10 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
 
 def media_items(batch: PackedBatch):
     """``(sequence, kind id, index within its kind, tensor, grid, frames)`` of every media item
-    of a batch, in media order: its rows of ``pixel_patches_PD`` / ``audio_mel_AF`` (views),
+    of a batch, in media order: its rows of ``pixel_rows_RQ`` / ``audio_mel_AF`` (views),
     its grid (vision) or mel frames (audio); tensor, grid and frames None for an item not
     decoded here."""
-    vision_rows = batch.vision_grid_thw_V3.prod(dim=1).tolist()
+    vision_rows = batch.vision_rows_V.tolist()
     vision = [0, *itertools.accumulate(vision_rows)]
     audio_rows = batch.audio_frames_A.tolist()
     audio = [0, *itertools.accumulate(audio_rows)]
@@ -147,7 +155,7 @@ def media_items(batch: PackedBatch):
             yield (seq, kind, index, batch.audio_mel_AF[audio[row]:audio[row + 1]], None,
                    audio_rows[row])
         else:
-            yield (seq, kind, index, batch.pixel_patches_PD[vision[row]:vision[row + 1]],
+            yield (seq, kind, index, batch.pixel_rows_RQ[vision[row]:vision[row + 1]],
                    batch.vision_grid_thw_V3[row].tolist(), None)
 
 

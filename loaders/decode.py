@@ -125,7 +125,7 @@ class SampleDecoder:
                 frames = int(mel_FM.shape[0])
                 return MediaItem(kind, mel_FM, None, frames, -1, audio_tokens(frames))
             vision = _DECODERS[kind](data, g)
-            return MediaItem(kind, vision.patches_PD, vision.grid_thw, None, -1,
+            return MediaItem(kind, vision.rows_RQ, vision.grid_thw, None, -1,
                              vision_tokens(vision.grid_thw, g))
         except Corrupt as e:
             raise CorruptSample(ref.source, ref.key, f"member {name!r}: {e}") from None

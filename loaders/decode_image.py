@@ -1,11 +1,11 @@
-"""Image bytes -> Qwen2-VL-style patches and their ``(t, h, w)`` grid.
+"""Image bytes -> uint8 pixel rows in Qwen2-VL's patch order and their ``(t, h, w)`` grid.
 
 The image is resized with ``loaders.geometry.image_resize`` (the formula the index used on the
-header's size), so ``len(patches) == t*h*w`` equals the index's ``image_patches``. Patches are
-laid out in merge-window order: each ``merge x merge`` group of neighbouring patches is
-contiguous, which is what the vision merger reshapes into one LLM token.
+header's size), so the ``t*h*w`` patches equal the index's ``image_patches``. The rows are
+``loaders.pixels``' layout (one frame, in merge-window order); the trainer's device normalises
+them and repeats the frame over the encoder's temporal patch.
 
-Legend: T frames, C channels (3), H/W pixels, P patches, D = C * temporal * patch * patch.
+Legend: H/W pixels, C channels (3), R pixel rows, Q = C * patch * patch.
 
 Files are untrusted: the declared size is bounded before any pixel is decoded (decompression
 bombs), the parser set is restricted, and a truncated file is refused even if someone set
@@ -21,11 +21,9 @@ import numpy as np
 import torch
 
 from omniscale.loaders.geometry import MediaGeometry, image_resize
+from omniscale.loaders.pixels import pixel_rows
 from omniscale.loaders.probe import IMAGE_FORMATS, Corrupt, untrusted_image
 
-# CLIP's statistics, which Qwen2-VL's vision tower was trained with.
-IMAGE_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
-IMAGE_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
 # Decoding allocates width*height*4 bytes before any resize: 64 MP (256 MB) is the most a
 # worker decodes. PIL's own MAX_IMAGE_PIXELS check is process-wide and user-settable.
 MAX_IMAGE_PIXELS = 1 << 26
@@ -35,7 +33,7 @@ MAX_IMAGE_PIXELS = 1 << 26
 class VisionItem:
     """One image or clip ready for the vision encoder."""
 
-    patches_PD: torch.Tensor  # float32 [t*h*w, C * temporal * patch * patch]
+    rows_RQ: torch.Tensor  # uint8 [R, Q]: loaders.pixels' rows (a frame of a patch each)
     grid_thw: tuple[int, int, int]
 
 
@@ -56,7 +54,7 @@ class _EofWatch(io.BytesIO):
 
 
 def decode_image(data: bytes, g: MediaGeometry) -> VisionItem:
-    """Patches and grid of an image; :class:`Corrupt` for anything unusable."""
+    """Pixel rows and grid of an image; :class:`Corrupt` for anything unusable."""
     from PIL import Image
 
     buf = _EofWatch(data)
@@ -76,40 +74,13 @@ def decode_image(data: bytes, g: MediaGeometry) -> VisionItem:
             if buf.hit_eof:
                 raise Corrupt("image file is truncated")
             rgb = image.convert("RGB")
-    pixels_HWC = resize_rgb(rgb, target_h, target_w)
-    # An image is one frame; the encoder's 3D patches want `temporal` frames, so it repeats.
-    frames_THWC = np.repeat(pixels_HWC[None], g.temporal_patch_size, axis=0)
-    return VisionItem(*patchify(frames_THWC, g))
+    return VisionItem(*pixel_rows(resize_rgb(rgb, target_h, target_w)[None], g, video=False))
 
 
 def resize_rgb(image, height: int, width: int) -> np.ndarray:
-    """An RGB PIL image resized (bicubic) and normalised: float32 [H, W, C]."""
+    """An RGB PIL image resized (bicubic): uint8 [H, W, C]."""
     from PIL import Image
 
     if image.size != (width, height):
         image = image.resize((width, height), Image.Resampling.BICUBIC)
-    return normalize(np.asarray(image))
-
-
-def normalize(pixels_HWC: np.ndarray) -> np.ndarray:
-    """uint8 RGB pixels ``[..., C]`` -> float32, scaled to [0, 1] and standardised."""
-    return (pixels_HWC.astype(np.float32) / 255.0 - IMAGE_MEAN) / IMAGE_STD
-
-
-def patchify(frames_THWC: np.ndarray, g: MediaGeometry
-             ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Frames -> (patches [t*h*w, C*tp*p*p] in merge-window order, grid (t, h, w)).
-
-    Qwen2-VL's layout: a patch vector is (channel, frame, row, col); patches run over
-    (t, h/merge, w/merge, merge_row, merge_col).
-    """
-    n, height, width, channels = frames_THWC.shape
-    p, m, tp = g.patch_size, g.merge_size, g.temporal_patch_size
-    if n % tp or height % (p * m) or width % (p * m):
-        raise ValueError(f"frames {n}x{height}x{width} do not tile into {tp}x{p * m}x{p * m}")
-    t, h, w = n // tp, height // p, width // p
-    x = frames_THWC.transpose(0, 3, 1, 2)  # T C H W
-    x = x.reshape(t, tp, channels, h // m, m, p, w // m, m, p)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    patches_PD = np.ascontiguousarray(x).reshape(t * h * w, channels * tp * p * p)
-    return torch.from_numpy(patches_PD), (t, h, w)
+    return np.asarray(image)

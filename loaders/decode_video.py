@@ -1,5 +1,6 @@
-"""Video bytes -> sampled frames at the target size -> 3D patches (temporal patch size 2) and
-a ``(t, h, w)`` grid.
+"""Video bytes -> sampled frames at the target size -> uint8 pixel rows in the vision
+encoder's patch order (``loaders.pixels``, temporal patches of ``temporal_patch_size`` frames)
+and a ``(t, h, w)`` grid.
 
 The container's header is probed first (``loaders.probe.video_header``: a demux without
 decoding, bounded in frame size and packets), so garbage bytes and huge frames are refused
@@ -23,8 +24,9 @@ import io
 
 import numpy as np
 
-from omniscale.loaders.decode_image import VisionItem, normalize, patchify
+from omniscale.loaders.decode_image import VisionItem
 from omniscale.loaders.geometry import MediaGeometry, video_frame_indices, video_resize
+from omniscale.loaders.pixels import pixel_rows
 from omniscale.loaders.probe import Corrupt, short, video_header
 
 # Decoding walks the stream up to the last sampled frame; this bounds that walk in PyAV.
@@ -33,7 +35,7 @@ DECORD_BAD_WIDTHS = (48, 72)  # frame widths decord 0.6 decodes wrongly
 
 
 def decode_video(data: bytes, g: MediaGeometry) -> VisionItem:
-    """Patches and grid of a clip; :class:`Corrupt` for anything unusable."""
+    """Pixel rows and grid of a clip; :class:`Corrupt` for anything unusable."""
     header = video_header(data)  # raises Corrupt for garbage, no frames, or oversized frames
     try:
         height, width = video_resize(header.height, header.width, g)
@@ -42,7 +44,7 @@ def decode_video(data: bytes, g: MediaGeometry) -> VisionItem:
     frames_THWC = _decord_frames(data, g, height, width)
     if frames_THWC is None:
         frames_THWC = _pyav_frames(data, g, height, width)
-    return VisionItem(*patchify(normalize(frames_THWC), g))
+    return VisionItem(*pixel_rows(frames_THWC, g, video=True))
 
 
 def _decord_frames(data: bytes, g: MediaGeometry, height: int, width: int

@@ -44,8 +44,9 @@ class MediaItem:
     """A decoded media item and where its placeholder block sits in the sample."""
 
     kind: str  # "image" | "video" | "audio"
-    # vision: patches float32 [t*h*w, D]; audio: log-mel [frames, n_mels]; None when not
-    # decoded here (``loaders.decode.DecodeNeed``: another rank encodes it)
+    # vision: uint8 pixel rows [R, Q] (``loaders.pixels``); audio: float16 log-mel
+    # [frames, n_mels]; None when not decoded here (``loaders.decode.DecodeNeed``: another
+    # rank encodes it)
     tensor: torch.Tensor | None
     grid_thw: tuple[int, int, int] | None  # vision patch grid; None for audio
     frames: int | None  # audio mel frames; None for vision

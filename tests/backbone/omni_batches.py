@@ -57,7 +57,7 @@ def decoded(kind: str, media: bytes, caption: bytes, tok, g: MediaGeometry = GEO
         slot = ItemSlot(kind, item.num_tokens)
     else:
         vision = DECODE[kind](media, g)
-        item = MediaItem(kind, vision.patches_PD, vision.grid_thw, None, -1,
+        item = MediaItem(kind, vision.rows_RQ, vision.grid_thw, None, -1,
                          vision_tokens(vision.grid_thw, g))
         t, h, w = vision.grid_thw
         slot = ItemSlot(kind, item.num_tokens, (t, h // g.merge_size, w // g.merge_size))

@@ -9,6 +9,7 @@ import torch
 from omniscale.encoders.vision import VisionConfig, VisionEncoder
 from omniscale.loaders.decode_image import decode_image
 from omniscale.loaders.geometry import MediaGeometry, vision_tokens
+from omniscale.loaders.pixels import vision_patches
 from omniscale.tools.demo import image as demo_image
 
 G = MediaGeometry()
@@ -80,7 +81,10 @@ def test_real_demo_image():
     torch.manual_seed(0)
     enc = VisionEncoder(VisionConfig.preset("tiny"), OUT)
     enc.config.check_geometry(g)
-    out = enc(item.patches_PD, torch.tensor([item.grid_thw]))
+    grid = torch.tensor([item.grid_thw])
+    patches = vision_patches(item.rows_RQ, grid, torch.tensor([len(item.rows_RQ)]),
+                             g.temporal_patch_size)
+    out = enc(patches, grid)
     assert out.shape == (vision_tokens(item.grid_thw, g), OUT)
     assert torch.isfinite(out).all()
 

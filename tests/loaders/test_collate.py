@@ -47,9 +47,15 @@ def test_packed_tensors_are_the_samples_end_to_end(decoded):
             (audio if item.kind == "audio" else vision).append(item)
             m += 1
     assert m == len(batch.media_kind_M) and {0, 1, 2} <= set(batch.media_kind_M.tolist())
-    assert torch.equal(batch.pixel_patches_PD, torch.cat([it.tensor for it in vision]))
+    assert torch.equal(batch.pixel_rows_RQ, torch.cat([it.tensor for it in vision]))
+    assert batch.pixel_rows_RQ.dtype == torch.uint8 and batch.audio_mel_AF.dtype == torch.float16
     assert batch.vision_grid_thw_V3.tolist() == [list(it.grid_thw) for it in vision]
     assert batch.vision_kind_V.tolist() == [it.kind_id for it in vision]
+    # rows per item: a row per patch of an image, temporal_patch_size per patch of a clip
+    tp = spec.media.temporal_patch_size
+    assert batch.vision_rows_V.tolist() == [
+        (tp if it.kind == "video" else 1) * torch.tensor(it.grid_thw).prod().item()
+        for it in vision]
     assert torch.equal(batch.audio_mel_AF, torch.cat([it.tensor for it in audio]))
     assert batch.audio_frames_A.tolist() == [it.frames for it in audio]
 
@@ -112,14 +118,15 @@ def _check_slice_media(sample, batches, offset, k):
             assert all(b.input_ids_T[t] == sample.input_ids_L[item.token_start] for t in inside)
         vision = [it.tensor for it in expected if it.kind != "audio"]
         if vision:  # the neighbour's image comes first in the batch
-            assert torch.equal(b.pixel_patches_PD[-sum(len(v) for v in vision):], torch.cat(vision))
+            assert torch.equal(b.pixel_rows_RQ[-sum(len(v) for v in vision):], torch.cat(vision))
 
 
 def test_empty_media_tensors_keep_their_width(decoded):
     spec, _, samples = decoded
     batch = collate([(samples["text"][1], 1, 0)], spec.media)
     g = spec.media
-    assert batch.pixel_patches_PD.shape == (0, 3 * g.temporal_patch_size * g.patch_size ** 2)
+    assert batch.pixel_rows_RQ.shape == (0, 3 * g.patch_size ** 2)
+    assert batch.vision_rows_V.shape == (0,)
     assert batch.audio_mel_AF.shape == (0, g.n_mels)
     assert batch.vision_grid_thw_V3.shape == (0, 3) and batch.media_kind_M.numel() == 0
     with pytest.raises(ValueError, match="bad SP slice"):

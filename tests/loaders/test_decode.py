@@ -16,7 +16,7 @@ from omniscale.dataplane.plan_table import item_kinds
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.decode_audio import decode_audio
-from omniscale.loaders.decode_image import decode_image, patchify
+from omniscale.loaders.decode_image import decode_image
 from omniscale.loaders.decode_video import _decord_frames, _pyav_frames, decode_video
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry, audio_mel_frames, audio_tokens, vision_tokens
@@ -40,7 +40,7 @@ def spec(demo_root):
 def test_every_demo_sample_decodes_to_its_index_features(spec):
     g = spec.media
     decoder = demo_decoder(spec)
-    width = 3 * g.temporal_patch_size * g.patch_size ** 2
+    width, tp = 3 * g.patch_size ** 2, g.temporal_patch_size
     seen = set()
     for source in spec.sources:
         for ref in refs_of(spec, source.name):
@@ -52,17 +52,20 @@ def test_every_demo_sample_decodes_to_its_index_features(spec):
             assert [it.tensor.shape[0] for it in by_kind["image"]] == list(ref.image_patches)
             assert [int(np.prod(it.grid_thw)) for it in by_kind["image"]] == list(ref.image_patches)
             assert all(it.grid_thw[0] == 1 for it in by_kind["image"])
-            assert [it.tensor.shape[0] for it in by_kind["video"]] == list(ref.video_patches)
+            assert [it.tensor.shape[0] for it in by_kind["video"]] == \
+                [tp * n for n in ref.video_patches]  # a row per frame of a patch
             assert [it.frames for it in by_kind["audio"]] == list(ref.audio_frames)
             ids = sample.input_ids_L
             for it in sample.media:
                 seen.add(it.kind)
                 if it.kind == "audio":
                     assert it.tensor.shape == (it.frames, g.n_mels)
+                    assert it.tensor.dtype == torch.float16
                     assert it.num_tokens == audio_tokens(it.frames)
                 else:
-                    assert it.tensor.shape == (int(np.prod(it.grid_thw)), width)
-                    assert it.tensor.dtype == torch.float32
+                    frames = tp if it.kind == "video" else 1
+                    assert it.tensor.shape == (frames * int(np.prod(it.grid_thw)), width)
+                    assert it.tensor.dtype == torch.uint8
                     assert it.num_tokens == vision_tokens(it.grid_thw, g)
                 assert torch.isfinite(it.tensor).all()
                 block = ids[it.token_start:it.token_start + it.num_tokens]
@@ -75,28 +78,6 @@ def test_every_demo_sample_decodes_to_its_index_features(spec):
     assert seen == {"image", "video", "audio"}
 
 
-def test_patches_are_in_merge_window_order():
-    g = MediaGeometry(patch_size=2, merge_size=2, temporal_patch_size=2, min_pixels=16,
-                      max_pixels=64)
-    # Pixel value = its column, channel 0; rows 0..7, columns 0..7, two identical frames.
-    frames = np.zeros((2, 8, 8, 3), np.float32)
-    frames[..., 0] = np.arange(8)[None, None, :]
-    frames[..., 1] = np.arange(8)[None, :, None]
-    patches, grid = patchify(frames, g)
-    assert grid == (1, 4, 4) and patches.shape == (16, 3 * 2 * 2 * 2)
-    top_left = [(int(p[8:16].min()), int(p[0:8].min())) for p in patches[:4]]  # (row, col)
-    assert top_left == [(0, 0), (0, 2), (2, 0), (2, 2)]  # one 2x2 merge window first
-    assert (int(patches[4][8:16].min()), int(patches[4][0:8].min())) == (0, 4)
-
-
-def test_image_repeats_its_frame_over_the_temporal_patch():
-    g = MediaGeometry(patch_size=8, max_pixels=64 * 64, min_pixels=16 * 16)
-    item = decode_image(image_bytes(40, 24, "PNG"), g)
-    p = g.patch_size ** 2
-    x = item.patches_PD.reshape(-1, 3, g.temporal_patch_size, p)
-    assert torch.equal(x[:, :, 0], x[:, :, 1])
-
-
 def test_decord_width_bug_falls_back_to_pyav():
     g = MediaGeometry(patch_size=8, max_pixels=64 * 64, min_pixels=16 * 16,
                       video_max_pixels=64 * 64)
@@ -104,7 +85,7 @@ def test_decord_width_bug_falls_back_to_pyav():
         data = video_bytes(10, 5, width, 32)
         item = decode_video(data, g)
         assert item.grid_thw == probe_video(data, g)
-        assert item.patches_PD.shape[0] == int(np.prod(item.grid_thw))
+        assert item.rows_RQ.shape[0] == g.temporal_patch_size * int(np.prod(item.grid_thw))
     good = video_bytes(10, 5, 64, 32)
     # the same FFmpeg scaler behind both: within a level of 255 on average
     a, b = _decord_frames(good, g, 32, 64), _pyav_frames(good, g, 32, 64)
@@ -120,7 +101,7 @@ def test_clips_decode_at_target_size_within_tolerance_of_a_full_size_decode(demo
     import av
     from PIL import Image
 
-    from omniscale.loaders.decode_image import IMAGE_STD, resize_rgb
+    from omniscale.loaders.decode_image import resize_rgb
     from omniscale.loaders.geometry import video_frame_indices, video_resize
     from omniscale.loaders.readers import SampleReader
 
@@ -141,13 +122,13 @@ def test_clips_decode_at_target_size_within_tolerance_of_a_full_size_decode(demo
         got = decode_video(data, g)
         t, h, w = got.grid_thw
         assert (h * g.patch_size, w * g.patch_size) == (height, width)
-        frames = got.patches_PD.numpy().reshape(t, h // g.merge_size, w // g.merge_size,
-                                                 g.merge_size, g.merge_size, 3,
-                                                 g.temporal_patch_size, g.patch_size,
-                                                 g.patch_size)
-        # back to [T, H, W, C] (patchify's layout undone), in levels of 255
-        frames = frames.transpose(0, 6, 1, 3, 7, 2, 4, 8, 5).reshape(want.shape)
-        levels = np.abs(frames - want) * IMAGE_STD * 255
+        frames = got.rows_RQ.numpy().reshape(t, h // g.merge_size, w // g.merge_size,
+                                              g.merge_size, g.merge_size,
+                                              g.temporal_patch_size, 3, g.patch_size,
+                                              g.patch_size)
+        # back to [T, H, W, C] (loaders.pixels' row layout undone), in levels of 255
+        frames = frames.transpose(0, 5, 1, 3, 7, 2, 4, 8, 6).reshape(want.shape)
+        levels = np.abs(frames.astype(np.float32) - want)
         assert levels.mean() < 4, levels.mean()
     assert 48 in widths and len(widths) > 2  # decord's widths and PyAV's fallback both seen
 
@@ -342,4 +323,5 @@ def test_log_mel_is_whisper_normalised_torchaudio_mel():
     log = torch.log10(mel.clamp(min=1e-10))
     expected = ((torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0).T
     assert mel_FM.shape == expected.shape == (audio_mel_frames(len(wave), 16_000, g), g.n_mels)
-    torch.testing.assert_close(mel_FM, expected, atol=2e-3, rtol=1e-2)
+    assert mel_FM.dtype == torch.float16
+    torch.testing.assert_close(mel_FM.float(), expected, atol=2e-3, rtol=1e-2)

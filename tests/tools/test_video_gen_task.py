@@ -16,10 +16,10 @@ from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.collate import collate
-from omniscale.loaders.decode_image import patchify
 from omniscale.loaders.decode_text import load_tokenizer
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.pipeline import RankLoader
+from omniscale.loaders.pixels import IMAGE_MEAN, IMAGE_STD, pixel_rows, vision_patches
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.video_gen import (
     build_video_model,
@@ -67,9 +67,12 @@ def _model(spec, seed=0):
 def test_merge_window_patches_reorder_to_dit_patches():
     """The loaders' (merge-window) patches of a clip, reordered, are the DiT's own."""
     g = MediaGeometry(patch_size=8, merge_size=2, temporal_patch_size=2)
-    frames = np.random.default_rng(0).standard_normal((4, 32, 48, 3)).astype(np.float32)
-    vision_PD, grid = patchify(frames, g)
-    dit_PC, dit_grid = patchify_video(torch.from_numpy(frames), 8, 2)
+    frames = np.random.default_rng(0).integers(0, 256, (4, 32, 48, 3), dtype=np.uint8)
+    rows, grid = pixel_rows(frames, g, video=True)
+    vision_PD = vision_patches(rows, torch.tensor([grid]), torch.tensor([len(rows)]), 2)
+    mean, std = torch.tensor(IMAGE_MEAN), torch.tensor(IMAGE_STD)
+    normalised = (torch.from_numpy(frames).float() / 255.0 - mean) / std
+    dit_PC, dit_grid = patchify_video(normalised, 8, 2)
     assert grid == dit_grid == (2, 4, 6)
     torch.testing.assert_close(merge_to_raster(vision_PD, grid, 2), dit_PC, rtol=0, atol=0)
 

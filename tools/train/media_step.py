@@ -47,7 +47,7 @@ class _Inputs:
     """The items one rank encodes this step, per encoder, in call order."""
 
     vision_keys: list[ItemKey]
-    patches: list[torch.Tensor]
+    pixel_rows: list[torch.Tensor]  # uint8 [rows, Q] per item (loaders.pixels)
     grids: list[tuple[int, int, int]]
     audio_keys: list[ItemKey]
     mels: list[torch.Tensor]
@@ -62,7 +62,7 @@ class _Inputs:
         if key[3] == ENCODER_KINDS.index("audio"):
             self.audio_keys.append(key), self.mels.append(tensor), self.frames.append(frames)
         else:
-            self.vision_keys.append(key), self.patches.append(tensor)
+            self.vision_keys.append(key), self.pixel_rows.append(tensor)
             self.grids.append(tuple(grid))
 
 
@@ -103,12 +103,15 @@ def encode_and_reshard(model, batch, rank: int, world: int, group=None,
     plan = local_reshard_plan(batch.plan, rank, world)
     inputs = _step_inputs(batch, set(plan.recv_items))
     device = model.decoder.embed_tokens.weight.device
-    geometry_width = model.vision.config.patch_dim if model.vision is not None else 0
-    n_mels = model.audio.config.n_mels if model.audio is not None else 0
+    vision, audio = model.vision, model.audio
+    row_width = vision.config.in_channels * vision.config.patch_size ** 2 if vision else 0
+    n_mels = audio.config.n_mels if audio is not None else 0
     outputs = model.encode_items(
-        _cat(inputs.patches, (0, geometry_width)),
+        _cat(inputs.pixel_rows, (0, row_width), torch.uint8),
         torch.tensor(inputs.grids, dtype=torch.int64).reshape(-1, 3),
-        _cat(inputs.mels, (0, n_mels)), torch.tensor(inputs.frames, dtype=torch.int64))
+        torch.tensor([p.shape[0] for p in inputs.pixel_rows], dtype=torch.int64),
+        _cat(inputs.mels, (0, n_mels), torch.float16),
+        torch.tensor(inputs.frames, dtype=torch.int64))
     # The backward phases run encoder backward from these outputs; the step uses detached
     # leaves standing for them.
     encoder_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -185,5 +188,6 @@ class StepMedia:
         return self._resharded.zero.device
 
 
-def _cat(tensors: list[torch.Tensor], empty_shape: tuple[int, int]) -> torch.Tensor:
-    return torch.cat(tensors) if tensors else torch.zeros(empty_shape)
+def _cat(tensors: list[torch.Tensor], empty_shape: tuple[int, int], dtype: torch.dtype
+         ) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(empty_shape, dtype=dtype)

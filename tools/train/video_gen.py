@@ -5,7 +5,7 @@ The plane plans the steps and ``loaders.pipeline.RankLoader`` yields the usual
 ``PackedBatch`` micro-batches; this module turns each one into the DiT's inputs:
 
 - **clips**: the micro-batch's *video* items (``vision_kind_V == VIDEO``). Their patches are the
-  vision encoder's (``loaders.decode_image.patchify``: CLIP-normalised pixels, a patch vector
+  vision encoder's (``loaders.pixels.vision_patches``: CLIP-normalised pixels, a patch vector
   laid out (channel, frame, row, col), patches in Qwen2-VL *merge-window* order). The DiT is
   built with the same patch and temporal patch size as the spec's ``media:`` geometry, so a
   patch vector is already a DiT patch vector (``backbone.dit.patchify_video`` uses the same
@@ -34,6 +34,7 @@ M media items.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import MixSpec
 from omniscale.loaders.collate import PackedBatch
 from omniscale.loaders.decode_text import load_tokenizer
+from omniscale.loaders.pixels import vision_patches
 from omniscale.tools.train.config import RunConfig
 
 VIDEO = ENCODER_KINDS.index("video")  # vision_kind_V / media_kind_M id of a video
@@ -101,13 +103,13 @@ def video_clips(mb: PackedBatch, patch_dim: int | None = None) -> Clips | None:
     kinds = mb.media_kind_M.tolist()
     vision_rows = [(m, int(mb.media_index_M[m])) for m, k in enumerate(kinds) if k != 2]
     grids = [tuple(g) for g in mb.vision_grid_thw_V3.tolist()]
-    starts = [0]
-    for t, h, w in grids:
-        starts.append(starts[-1] + t * h * w)
+    rows_V = mb.vision_rows_V.tolist()
+    starts = [0, *itertools.accumulate(rows_V)]
     videos = [(m, v) for m, v in vision_rows if int(mb.vision_kind_V[v]) == VIDEO]
     if not videos:
         return None
-    width = mb.pixel_patches_PD.shape[1]
+    temporal = rows_V[videos[0][1]] // math.prod(grids[videos[0][1]])
+    width = mb.pixel_rows_RQ.shape[1] * temporal
     if patch_dim is not None and width != patch_dim:
         raise ValueError(f"vision patches are {width} wide but the DiT's patches are "
                          f"{patch_dim}: its patch geometry must equal the spec's media")
@@ -121,15 +123,17 @@ def video_clips(mb: PackedBatch, patch_dim: int | None = None) -> Clips | None:
     for m, v in videos:
         t, h, w = grids[v]
         merge = math.isqrt(t * h * w // int(mb.media_num_tokens_M[m]))
-        patches.append(merge_to_raster(mb.pixel_patches_PD[starts[v]:starts[v + 1]],
-                                       grids[v], merge))
+        rows = mb.pixel_rows_RQ[starts[v]:starts[v + 1]]
+        patches_PD = vision_patches(rows, torch.tensor([grids[v]]), torch.tensor([len(rows)]),
+                                    temporal)
+        patches.append(merge_to_raster(patches_PD, grids[v], merge))
         out_grids.append(grids[v])
         s = int(mb.media_sample_M[m])
         ids = mb.input_ids_T[cu[s]:cu[s + 1]][is_text_T[cu[s]:cu[s + 1]]]
         captions.append(ids)
         offsets.append(at)
         at += len(ids)
-    return Clips(torch.cat(patches).float(), torch.tensor(out_grids, dtype=torch.int64),
+    return Clips(torch.cat(patches), torch.tensor(out_grids, dtype=torch.int64),
                  torch.cat(captions).to(torch.int64), torch.tensor(offsets, dtype=torch.int64))
 
 
