@@ -1,22 +1,29 @@
-"""Loader benchmark: throughput against a DataLoader + webdataset pipeline, memory per worker.
+"""Loader benchmark: throughput against DataLoader + webdataset and Megatron-Energon, memory
+per worker.
 
-    .venv/bin/python tools/bench/loader.py [--steps 40] [--workers 2] [--rounds 5]
+    .venv/bin/python tools/bench/loader.py [--steps 40] [--workers 2] [--rounds 6]
         [--workloads mixed image video text] [--out docs/bench/loader.json]
 
 Throughput, per workload. The tiny demo (generated under --data unless there, indexed), its
-webdataset sources from step 0 (Parquet ``docs`` left out: webdataset cannot read it): all of
-them mixed, or the image, video or text source alone (the text workload runs 20 times the
+webdataset sources from step 0 (Parquet ``docs`` left out: the baselines cannot read it): all
+of them mixed, or the image, video or text source alone (the text workload runs 20 times the
 steps: its steps take a fraction of a millisecond each). Ours: an embedded plane
-(dp 1) and a RankLoader with ``--workers`` DataLoader workers, every step committed. Baseline:
-a ``torch.utils.data.DataLoader`` with the same number of workers over a ``webdataset``
-pipeline per source (shards split by worker, sources mixed by ``RandomMix`` in the proportions
-ours drew), the same decoders (``SampleDecoder.decode_raw``) and the same packing
-(``collate``, one batch per ``--pack`` samples, packed in the workers as webdataset's
-``batched`` stage does: a worker hands over one batch of tensors per ``--pack`` samples, the
-baseline's best transfer), for the same number of samples. Samples/s and
-LLM tokens/s of both, and their ratio. The two alternate over ``--rounds`` rounds (ours first
-in even rounds, the baseline first in odd ones); the headline is the median of the per-round
-paired ratios, with their minimum and maximum.
+(dp 1) and a RankLoader with ``--workers`` DataLoader workers, every step committed. Two
+baselines, each with the same number of workers, the same decoders
+(``SampleDecoder.decode_raw``) and the same packing (``collate``, one batch per ``--pack``
+samples, packed in the workers: a worker hands over one batch of tensors per ``--pack``
+samples, their best transfer), for the same number of samples, mixing the sources in the
+proportions ours drew:
+
+- webdataset: a ``torch.utils.data.DataLoader`` over a ``webdataset`` pipeline per source
+  (shards split by worker, sources mixed by ``RandomMix``), packed as its ``batched`` stage does;
+- Megatron-Energon (``loader_energon.py``: each source ``energon prepare``-d, blended by a
+  metadataset, decoded in a cooker, batched by its task encoder).
+
+Samples/s and LLM tokens/s of each. The three alternate over ``--rounds`` rounds, the order
+rotating each round; the headline is the median of the per-round ratios of ours to the
+faster baseline of that round, with their minimum and maximum; the ratios to each baseline
+alone are reported too.
 
 Memory per worker. A fresh process plays one worker holding N sources (10, 100, 1,000), each
 its own directory (the demo's image source, its files linked into N distinct directories, so
@@ -288,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--pack", type=int, default=16, help="baseline samples per packed batch")
     ap.add_argument("--sources", type=int, nargs="+", default=[10, 100, 1000])
-    ap.add_argument("--rounds", type=int, default=5, help="A/B rounds, alternating order")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="rounds of ours and the two baselines, the order rotating")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -303,43 +311,66 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+BASELINES = ("webdataset", "energon")
+
+
 def throughput(spec_path: Path, workload: str, args) -> dict:
-    """Ours against the baseline on one workload, alternating over ``args.rounds`` rounds."""
+    """Ours against both baselines on one workload, the three alternating over
+    ``args.rounds`` rounds (the order rotates each round)."""
+    try:
+        from omniscale.tools.bench.loader_energon import run_energon
+    except ImportError as e:
+        raise SystemExit(f"loader bench: Megatron-Energon is a baseline and is not installed "
+                         f"({e}); pip install -e '.[bench]'") from None
     # A first, untimed run of ours (the plane's plans are deterministic, so every round draws
-    # the same): the baseline mixes sources in the proportions it drew, for as many samples.
+    # the same): the baselines mix sources in the proportions it drew, for as many samples.
     steps = args.steps * STEP_FACTOR.get(workload, 1)
     first = run_ours(spec_path, steps, args.workers)
     total = sum(first["drawn_per_source"].values()) or 1
     weights = {k: v / total for k, v in first["drawn_per_source"].items()}
+    run = {"ours": lambda: run_ours(spec_path, steps, args.workers),
+           "webdataset": lambda: run_baseline(spec_path, first["samples"], args.workers,
+                                              weights, args.pack),
+           "energon": lambda: run_energon(spec_path, first["samples"], args.workers, weights,
+                                          args.pack)}
+    sides = ("ours", *BASELINES)
     rounds = []
     for r in range(args.rounds):
-        runs = {}
-        for side in (("ours", "baseline") if r % 2 == 0 else ("baseline", "ours")):
-            runs[side] = run_ours(spec_path, steps, args.workers) if side == "ours" else \
-                run_baseline(spec_path, first["samples"], args.workers, weights, args.pack)
-        ratio = {k: runs["ours"][k] / runs["baseline"][k] for k in ("samples_per_s",
-                                                                    "tokens_per_s")}
-        rounds.append({"ours": runs["ours"], "baseline": runs["baseline"], "ratio": ratio})
+        runs = {side: run[side]() for side in sides[r % 3:] + sides[:r % 3]}
+        best = max(BASELINES, key=lambda b: runs[b]["samples_per_s"])
+        ratio_vs = {b: {k: runs["ours"][k] / runs[b][k] for k in ("samples_per_s",
+                                                                  "tokens_per_s")}
+                    for b in BASELINES}
+        rounds.append({**runs, "best_baseline": best, "ratio": ratio_vs[best],
+                       "ratio_vs": ratio_vs})
         print(f"{workload} round {r + 1}/{args.rounds}: ours "
-              f"{runs['ours']['samples_per_s']:7.1f} samples/s, baseline "
-              f"{runs['baseline']['samples_per_s']:7.1f}: {ratio['samples_per_s']:.2f}x "
-              f"samples/s, {ratio['tokens_per_s']:.2f}x tokens/s", flush=True)
-    ratio = {k: _spread([r["ratio"][k] for r in rounds]) for k in ("samples_per_s",
-                                                                    "tokens_per_s")}
-    print(f"{workload}: median paired ratio {ratio['samples_per_s']['median']:.2f}x samples/s "
+              f"{runs['ours']['samples_per_s']:7.1f} samples/s, webdataset "
+              f"{runs['webdataset']['samples_per_s']:7.1f}, energon "
+              f"{runs['energon']['samples_per_s']:7.1f}: {ratio_vs[best]['samples_per_s']:.2f}x "
+              f"the best ({best})", flush=True)
+    keys = ("samples_per_s", "tokens_per_s")
+    ratio = {k: _spread([r["ratio"][k] for r in rounds]) for k in keys}
+    ratio_vs = {b: {k: _spread([r["ratio_vs"][b][k] for r in rounds]) for k in keys}
+                for b in BASELINES}
+    print(f"{workload}: median paired ratio to the best baseline "
+          f"{ratio['samples_per_s']['median']:.2f}x samples/s "
           f"({ratio['samples_per_s']['min']:.2f}-{ratio['samples_per_s']['max']:.2f}), "
-          f"{ratio['tokens_per_s']['median']:.2f}x tokens/s "
-          f"({ratio['tokens_per_s']['min']:.2f}-{ratio['tokens_per_s']['max']:.2f})")
+          f"{ratio['tokens_per_s']['median']:.2f}x tokens/s; to webdataset "
+          f"{ratio_vs['webdataset']['samples_per_s']['median']:.2f}x, to energon "
+          f"{ratio_vs['energon']['samples_per_s']['median']:.2f}x samples/s")
     target = TARGETS.get(workload)
+    fields = ("samples_per_s", "tokens_per_s", "data_wait_s", "bytes_per_sample")
     return {"workload": workload, "rounds": rounds,
             "target": None if target is None else f">= {target}",
             "met": None if target is None else ratio["samples_per_s"]["median"] >= target,
+            # medians over the rounds; "baseline": the faster baseline of each round
             **{side: {k: statistics.median(r[side][k] for r in rounds)
-                      for k in ("samples_per_s", "tokens_per_s", "data_wait_s",
-                                "bytes_per_sample")
-                      if k in rounds[0][side]}
-               for side in ("ours", "baseline")},  # medians over the rounds
-            "ratio": {k: v["median"] for k, v in ratio.items()}, "ratio_spread": ratio}
+                      for k in fields if k in rounds[0][side]} for side in sides},
+            "baseline": {k: statistics.median(r[r["best_baseline"]][k] for r in rounds)
+                         for k in fields if k in rounds[0]["webdataset"]},
+            "ratio": {k: v["median"] for k, v in ratio.items()}, "ratio_spread": ratio,
+            "ratio_vs": {b: {k: v["median"] for k, v in ratio_vs[b].items()}
+                         for b in BASELINES}, "ratio_vs_spread": ratio_vs}
 
 
 def _spread(values: list[float]) -> dict:
