@@ -1,34 +1,49 @@
-"""Ray-backed source loaders (``--loaders ray``): per-source pools of decoding actors.
+"""Ray-backed source loaders (``data.loader: ray``): per-source pools of decoding actors.
 
 Sources differ wildly in decode cost (a caption costs microseconds, a video clip tens of
 milliseconds), so one shared worker pool sized for the average starves the expensive sources.
-Here every source gets its own pool of :class:`SourceDecoder` actors, sized at startup by its
-measured decode cost times its share of the mixture: ``replicas_i ∝ cost_i · share_i``,
-clamped to ``[min_replicas, max_replicas]``. Each actor decodes one source by reference (its
-reader opens only that source's shards) under the same per-sample watchdog as a DataLoader
-worker (:mod:`loaders.worker`).
+Here every source gets its own pool of :class:`SourceDecoder` actors, planned at startup
+within the job's Ray cluster (``loaders.ray_cluster.plan_pools``: at least one actor per
+source, more by measured decode cost times mixture share, fractional CPUs when the cluster is
+small, one line instead of a silent wait when the actors cannot be placed). Each actor
+decodes one source by reference (its reader opens only that source's shards) under the same
+per-sample watchdog as a DataLoader worker (:mod:`loaders.worker`).
 
 :class:`RayRankLoader` is :class:`loaders.pipeline.RankLoader` with its decode stage replaced:
-the refs of up to ``prefetch_steps`` plans are in flight on the pools at once.
+the refs of up to ``prefetch_steps`` plans are in flight on the pools at once; an actor that
+dies is replaced and its samples decoded again, so the batches are those of a run without
+the death.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import ray
 
+from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.assemble import DecodedStep, sample_id
 from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.index_schema import INDEX_SCHEMA, read_index
 from omniscale.loaders.pipeline import StepLoader
 from omniscale.loaders.prefetch import END
+from omniscale.loaders.ray_cluster import (
+    PLACEMENT_TIMEOUT_S,
+    PoolPlan,
+    node_cpus,
+    plan_pools,
+    wait_placed,
+)
 from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
 
 PROBE_SAMPLES = 3  # decoded per source at startup to measure its cost
+DIRECTORY_WAIT_S = 600.0  # how long a rank waits for data rank 0 to plan the pools
 
 
 @ray.remote
@@ -37,6 +52,10 @@ class SourceDecoder:
 
     def __init__(self, spec: DecoderSpec, timeout: float | None) -> None:
         self.decoder = TimedDecoder(spec, timeout)
+
+    def ready(self) -> str:
+        """The node it runs on, once it has started (``ray_cluster.wait_placed``)."""
+        return ray.get_runtime_context().get_node_id()
 
     def decode(self, ref: SampleRef, need: DecodeNeed | None = None) -> Decoded:
         return self.decoder.decode(ref, need)
@@ -69,60 +88,131 @@ def measure_costs(spec: DecoderSpec, n: int = PROBE_SAMPLES,
     return costs
 
 
-def size_pools(costs: dict[str, float], shares: dict[str, float], total: int,
-               min_replicas: int = 1, max_replicas: int = 8) -> dict[str, int]:
-    """Replicas per source: ``total`` split by cost × share, each clamped to
-    ``[min_replicas, max_replicas]`` (a source out of the mix still gets ``min_replicas``,
-    ready for when the schedule brings it in)."""
-    if not 1 <= min_replicas <= max_replicas:
-        raise ValueError(f"replicas: need 1 <= min ({min_replicas}) <= max ({max_replicas})")
-    load = {n: costs[n] * max(shares.get(n, 0.0), 0.0) for n in costs}
-    whole = sum(load.values())
-    if whole <= 0:
-        load, whole = {n: 1.0 for n in costs}, float(len(costs))
-    return {n: max(min_replicas, min(max_replicas, round(total * load[n] / whole)))
-            for n in costs}
+@ray.remote(num_cpus=0)
+class PoolDirectory:
+    """The job's pool plan under a name in the job's namespace: the loader that plans writes
+    it, every other loader of the job reads it and uses the same actors."""
+
+    def __init__(self, plan: PoolPlan) -> None:
+        self._plan = plan
+
+    def plan(self) -> PoolPlan:
+        return self._plan
 
 
 class RayRankLoader(StepLoader):
-    """A rank's loader whose decoding runs on per-source Ray actor pools (``ray.init`` first).
+    """A rank's loader whose decoding runs on the job's per-source Ray actor pools (connect
+    to the job's cluster first: ``loaders.ray_cluster.connect``).
 
-    ``total_replicas`` (default: ``num_workers`` per source) is split over sources by
-    :func:`size_pools`; ``shares`` default to the mixture weights the plane reports now.
-    ``pools`` (another loader's :attr:`pools`) shares that loader's actors: the ranks of one
-    node can feed from one set of pools (its owner kills them on close).
+    The pools are the job's, shared by all its ranks: data rank 0's loader measures the
+    sources' decode costs and plans them within the cluster's CPUs
+    (:func:`loaders.ray_cluster.plan_pools`: every source at least one actor, more by decode
+    cost x mixture share -- ``shares``, default the weights the plane reports now -- each
+    reserving ``actor_cpus``, None: what fits), names the plan (:class:`PoolDirectory`) and
+    the actors after ``pools_name`` (default: after the plane's URL), and every loader then
+    takes the actors by name. Actors spread over the cluster's nodes; actors that cannot be
+    placed end the loader with one line (``placement_timeout``). An actor that dies is
+    replaced and its in-flight samples are decoded again (counted in :attr:`actor_restarts`;
+    ``max_actor_restarts`` deaths on one sample end the loader). The loader that planned
+    kills the pools on close (they die with its process anyway).
     """
 
-    def __init__(self, *args, total_replicas: int | None = None, min_replicas: int = 1,
-                 max_replicas: int = 4, actor_cpus: float = 1.0,
-                 shares: dict[str, float] | None = None, pools: dict | None = None,
+    def __init__(self, *args, max_replicas: int = 4, actor_cpus: float | None = None,
+                 shares: dict[str, float] | None = None, pools_name: str | None = None,
+                 placement_timeout: float = PLACEMENT_TIMEOUT_S, max_actor_restarts: int = 3,
                  **kw) -> None:
         super().__init__(*args, **kw)
-        self._owned = pools is None
         self._turn = {name: 0 for name in self.spec.sources}
         self.depth = max(1, self._out.maxsize)
-        if pools is not None:
-            self.pools = pools
-            return
-        self.costs = measure_costs(self.spec)
-        if shares is None:
-            shares = {m["source"]: m["weight"] for m in self.client.status()["mixture"]}
-        total = total_replicas or self.num_workers * len(self.spec.sources)
-        self.replicas = size_pools(self.costs, shares, total, min_replicas, max_replicas)
-        self.pools = {
-            name: [SourceDecoder.options(num_cpus=actor_cpus).remote(
-                DecoderSpec({name: self.spec.sources[name]}, self.spec.tokenizer,
-                            self.spec.geometry, self.spec.max_open), self.decode_timeout)
-                   for _ in range(n)]
-            for name, n in self.replicas.items()}
+        self.placement_timeout = placement_timeout
+        self.max_actor_restarts = max_actor_restarts
+        self.actor_restarts = 0
+        self.pools_name = pools_name or "omniscale-pools-" + hashlib.sha256(
+            self.url.encode()).hexdigest()[:12]
+        self.pools: dict[str, list] = {}
+        self._directory = None  # set when this loader planned the pools (it owns them)
+        try:
+            self.plan = self._job_plan(max_replicas, actor_cpus, shares)
+            self.pools = {name: [self._actor(name, i) for i in range(n)]
+                          for name, n in self.plan.replicas.items()}
+            wait_placed([a for pool in self.pools.values() for a in pool], self.plan,
+                        placement_timeout)
+        except BaseException:
+            self.close()  # the plan prefetcher and any actor started
+            raise
 
-    def _submit(self, ref: SampleRef, need: DecodeNeed | None):
+    @property
+    def replicas(self) -> dict[str, int]:
+        return {name: len(pool) for name, pool in self.pools.items()}
+
+    def _job_plan(self, max_replicas: int, actor_cpus: float | None,
+                  shares: dict[str, float] | None) -> PoolPlan:
+        """The job's pool plan: planned here on data rank 0 (named for the others), read
+        from its directory on every other rank (waiting, boundedly, for rank 0)."""
+        name = f"{self.pools_name}/plan"
+        if self.rank == 0:
+            costs = measure_costs(self.spec)
+            if shares is None:
+                shares = {m["source"]: m["weight"] for m in self.client.status()["mixture"]}
+            plan = plan_pools(costs, shares, node_cpus(), max_replicas, actor_cpus)
+            try:
+                self._directory = PoolDirectory.options(name=name).remote(plan)
+                return plan
+            except ValueError:  # another process of data rank 0 (a TP peer) planned first
+                pass
+        deadline = time.monotonic() + DIRECTORY_WAIT_S
+        while True:
+            try:
+                return ray.get(ray.get_actor(name).plan.remote())
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise UserError(f"rank {self.rank}: no Ray decoding pools planned by data "
+                                    f"rank 0 after {DIRECTORY_WAIT_S:g} s (actor {name!r} "
+                                    "not found)") from None
+                time.sleep(0.2)  # rank 0 measures and plans first: seconds
+
+    def _actor(self, source: str, index: int):
+        """The pool's ``index``-th actor of ``source``: the one running under its name, or a
+        new one (after a death, the first rank to notice starts it, the others find it)."""
+        return SourceDecoder.options(
+            name=f"{self.pools_name}/{source}/{index}", get_if_exists=True,
+            num_cpus=self.plan.actor_cpus, scheduling_strategy="SPREAD").remote(
+            DecoderSpec({source: self.spec.sources[source]}, self.spec.tokenizer,
+                        self.spec.geometry, self.spec.max_open), self.decode_timeout)
+
+    def _submit(self, ref: SampleRef, need: DecodeNeed | None) -> "_Flight":
         pool = self.pools[ref.source]
         self._turn[ref.source] += 1
-        return pool[self._turn[ref.source] % len(pool)].decode.remote(ref, need)
+        slot = self._turn[ref.source] % len(pool)
+        return _Flight(ref, need, slot, pool[slot], pool[slot].decode.remote(ref, need))
+
+    def _result(self, flight: "_Flight") -> Decoded:
+        """A flight's decode; if its actor died, the actor replaced (once, by whichever
+        flight notices first) and the sample decoded again on the new one."""
+        for _ in range(self.max_actor_restarts + 1):
+            try:
+                return ray.get(flight.future)  # each actor bounds each decode by its timeout
+            except ray.exceptions.RayActorError as e:
+                pool = self.pools[flight.ref.source]
+                if pool[flight.slot] is flight.actor:  # not replaced yet
+                    self.actor_restarts += 1
+                    warnings.warn(f"rank {self.rank}: a decoding actor of source "
+                                  f"{flight.ref.source!r} died ({type(e).__name__}); replaced "
+                                  f"(restart {self.actor_restarts})", RuntimeWarning,
+                                  stacklevel=2)
+                    pool[flight.slot] = self._actor(flight.ref.source, flight.slot)
+                    wait_placed([pool[flight.slot]],
+                                PoolPlan({flight.ref.source: 1}, self.plan.actor_cpus),
+                                self.placement_timeout)
+                flight.actor = pool[flight.slot]
+                flight.future = flight.actor.decode.remote(flight.ref, flight.need)
+        raise RuntimeError(f"rank {self.rank}: decoding actors of source "
+                           f"{flight.ref.source!r} died {self.max_actor_restarts + 1} times "
+                           f"on {flight.ref.source}/{flight.ref.key}; giving up (it may kill "
+                           "its decoder every time)")
 
     def _decoded_steps(self):
-        pending: deque = deque()  # (step, table, refs, futures), oldest first
+        pending: deque = deque()  # (step, table, flights), oldest first
         done = False
         while pending or not done:
             # Fill up to ``depth`` steps in flight, but never wait for a plan while one is
@@ -135,17 +225,28 @@ class RayRankLoader(StepLoader):
                     done = True
                     break
                 step, table = got
-                work = self._work(table)
-                pending.append((step, table, [r for r, _ in work],
-                                [self._submit(r, need) for r, need in work]))
+                pending.append((step, table, [self._submit(r, need)
+                                              for r, need in self._work(table)]))
             if not pending:
                 return
-            step, table, refs, futures = pending.popleft()
-            outs = ray.get(futures)  # each actor bounds each decode by decode_timeout
-            yield step, table, DecodedStep({sample_id(r): o for r, o in zip(refs, outs)})
+            step, table, flights = pending.popleft()
+            yield step, table, DecodedStep({sample_id(f.ref): self._result(f)
+                                            for f in flights})
 
     def close(self) -> None:
         super().close()
-        for pool in self.pools.values() if self._owned else ():
-            for actor in pool:
+        if self._directory is not None:  # the planner owns the pools
+            for actor in [a for pool in self.pools.values() for a in pool] + [self._directory]:
                 ray.kill(actor)
+            self._directory = None
+
+
+@dataclass
+class _Flight:
+    """A sample sent to a pool: where it went and the future of its decode."""
+
+    ref: SampleRef
+    need: DecodeNeed | None
+    slot: int  # the actor's index in its source's pool
+    actor: object
+    future: object

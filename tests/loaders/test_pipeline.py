@@ -28,9 +28,10 @@ def demo(pipeline_demo):
     return spec_of(pipeline_demo / "all.yaml")
 
 
-def check_full_path(spec, state_dir, make_loader) -> set[str]:
+def check_full_path(spec, state_dir, make_loader, after_step=None) -> set[str]:
     """Two ranks through ``make_loader(url, rank)``; every micro-batch and encoder item equal
-    to per-sample decoding; every step committed by both; the audit exactly-once."""
+    to per-sample decoding; every step committed by both; the audit exactly-once.
+    ``after_step(step, loaders)`` runs after each step's commits (to break something)."""
     seen: set[str] = set()
     decoder = demo_decoder(spec)
     with start_embedded(spec.path, state_dir, CONFIG) as plane, \
@@ -57,6 +58,8 @@ def check_full_path(spec, state_dir, make_loader) -> set[str]:
                     assert len(batch.encode_items) == n_encode
                 for loader in loaders:
                     loader.commit(step)
+                if after_step is not None:
+                    after_step(step, loaders)
             assert client.status()["next_step"] == STEPS
         finally:
             for loader in loaders:

@@ -1,12 +1,21 @@
-"""The Ray path passes the same full-path test as the DataLoader path, on a local two-CPU Ray
-instance; pools are sized by measured decode cost times mixture share."""
+"""The Ray path on a local two-node Ray cluster (one CPU each): it passes the same full-path
+test as the DataLoader path with the default pools (planned to fit the cluster, spread over
+both nodes), keeps its batches when decoding actors are killed mid-run, and refuses actors the
+cluster cannot place with one line instead of waiting forever."""
 
 from __future__ import annotations
 
+import math
+import re
+import time
+
 import pytest
 import ray
+from ray.cluster_utils import Cluster
 
-from omniscale.loaders.ray_loaders import RayRankLoader, measure_costs, size_pools
+from omniscale.dataplane.errors import UserError
+from omniscale.loaders.ray_cluster import size_pools
+from omniscale.loaders.ray_loaders import RayRankLoader, measure_costs
 from omniscale.loaders.worker import decoder_spec
 from tests.loaders.pipeline_fixtures import loader_args, spec_of
 from tests.loaders.test_pipeline import check_full_path
@@ -14,10 +23,14 @@ from tests.loaders.test_pipeline import check_full_path
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A fresh local Ray instance (never one the environment points at)."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
+    """A fresh two-node Ray cluster on this machine (never one the environment points at)."""
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes.add_node(num_cpus=1)
+    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
+    nodes.wait_for_nodes()
+    yield nodes
     ray.shutdown()
+    nodes.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +71,77 @@ def test_measured_costs_are_mean_seconds_per_sample(demo, monkeypatch):
     assert costs == pytest.approx(made_up, rel=1e-9)
 
 
-@pytest.mark.timeout(120)
-def test_ray_full_path_matches_per_sample_decoding(cluster, demo, tmp_path):
-    first = []
+@pytest.mark.timeout(240)
+def test_default_pools_fit_the_cluster_spread_over_its_nodes_and_survive_deaths(
+        cluster, demo, tmp_path):
+    """Two ranks feeding from the job's pools (rank 0 plans them within the cluster's 2 CPUs:
+    at least one actor per source, fractional CPUs; rank 1 finds them by name). After step 1 the
+    image and video actors are killed (their samples in flight included): the batches are
+    still exactly per-sample decoding."""
+    loaders = []
 
-    def make(url, rank):  # rank 1 feeds from rank 0's pools, as ranks of one node would
-        loader = RayRankLoader(url, rank, **loader_args(demo), total_replicas=6,
-                               max_replicas=1, actor_cpus=0.2,
-                               pools=first[0].pools if first else None)
-        first.append(loader)
+    def make(url, rank):
+        loader = RayRankLoader(url, rank, **loader_args(demo))
+        loaders.append(loader)
         return loader
-    seen = check_full_path(demo, tmp_path, make)
+
+    nodes = set()
+
+    def kill_some(step, running):
+        if step == 0:
+            nodes.update(ray.get([a.ready.remote() for pool in running[0].pools.values()
+                                  for a in pool]))
+        if step == 1:
+            for source in ("image_caption", "video_caption"):
+                ray.kill(running[0].pools[source][0], no_restart=True)
+
+    seen = check_full_path(demo, tmp_path, make, after_step=kill_some)
     assert seen == {"text", "image", "video", "audio"}
+    owner, other = loaders
+    assert owner.plan == other.plan and owner.replicas == other.replicas
+    actors, cpus = sum(owner.replicas.values()), owner.plan.actor_cpus
+    assert min(owner.replicas.values()) >= 1 and set(owner.replicas) == \
+        {s.name for s in demo.sources}
+    # the largest share (in steps of 0.01) at which every actor has room on a 1-CPU node
+    assert 2 * math.floor(1 / cpus + 1e-9) >= actors > 2 * math.floor(1 / (cpus + 0.01) + 1e-9)
+    # each rank that met a dead actor replaced it (or found the other's replacement)
+    assert sum(loader.actor_restarts for loader in loaders) >= 2
+    assert len(nodes) == 2  # the pools spread over both nodes
+
+
+@pytest.mark.timeout(120)
+def test_actors_the_cluster_cannot_place_end_with_one_line(cluster, demo, tmp_path):
+    """Two CPUs per actor on nodes of one CPU each: refused at once, with one line."""
+    from omniscale.dataplane.embedded import start_embedded
+    from tests.loaders.pipeline_fixtures import CONFIG
+
+    with start_embedded(demo.path, tmp_path, CONFIG) as plane:
+        started = time.monotonic()
+        with pytest.raises(UserError) as e:
+            RayRankLoader(plane.url, 0, **loader_args(demo), actor_cpus=2.0)
+        assert time.monotonic() - started < 30
+    text = str(e.value)
+    assert "\n" not in text and "2 CPU each" in text and "the cluster has 2 CPUs" in text, text
+    assert "no node has 2 CPUs" in text and "data.ray_actor_cpus" in text
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_short_of_cpus_stalls_into_one_line(cluster):
+    """Fourteen actors of a quarter CPU ask for 3.5 of the cluster's 2 CPUs: the ones that
+    fit start, the rest never do, and the wait ends after the timeout with one line."""
+    from omniscale.loaders.ray_cluster import PoolPlan, wait_placed
+
+    @ray.remote
+    class Idle:
+        def ready(self) -> None:
+            return None
+
+    plan = PoolPlan({"a": 14}, 0.25)
+    actors = [Idle.options(num_cpus=0.25).remote() for _ in range(14)]
+    with pytest.raises(UserError) as e:
+        wait_placed(actors, plan, timeout=10.0)
+    text = str(e.value)
+    # at most 8 fit (2 CPUs / 0.25); a placed actor whose process starts late counts as not
+    started = re.match(r"Ray started (\d+) of 14 decoding actors \(0.25 CPU each, 3.5 CPUs in "
+                       r"all\): none more started within 10 s; the cluster has 2 CPUs, ", text)
+    assert started and int(started.group(1)) <= 8 and "\n" not in text, text

@@ -49,8 +49,12 @@ class DataSection(_Strict):
     prefetch_steps: int = Field(2, ge=1)
     policy: Literal["skip", "fail"] = "skip"
     loader: Literal["workers", "ray"] = "workers"  # DataLoader processes, or Ray source pools
-    ray_address: str | None = None  # ray.init(address=...): "auto" joins a running cluster
-    ray_actor_cpus: float = Field(1.0, gt=0)  # CPUs each Ray decoding actor reserves
+    # The job's Ray cluster: None starts one on this machine for the job (the launcher's),
+    # "auto" joins the one running here, HOST:PORT a remote head's
+    ray_address: str | None = None
+    # CPUs each Ray decoding actor reserves (None: the pools fit in the cluster's CPUs)
+    ray_actor_cpus: float | None = Field(None, gt=0)
+    ray_placement_timeout_s: float = Field(60.0, gt=0)  # then: one line and exit, not a hang
     # Refit the balancer's cost model from measured step times every N steps (0: never) and
     # send it to the plane -- not in deterministic mode, where plans must not depend on timing
     # (the fit is then only logged), so that a resumed run replays bit for bit.

@@ -12,6 +12,7 @@ as one line (it is written to ``RUN_DIR/error-rankR.txt`` and the launcher raise
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
@@ -158,15 +159,35 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
     if plane is not None:
         check_plane(plane, plane_token, data_ranks(cfg, nproc), start, cfg.parallel.sp,
                     cfg.data.balance)
-    with tempfile.TemporaryDirectory(prefix="omniscale-pg-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="omniscale-pg-") as tmp, \
+            job_ray_cluster(cfg, run_dir) as ray_address:
         job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
                       str(found[1]) if found else None, f"file://{tmp}/store", progress,
-                      plane_url=plane, plane_token=plane_token)
+                      plane_url=plane, plane_token=plane_token, ray_address=ray_address)
         if nproc == 1:
             train_rank(0, 1, job)
         else:
             _spawn(job, nproc, run_dir)
     return _finish(cfg, run_dir, start, plane, plane_token)
+
+
+@contextlib.contextmanager
+def job_ray_cluster(cfg, run_dir: Path):
+    """The Ray cluster the job's ranks share (``data.loader: ray``): ``data.ray_address``
+    when set, else a Ray instance this launcher starts on this machine for the job and stops
+    after it; None for worker processes."""
+    if cfg.data.loader != "ray" or cfg.data.ray_address is not None:
+        yield cfg.data.ray_address
+        return
+    import ray
+
+    from omniscale.loaders.ray_cluster import job_namespace, start_local
+
+    address = start_local(job_namespace(run_dir))
+    try:
+        yield address
+    finally:
+        ray.shutdown()
 
 
 def _train_one_rank(cfg, run_dir: Path, rank: int, world: int, start: int, found, progress,

@@ -44,6 +44,7 @@ class RankJob:
     progress: bool = True
     plane_url: str | None = None  # an external plane (``omniscale plane serve``): no embedded one
     plane_token: str | None = None
+    ray_address: str | None = None  # the job's Ray cluster (``data.loader: ray``)
 
 
 def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = None
@@ -225,7 +226,7 @@ def parallelize(cfg: RunConfig):
 
 def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
     """The rank's loader: DataLoader worker processes (``data.loader: workers``) or per-source
-    Ray actor pools (``ray``: joins ``data.ray_address``, or starts a local Ray)."""
+    Ray actor pools (``ray``: the job's, in its Ray cluster, ``loaders.ray_cluster``)."""
     args = (url, rank, {s.name: s.path for s in spec.sources}, spec.tokenizer, spec.media)
     # The omni step reshards encoder outputs, so a rank decodes only the media it encodes.
     kw = dict(num_workers=cfg.data.workers, prefetch_steps=cfg.data.prefetch_steps,
@@ -233,13 +234,16 @@ def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
               skip_moved_media=cfg.task == "omni")
     if cfg.data.loader == "workers":
         return RankLoader(*args, **kw)
-    import ray
-
+    from omniscale.loaders.ray_cluster import connect, job_namespace
     from omniscale.loaders.ray_loaders import RayRankLoader
 
-    ray.init(address=cfg.data.ray_address, ignore_reinit_error=True, log_to_driver=False,
-             include_dashboard=False)
-    return RayRankLoader(*args, actor_cpus=cfg.data.ray_actor_cpus, **kw)
+    address = job.ray_address or cfg.data.ray_address
+    if address is None:
+        raise UserError("data.loader=ray under torchrun: set data.ray_address (a cluster "
+                        "started with `ray start`, or auto)")
+    connect(address, job_namespace(job.run_dir))
+    return RayRankLoader(*args, actor_cpus=cfg.data.ray_actor_cpus,
+                         placement_timeout=cfg.data.ray_placement_timeout_s, **kw)
 
 
 def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:

@@ -1,0 +1,152 @@
+"""The job's Ray cluster: joined once per process, and decoding pools that fit in it.
+
+One cluster per job: the launcher starts a local Ray instance once (or the job joins
+``data.ray_address``; ``auto`` finds a running one), and every rank process connects to the
+same one, in the job's own namespace, so two jobs on one cluster never see each other's
+actors. Pools are planned within the CPUs the cluster has (:func:`plan_pools`), and actors
+that the cluster still cannot place within a bounded time end the run with one line naming
+what was asked and what the cluster offers (:func:`wait_placed`): Ray itself would wait
+forever, silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from omniscale.dataplane.errors import UserError
+
+PLACEMENT_TIMEOUT_S = 60.0  # how long actors may wait for CPUs before the run gives up
+CPU_GRAIN = 0.01  # actors' fractional CPUs are multiples of this
+
+
+def job_namespace(run_dir: str | Path) -> str:
+    """The Ray namespace of the job writing to ``run_dir``: its actors' names are unique
+    within it, whatever else runs on the cluster."""
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return f"omniscale-{digest}"
+
+
+def start_local(namespace: str, num_cpus: int | None = None) -> str:
+    """Start a Ray instance on this machine (the job's, for its whole life: the caller
+    shuts it down) and return its address for the rank processes to join."""
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, namespace=namespace,
+             include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    return ray.get_runtime_context().gcs_address
+
+
+def connect(address: str, namespace: str) -> None:
+    """Join the job's cluster at ``address`` (``auto``: the one running here), once per
+    process; a process already connected stays as it is."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    except ConnectionError as e:
+        raise UserError(f"data.ray_address {address!r}: no Ray cluster to join "
+                        f"({str(e).splitlines()[0]})") from None
+
+
+def node_cpus() -> list[float]:
+    """CPUs of each live node of the cluster this process is connected to."""
+    import ray
+
+    return [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n["Alive"]]
+
+
+def cluster_cpus() -> float:
+    return sum(node_cpus())
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Actors per source and the CPUs each reserves."""
+
+    replicas: dict[str, int]
+    actor_cpus: float
+
+    @property
+    def cpus(self) -> float:
+        return sum(self.replicas.values()) * self.actor_cpus
+
+
+def size_pools(costs: dict[str, float], shares: dict[str, float], total: int,
+               min_replicas: int = 1, max_replicas: int = 8) -> dict[str, int]:
+    """Replicas per source: ``total`` split by cost × share, each clamped to
+    ``[min_replicas, max_replicas]`` (a source out of the mix still gets ``min_replicas``,
+    ready for when the schedule brings it in)."""
+    if not 1 <= min_replicas <= max_replicas:
+        raise ValueError(f"replicas: need 1 <= min ({min_replicas}) <= max ({max_replicas})")
+    load = {n: costs[n] * max(shares.get(n, 0.0), 0.0) for n in costs}
+    whole = sum(load.values())
+    if whole <= 0:
+        load, whole = {n: 1.0 for n in costs}, float(len(costs))
+    return {n: max(min_replicas, min(max_replicas, round(total * load[n] / whole)))
+            for n in costs}
+
+
+def plan_pools(costs: dict[str, float], shares: dict[str, float], nodes: list[float],
+               max_replicas: int = 4, actor_cpus: float | None = None) -> PoolPlan:
+    """The job's pools on nodes with these CPUs: as many actors as whole CPUs (at least one
+    per source), split by decode cost x mixture share (:func:`size_pools`, at most
+    ``max_replicas`` a source). Each actor reserves ``actor_cpus`` when given; otherwise the
+    most (up to one CPU, in steps of ``CPU_GRAIN``) at which every actor finds room on some
+    node -- fractional when the actors outnumber the CPUs."""
+    budget = sum(nodes)
+    if budget <= 0:
+        raise UserError("the Ray cluster has no CPUs: nothing to place decoding actors on")
+    replicas = size_pools(costs, shares, max(len(costs), math.floor(budget)), 1,
+                          max(1, max_replicas))
+    actors = sum(replicas.values())
+    if actor_cpus is None:
+        grains = math.floor(min(1.0, budget / actors) / CPU_GRAIN + 1e-9)
+        while grains > 1 and sum(math.floor(c / (grains * CPU_GRAIN) + 1e-9)
+                                 for c in nodes) < actors:
+            grains -= 1  # a node's leftover below one actor's share is lost to packing
+        actor_cpus = round(max(1, grains) * CPU_GRAIN, 4)
+    return PoolPlan(replicas, actor_cpus)
+
+
+def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT_S) -> None:
+    """Return once every actor of ``plan`` has started (each answers ``ready``). Actors
+    larger than any node refuse at once; otherwise each must start within ``timeout``
+    seconds of the one before (a cluster short of CPUs, or an autoscaler that never comes,
+    stalls; a busy one that starts worker processes one at a time does not). On a refusal
+    or a stall every actor is killed and one line says what was asked and what the cluster
+    offers."""
+    import ray
+
+    largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]),
+                  default=0.0)
+    if plan.actor_cpus > largest:
+        _refuse(actors, plan, 0, f"no node has {plan.actor_cpus:g} CPUs (the largest has "
+                f"{largest:g})")
+    pending = [a.ready.remote() for a in actors]
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not done:
+            _refuse(actors, plan, len(actors) - len(pending), f"none more started within "
+                    f"{timeout:g} s")
+        ray.get(done)  # an actor that failed to start raises its own error here
+
+
+def _refuse(actors: list, plan: PoolPlan, placed: int, why: str) -> None:
+    import ray
+
+    available = float(ray.available_resources().get("CPU", 0.0))
+    for actor in actors:
+        ray.kill(actor)
+    raise UserError(
+        f"Ray started {placed} of {len(actors)} decoding actors ({plan.actor_cpus:g} CPU each, "
+        f"{plan.cpus:g} CPUs in all): {why}; the cluster has {cluster_cpus():g} CPUs, "
+        f"{available:g} free; lower data.ray_actor_cpus (unset, the pools fit the cluster) "
+        "or add nodes")
