@@ -116,6 +116,21 @@ def plan_pools(costs: dict[str, float], shares: dict[str, float], nodes: list[fl
     return PoolPlan(replicas, actor_cpus)
 
 
+def replan(plan: PoolPlan, costs: dict[str, float], shares: dict[str, float],
+           nodes: list[float], max_replicas: int = 4) -> PoolPlan:
+    """``plan``'s actors shared out anew for new mixture shares: as many actors, of the same
+    size (a live actor's reservation cannot change), split by decode cost x share
+    (:func:`size_pools`), then trimmed from the largest pools to what the nodes hold."""
+    replicas = size_pools(costs, shares, sum(plan.replicas.values()), 1, max(1, max_replicas))
+    room = sum(math.floor(c / plan.actor_cpus + 1e-9) for c in nodes)
+    while sum(replicas.values()) > max(room, len(replicas)):
+        largest = max(replicas, key=lambda n: (replicas[n], n))
+        if replicas[largest] == 1:
+            break
+        replicas[largest] -= 1
+    return PoolPlan(replicas, plan.actor_cpus)
+
+
 def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT_S) -> None:
     """Return once every actor of ``plan`` has started (each answers ``ready``). Actors
     larger than any node refuse at once; otherwise each must start within ``timeout``

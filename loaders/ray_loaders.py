@@ -38,6 +38,7 @@ from omniscale.loaders.ray_cluster import (
     PoolPlan,
     node_cpus,
     plan_pools,
+    replan,
     wait_placed,
 )
 from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
@@ -99,6 +100,9 @@ class PoolDirectory:
     def plan(self) -> PoolPlan:
         return self._plan
 
+    def set_plan(self, plan: PoolPlan) -> None:
+        self._plan = plan
+
 
 class RayRankLoader(StepLoader):
     """A rank's loader whose decoding runs on the job's per-source Ray actor pools (connect
@@ -113,24 +117,31 @@ class RayRankLoader(StepLoader):
     takes the actors by name. Actors spread over the cluster's nodes; actors that cannot be
     placed end the loader with one line (``placement_timeout``). An actor that dies is
     replaced and its in-flight samples are decoded again (counted in :attr:`actor_restarts`;
-    ``max_actor_restarts`` deaths on one sample end the loader). The loader that planned
-    kills the pools on close (they die with its process anyway).
+    ``max_actor_restarts`` deaths on one sample end the loader). Every ``resize_every``
+    steps (0: never) the pools follow the schedule: the planner shares the same actors out
+    anew for the mixture the plane draws now, ahead of training, and every loader applies the
+    new plan (``_follow_schedule``). The loader that planned kills the pools on close (they
+    die with its process anyway).
     """
 
     def __init__(self, *args, max_replicas: int = 4, actor_cpus: float | None = None,
                  shares: dict[str, float] | None = None, pools_name: str | None = None,
                  placement_timeout: float = PLACEMENT_TIMEOUT_S, max_actor_restarts: int = 3,
-                 **kw) -> None:
+                 resize_every: int = 0, **kw) -> None:
         super().__init__(*args, **kw)
         self._turn = {name: 0 for name in self.spec.sources}
+        self._in_flight = {name: 0 for name in self.spec.sources}
         self.depth = max(1, self._out.maxsize)
         self.placement_timeout = placement_timeout
         self.max_actor_restarts = max_actor_restarts
-        self.actor_restarts = 0
+        self.max_replicas, self.resize_every = max_replicas, resize_every
+        self.actor_restarts = self.resizes = 0
+        self.costs: dict[str, float] = {}
         self.pools_name = pools_name or "omniscale-pools-" + hashlib.sha256(
             self.url.encode()).hexdigest()[:12]
         self.pools: dict[str, list] = {}
         self._directory = None  # set when this loader planned the pools (it owns them)
+        self._plans = None  # the job's PoolDirectory (its plan, read by every loader)
         try:
             self.plan = self._job_plan(max_replicas, actor_cpus, shares)
             self.pools = {name: [self._actor(name, i) for i in range(n)]
@@ -151,19 +162,21 @@ class RayRankLoader(StepLoader):
         from its directory on every other rank (waiting, boundedly, for rank 0)."""
         name = f"{self.pools_name}/plan"
         if self.rank == 0:
-            costs = measure_costs(self.spec)
+            self.costs = measure_costs(self.spec)
             if shares is None:
-                shares = {m["source"]: m["weight"] for m in self.client.status()["mixture"]}
-            plan = plan_pools(costs, shares, node_cpus(), max_replicas, actor_cpus)
+                shares = self._shares_now()
+            plan = plan_pools(self.costs, shares, node_cpus(), max_replicas, actor_cpus)
             try:
                 self._directory = PoolDirectory.options(name=name).remote(plan)
+                self._plans = self._directory
                 return plan
             except ValueError:  # another process of data rank 0 (a TP peer) planned first
                 pass
         deadline = time.monotonic() + DIRECTORY_WAIT_S
         while True:
             try:
-                return ray.get(ray.get_actor(name).plan.remote())
+                self._plans = ray.get_actor(name)
+                return ray.get(self._plans.plan.remote())
             except ValueError:
                 if time.monotonic() > deadline:
                     raise UserError(f"rank {self.rank}: no Ray decoding pools planned by data "
@@ -180,9 +193,55 @@ class RayRankLoader(StepLoader):
             DecoderSpec({source: self.spec.sources[source]}, self.spec.tokenizer,
                         self.spec.geometry, self.spec.max_open), self.decode_timeout)
 
+    def _shares_now(self) -> dict[str, float]:
+        """The mixture weights the plane is drawing with now (ahead of training by up to a
+        window of steps)."""
+        return {m["source"]: m["weight"] for m in self.client.status()["mixture"]}
+
+    def pool_stats(self) -> dict:
+        """Actors and samples in flight per source, pool resizes and actor restarts so far
+        (the trainer's metrics)."""
+        return {"actors": self.replicas, "in_flight": dict(self._in_flight),
+                "resizes": self.resizes, "actor_restarts": self.actor_restarts}
+
+    def _follow_schedule(self, step: int) -> None:
+        """Every ``resize_every`` steps: the planner shares the pools out anew for the
+        mixture the plane is drawing now (``ray_cluster.replan``) and names the new plan;
+        the other ranks read it; each applies it before submitting the step."""
+        if not self.resize_every or step % self.resize_every:
+            return
+        if self._directory is not None:
+            plan = replan(self.plan, self.costs, self._shares_now(), node_cpus(),
+                          self.max_replicas)
+            if plan != self.plan:
+                ray.get(self._directory.set_plan.remote(plan))
+        else:
+            plan = ray.get(self._plans.plan.remote())
+        self._apply(plan)
+
+    def _apply(self, plan: PoolPlan) -> None:
+        """Make the pools ``plan``'s: actors beyond a pool's new size retired (killed by the
+        planner, dropped by the others; their samples in flight go to the pool's other
+        actors), new ones started (by name, so every rank gets the same ones)."""
+        if plan == self.plan:
+            return
+        for source, pool in self.pools.items():
+            for actor in pool[plan.replicas[source]:] if self._directory is not None else ():
+                ray.kill(actor)
+            del pool[plan.replicas[source]:]
+        self.plan = plan
+        grown = [pool.append(self._actor(source, len(pool))) or pool[-1]
+                 for source, pool in self.pools.items()
+                 for _ in range(plan.replicas[source] - len(pool))]
+        self.resizes += 1
+        if grown:
+            wait_placed(grown, PoolPlan({"grown": len(grown)}, plan.actor_cpus),
+                        self.placement_timeout)
+
     def _submit(self, ref: SampleRef, need: DecodeNeed | None) -> "_Flight":
         pool = self.pools[ref.source]
         self._turn[ref.source] += 1
+        self._in_flight[ref.source] += 1
         slot = self._turn[ref.source] % len(pool)
         return _Flight(ref, need, slot, pool[slot], pool[slot].decode.remote(ref, need))
 
@@ -191,10 +250,15 @@ class RayRankLoader(StepLoader):
         flight notices first) and the sample decoded again on the new one."""
         for _ in range(self.max_actor_restarts + 1):
             try:
-                return ray.get(flight.future)  # each actor bounds each decode by its timeout
+                out = ray.get(flight.future)  # each actor bounds each decode by its timeout
+                self._in_flight[flight.ref.source] -= 1
+                return out
             except ray.exceptions.RayActorError as e:
+                self._apply(ray.get(self._plans.plan.remote()))  # retired by a resize?
                 pool = self.pools[flight.ref.source]
-                if pool[flight.slot] is flight.actor:  # not replaced yet
+                if flight.slot >= len(pool):  # yes: its pool's other actors take the sample
+                    flight.slot %= len(pool)
+                elif pool[flight.slot] is flight.actor:  # died, not replaced yet
                     self.actor_restarts += 1
                     warnings.warn(f"rank {self.rank}: a decoding actor of source "
                                   f"{flight.ref.source!r} died ({type(e).__name__}); replaced "
@@ -225,6 +289,7 @@ class RayRankLoader(StepLoader):
                     done = True
                     break
                 step, table = got
+                self._follow_schedule(step)
                 pending.append((step, table, [self._submit(r, need)
                                               for r, need in self._work(table)]))
             if not pending:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from omniscale.dataplane.errors import UserError
-from omniscale.loaders.ray_cluster import job_namespace, plan_pools
+from omniscale.loaders.ray_cluster import PoolPlan, job_namespace, plan_pools, replan
 
 COSTS = {"text": 0.001, "image": 0.004, "video": 0.05}
 SHARES = {"text": 0.5, "image": 0.3, "video": 0.2}
@@ -42,3 +42,16 @@ def test_the_namespace_is_the_run_directory_s(tmp_path):
     assert job_namespace(tmp_path / "a") == job_namespace(tmp_path / "x" / ".." / "a")
     assert job_namespace(tmp_path / "a") != job_namespace(tmp_path / "b")
     assert job_namespace(tmp_path / "a").startswith("omniscale-")
+
+
+def test_a_new_mixture_shares_the_same_actors_out_anew():
+    before = PoolPlan({"text": 1, "image": 4, "video": 1}, 0.66)
+    clips = {"text": 0.01, "image": 0.01, "video": 1.0}
+    costs = {"text": 0.001, "image": 0.004, "video": 0.02}
+    # six actors by load: video's share of the load is 99.7% -> 6, capped at 4; the others
+    # keep their one; three 0.66-CPU actors fit on each 2-CPU node
+    after = replan(before, costs, clips, [2.0, 2.0], max_replicas=4)
+    assert after == PoolPlan({"text": 1, "image": 1, "video": 4}, 0.66)
+    # a node gone: room for three, taken from the largest pool
+    assert replan(before, costs, clips, [2.0], max_replicas=4).replicas == \
+        {"text": 1, "image": 1, "video": 1}

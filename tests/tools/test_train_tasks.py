@@ -47,6 +47,10 @@ def test_ray_source_loaders_train_exactly_what_worker_processes_do(demo, tmp_pat
                 "data.loader": loader}
         train("configs/demo_omni.yaml", nproc=2, sets=[f"{k}={v}" for k, v in sets.items()],
               progress=False)
-        return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+        return read_metrics(out / "metrics.jsonl")
 
-    assert run(tmp_path / "ray", "ray") == run(tmp_path / "workers", "workers")
+    ray_rows, worker_rows = run(tmp_path / "ray", "ray"), run(tmp_path / "workers", "workers")
+    assert [r["loss"] for r in ray_rows] == [r["loss"] for r in worker_rows]
+    pools = ray_rows[-1]["data_pools"]  # what the metrics say of the pools
+    assert set(pools["actors"]) == set(pools["in_flight"]) and min(pools["actors"].values()) >= 1
+    assert "data_pools" not in worker_rows[-1]

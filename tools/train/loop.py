@@ -242,8 +242,10 @@ def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
         raise UserError("data.loader=ray under torchrun: set data.ray_address (a cluster "
                         "started with `ray start`, or auto)")
     connect(address, job_namespace(job.run_dir))
+    # The pools follow the schedule once a window (the plane draws a window ahead).
     return RayRankLoader(*args, actor_cpus=cfg.data.ray_actor_cpus,
-                         placement_timeout=cfg.data.ray_placement_timeout_s, **kw)
+                         placement_timeout=cfg.data.ray_placement_timeout_s,
+                         resize_every=cfg.data.window, **kw)
 
 
 def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
@@ -297,7 +299,8 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
             save = done % cfg.checkpoint_every == 0 or done == cfg.steps
             if save or done % cfg.log_every == 0:  # every step it covers is logged first
                 _log(ctx, flush(ctx, records), writer, bar, spec, client, tokens_before,
-                     checkpoint=done if save else None)
+                     checkpoint=done if save else None,
+                     pools=getattr(loader, "pool_stats", None))
                 records = []
             if save:
                 checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
@@ -311,15 +314,18 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
 
 
 def _log(ctx: StepContext, rows: list[dict], writer, bar, spec, client, tokens_before: list,
-         checkpoint: int | None) -> None:
+         checkpoint: int | None, pools=None) -> None:
     """Write a log interval's rows (rank 0) with what only the loop knows: the schedule's
-    target mix, the cost refit, peak memory, the checkpoint the last row's step starts."""
+    target mix, the cost refit, peak memory, the checkpoint the last row's step starts, the
+    Ray decoding pools (``pools``: ``RayRankLoader.pool_stats``)."""
     cfg = ctx.cfg
     for row in rows:
         step = row["step"]
         if ctx.device.type == "cuda":  # this rank's peak since the start (GiB)
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
         row["balance"] = cfg.data.balance  # the placement policy the plans came from
+        if pools is not None:
+            row["data_pools"] = pools()
         if "mix_samples" in row:
             row["mix_target"] = _target_mix(spec, step, tokens_before[0])
         if ctx.writer and cfg.data.refit_costs_every and \

@@ -1,0 +1,66 @@
+"""Pools follow the schedule: when the mixture moves from images to clips, the job's pools
+are shared out anew (the video pool grows, the image pool shrinks, on every rank alike) and
+the batches stay exactly per-sample decoding, samples in flight on retired actors included.
+On a local two-node Ray cluster of two CPUs a node."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import yaml
+from ray.cluster_utils import Cluster
+
+from omniscale.loaders.ray_loaders import RayRankLoader
+from tests.loaders.pipeline_fixtures import loader_args, spec_of
+from tests.loaders.test_pipeline import check_full_path
+
+SOURCES = ("text", "image_caption", "video_caption")
+IMAGES = {"text": 0.01, "image_caption": 1.0, "video_caption": 0.01}
+CLIPS = {"text": 0.01, "image_caption": 0.01, "video_caption": 1.0}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes.add_node(num_cpus=2)
+    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
+    nodes.wait_for_nodes()
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def demo(pipeline_demo):
+    """Three sources: images for steps 0-3, then clips."""
+    spec = yaml.safe_load((pipeline_demo / "mix.yaml").read_text())
+    spec["sources"] = [s for s in spec["sources"] if s["name"] in SOURCES]
+    spec["schedule"] = {"unit": "steps", "segments": [
+        {"kind": "const", "start": 0, "end": 4, "weights": IMAGES},
+        {"kind": "const", "start": 4, "end": None, "weights": CLIPS}]}
+    path = pipeline_demo / "images-then-clips.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return spec_of(path)
+
+
+@pytest.mark.timeout(240)
+def test_pools_follow_the_schedule_on_every_rank(cluster, demo, tmp_path):
+    loaders, first = [], {}
+
+    def make(url, rank):
+        loader = RayRankLoader(url, rank, **loader_args(demo), resize_every=2,
+                               shares=IMAGES if rank == 0 else None)
+        loaders.append(loader)
+        first[rank] = dict(loader.replicas)
+        return loader
+
+    check_full_path(demo, tmp_path, make)
+    assert first[0] == first[1]
+    assert first[0]["image_caption"] > first[0]["video_caption"]  # planned for images
+    for loader in loaders:  # both ranks now hold the plan for clips
+        assert loader.replicas["video_caption"] > loader.replicas["image_caption"]
+        assert loader.plan == loaders[0].plan
+        assert loader.pool_stats()["actors"] == loader.replicas
+    assert loaders[0].resizes >= 1 and loaders[1].resizes >= 1
+    actors, cpus = sum(loaders[0].replicas.values()), loaders[0].plan.actor_cpus
+    assert actors * cpus <= 4.0 + 1e-9  # still within the cluster
