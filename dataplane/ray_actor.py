@@ -6,6 +6,10 @@ trainers reach it through its Flight URL with :class:`dataplane.client.PlaneClie
 through Ray calls, so plans still cross the wire as Arrow IPC only and the trainer side does
 not depend on Ray. Ray only places the process and keeps it alive.
 
+A plane actor whose process dies is started again by Ray (``max_restarts``) from its state
+dir, on the same port, so trainers carry on: their clients retry, and the plans are the
+same.
+
 Placement: a plane bound to loopback is pinned to the caller's node (its URL is only reachable
 there). Bound to another address (with a token, and TLS unless ``insecure``), it may run on any
 node; bound to all interfaces (``0.0.0.0``), it advertises its node's IP (which its TLS
@@ -16,6 +20,8 @@ storage that node can reach. Ray is imported lazily: it takes seconds to import.
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +30,8 @@ from omniscale.dataplane.auth import check_bind, is_loopback
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import PlaneServer
+
+ENDPOINT = "ray-endpoint.json"  # in the state dir: the port a restarted actor serves on again
 
 
 class PlaneActor:
@@ -37,11 +45,19 @@ class PlaneActor:
                  insecure: bool = False, spec_root: str | None = None):
         # config travels as a plain dict: Ray ships arguments between processes, and a dict
         # does not tie the actor to this module's dataclass pickling.
+        endpoint = Path(state_dir) / ENDPOINT
+        if _restarted():  # by Ray, after its process died: from the state dir, on the same
+            restore_step = None  # port (rolling back again would lose committed steps)
+            if port == 0 and endpoint.is_file():
+                port = json.loads(endpoint.read_text())["port"]
         self.plane = DataPlane(spec, state_dir, PlaneConfig(**config),
                                restore_step=restore_step, spec_root=spec_root)
         self.server = PlaneServer(self.plane, host, port, token, tls_cert=tls_cert,
                                   tls_key=tls_key, insecure=insecure).start()
         self._url = self.server.url
+        tmp = endpoint.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": self.server.port}))
+        tmp.replace(endpoint)
         if _unspecified(host):
             import ray  # inside the actor, Ray is already imported
 
@@ -51,6 +67,9 @@ class PlaneActor:
 
     def url(self) -> str:
         return self._url
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def status(self) -> dict:
         return self.plane.status()
@@ -67,15 +86,19 @@ def start_on_ray(spec: str | Path | None, state_dir: str | Path, config: PlaneCo
                  restore_step: int | None = None, num_cpus: float = 1,
                  timeout: float = 300.0, tls_cert: str | Path | None = None,
                  tls_key: str | Path | None = None, insecure: bool = False,
-                 spec_root: str | Path | None = None):
+                 spec_root: str | Path | None = None, max_restarts: int = 3):
     """Start a plane actor on the Ray cluster this process is connected to (``ray.init``
     first); returns ``(actor_handle, url)`` once the plane is serving. Stop it with
-    ``ray.get(actor.stop.remote())`` then ``ray.kill(actor)``."""
+    ``ray.get(actor.stop.remote())`` then ``ray.kill(actor)``.
+
+    If its process dies, Ray starts it again (up to ``max_restarts`` times): the plane
+    resumes from its state dir (snapshot and log: every committed step) and serves on the
+    same URL, so trainers' clients, which retry, carry on with the same plans."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     check_bind(host, token, tls_cert is not None, insecure)
-    options: dict = {"num_cpus": num_cpus}
+    options: dict = {"num_cpus": num_cpus, "max_restarts": max_restarts}
     if is_loopback(host):
         here = ray.get_runtime_context().get_node_id()
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
@@ -93,6 +116,17 @@ def start_on_ray(spec: str | Path | None, state_dir: str | Path, config: PlaneCo
         ray.kill(actor)
         raise
     return actor, url
+
+
+def _restarted() -> bool:
+    """Whether this is a Ray actor process that Ray started again after the first died."""
+    try:
+        import ray
+
+        return ray.is_initialized() and \
+            ray.get_runtime_context().was_current_actor_reconstructed
+    except (ImportError, RuntimeError, AssertionError):  # no Ray, or not in an actor
+        return False
 
 
 def _reason(error: BaseException) -> str:

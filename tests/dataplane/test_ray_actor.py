@@ -59,6 +59,31 @@ def test_actor_serves_the_same_plans_and_stops_with_a_snapshot(cluster, demo, tm
     assert (tmp_path / "actor" / "snapshots" / f"snap-{5:010d}.json").is_file()
 
 
+def test_a_plane_actor_that_dies_comes_back_from_its_state_dir(cluster, demo, tmp_path):
+    """The actor's process is killed after step 2 is committed and step 3 fetched: Ray starts
+    it again, it resumes from its snapshot and log on the same URL, the trainers' client
+    (which retries) gets the plans an uninterrupted plane gives, and the audit is clean."""
+    actor, url = start_on_ray(demo / "mix.yaml", tmp_path / "actor", CONFIG)
+    local = DataPlane(demo / "mix.yaml", tmp_path / "local", CONFIG)
+    try:
+        with PlaneClient(url, timeout=10, retry_for=TIMEOUT) as client:
+            for step in range(6):
+                for rank in range(2):
+                    assert client.get_plan(step, rank) == local.get_plan(step, rank)
+                if step == 3:
+                    pid = ray.get(actor.pid.remote())
+                    os.kill(pid, signal.SIGKILL)  # the process dies mid-step
+                assert commit_step(client, step)["committed"]
+            assert client.status()["next_step"] == 6
+        assert ray.get(actor.pid.remote(), timeout=TIMEOUT) != pid  # a new process
+        ray.get(actor.stop.remote(), timeout=TIMEOUT)
+    finally:
+        ray.kill(actor, no_restart=True)
+    report = DataPlane(None, tmp_path / "actor", CONFIG).audit()
+    assert (report["duplicated"], report["missing"], report["fingerprint_mismatches"]) == \
+        (0, 0, [])
+
+
 def test_start_errors_are_one_line(cluster, demo, tmp_path):
     with pytest.raises(UserError, match=r"plane actor failed to start: .*nope\.yaml: file not "
                                         r"found$"):
