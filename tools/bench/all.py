@@ -155,6 +155,14 @@ BENCHES: dict[str, Bench] = {
                    ratio="ratio_vs.energon.samples_per_s"),
             Metric("RSS growth MiB per worker, {kind}, {sources} sources",
                    each="memory_per_worker", value="rss_growth_mib"))),
+    "ray_loader": Bench(
+        "ray_loader.py", quick_args=("--steps", "4", "--rounds", "2"),
+        metrics=(
+            Metric("samples/s: Ray decoding pools vs DataLoader workers (median of rounds)",
+                   value="median.ray.samples_per_s",
+                   baseline="median.workers.samples_per_s", ratio="ratio.median"),
+            Metric("Ray pools' start-up s (measure costs, start actors)",
+                   value="median.ray.pools_start_s"))),
     "plane": Bench(
         "plane.py", quick_args=("--quick",), quick_is_own_flag=True, missed_exit_code=1,
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
