@@ -15,6 +15,7 @@ import hashlib
 import logging
 import math
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +49,25 @@ def connect(address: str, namespace: str) -> None:
 
     if ray.is_initialized():
         return
+    _reachable(address)
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False,
                  logging_level=logging.WARNING)
     except ConnectionError as e:
         raise UserError(f"data.ray_address {address!r}: no Ray cluster to join "
                         f"({str(e).splitlines()[0]})") from None
+
+
+def _reachable(address: str, timeout: float = 5.0) -> None:
+    """One line when nothing listens at a ``HOST:PORT`` address: ``ray.init`` itself would
+    retry for minutes, silently."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local": Ray resolves those itself, quickly
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise UserError(f"data.ray_address {address!r}: no Ray cluster to join ({e})") from None
 
 
 def node_cpus() -> list[float]:

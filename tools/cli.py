@@ -99,7 +99,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.tls_root:  # through the environment: every rank's clients (spawned ones too) read it
         read_pem(args.tls_root, "--tls-root")
         os.environ[TLS_ROOT_ENV] = str(Path(args.tls_root).resolve())
-    train(args.config, nproc=args.nproc, resume=args.resume, sets=args.set or [],
+    sets = list(args.set or [])
+    if args.ray_address:
+        sets += ["data.loader=ray", f"data.ray_address={args.ray_address}"]
+    train(args.config, nproc=args.nproc, resume=args.resume, sets=sets,
           progress=not args.no_progress, plane=args.plane, plane_token=token)
     return 0
 
@@ -213,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--plane", metavar="URL", help="an external data plane (`omniscale "
                        "plane serve --dp NPROC --sp-max 1 ...`) instead of the embedded one")
+    train.add_argument("--ray-address", metavar="ADDRESS",
+                       help="decode on the Ray cluster at ADDRESS (`auto`: the one running "
+                       "here): data.loader=ray, data.ray_address=ADDRESS")
     from omniscale.tools.plane_cli import add_tls_root_argument, add_token_arguments
 
     add_token_arguments(train)  # --token-file, --token (else $OMNISCALE_PLANE_TOKEN)
