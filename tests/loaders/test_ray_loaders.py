@@ -11,26 +11,20 @@ import time
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from omniscale.dataplane.errors import UserError
 from omniscale.loaders.ray_cluster import size_pools
 from omniscale.loaders.ray_loaders import RayRankLoader, measure_costs
 from omniscale.loaders.worker import decoder_spec
 from tests.loaders.pipeline_fixtures import loader_args, spec_of
+from tests.loaders.ray_fixtures import two_node_cluster
 from tests.loaders.test_pipeline import check_full_path
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A fresh two-node Ray cluster on this machine (never one the environment points at)."""
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    nodes.add_node(num_cpus=1)
-    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
-    nodes.wait_for_nodes()
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
+    with two_node_cluster(1) as nodes:
+        yield nodes
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,11 @@ On a local two-node Ray cluster of two CPUs a node."""
 from __future__ import annotations
 
 import pytest
-import ray
 import yaml
-from ray.cluster_utils import Cluster
 
 from omniscale.loaders.ray_loaders import RayRankLoader
 from tests.loaders.pipeline_fixtures import loader_args, spec_of
+from tests.loaders.ray_fixtures import two_node_cluster
 from tests.loaders.test_pipeline import check_full_path
 
 SOURCES = ("text", "image_caption", "video_caption")
@@ -21,13 +20,8 @@ CLIPS = {"text": 0.01, "image_caption": 0.01, "video_caption": 1.0}
 
 @pytest.fixture(scope="module")
 def cluster():
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    nodes.add_node(num_cpus=2)
-    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
-    nodes.wait_for_nodes()
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
+    with two_node_cluster(2) as nodes:
+        yield nodes
 
 
 @pytest.fixture(scope="module")

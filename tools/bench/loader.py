@@ -137,10 +137,17 @@ def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str,
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
                                          collate_fn=lambda x: x, prefetch_factor=4)
     it = iter(loader)
-    next(it)  # worker start-up is not throughput
+    out = time_batches(it, samples)
+    del it
+    return out
+
+
+def time_batches(it, samples: int) -> dict:
+    """A baseline's throughput: its first batch (worker start-up) untimed, then PackedBatches
+    from ``it`` until ``samples`` samples; the bytes handed over are the batches' tensors."""
+    next(it)
     start = time.perf_counter()
-    n = tokens = 0
-    moved = 0
+    n = tokens = moved = 0
     while n < samples:
         batch = next(it)
         n += int(batch.cu_seqlens_S1.numel()) - 1
@@ -148,7 +155,6 @@ def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str,
         moved += sum(t.numel() * t.element_size() for t in vars(batch).values()
                      if isinstance(t, torch.Tensor))
     seconds = time.perf_counter() - start
-    del it
     return {"samples": n, "tokens": tokens, "seconds": seconds,
             "samples_per_s": n / seconds, "tokens_per_s": tokens / seconds,
             "bytes_per_sample": moved / max(n, 1)}

@@ -23,11 +23,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
-import torch
 from megatron.energon import (
     Cooker,
     Sample,
@@ -142,20 +140,11 @@ def energon_loader(spec_path: Path, workers: int, weights: dict[str, float], pac
 
 def run_energon(spec_path: Path, samples: int, workers: int, weights: dict[str, float],
                 pack: int) -> dict:
+    from omniscale.tools.bench.loader import time_batches
+
     with warnings.catch_warnings():  # its loader always asks for pinned memory; none on CPU
         warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true")
         it = iter(energon_loader(spec_path, workers, weights, pack))
-    next(it)  # worker start-up is not throughput
-    start = time.perf_counter()
-    n = tokens = moved = 0
-    while n < samples:
-        batch = next(it)
-        n += int(batch.cu_seqlens_S1.numel()) - 1
-        tokens += batch.num_tokens
-        moved += sum(t.numel() * t.element_size() for t in vars(batch).values()
-                     if isinstance(t, torch.Tensor))
-    seconds = time.perf_counter() - start
+    out = time_batches(it, samples)
     it.close()  # its persistent workers end with it
-    return {"samples": n, "tokens": tokens, "seconds": seconds,
-            "samples_per_s": n / seconds, "tokens_per_s": tokens / seconds,
-            "bytes_per_sample": moved / max(n, 1)}
+    return out
