@@ -61,6 +61,10 @@ class SourceDecoder:
     def decode(self, ref: SampleRef, need: DecodeNeed | None = None) -> Decoded:
         return self.decoder.decode(ref, need)
 
+    def decode_all(self, work: list[tuple[SampleRef, DecodeNeed | None]]) -> list[Decoded]:
+        """Several samples in one call, each under its own deadline."""
+        return self.decoder.decode_all(work)
+
 
 def probe_refs(source: str, path: str, n: int = PROBE_SAMPLES) -> list[SampleRef]:
     """The first ``n`` good samples of a source's index, as refs (uncapped)."""
@@ -238,42 +242,53 @@ class RayRankLoader(StepLoader):
             wait_placed(grown, PoolPlan({"grown": len(grown)}, plan.actor_cpus),
                         self.placement_timeout)
 
-    def _submit(self, ref: SampleRef, need: DecodeNeed | None) -> "_Flight":
-        pool = self.pools[ref.source]
-        self._turn[ref.source] += 1
-        self._in_flight[ref.source] += 1
-        slot = self._turn[ref.source] % len(pool)
-        return _Flight(ref, need, slot, pool[slot], pool[slot].decode.remote(ref, need))
+    def _submit(self, work: list[tuple[SampleRef, DecodeNeed | None]]) -> list["_Flight"]:
+        """A step's samples sent to their sources' pools, dealt round-robin over each pool's
+        actors: one call per actor with all its samples (a call per sample costs Ray's
+        per-call overhead a sample)."""
+        groups: dict[tuple[str, int], list] = {}
+        for ref, need in work:
+            pool = self.pools[ref.source]
+            self._turn[ref.source] += 1
+            self._in_flight[ref.source] += 1
+            groups.setdefault((ref.source, self._turn[ref.source] % len(pool)), []).append(
+                (ref, need))
+        flights = []
+        for (source, slot), items in groups.items():
+            actor = self.pools[source][slot]
+            flights.append(_Flight(source, items, slot, actor, actor.decode_all.remote(items)))
+        return flights
 
-    def _result(self, flight: "_Flight") -> Decoded:
-        """A flight's decode; if its actor died, the actor replaced (once, by whichever
-        flight notices first) and the sample decoded again on the new one."""
+    def _result(self, flight: "_Flight") -> list[Decoded]:
+        """A flight's decodes; if its actor died, the actor replaced (once, by whichever
+        flight notices first) and the samples decoded again on the new one."""
         for _ in range(self.max_actor_restarts + 1):
             try:
                 out = ray.get(flight.future)  # each actor bounds each decode by its timeout
-                self._in_flight[flight.ref.source] -= 1
+                self._in_flight[flight.source] -= len(flight.work)
                 return out
             except ray.exceptions.RayActorError as e:
                 self._apply(ray.get(self._plans.plan.remote()))  # retired by a resize?
-                pool = self.pools[flight.ref.source]
-                if flight.slot >= len(pool):  # yes: its pool's other actors take the sample
+                pool = self.pools[flight.source]
+                if flight.slot >= len(pool):  # yes: its pool's other actors take the samples
                     flight.slot %= len(pool)
                 elif pool[flight.slot] is flight.actor:  # died, not replaced yet
                     self.actor_restarts += 1
                     warnings.warn(f"rank {self.rank}: a decoding actor of source "
-                                  f"{flight.ref.source!r} died ({type(e).__name__}); replaced "
+                                  f"{flight.source!r} died ({type(e).__name__}); replaced "
                                   f"(restart {self.actor_restarts})", RuntimeWarning,
                                   stacklevel=2)
-                    pool[flight.slot] = self._actor(flight.ref.source, flight.slot)
+                    pool[flight.slot] = self._actor(flight.source, flight.slot)
                     wait_placed([pool[flight.slot]],
-                                PoolPlan({flight.ref.source: 1}, self.plan.actor_cpus),
+                                PoolPlan({flight.source: 1}, self.plan.actor_cpus),
                                 self.placement_timeout)
                 flight.actor = pool[flight.slot]
-                flight.future = flight.actor.decode.remote(flight.ref, flight.need)
-        raise RuntimeError(f"rank {self.rank}: decoding actors of source "
-                           f"{flight.ref.source!r} died {self.max_actor_restarts + 1} times "
-                           f"on {flight.ref.source}/{flight.ref.key}; giving up (it may kill "
-                           "its decoder every time)")
+                flight.future = flight.actor.decode_all.remote(flight.work)
+        keys = ", ".join(f"{ref.source}/{ref.key}" for ref, _ in flight.work[:3])
+        raise RuntimeError(f"rank {self.rank}: decoding actors of source {flight.source!r} "
+                           f"died {self.max_actor_restarts + 1} times on a call with {keys}"
+                           f"{' …' if len(flight.work) > 3 else ''}; giving up (a sample may "
+                           "kill its decoder every time)")
 
     def _decoded_steps(self):
         pending: deque = deque()  # (step, table, flights), oldest first
@@ -290,13 +305,12 @@ class RayRankLoader(StepLoader):
                     break
                 step, table = got
                 self._follow_schedule(step)
-                pending.append((step, table, [self._submit(r, need)
-                                              for r, need in self._work(table)]))
+                pending.append((step, table, self._submit(self._work(table))))
             if not pending:
                 return
             step, table, flights = pending.popleft()
-            yield step, table, DecodedStep({sample_id(f.ref): self._result(f)
-                                            for f in flights})
+            yield step, table, DecodedStep({sample_id(ref): out for f in flights
+                                            for (ref, _), out in zip(f.work, self._result(f))})
 
     def close(self) -> None:
         super().close()
@@ -308,10 +322,11 @@ class RayRankLoader(StepLoader):
 
 @dataclass
 class _Flight:
-    """A sample sent to a pool: where it went and the future of its decode."""
+    """Samples of one source sent to one of its actors: where they went and the future of
+    their decodes."""
 
-    ref: SampleRef
-    need: DecodeNeed | None
+    source: str
+    work: list[tuple[SampleRef, DecodeNeed | None]]
     slot: int  # the actor's index in its source's pool
     actor: object
     future: object
