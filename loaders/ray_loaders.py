@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.refs import SampleRef
@@ -100,12 +101,22 @@ class PoolDirectory:
 
     def __init__(self, plan: PoolPlan) -> None:
         self._plan = plan
+        self._generations: dict[tuple[str, int], int] = {}
 
     def plan(self) -> PoolPlan:
         return self._plan
 
     def set_plan(self, plan: PoolPlan) -> None:
         self._plan = plan
+
+    def next_generation(self, source: str, slot: int, seen: int) -> int:
+        """The generation of the actor in ``slot`` of ``source``'s pool after the one of
+        generation ``seen`` died: the first loader to report the death gets a new one (and
+        starts it), the others the same (and find it by name). Calls run one at a time."""
+        now = self._generations.get((source, slot), 0)
+        if now == seen:
+            now = self._generations[(source, slot)] = seen + 1
+        return now
 
 
 class RayRankLoader(StepLoader):
@@ -146,6 +157,7 @@ class RayRankLoader(StepLoader):
         self.pools: dict[str, list] = {}
         self._directory = None  # set when this loader planned the pools (it owns them)
         self._plans = None  # the job's PoolDirectory (its plan, read by every loader)
+        self._generation: dict[tuple[str, int], int] = {}  # pool slots replaced so far
         try:
             self.plan = self._job_plan(max_replicas, actor_cpus, shares)
             self.pools = {name: [self._actor(name, i) for i in range(n)]
@@ -171,7 +183,11 @@ class RayRankLoader(StepLoader):
                 shares = self._shares_now()
             plan = plan_pools(self.costs, shares, node_cpus(), max_replicas, actor_cpus)
             try:
-                self._directory = PoolDirectory.options(name=name).remote(plan)
+                # on this node: it lives as long as the planner does, not a decoding node
+                here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                      soft=False)
+                self._directory = PoolDirectory.options(name=name,
+                                                        scheduling_strategy=here).remote(plan)
                 self._plans = self._directory
                 return plan
             except ValueError:  # another process of data rank 0 (a TP peer) planned first
@@ -191,8 +207,10 @@ class RayRankLoader(StepLoader):
     def _actor(self, source: str, index: int):
         """The pool's ``index``-th actor of ``source``: the one running under its name, or a
         new one (after a death, the first rank to notice starts it, the others find it)."""
+        generation = self._generation.get((source, index), 0)
         return SourceDecoder.options(
-            name=f"{self.pools_name}/{source}/{index}", get_if_exists=True,
+            name=f"{self.pools_name}/{source}/{index}" + (f".{generation}" if generation else ""),
+            get_if_exists=True,
             num_cpus=self.plan.actor_cpus, scheduling_strategy="SPREAD").remote(
             DecoderSpec({source: self.spec.sources[source]}, self.spec.tokenizer,
                         self.spec.geometry, self.spec.max_open), self.decode_timeout)
@@ -267,21 +285,19 @@ class RayRankLoader(StepLoader):
                 out = ray.get(flight.future)  # each actor bounds each decode by its timeout
                 self._in_flight[flight.source] -= len(flight.work)
                 return out
-            except ray.exceptions.RayActorError as e:
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+                # the actor died, or its results were lost with their node's object store
                 self._apply(ray.get(self._plans.plan.remote()))  # retired by a resize?
                 pool = self.pools[flight.source]
                 if flight.slot >= len(pool):  # yes: its pool's other actors take the samples
                     flight.slot %= len(pool)
-                elif pool[flight.slot] is flight.actor:  # died, not replaced yet
+                elif pool[flight.slot] is flight.actor and not _alive(flight.actor):
                     self.actor_restarts += 1
                     warnings.warn(f"rank {self.rank}: a decoding actor of source "
                                   f"{flight.source!r} died ({type(e).__name__}); replaced "
                                   f"(restart {self.actor_restarts})", RuntimeWarning,
                                   stacklevel=2)
-                    pool[flight.slot] = self._actor(flight.source, flight.slot)
-                    wait_placed([pool[flight.slot]],
-                                PoolPlan({flight.source: 1}, self.plan.actor_cpus),
-                                self.placement_timeout)
+                    pool[flight.slot] = self._replacement(flight.source, flight.slot)
                 flight.actor = pool[flight.slot]
                 flight.future = flight.actor.decode_all.remote(flight.work)
         keys = ", ".join(f"{ref.source}/{ref.key}" for ref, _ in flight.work[:3])
@@ -289,6 +305,24 @@ class RayRankLoader(StepLoader):
                            f"died {self.max_actor_restarts + 1} times on a call with {keys}"
                            f"{' …' if len(flight.work) > 3 else ''}; giving up (a sample may "
                            "kill its decoder every time)")
+
+    def _replacement(self, source: str, slot: int):
+        """A started actor in a dead one's place, under a name of the next generation (a dead
+        actor's name is not free again for long after its node is lost); the directory
+        hands every loader the same generation."""
+        for _ in range(self.max_actor_restarts + 1):
+            seen = self._generation.get((source, slot), 0)
+            self._generation[(source, slot)] = ray.get(
+                self._plans.next_generation.remote(source, slot, seen))
+            actor = self._actor(source, slot)
+            try:
+                wait_placed([actor], PoolPlan({source: 1}, self.plan.actor_cpus),
+                            self.placement_timeout)
+                return actor
+            except ray.exceptions.RayActorError:
+                continue  # that generation died too (its node lost as well): the next
+        raise UserError(f"rank {self.rank}: no decoding actor of source {source!r} could be "
+                        f"started again in {self.max_actor_restarts + 1} tries")
 
     def _decoded_steps(self):
         pending: deque = deque()  # (step, table, flights), oldest first
@@ -318,6 +352,14 @@ class RayRankLoader(StepLoader):
             for actor in [a for pool in self.pools.values() for a in pool] + [self._directory]:
                 ray.kill(actor)
             self._directory = None
+
+
+def _alive(actor) -> bool:
+    try:
+        ray.get(actor.ready.remote(), timeout=PLACEMENT_TIMEOUT_S)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
 
 
 @dataclass

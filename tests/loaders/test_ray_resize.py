@@ -6,6 +6,7 @@ On a local two-node Ray cluster of two CPUs a node."""
 from __future__ import annotations
 
 import pytest
+import ray
 import yaml
 
 from omniscale.loaders.ray_loaders import RayRankLoader
@@ -58,3 +59,28 @@ def test_pools_follow_the_schedule_on_every_rank(cluster, demo, tmp_path):
     assert loaders[0].resizes >= 1 and loaders[1].resizes >= 1
     actors, cpus = sum(loaders[0].replicas.values()), loaders[0].plan.actor_cpus
     assert actors * cpus <= 4.0 + 1e-9  # still within the cluster
+
+
+@pytest.mark.timeout(240)
+def test_a_node_lost_mid_run_costs_its_actors_not_the_batches(cluster, demo, tmp_path):
+    """The worker node (and every decoding actor on it) is removed after step 1: the actors
+    are started again on the node left, their samples decoded again, the batches exact.
+    (Last in this module: the cluster keeps one node after it.)"""
+    loaders, on_worker = [], []
+
+    def make(url, rank):
+        loader = RayRankLoader(url, rank, **loader_args(demo), actor_cpus=0.25)
+        loaders.append(loader)
+        return loader
+
+    def lose_node(step, running):
+        if step == 1:
+            worker = next(iter(cluster.worker_nodes))
+            actors = [a for pool in running[0].pools.values() for a in pool]
+            nodes = ray.get([a.ready.remote() for a in actors])
+            on_worker.extend(n for n in nodes if n == worker.node_id)
+            cluster.remove_node(worker)
+
+    check_full_path(demo, tmp_path, make, after_step=lose_node)
+    assert on_worker  # the pools were spread: some actors were on the lost node
+    assert sum(loader.actor_restarts for loader in loaders) >= len(on_worker)
