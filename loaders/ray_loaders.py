@@ -252,9 +252,11 @@ class RayRankLoader(StepLoader):
                 ray.kill(actor)
             del pool[plan.replicas[source]:]
         self.plan = plan
-        grown = [pool.append(self._actor(source, len(pool))) or pool[-1]
-                 for source, pool in self.pools.items()
-                 for _ in range(plan.replicas[source] - len(pool))]
+        grown = []
+        for source, pool in self.pools.items():
+            while len(pool) < plan.replicas[source]:
+                pool.append(self._actor(source, len(pool)))
+                grown.append(pool[-1])
         self.resizes += 1
         if grown:
             wait_placed(grown, PoolPlan({"grown": len(grown)}, plan.actor_cpus),
