@@ -161,8 +161,8 @@ BENCHES: dict[str, Bench] = {
             Metric("samples/s: Ray decoding pools vs DataLoader workers (median of rounds)",
                    value="median.ray.samples_per_s",
                    baseline="median.workers.samples_per_s", ratio="ratio.median"),
-            Metric("Ray pools' start-up s (measure costs, start actors)",
-                   value="median.ray.pools_start_s"))),
+            Metric("loader start to the first step, s: Ray pools vs DataLoader workers",
+                   value="median.ray.start_s", baseline="median.workers.start_s"))),
     "plane": Bench(
         "plane.py", quick_args=("--quick",), quick_is_own_flag=True, missed_exit_code=1,
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",

@@ -91,7 +91,10 @@ def demo_spec(data: Path, workload: str = "mixed") -> Path:
     return path
 
 
-def run_ours(spec_path: Path, steps: int, workers: int) -> dict:
+def run_ours(spec_path: Path, steps: int, workers: int, make_loader=None) -> dict:
+    """``steps`` steps through our loader on an embedded plane: a ``RankLoader`` with
+    ``workers`` DataLoader workers, or ``make_loader(url, spec)``'s. Its start (construction
+    and first step) is timed apart from the throughput."""
     from omniscale.dataplane.embedded import start_embedded
     from omniscale.dataplane.plane import PlaneConfig
     from omniscale.dataplane.spec import load_spec
@@ -102,11 +105,14 @@ def run_ours(spec_path: Path, steps: int, workers: int) -> dict:
                          sp_max=1, snapshot_every=1000)
     per_source: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as state, start_embedded(spec_path, state, config) as p:
-        loader = RankLoader(p.url, 0, {s.name: s.path for s in spec.sources}, spec.tokenizer,
-                            spec.media, num_workers=workers, prefetch_steps=2)
+        started = time.perf_counter()
+        loader = make_loader(p.url, spec) if make_loader else RankLoader(
+            p.url, 0, {s.name: s.path for s in spec.sources}, spec.tokenizer, spec.media,
+            num_workers=workers, prefetch_steps=2)
         with loader:
             first = next(loader)  # worker start-up is not throughput
             loader.commit(first.step)
+            start_s = time.perf_counter() - started
             start = time.perf_counter()
             samples = tokens = moved = 0
             for _ in range(steps):
@@ -117,13 +123,15 @@ def run_ours(spec_path: Path, steps: int, workers: int) -> dict:
                 loader.commit(batch.step)
             seconds = time.perf_counter() - start
             wait = loader.data_wait_s
+            pools = loader.pool_stats()["actors"] if hasattr(loader, "pool_stats") else None
         with_counts = p.plane.status()["sources"]
     for row in with_counts:
         per_source[row["source"]] = row["served_samples"]
     return {"samples": samples, "tokens": tokens, "seconds": seconds,
             "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds,
             "data_wait_s": wait, "drawn_per_source": per_source,
-            "bytes_per_sample": moved / max(samples, 1)}
+            "bytes_per_sample": moved / max(samples, 1), "start_s": start_s,
+            **({"actors": pools} if pools is not None else {})}
 
 
 def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str, float],
