@@ -51,6 +51,7 @@ class DataPlane(PlaneState):
         self.journal = Journal(state_dir)
         self.lock = threading.RLock()
         self.served_max = -1
+        self.ray_namespace: str | None = None  # set by a plane running as a Ray actor
         self.served: dict[int, set[int]] = {}  # step -> ranks it was served to (this process)
         self.clients: dict[int, tuple[float, int]] = {}  # rank -> (monotonic time, step)
         self.last_snapshot = -1
@@ -397,6 +398,8 @@ class DataPlane(PlaneState):
             for row in status["sources"]:
                 row["corrupt_reported"] = self.corrupt.counts.get(row["source"], 0)
             status["corrupt_recent"] = list(self.corrupt.recent)
+            if self.ray_namespace is not None:  # trainers' decoding pools go there too
+                status["ray_namespace"] = self.ray_namespace
             return status
 
     def audit(self) -> dict:

@@ -52,6 +52,7 @@ class PlaneActor:
                 port = json.loads(endpoint.read_text())["port"]
         self.plane = DataPlane(spec, state_dir, PlaneConfig(**config),
                                restore_step=restore_step, spec_root=spec_root)
+        self.plane.ray_namespace = _namespace()
         self.server = PlaneServer(self.plane, host, port, token, tls_cert=tls_cert,
                                   tls_key=tls_key, insecure=insecure).start()
         self._url = self.server.url
@@ -86,10 +87,13 @@ def start_on_ray(spec: str | Path | None, state_dir: str | Path, config: PlaneCo
                  restore_step: int | None = None, num_cpus: float = 1,
                  timeout: float = 300.0, tls_cert: str | Path | None = None,
                  tls_key: str | Path | None = None, insecure: bool = False,
-                 spec_root: str | Path | None = None, max_restarts: int = 3):
+                 spec_root: str | Path | None = None, max_restarts: int = 3,
+                 name: str | None = None):
     """Start a plane actor on the Ray cluster this process is connected to (``ray.init``
-    first); returns ``(actor_handle, url)`` once the plane is serving. Stop it with
-    ``ray.get(actor.stop.remote())`` then ``ray.kill(actor)``.
+    first), named ``name`` in this process's namespace when given (one plane of that name a
+    namespace: the job's); returns ``(actor_handle, url)`` once the plane is serving. Its
+    status names the namespace (``ray_namespace``): trainers put their decoding pools there.
+    Stop it with ``ray.get(actor.stop.remote())`` then ``ray.kill(actor)``.
 
     If its process dies, Ray starts it again (up to ``max_restarts`` times): the plane
     resumes from its state dir (snapshot and log: every committed step) and serves on the
@@ -99,14 +103,21 @@ def start_on_ray(spec: str | Path | None, state_dir: str | Path, config: PlaneCo
 
     check_bind(host, token, tls_cert is not None, insecure)
     options: dict = {"num_cpus": num_cpus, "max_restarts": max_restarts}
+    if name is not None:
+        options["name"] = name
     if is_loopback(host):
         here = ray.get_runtime_context().get_node_id()
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
-    actor = ray.remote(PlaneActor).options(**options).remote(
-        None if spec is None else str(Path(spec).resolve()), str(Path(state_dir).resolve()),
-        asdict(config), host, port, token, restore_step,
-        *(None if p is None else str(Path(p).resolve()) for p in (tls_cert, tls_key)), insecure,
-        None if spec_root is None else str(Path(spec_root).resolve()))
+    paths = [None if p is None else str(Path(p).resolve())
+             for p in (spec, state_dir, tls_cert, tls_key, spec_root)]
+    try:
+        actor = ray.remote(PlaneActor).options(**options).remote(
+            paths[0], paths[1], asdict(config), host, port, token, restore_step, paths[2],
+            paths[3], insecure, paths[4])
+    except ValueError:  # the name is taken in this namespace
+        namespace = ray.get_runtime_context().namespace
+        raise UserError(f"a plane actor named {name!r} already runs in Ray namespace "
+                        f"{namespace!r}: stop it, or give another --namespace") from None
     try:
         url = ray.get(actor.url.remote(), timeout=timeout)
     except ray.exceptions.RayActorError as e:
@@ -116,6 +127,16 @@ def start_on_ray(spec: str | Path | None, state_dir: str | Path, config: PlaneCo
         ray.kill(actor)
         raise
     return actor, url
+
+
+def _namespace() -> str | None:
+    """The Ray namespace this actor runs in (None outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().namespace if ray.is_initialized() else None
+    except ImportError:
+        return None
 
 
 def _restarted() -> bool:

@@ -6,7 +6,8 @@ same one, in the job's own namespace, so two jobs on one cluster never see each 
 actors. Pools are planned within the CPUs the cluster has (:func:`plan_pools`), and actors
 that the cluster still cannot place within a bounded time end the run with one line naming
 what was asked and what the cluster offers (:func:`wait_placed`): Ray itself would wait
-forever, silently.
+forever, silently. On a cluster with an autoscaler the pools are planned for the CPUs the job
+may ask it for, and asked for through Ray's resource requests (:func:`request_room`).
 """
 
 from __future__ import annotations
@@ -50,12 +51,31 @@ def connect(address: str, namespace: str) -> None:
     if ray.is_initialized():
         return
     _reachable(address)
+    _token_auth_if_at_hand()
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False,
                  logging_level=logging.WARNING)
     except ConnectionError as e:
         raise UserError(f"data.ray_address {address!r}: no Ray cluster to join "
-                        f"({str(e).splitlines()[0]})") from None
+                        f"({str(e).splitlines()[0]}; a cluster with token auth needs its "
+                        "token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+                        ) from None
+
+
+def _token_auth_if_at_hand() -> None:
+    """Ray enables token auth on the clusters it starts, and uses a token it finds (its
+    variables, ``~/.ray/auth_token``) when it finds the cluster itself (``auto``) -- but not
+    given an address: a sibling rank's instance (torchrun) or a `ray start` head would refuse
+    us. Do as Ray does for ``auto`` (its own function; ``RAY_AUTH_MODE``, when set, rules)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token auth
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _reachable(address: str, timeout: float = 5.0) -> None:
@@ -130,6 +150,17 @@ def plan_pools(costs: dict[str, float], shares: dict[str, float], nodes: list[fl
     return PoolPlan(replicas, actor_cpus)
 
 
+def request_room(plan: PoolPlan | None) -> None:
+    """Ask the cluster's autoscaler for room for ``plan``'s actors (one bundle each), through
+    Ray's resource requests: a standing request, which the autoscaler keeps the cluster at
+    (a lost node is replaced) until the next call; None withdraws it. On a cluster without
+    an autoscaler the request is recorded and nothing else happens."""
+    from ray.autoscaler.sdk import request_resources
+
+    actors = 0 if plan is None else sum(plan.replicas.values())
+    request_resources(bundles=[{"CPU": plan.actor_cpus}] * actors if actors else [])
+
+
 def replan(plan: PoolPlan, costs: dict[str, float], shares: dict[str, float],
            nodes: list[float], max_replicas: int = 4) -> PoolPlan:
     """``plan``'s actors shared out anew for new mixture shares: as many actors, of the same
@@ -145,18 +176,19 @@ def replan(plan: PoolPlan, costs: dict[str, float], shares: dict[str, float],
     return PoolPlan(replicas, plan.actor_cpus)
 
 
-def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT_S) -> None:
+def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT_S,
+                autoscaling: bool = False) -> None:
     """Return once every actor of ``plan`` has started (each answers ``ready``). Actors
-    larger than any node refuse at once; otherwise each must start within ``timeout``
-    seconds of the one before (a cluster short of CPUs, or an autoscaler that never comes,
-    stalls; a busy one that starts worker processes one at a time does not). On a refusal
-    or a stall every actor is killed and one line says what was asked and what the cluster
-    offers."""
+    larger than any node refuse at once (unless ``autoscaling``: the autoscaler may add
+    larger nodes); otherwise each must start within ``timeout`` seconds of the one before
+    (a cluster short of CPUs, or an autoscaler that never comes, stalls; a busy one that
+    starts worker processes one at a time does not). On a refusal or a stall every actor is
+    killed and one line says what was asked and what the cluster offers."""
     import ray
 
     largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]),
                   default=0.0)
-    if plan.actor_cpus > largest:
+    if plan.actor_cpus > largest and not autoscaling:
         _refuse(actors, plan, 0, f"no node has {plan.actor_cpus:g} CPUs (the largest has "
                 f"{largest:g})")
     pending = [a.ready.remote() for a in actors]
@@ -164,18 +196,21 @@ def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not done:
             _refuse(actors, plan, len(actors) - len(pending), f"none more started within "
-                    f"{timeout:g} s")
+                    f"{timeout:g} s", autoscaling)
         ray.get(done)  # an actor that failed to start raises its own error here
 
 
-def _refuse(actors: list, plan: PoolPlan, placed: int, why: str) -> None:
+def _refuse(actors: list, plan: PoolPlan, placed: int, why: str,
+            autoscaling: bool = False) -> None:
     import ray
 
     available = float(ray.available_resources().get("CPU", 0.0))
     for actor in actors:
         ray.kill(actor)
+    hint = ("the autoscaler was asked for them and did not add the nodes; lower "
+            "data.ray_autoscale_cpus or check the autoscaler's node types" if autoscaling else
+            "lower data.ray_actor_cpus (unset, the pools fit the cluster) or add nodes")
     raise UserError(
         f"Ray started {placed} of {len(actors)} decoding actors ({plan.actor_cpus:g} CPU each, "
         f"{plan.cpus:g} CPUs in all): {why}; the cluster has {cluster_cpus():g} CPUs, "
-        f"{available:g} free; lower data.ray_actor_cpus (unset, the pools fit the cluster) "
-        "or add nodes")
+        f"{available:g} free; {hint}")

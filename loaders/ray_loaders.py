@@ -40,6 +40,7 @@ from omniscale.loaders.ray_cluster import (
     node_cpus,
     plan_pools,
     replan,
+    request_room,
     wait_placed,
 )
 from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
@@ -135,14 +136,17 @@ class RayRankLoader(StepLoader):
     ``max_actor_restarts`` deaths on one sample end the loader). Every ``resize_every``
     steps (0: never) the pools follow the schedule: the planner shares the same actors out
     anew for the mixture the plane draws now, ahead of training, and every loader applies the
-    new plan (``_follow_schedule``). The loader that planned kills the pools on close (they
-    die with its process anyway).
+    new plan (``_follow_schedule``). On a cluster with an autoscaler, ``autoscale_cpus`` is
+    what the pools may ask it for: they are planned for that many CPUs (or the cluster's, if
+    more) and asked for through Ray's resource requests, a standing request the autoscaler
+    keeps the cluster at (``ray_cluster.request_room``). The loader that planned kills the
+    pools on close (they die with its process anyway) and withdraws its request.
     """
 
     def __init__(self, *args, max_replicas: int = 4, actor_cpus: float | None = None,
                  shares: dict[str, float] | None = None, pools_name: str | None = None,
                  placement_timeout: float = PLACEMENT_TIMEOUT_S, max_actor_restarts: int = 3,
-                 resize_every: int = 0, **kw) -> None:
+                 resize_every: int = 0, autoscale_cpus: float | None = None, **kw) -> None:
         super().__init__(*args, **kw)
         self._turn = {name: 0 for name in self.spec.sources}
         self._in_flight = {name: 0 for name in self.spec.sources}
@@ -150,6 +154,7 @@ class RayRankLoader(StepLoader):
         self.placement_timeout = placement_timeout
         self.max_actor_restarts = max_actor_restarts
         self.max_replicas, self.resize_every = max_replicas, resize_every
+        self.autoscale_cpus = autoscale_cpus
         self.actor_restarts = self.resizes = 0
         self.costs: dict[str, float] = {}
         self.pools_name = pools_name or "omniscale-pools-" + hashlib.sha256(
@@ -163,10 +168,24 @@ class RayRankLoader(StepLoader):
             self.pools = {name: [self._actor(name, i) for i in range(n)]
                           for name, n in self.plan.replicas.items()}
             wait_placed([a for pool in self.pools.values() for a in pool], self.plan,
-                        placement_timeout)
+                        placement_timeout, self.autoscaling)
         except BaseException:
             self.close()  # the plan prefetcher and any actor started
             raise
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.autoscale_cpus is not None
+
+    def _nodes(self) -> list[float]:
+        """The CPUs per node the pools are planned within: the cluster's, or, with an
+        autoscaler, as many as the job may ask it for when that is more -- counted as nodes
+        of one CPU, so that actors sized for them fit whatever nodes the autoscaler adds."""
+        nodes = node_cpus()
+        cap = self.autoscale_cpus
+        if self.autoscaling and cap > sum(nodes):
+            return [1.0] * int(cap) + ([cap % 1] if cap % 1 else [])
+        return nodes
 
     @property
     def replicas(self) -> dict[str, int]:
@@ -181,7 +200,9 @@ class RayRankLoader(StepLoader):
             self.costs = measure_costs(self.spec)
             if shares is None:
                 shares = self._shares_now()
-            plan = plan_pools(self.costs, shares, node_cpus(), max_replicas, actor_cpus)
+            plan = plan_pools(self.costs, shares, self._nodes(), max_replicas, actor_cpus)
+            if self.autoscaling:
+                request_room(plan)
             try:
                 # on this node: it lives as long as the planner does, not a decoding node
                 here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
@@ -233,9 +254,11 @@ class RayRankLoader(StepLoader):
         if not self.resize_every or step % self.resize_every:
             return
         if self._directory is not None:
-            plan = replan(self.plan, self.costs, self._shares_now(), node_cpus(),
+            plan = replan(self.plan, self.costs, self._shares_now(), self._nodes(),
                           self.max_replicas)
             if plan != self.plan:
+                if self.autoscaling:
+                    request_room(plan)
                 ray.get(self._directory.set_plan.remote(plan))
         else:
             plan = ray.get(self._plans.plan.remote())
@@ -260,7 +283,7 @@ class RayRankLoader(StepLoader):
         self.resizes += 1
         if grown:
             wait_placed(grown, PoolPlan({"grown": len(grown)}, plan.actor_cpus),
-                        self.placement_timeout)
+                        self.placement_timeout, self.autoscaling)
 
     def _submit(self, work: list[tuple[SampleRef, DecodeNeed | None]]) -> list["_Flight"]:
         """A step's samples sent to their sources' pools, dealt round-robin over each pool's
@@ -319,7 +342,7 @@ class RayRankLoader(StepLoader):
             actor = self._actor(source, slot)
             try:
                 wait_placed([actor], PoolPlan({source: 1}, self.plan.actor_cpus),
-                            self.placement_timeout)
+                            self.placement_timeout, self.autoscaling)
                 return actor
             except ray.exceptions.RayActorError:
                 continue  # that generation died too (its node lost as well): the next
@@ -354,6 +377,8 @@ class RayRankLoader(StepLoader):
             for actor in [a for pool in self.pools.values() for a in pool] + [self._directory]:
                 ray.kill(actor)
             self._directory = None
+            if self.autoscaling:
+                request_room(None)
 
 
 def _alive(actor) -> bool:

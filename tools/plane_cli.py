@@ -59,6 +59,10 @@ def add_commands(commands) -> None:
     serve.add_argument("--ray", action="store_true",
                        help="run the plane as an actor on a Ray cluster (RAY_ADDRESS, or a "
                             "local instance) and wait; Ctrl-C stops it")
+    serve.add_argument("--namespace", default=None,
+                       help="with --ray: the job's Ray namespace, where the plane actor is "
+                            "named 'plane' and trainers using it put their decoding pools "
+                            "(default: one of the state dir's own)"),
     serve.set_defaults(func=_serve)
 
     for name, helptext in (("status", "mixture, progress and balance of a running plane"),
@@ -162,20 +166,22 @@ def _serve_on_ray(args: argparse.Namespace, config) -> int:
     from omniscale.dataplane.auth import TLS_ROOT_ENV
     from omniscale.dataplane.client import PlaneClient
     from omniscale.dataplane.ray_actor import start_on_ray
+    from omniscale.loaders.ray_cluster import job_namespace
 
+    namespace = args.namespace or job_namespace(args.state_dir)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address="auto", log_to_driver=False)
+        ray.init(address="auto", namespace=namespace, log_to_driver=False)
     else:
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(include_dashboard=False, namespace=namespace, log_to_driver=False)
     actor = None
     try:
         actor, url = start_on_ray(args.spec, args.state_dir, config, host=args.host,
                                   port=args.port, token=args.token,
                                   restore_step=args.restore_step, tls_cert=args.tls_cert,
                                   tls_key=args.tls_key, insecure=args.insecure,
-                                  spec_root=args.spec_root)
-        print(f"omniscale plane: serving {url} from a Ray actor (state in {args.state_dir})",
-              flush=True)
+                                  spec_root=args.spec_root, name="plane")
+        print(f"omniscale plane: serving {url} from a Ray actor 'plane' in namespace "
+              f"{namespace} (state in {args.state_dir})", flush=True)
         # The metrics endpoint stays in this process and reads status over Flight (TLS:
         # checked against $OMNISCALE_PLANE_TLS_ROOT, else the plane's own certificate).
         root = os.environ.get(TLS_ROOT_ENV) or args.tls_cert

@@ -20,6 +20,8 @@ from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.ray_actor import start_on_ray
+from omniscale.loaders.ray_cluster import job_namespace
+from omniscale.tools.train.loop import plane_ray_namespace
 from tests.dataplane.plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,6 +93,15 @@ def test_start_errors_are_one_line(cluster, demo, tmp_path):
     with pytest.raises(UserError, match="--host 10.1.2.3: binding anything but loopback "
                                         "requires --token"):
         start_on_ray(demo / "mix.yaml", tmp_path, CONFIG, host="10.1.2.3")
+    actor, _ = start_on_ray(demo / "mix.yaml", tmp_path / "first", CONFIG, name="plane")
+    try:
+        namespace = ray.get_runtime_context().namespace
+        with pytest.raises(UserError, match=f"^a plane actor named 'plane' already runs in Ray "
+                                            f"namespace '{namespace}': stop it, or give another "
+                                            f"--namespace$"):
+            start_on_ray(demo / "mix.yaml", tmp_path / "second", CONFIG, name="plane")
+    finally:
+        ray.kill(actor)
 
 
 def test_serve_command_joins_the_cluster(cluster, demo, tmp_path):
@@ -114,7 +125,12 @@ def test_serve_command_joins_the_cluster(cluster, demo, tmp_path):
             if match := re.search(pattern, line):
                 return match
     try:
-        url = next_line(r"serving (grpc\+tcp://\S+) from a Ray actor").group(1)
+        url, namespace = next_line(r"serving (grpc\+tcp://\S+) from a Ray actor 'plane' in "
+                                   r"namespace (\S+) ").groups()
+        assert namespace == job_namespace(tmp_path)  # the state dir's own
+        assert ray.get_actor("plane", namespace=namespace) is not None
+        # trainers read it from the plane, and put their decoding pools there
+        assert plane_ray_namespace(url, None) == namespace
         with PlaneClient(url, timeout=10, retry_for=5) as client:
             client.get_plan(0, 0)
             client.get_plan(0, 1)

@@ -27,8 +27,11 @@ def _sets(demo, out) -> dict:
 
 
 def test_torchrun_two_ranks_train_what_spawned_ranks_do(demo, tmp_path):
+    """Also on Ray pools, with no address: rank 0 starts the job's Ray instance, rank 1 joins
+    it (the batches are those of the spawned ranks' worker processes)."""
     out = tmp_path / "torchrun"
-    args = [a for k, v in _sets(demo, out).items() for a in ("--set", f"{k}={v}")]
+    args = [a for k, v in {**_sets(demo, out), "data.loader": "ray"}.items()
+            for a in ("--set", f"{k}={v}")]
     torchrun = Path(sys.executable).with_name("torchrun")
     done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
                            "omniscale", "train", "configs/demo_omni.yaml", "--no-progress",
@@ -38,6 +41,7 @@ def test_torchrun_two_ranks_train_what_spawned_ranks_do(demo, tmp_path):
     assert "step 2/2" in done.stdout and (out / "result.json").is_file()
     got = read_metrics(out / "metrics.jsonl")
     assert [len(r["rank_compute_s"]) for r in got] == [2, 2]
+    assert min(got[-1]["data_pools"]["actors"].values()) >= 1
 
     spawned = tmp_path / "spawned"
     train("configs/demo_omni.yaml", nproc=2, progress=False,

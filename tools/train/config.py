@@ -55,6 +55,9 @@ class DataSection(_Strict):
     # CPUs each Ray decoding actor reserves (None: the pools fit in the cluster's CPUs)
     ray_actor_cpus: float | None = Field(None, gt=0)
     ray_placement_timeout_s: float = Field(60.0, gt=0)  # then: one line and exit, not a hang
+    # A cluster with an autoscaler: the CPUs the pools may ask it for (Ray resource requests;
+    # None: the pools fit the nodes there are)
+    ray_autoscale_cpus: float | None = Field(None, gt=0)
     # Refit the balancer's cost model from measured step times every N steps (0: never) and
     # send it to the plane -- not in deterministic mode, where plans must not depend on timing
     # (the fit is then only logged), so that a resumed run replays bit for bit.

@@ -29,6 +29,7 @@ from omniscale.tools.train.metrics import MetricsWriter, Progress
 from omniscale.tools.train.pipeline_step import pipeline_step
 from omniscale.tools.train.records import flush
 from omniscale.tools.train.step import StepContext, train_step
+from omniscale.tools.train.torchrun import shared_ray
 
 
 @dataclass
@@ -106,6 +107,15 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=job.store, rank=rank, world_size=world)
+    try:
+        with shared_ray(cfg, job, rank) as job:
+            _train_rank(rank, world, job, cfg, run_dir, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Path,
+                device: torch.device) -> None:
     plane = loader = None
     try:
         spec, mcfg, dims = layout(cfg, world)  # every rank, before the plane starts
@@ -148,7 +158,6 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
             loader.close()
         if plane is not None:
             plane.stop()
-        dist.destroy_process_group()
 
 
 def layout(cfg: RunConfig, world: int):
@@ -237,15 +246,22 @@ def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
     from omniscale.loaders.ray_cluster import connect, job_namespace
     from omniscale.loaders.ray_loaders import RayRankLoader
 
-    address = job.ray_address or cfg.data.ray_address
-    if address is None:
-        raise UserError("data.loader=ray under torchrun: set data.ray_address (a cluster "
-                        "started with `ray start`, or auto)")
-    connect(address, job_namespace(job.run_dir))
+    # A plane running as a Ray actor names its job's namespace: the pools join it there.
+    connect(job.ray_address or cfg.data.ray_address,
+            plane_ray_namespace(url, job.plane_token) or job_namespace(job.run_dir))
     # The pools follow the schedule once a window (the plane draws a window ahead).
     return RayRankLoader(*args, actor_cpus=cfg.data.ray_actor_cpus,
                          placement_timeout=cfg.data.ray_placement_timeout_s,
+                         autoscale_cpus=cfg.data.ray_autoscale_cpus,
                          resize_every=cfg.data.window, **kw)
+
+
+def plane_ray_namespace(url: str, token: str | None) -> str | None:
+    """The Ray namespace of a plane served as a Ray actor (``plane serve --ray``), else None."""
+    from omniscale.dataplane.client import PlaneClient
+
+    with PlaneClient(url, token=token, timeout=10.0, retry_for=30.0) as client:
+        return client.status().get("ray_namespace")
 
 
 def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:

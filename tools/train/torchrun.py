@@ -11,11 +11,17 @@ nodes cannot reach loopback, so a multi-node run needs ``--plane URL`` of a plan
 reach (``omniscale plane serve --host 0.0.0.0 --token T``, or ``--ray`` on a Ray cluster). The
 run directory and the data must be on a filesystem every node sees (checkpoints are written by
 every rank).
+
+With ``data.loader: ray`` and no ``data.ray_address``, a one-node job's rank 0 starts the job's
+Ray instance and the other ranks join it (:func:`shared_ray`), as under ``omniscale train
+--nproc``; a job over several nodes joins a cluster every node reaches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import replace
 
 from omniscale.dataplane.errors import UserError
 
@@ -37,3 +43,36 @@ def torchrun_layout(nproc: int, plane: str | None) -> tuple[int, int]:
                         f"URL (an `omniscale plane serve --host 0.0.0.0 --token T` every node "
                         f"can reach); the embedded plane listens on loopback only")
     return rank, world
+
+
+@contextlib.contextmanager
+def shared_ray(cfg, job, rank: int):
+    """``job`` with the Ray cluster its ranks share: under torchrun on one node with
+    ``data.loader: ray`` and no address, rank 0 starts a Ray instance for the job and hands
+    its address to the others (a broadcast in the process group, which must be up); on the
+    way out the others leave it first, then rank 0 stops it. Otherwise ``job`` as it is."""
+    if cfg.data.loader != "ray" or job.ray_address or cfg.data.ray_address:
+        yield job
+        return
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        raise UserError("data.loader=ray on several nodes: set data.ray_address (a cluster "
+                        "every node joins: `ray start` on each, then HOST:PORT of the head)")
+    import ray
+    import torch.distributed as dist
+
+    from omniscale.loaders.ray_cluster import job_namespace, start_local
+
+    box = [start_local(job_namespace(job.run_dir)) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    finished = False
+    try:
+        yield replace(job, ray_address=box[0])
+        finished = True
+    finally:
+        if rank != 0:
+            ray.shutdown()
+        if finished:  # a failed rank's peers are stopped by torchrun: nobody to wait for
+            dist.barrier()
+        if rank == 0:
+            ray.shutdown()
