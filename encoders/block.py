@@ -1,8 +1,21 @@
 """The bidirectional transformer block both encoders stack, and their rotary tables.
 
 Encoders see many items packed into one sequence (``cu_seqlens`` delimits them) and attend
-within each item only, in both directions; positions are rotary, so a packed item sees exactly
-what it would see alone. Fused ops come from the ``kernels`` registry (torch references on CPU).
+within each item only, in both directions; positions are rotary (or, in the Whisper layout,
+already added to the input), so a packed item sees exactly what it would see alone. Fused ops
+come from the ``kernels`` registry (torch references on CPU).
+
+One block, several layouts, so a configured encoder *is* the architecture it loads weights
+from (``encoders.hf``) rather than a look-alike:
+
+- ``norm``: ``"rms"`` (RMSNorm, weight only; ours) or ``"layer"`` (LayerNorm with a bias:
+  Qwen2-VL's vision tower, Whisper);
+- ``mlp``: ``"swiglu"`` (``gate_up``/``down``; ours), or ``"gelu"`` / ``"quick_gelu"``
+  (``up`` -> activation -> ``down``: Whisper / Qwen2-VL); ``down`` keeps its name in every
+  layout (tensor parallelism splits it row-wise);
+- ``bias``: biases on the attention output and feed-forward linears (``qkv`` always has one:
+  a fused Whisper q/k/v gets a zero k bias: without rotary it adds the same ``q . b`` to
+  every key's logit, which softmax ignores, so its gradient is zero and it stays zero).
 
 Shape suffixes: T tokens (all items packed), D width, H heads, K head dim, F feed-forward width,
 S attention windows (cu_seqlens has S+1 entries).
@@ -12,9 +25,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from omniscale import kernels
 from omniscale.kernels.reference import rotary_tables
+
+NORMS = ("rms", "layer")
+MLPS = ("swiglu", "gelu", "quick_gelu")
 
 
 class RMSNorm(nn.Module):
@@ -27,34 +44,72 @@ class RMSNorm(nn.Module):
         return kernels.get("rms_norm", x_TD.device)(x_TD, self.weight, self.eps)
 
 
-class EncoderBlock(nn.Module):
-    """Pre-norm block: varlen bidirectional self-attention with rotary positions, then SwiGLU."""
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``"rms"``: RMSNorm; ``"layer"``: LayerNorm with weight and bias."""
+    if kind == "rms":
+        return RMSNorm(dim, eps)
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"encoder norm {kind!r}: choose one of {', '.join(NORMS)}")
 
-    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, eps: float = 1e-6):
+
+def check_layout(norm: str, mlp: str) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"encoder norm {norm!r}: choose one of {', '.join(NORMS)}")
+    if mlp not in MLPS:
+        raise ValueError(f"encoder mlp {mlp!r}: choose one of {', '.join(MLPS)}")
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's sigmoid approximation of GELU, which Qwen2-VL's vision tower was trained with."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm block: varlen bidirectional self-attention (rotary positions when given), then
+    the feed-forward layer (module docstring: the layouts)."""
+
+    def __init__(self, d_model: int, n_heads: int, ffn_dim: int, eps: float = 1e-6,
+                 norm: str = "rms", mlp: str = "swiglu", bias: bool = False):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"encoder d_model {d_model}: must be a multiple of n_heads {n_heads}")
+        check_layout(norm, mlp)
         self.n_heads, self.head_dim = n_heads, d_model // n_heads
-        self.attn_norm = RMSNorm(d_model, eps)
+        self.mlp_kind = mlp
+        self.attn_norm = make_norm(norm, d_model, eps)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=True)
-        self.out = nn.Linear(d_model, d_model, bias=False)
-        self.ffn_norm = RMSNorm(d_model, eps)
-        self.gate_up = nn.Linear(d_model, 2 * ffn_dim, bias=False)
-        self.down = nn.Linear(ffn_dim, d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=bias)
+        self.ffn_norm = make_norm(norm, d_model, eps)
+        if mlp == "swiglu":
+            self.gate_up = nn.Linear(d_model, 2 * ffn_dim, bias=bias)
+        else:
+            self.up = nn.Linear(d_model, ffn_dim, bias=bias)
+        self.down = nn.Linear(ffn_dim, d_model, bias=bias)
 
-    def forward(self, x_TD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
-                cu_seqlens_S1: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, cos_TK: torch.Tensor | None,
+                sin_TK: torch.Tensor | None, cu_seqlens_S1: torch.Tensor, max_seqlen: int
+                ) -> torch.Tensor:
+        """``cos_TK``/``sin_TK`` None: no rotary (the input already carries positions)."""
         device = x_TD.device
-        rotary = kernels.get("rotary", device)
         T = x_TD.shape[0]
         q_THK, k_THK, v_THK = self.qkv(self.attn_norm(x_TD)).view(
             T, 3, self.n_heads, self.head_dim).unbind(1)
-        q_THK, k_THK = rotary(q_THK, cos_TK, sin_TK), rotary(k_THK, cos_TK, sin_TK)
+        if cos_TK is not None:
+            rotary = kernels.get("rotary", device)
+            q_THK, k_THK = rotary(q_THK, cos_TK, sin_TK), rotary(k_THK, cos_TK, sin_TK)
         attn_THK = kernels.get("varlen_attention", device)(
             q_THK, k_THK, v_THK, cu_seqlens_S1, max_seqlen, causal=False)
         x_TD = x_TD + self.out(attn_THK.reshape(T, -1))
-        gate_TF, up_TF = self.gate_up(self.ffn_norm(x_TD)).chunk(2, dim=-1)
-        return x_TD + self.down(kernels.get("swiglu", device)(gate_TF, up_TF))
+        h_TD = self.ffn_norm(x_TD)
+        if self.mlp_kind == "swiglu":
+            gate_TF, up_TF = self.gate_up(h_TD).chunk(2, dim=-1)
+            h_TF = kernels.get("swiglu", device)(gate_TF, up_TF)
+        elif self.mlp_kind == "gelu":
+            h_TF = F.gelu(self.up(h_TD))
+        else:
+            h_TF = quick_gelu(self.up(h_TD))
+        return x_TD + self.down(h_TF)
 
 
 def rope_nd(positions: list[torch.Tensor], head_dim: int, theta: float = 10000.0

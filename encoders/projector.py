@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from omniscale.encoders.block import RMSNorm
+from omniscale.encoders.block import RMSNorm, make_norm
 
 
 class MLPProjector(nn.Module):
@@ -34,12 +34,14 @@ class PatchMerger(nn.Module):
     """``merge_size**2`` consecutive patches -> one LLM token (Qwen2-VL's merger).
 
     Normalising each patch before concatenation (rather than the concatenation) keeps the
-    norm's weight per encoder channel, as in Qwen2-VL."""
+    norm's weight per encoder channel, as in Qwen2-VL. ``norm``: ``"rms"`` (ours) or
+    ``"layer"`` (Qwen2-VL's ``ln_q``, a LayerNorm with bias)."""
 
-    def __init__(self, d_model: int, out_dim: int, merge_size: int, eps: float = 1e-6):
+    def __init__(self, d_model: int, out_dim: int, merge_size: int, eps: float = 1e-6,
+                 norm: str = "rms"):
         super().__init__()
         self.group = merge_size ** 2
-        self.norm = RMSNorm(d_model, eps)
+        self.norm = make_norm(norm, d_model, eps)
         width = d_model * self.group
         self.fc1 = nn.Linear(width, width)
         self.fc2 = nn.Linear(width, out_dim)

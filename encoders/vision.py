@@ -15,6 +15,13 @@ left to the LLM, which sees the clip's tokens with temporal M-RoPE positions; in
 encoder's cost is linear in clip length and its 2D positions are exact, and a clip's slices
 are independent, which lets the encoder plan split long clips.
 
+Layouts: the defaults are ours (RMSNorm, SwiGLU, no biases past ``qkv``). With the fields of
+``QWEN2_VL`` (``norm="layer", mlp="quick_gelu", bias=True, norm_eps=1e-6``) the encoder is
+Qwen2-VL's vision tower tensor for tensor -- the patch vector's (channel, frame, row, col)
+order is its Conv3d kernel's flattened, the rotary bands are its (row, column) halves, the
+attention windows are its ``cu_seqlens`` -- and ``encoders.hf.vision_from_hf`` loads its
+checkpoints.
+
 Shape suffixes: P patches (all items packed), C patch pixels, D encoder width, N LLM tokens,
 L LLM width, V vision items, K head dim, S attention windows.
 """
@@ -26,10 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from omniscale.encoders.block import EncoderBlock, cu_seqlens, rope_nd
+from omniscale.encoders.block import EncoderBlock, check_layout, cu_seqlens, rope_nd
 from omniscale.encoders.projector import PatchMerger
 
 Grid = tuple[int, int, int]
+
+# The fields that make a VisionConfig Qwen2-VL's vision tower (``VisionConfig(**QWEN2_VL, ...)``).
+QWEN2_VL = dict(norm="layer", mlp="quick_gelu", bias=True, norm_eps=1e-6)
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,12 @@ class VisionConfig:
     ffn_dim: int = 128
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    norm: str = "rms"  # block and merger norms: "rms" | "layer" (LayerNorm with bias)
+    mlp: str = "swiglu"  # "swiglu" | "gelu" | "quick_gelu" (fc1 -> activation -> fc2)
+    bias: bool = False  # biases on the attention output and feed-forward linears
+
+    def __post_init__(self):
+        check_layout(self.norm, self.mlp)
 
     @property
     def patch_dim(self) -> int:
@@ -77,9 +93,10 @@ class VisionEncoder(nn.Module):
         self.config = config
         c = config
         self.patch_embed = nn.Linear(c.patch_dim, c.d_model, bias=False)
-        self.blocks = nn.ModuleList(EncoderBlock(c.d_model, c.n_heads, c.ffn_dim, c.norm_eps)
-                                    for _ in range(c.n_layers))
-        self.merger = PatchMerger(c.d_model, out_dim, c.merge_size, c.norm_eps)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(c.d_model, c.n_heads, c.ffn_dim, c.norm_eps, c.norm, c.mlp, c.bias)
+            for _ in range(c.n_layers))
+        self.merger = PatchMerger(c.d_model, out_dim, c.merge_size, c.norm_eps, c.norm)
 
     def forward(self, pixel_patches_PC: torch.Tensor, grid_thw_V3: torch.Tensor
                 ) -> torch.Tensor:

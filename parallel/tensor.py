@@ -218,8 +218,12 @@ def _split_encoder_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         raise ValueError(f"encoder_tp={tp}: must divide the encoder's n_heads={block.n_heads} "
                          f"and ffn_dim={ffn_dim}")
     _fused_colwise(block.qkv, tp_mesh, parts=3)
-    _fused_colwise(block.gate_up, tp_mesh, parts=2)
-    parallelize_module(block, tp_mesh, {"out": RowwiseParallel(), "down": RowwiseParallel()})
+    plan = {"out": RowwiseParallel(), "down": RowwiseParallel()}
+    if getattr(block, "gate_up", None) is not None:  # SwiGLU
+        _fused_colwise(block.gate_up, tp_mesh, parts=2)
+    else:  # fc1 -> activation -> fc2 (the Qwen2-VL and Whisper layouts)
+        plan["up"] = ColwiseParallel()
+    parallelize_module(block, tp_mesh, plan)
     block.n_heads //= tp
 
 

@@ -158,16 +158,18 @@ def omni_collate(triples) -> "PackedBatch":  # noqa: F821 -- loaders.collate.Pac
     return collate(triples, GEOMETRY)
 
 
-def omni_model(vocab_size: int, **overrides):
+def omni_model(vocab_size: int, hf_layouts: bool = False, **overrides):
+    """The tiny omni model; ``hf_layouts``: its encoders in Qwen2-VL's and Whisper's layouts."""
     from omniscale.backbone.config import ModelConfig
     from omniscale.backbone.omni import OmniModel
     from omniscale.encoders.audio import AudioConfig
-    from omniscale.encoders.vision import VisionConfig
+    from omniscale.encoders.vision import QWEN2_VL, VisionConfig
 
     torch.manual_seed(0)
+    vision = VisionConfig.preset("tiny", **(QWEN2_VL if hf_layouts else {}))
+    audio = AudioConfig.preset("tiny", **({"layout": "whisper"} if hf_layouts else {}))
     config = ModelConfig.preset("tiny", vocab_size=vocab_size, n_layers=2, d_model=64,
-                                ffn_dim=128, vision=VisionConfig.preset("tiny"),
-                                audio=AudioConfig.preset("tiny"), **overrides)
+                                ffn_dim=128, vision=vision, audio=audio, **overrides)
     return OmniModel(config)
 
 

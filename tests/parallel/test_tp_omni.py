@@ -1,6 +1,7 @@
 """Tensor parallelism beyond the decoder blocks, on 2 real gloo ranks against one process (loss
 and every gradient): the omni model's vision and audio encoder blocks split over the encoder
-mesh's `encoder_tp` (fused qkv and gate_up regrouped per forward), its token embeddings and LM
+mesh's `encoder_tp` (fused qkv and gate_up regrouped per forward; in the Qwen2-VL / Whisper
+layouts, fc1-activation-fc2 MLPs with biases), its token embeddings and LM
 head split over the vocabulary (an odd size: an uneven split) with the vocabulary-
 parallel cross-entropy and gathered logits; and a decoder with tied embeddings, where one split
 weight serves the lookup and the loss."""
@@ -61,6 +62,9 @@ def _tp_ranks(rank, world, vocab_size, packed, n_global):
     apply_tp(model, mesh["tp"], encoder_mesh["encoder_tp"])
     omni_loss = omni_step(model, packed, n_global).item()
     shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if n in SPLIT}
+    hf_layouts = omni_model(vocab_size, hf_layouts=True)  # fc1/act/fc2 MLPs, biases
+    apply_tp(hf_layouts, mesh["tp"], encoder_mesh["encoder_tp"])
+    hf_loss = omni_step(hf_layouts, packed, n_global).item()
     logits = model.decoder.logits(_hidden()).detach().numpy()
 
     torch.manual_seed(0)
@@ -69,7 +73,9 @@ def _tp_ranks(rank, world, vocab_size, packed, n_global):
     tied_loss = step_loss(tied, pack(seqs), global_tokens(seqs))
     tied_loss.backward()
     omni_grads, tied_grads = full_grads(model), full_grads(tied)  # collectives: every rank
+    hf_grads = full_grads(hf_layouts)
     return {"omni": (omni_loss, omni_grads if rank == 0 else None), "shapes": shapes,
+            "hf_layouts": (hf_loss, hf_grads if rank == 0 else None),
             "logits": logits, "tied": (tied_loss.item(), tied_grads if rank == 0 else None)}
 
 
@@ -83,12 +89,14 @@ def runs(tmp_path_factory):
     model = omni_model(vocab_size)
     ref_loss = omni_step(model, packed, n_global).item()
     ref_logits = (_hidden() @ model.decoder.lm_weight_VD.T).detach()
+    hf_layouts = omni_model(vocab_size, hf_layouts=True)
+    hf_loss = omni_step(hf_layouts, packed, n_global).item()
     reference = {"omni": (ref_loss, full_grads(model)), "logits": ref_logits,
-                 "tied": _tied_reference()}
+                 "tied": _tied_reference(), "hf_layouts": (hf_loss, full_grads(hf_layouts))}
     return reference, run_ranks(_tp_ranks, 2, vocab_size, packed, n_global)
 
 
-@pytest.mark.parametrize("case", ["omni", "tied"])
+@pytest.mark.parametrize("case", ["omni", "tied", "hf_layouts"])
 def test_tp_matches_single_process(runs, case):
     reference, ranks = runs
     ref_loss, ref_grads = reference[case]
