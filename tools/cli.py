@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     from omniscale.tools.plane_cli import add_commands as add_plane_commands
 
     add_plane_commands(commands)
+    from omniscale.tools.model_cli import add_commands as add_model_commands
+
+    add_model_commands(commands)
     return parser
 
 

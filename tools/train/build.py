@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,8 @@ def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> Mod
     and a vocabulary that holds every id of the tokenizer (rounded up to 64)."""
     m = cfg.model
     try:
-        base = ModelConfig.preset(m.preset)
+        base = _hf_backbone(m.init_from.backbone) if m.init_from.backbone else \
+            ModelConfig.preset(m.preset)
         overrides = dict(m.overrides)
         for name, value in overrides.items():  # a nested section overrides the preset's fields
             nested = getattr(base, name, None)
@@ -56,6 +58,41 @@ def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> Mod
         raise UserError(f"model.overrides.vocab_size={config.vocab_size}: the tokenizer has "
                         f"{vocab} ids")
     return config
+
+
+def _hf_backbone(path: str) -> ModelConfig:
+    """The decoder of a Hugging Face checkpoint directory (its shapes; weights: init_weights)."""
+    from omniscale.backbone.hf import config_from_hf
+    from omniscale.backbone.hf_files import CONFIG, read_config
+
+    return config_from_hf(read_config(path), Path(path) / CONFIG)
+
+
+def init_weights(model: OmniModel, cfg: RunConfig) -> None:
+    """The weights ``model.init_from`` names, loaded into the built (and parallelized) model:
+    each rank reads the tensors one at a time and keeps its own shards."""
+    backbone = cfg.model.init_from.backbone
+    if backbone and (Path(backbone) / ".metadata").is_file():  # omniscale model import-hf
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from omniscale.parallel.dcp import load
+
+        try:
+            load(backbone, model.decoder)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- a shape: one line
+            reason = str(e).strip().splitlines()[-1]  # DCP's report ends with the cause
+            raise UserError(f"model.init_from.backbone {backbone}: cannot load "
+                            f"({reason}; a vocabulary of another size: "
+                            f"import again with --vocab-size {model.config.vocab_size})"
+                            ) from None
+    elif backbone:
+        from omniscale.backbone.hf import read_parameter
+        from omniscale.backbone.hf_files import CheckpointDir
+        from omniscale.parallel.load import fill_parameters
+
+        ckpt = CheckpointDir(backbone)
+        fill_parameters(model.decoder, lambda name, shape, first: read_parameter(
+            ckpt, name, shape, first))
 
 
 def build_model(config: ModelConfig, seed: int, device: torch.device) -> OmniModel:

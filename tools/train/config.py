@@ -28,13 +28,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+class InitFromSection(_Strict):
+    """Hugging Face checkpoint directories the run starts from (any subset)."""
+
+    backbone: str | None = None  # Qwen3-MoE / Qwen3: the decoder's shapes and weights
+    vision: str | None = None
+    audio: str | None = None
+
+
 class ModelSection(_Strict):
-    preset: Literal["tiny", "small", "1b", "30b_a3b"] = "tiny"
+    preset: Literal["tiny", "small", "1b", "30b_a3b"] = "tiny"  # unused with init_from.backbone
     overrides: dict = Field(default_factory=dict)  # ModelConfig fields (moe: a dict of MoEConfig)
     vision: str | None = "tiny"  # encoders.vision.VisionConfig preset (None: no vision encoder)
     audio: str | None = "tiny"  # encoders.audio.AudioConfig preset
     encoder_overrides: dict = Field(default_factory=dict)  # {"vision": {...}, "audio": {...}}
     dit: str = "tiny"  # backbone.dit.DiTConfig preset of the video_gen task
+    init_from: InitFromSection = Field(default_factory=InitFromSection)
 
 
 class DataSection(_Strict):

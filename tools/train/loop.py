@@ -22,7 +22,7 @@ from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.tools.train import checkpoint
-from omniscale.tools.train.build import build_model, build_optimizer, model_config
+from omniscale.tools.train.build import build_model, build_optimizer, init_weights, model_config
 from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.metrics import MetricsWriter, Progress
@@ -140,6 +140,8 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
         meshes = parallelize(cfg)(model, dims, settings_of(cfg, device), device.type)
         if meshes.pipeline is not None:
             step_fn = pipeline_step
+        if not job.resume_from:
+            init_weights(model, cfg)
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer, verified=True)
@@ -165,6 +167,9 @@ def layout(cfg: RunConfig, world: int):
     config is None for video_gen); a one-line UserError when the layout cannot work. The
     launcher checks it before it spawns anything, every rank again before the plane starts."""
     spec = load_spec(cfg.data.spec)
+    if cfg.task == "video_gen" and any(dict(cfg.model.init_from).values()):
+        raise UserError("model.init_from: the video_gen task's DiT has no Hugging Face "
+                        "counterpart (omni and lm start from Qwen3 / Qwen3-MoE)")
     mcfg = None if cfg.task == "video_gen" else model_config(cfg, spec.media, spec.tokenizer)
     return spec, mcfg, parallel_dims(cfg, world, mcfg)
 

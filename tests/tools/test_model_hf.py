@@ -1,0 +1,130 @@
+"""Starting from a Hugging Face model and handing one back: ``model.init_from.backbone`` trains
+from a (locally built, random) Qwen3-MoE's weights, ``omniscale model export-hf`` writes the
+trained decoder as a checkpoint transformers loads with no custom code, with our logits;
+``omniscale model info`` prices it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from omniscale.backbone.hf_files import CheckpointDir
+from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.spec import load_spec
+from omniscale.tools.cli import main
+from omniscale.tools.train import checkpoint
+from omniscale.tools.train.build import build_model, model_config
+from omniscale.tools.train.launch import resolve_config, train
+
+transformers = pytest.importorskip("transformers")
+
+HF_VOCAB = 320  # below the demo tokenizer's ids: the run grows the table (mean rows)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "qwen3-moe"
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    model.save_pretrained(path)
+    return path
+
+
+def _sets(demo, out, hf, **kw) -> list[str]:
+    base = {"data.spec": demo / "mix.yaml", "data.workers": 0, "data.global_batch_tokens": 4096,
+            "data.micro_batch_tokens": 4096, "optim.warmup_steps": 1, "eval.enabled": False,
+            "model.init_from.backbone": hf, "output_dir": out}
+    return [f"{k}={v}" for k, v in {**base, **kw}.items()]
+
+
+def _trained(run_dir):
+    cfg, _ = resolve_config(None, str(run_dir), [])
+    spec = load_spec(cfg.data.spec)
+    mcfg = model_config(cfg, spec.media, spec.tokenizer)
+    model = build_model(mcfg, cfg.seed, torch.device("cpu"))
+    checkpoint.load(checkpoint.latest(run_dir)[1], model, None)
+    return model.eval(), mcfg
+
+
+def test_a_run_starts_from_the_checkpoint_s_weights(demo, qwen3_moe, tmp_path):
+    """One step at learning rate ~0: the run's decoder is the checkpoint's, rows beyond its
+    vocabulary the mean of its rows."""
+    train("configs/demo_omni.yaml", progress=False,
+          sets=_sets(demo, tmp_path / "r", qwen3_moe, steps=1,
+                     **{"optim.lr": 1e-30, "optim.min_lr": 0.0}))
+    model, mcfg = _trained(tmp_path / "r")
+    ckpt = CheckpointDir(qwen3_moe)
+    table = ckpt.get("model.embed_tokens.weight")
+    assert mcfg.vocab_size > HF_VOCAB and mcfg.d_model == 64 and mcfg.moe.num_experts == 4
+    ours = model.decoder.embed_tokens.weight.detach()
+    assert torch.allclose(ours[:HF_VOCAB], table, atol=1e-6)
+    assert torch.allclose(ours[HF_VOCAB:], table.mean(0).expand_as(ours[HF_VOCAB:]), atol=1e-6)
+    experts = model.decoder.layers[1].ffn.experts.down_proj.detach()
+    assert torch.allclose(experts[3], ckpt.get("model.layers.1.mlp.experts.3.down_proj.weight"),
+                          atol=1e-6)
+
+    # the same start through `model import-hf` (a DCP checkpoint, read shard by shard)
+    init = tmp_path / "init"
+    assert main(["model", "import-hf", str(qwen3_moe), "--out", str(init),
+                 "--vocab-size", str(mcfg.vocab_size)]) == 0
+    train("configs/demo_omni.yaml", progress=False,
+          sets=_sets(demo, tmp_path / "i", init, steps=1,
+                     **{"optim.lr": 1e-30, "optim.min_lr": 0.0}))
+    imported, _ = _trained(tmp_path / "i")
+    for (name, a), (_, b) in zip(model.decoder.state_dict().items(),
+                                 imported.decoder.state_dict().items()):
+        assert torch.equal(a, b), name
+    small = tmp_path / "init-small"
+    assert main(["model", "import-hf", str(qwen3_moe), "--out", str(small)]) == 0
+    with pytest.raises(UserError, match=rf"^model.init_from.backbone {small}: cannot load .*"
+                                        rf"import again with --vocab-size {mcfg.vocab_size}\)$"):
+        train("configs/demo_omni.yaml", progress=False,
+              sets=_sets(demo, tmp_path / "s", small, steps=1))
+
+
+def test_train_export_and_load_with_transformers(demo, qwen3_moe, tmp_path, capsys):
+    train("configs/demo_omni.yaml", progress=False,
+          sets=_sets(demo, tmp_path / "r", qwen3_moe, steps=5))
+    assert main(["model", "export-hf", str(tmp_path / "r"), "--out", str(tmp_path / "hf")]) == 0
+    out = tmp_path / "hf"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "vision_tower.safetensors", "audio_tower.safetensors",
+            "omniscale_towers.json"} <= {p.name for p in out.iterdir()}
+    model, mcfg = _trained(tmp_path / "r")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    ids = torch.randint(0, mcfg.vocab_size, (37,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cu = torch.tensor([0, 37], dtype=torch.int32)
+        hidden, _ = model.decoder(model.decoder.embed_tokens(ids), torch.arange(37), cu, 37)
+        ours = model.decoder.logits(hidden)
+        theirs = hf(ids[None]).logits[0]
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    start = CheckpointDir(qwen3_moe).get("model.layers.0.self_attn.q_proj.weight")
+    assert not torch.allclose(hf.model.layers[0].self_attn.q_proj.weight, start)  # trained
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<eos>" and tokenizer.pad_token == "<pad>"
+
+    capsys.readouterr()
+    assert main(["model", "export-hf", str(tmp_path / "r"), "--out", str(out)]) != 0
+    assert capsys.readouterr().err == f"omniscale: error: {out}: already exists (give a new " \
+                                      "directory)\n"
+
+
+def test_model_info_prices_the_checkpoint(qwen3_moe, capsys):
+    assert main(["model", "info", str(qwen3_moe), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"] == "Qwen3MoeForCausalLM" and info["experts"] == 4
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_moe)
+    assert info["parameters"] == sum(p.numel() for p in hf.parameters())  # an independent count
+    assert info["layers"] == 2 and info["top_k"] == 2
+    # by hand, per layer: q 64·64, k and v 64·32, o 64·64, q/k norms 2·16, two norms 2·64,
+    # router 64·4, two experts 2·3·64·32; plus the head 320·64 (a matmul; the table is not)
+    layer = 4096 + 2 * 2048 + 4096 + 32 + 128 + 256 + 12288
+    assert info["cost_alpha"] == 6 * (2 * layer + HF_VOCAB * 64)

@@ -1,0 +1,208 @@
+"""``omniscale model``: what a Hugging Face checkpoint is (``info``), one made ready for
+training (``import-hf``), and a trained run handed back as one (``export-hf``).
+
+``import-hf DIR --out INIT [--vocab-size N]`` reads the decoder once (one process, the whole
+model in memory) and writes it as a torch DCP checkpoint beside a copy of its ``config.json``
+and tokenizer files: ``model.init_from.backbone: INIT`` then loads it on any number of ranks,
+each rank reading only its own shards (the DCP planner slices the files), which is faster than
+every rank reading every tensor of the safetensors for a large model.
+
+``export-hf RUN_DIR [--step N] --out DIR`` loads the run's checkpoint on this process (DCP
+reshards from any number of ranks), and writes the decoder as a Qwen3-MoE / Qwen3 checkpoint
+(``config.json``, safetensors shards with an index when more than one, the run's
+``tokenizer.json`` and a ``tokenizer_config.json``) that transformers' ``from_pretrained``
+loads with no custom code. The omni model's encoders are separate towers beside it:
+``vision_tower.safetensors`` / ``audio_tower.safetensors`` hold their state under our names,
+``omniscale_towers.json`` their configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from omniscale.dataplane.errors import UserError
+
+TOWERS = "omniscale_towers.json"
+
+
+def model_info(path: str | Path) -> dict:
+    """Parameters, active parameters, layers, experts and the balancer's cost coefficients of
+    the decoder in a Hugging Face checkpoint directory (its config only: no weights read)."""
+    from omniscale.backbone.hf import config_from_hf
+    from omniscale.backbone.hf_files import CONFIG, read_config
+
+    hf = read_config(path)
+    config = config_from_hf(hf, Path(path) / CONFIG)
+    alpha, beta = config.cost_coefficients()
+    return {"architecture": hf["architectures"][0], "parameters": config.param_count(),
+            "active_parameters": config.active_param_count(), "layers": config.n_layers,
+            "moe_layers": config.n_moe_layers,
+            "experts": config.moe.num_experts if config.moe else 0,
+            "top_k": config.moe.top_k if config.moe else 0,
+            "vocab_size": config.vocab_size, "d_model": config.d_model,
+            "cost_alpha": alpha, "cost_beta": beta}
+
+
+IMPORTED = "omniscale_import.json"  # marks an import-hf directory (DCP beside config.json)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def import_hf(path: str | Path, out: str | Path, vocab_size: int | None = None) -> Path:
+    """The decoder of the Hugging Face checkpoint at ``path`` as a DCP checkpoint at ``out``
+    (new), its vocabulary grown to ``vocab_size`` (mean rows) when that is larger."""
+    import shutil
+
+    from omniscale.backbone.hf import from_hf
+    from omniscale.backbone.hf_files import CONFIG, read_config
+    from omniscale.parallel.dcp import save
+
+    out = Path(out)
+    if out.exists():
+        raise UserError(f"{out}: already exists (give a new directory)")
+    decoder, config = from_hf(path, vocab_size)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save(tmp, decoder)  # one process: DCP writes without a process group
+        hf = dict(read_config(path), vocab_size=config.vocab_size)
+        (tmp / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+        for name in TOKENIZER_FILES:
+            if (Path(path) / name).is_file():
+                shutil.copy2(Path(path) / name, tmp / name)
+        (tmp / IMPORTED).write_text(json.dumps({"source": str(Path(path).resolve())}) + "\n")
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
+    """The run's checkpoint (the latest, or ``step``'s) as a Hugging Face checkpoint at
+    ``out`` (which must not exist)."""
+    from omniscale.backbone.hf import config_to_hf, hf_tensors
+    from omniscale.backbone.hf_files import write_checkpoint_dir
+    from omniscale.dataplane.spec import load_spec
+    from omniscale.loaders.decode_text import load_tokenizer
+    from omniscale.tools.train import checkpoint
+    from omniscale.tools.train.build import build_model, model_config
+    from omniscale.tools.train.launch import resolve_config
+    from omniscale.tools.train.loop import quiet_torch_notices
+
+    quiet_torch_notices()
+    cfg, run_dir = resolve_config(None, str(run_dir), [])
+    if cfg.task == "video_gen":
+        raise UserError(f"{run_dir}: a video_gen run's DiT has no Hugging Face counterpart")
+    found = _checkpoint(run_dir, step)
+    spec = load_spec(cfg.data.spec)
+    mcfg = model_config(cfg, spec.media, spec.tokenizer)
+    model = build_model(mcfg, cfg.seed, torch.device("cpu"))
+    checkpoint.load(found, model, None)
+    tokenizer = load_tokenizer(spec.tokenizer)
+    special = {"eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
+    text = tokenizer.tokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        extras = [Path(spec.tokenizer), _tokenizer_config(Path(tmp), text.id_to_token(
+            tokenizer.eos_id), text.id_to_token(tokenizer.pad_id))]
+        extras += _towers(model, Path(tmp))
+        return write_checkpoint_dir(out, config_to_hf(mcfg, special),
+                                    hf_tensors(model.decoder.state_dict(), mcfg), extras)
+
+
+def _checkpoint(run_dir: Path, step: int | None) -> Path:
+    from omniscale.tools.train import checkpoint
+
+    if step is None:
+        found = checkpoint.latest(run_dir)
+        if found is None:
+            raise UserError(f"{run_dir}: no finished checkpoint to export")
+        return found[1]
+    path = checkpoint.checkpoint_dir(run_dir, step)
+    if not (path / "meta.json").is_file():
+        raise UserError(f"--step {step}: {path} is not a finished checkpoint")
+    return path
+
+
+def _tokenizer_config(tmp: Path, eos: str, pad: str) -> Path:
+    """What transformers' AutoTokenizer needs beside ``tokenizer.json``."""
+    path = tmp / "tokenizer_config.json"
+    path.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                                "pad_token": pad}, indent=2) + "\n")
+    return path
+
+
+def _towers(model, tmp: Path) -> list[Path]:
+    """The encoders' state (our names) and configs, as files beside the decoder."""
+    from safetensors.torch import save_file
+
+    files, configs = [], {}
+    for name in ("vision", "audio"):
+        tower = getattr(model, name)
+        if tower is None:
+            continue
+        path = tmp / f"{name}_tower.safetensors"
+        save_file({k: v.detach().clone() for k, v in tower.state_dict().items()}, str(path),
+                  metadata={"format": "pt"})
+        files.append(path)
+        configs[name] = dataclasses.asdict(tower.config)
+    if configs:
+        (tmp / TOWERS).write_text(json.dumps(configs, indent=2) + "\n")
+        files.append(tmp / TOWERS)
+    return files
+
+
+def _info(args: argparse.Namespace) -> int:
+    info = model_info(args.dir)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{args.dir}: {info['architecture']}")
+    print(f"  parameters {info['parameters']:,} ({info['active_parameters']:,} active per "
+          f"token), {info['layers']} layers ({info['moe_layers']} MoE), "
+          f"{info['experts']} experts, top-{info['top_k']}")
+    print(f"  vocabulary {info['vocab_size']:,}, width {info['d_model']}")
+    print(f"  cost model (FLOPs per sequence of L tokens): {info['cost_alpha']:.4g}·L + "
+          f"{info['cost_beta']:.4g}·L²")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    out = import_hf(args.dir, args.out, args.vocab_size)
+    print(f"omniscale model: wrote {out} (set model.init_from.backbone: {out})")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    out = export_hf(args.run_dir, args.out, args.step)
+    print(f"omniscale model: wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    return 0
+
+
+def add_commands(commands) -> None:
+    model = commands.add_parser("model", help="Hugging Face checkpoints: inspect, import, "
+                                "export")
+    sub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
+    info = sub.add_parser("info", help="parameters, experts and cost model of an HF checkpoint")
+    info.add_argument("dir", metavar="DIR", help="a Hugging Face checkpoint directory")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(func=_info)
+    imp = sub.add_parser("import-hf", help="an HF decoder as a DCP checkpoint for init_from")
+    imp.add_argument("dir", metavar="DIR", help="a Hugging Face checkpoint directory")
+    imp.add_argument("--out", required=True, metavar="INIT", help="a new directory")
+    imp.add_argument("--vocab-size", type=int, default=None,
+                     help="grow the vocabulary to this many rows (the run's, when its tokenizer "
+                          "has more ids than the checkpoint; new rows: the mean row)")
+    imp.set_defaults(func=_import)
+    export = sub.add_parser("export-hf", help="a run's checkpoint as a Hugging Face checkpoint")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("--step", type=int, default=None,
+                        help="the checkpoint of this step (default: the latest)")
+    export.add_argument("--out", required=True, metavar="DIR", help="a new directory")
+    export.set_defaults(func=_export)
