@@ -162,13 +162,16 @@ def read_parameter(ckpt: CheckpointDir, name: str, shape: tuple[int, ...],
                             f"shape {list(fused.shape)}, expected [{chosen.stop}, {out_dim}, "
                             f"{in_dim}] (from {CONFIG})")
         return fused[chosen.start:chosen.stop]
-    if which == "down_proj":
-        return torch.stack([ckpt.get(f"{prefix}.{e}.down_proj.weight", (out_dim, in_dim))
-                            for e in chosen])
-    half = (out_dim // 2, in_dim)
-    return torch.stack([torch.cat([ckpt.get(f"{prefix}.{e}.gate_proj.weight", half),
-                                   ckpt.get(f"{prefix}.{e}.up_proj.weight", half)])
-                        for e in chosen])
+    stacked = None  # filled expert by expert: no list of copies beside the stack
+    for i, e in enumerate(chosen):
+        parts = ["down_proj"] if which == "down_proj" else ["gate_proj", "up_proj"]
+        rows = out_dim // len(parts)
+        for j, part in enumerate(parts):
+            piece = ckpt.get(f"{prefix}.{e}.{part}.weight", (rows, in_dim))
+            if stacked is None:
+                stacked = piece.new_empty(shape)
+            stacked[i, j * rows:(j + 1) * rows] = piece
+    return stacked
 
 
 def _grown(ckpt: CheckpointDir, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -36,7 +36,6 @@ class CheckpointDir:
             raise UserError(f"{self.path}: not a directory (a Hugging Face checkpoint holds "
                             f"{CONFIG} and safetensors)")
         self.config = _read_json(self.path / CONFIG)
-        self._open: dict[Path, object] = {}
         if (self.path / INDEX).is_file():
             self.listing = self.path / INDEX  # what says where each tensor is
             weight_map = _read_json(self.path / INDEX).get("weight_map")
@@ -47,8 +46,8 @@ class CheckpointDir:
             self.where = {name: self.path / file for name, file in weight_map.items()}
         elif (self.path / SINGLE).is_file():
             self.listing = self.path / SINGLE
-            self.where = dict.fromkeys(self._handle(self.path / SINGLE).keys(),
-                                       self.path / SINGLE)
+            with self._opened(self.path / SINGLE) as f:
+                self.where = dict.fromkeys(f.keys(), self.path / SINGLE)
         else:
             raise UserError(f"{self.path}: no {SINGLE} or {INDEX} (only safetensors weights "
                             f"are read)")
@@ -60,15 +59,18 @@ class CheckpointDir:
         return list(self.where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._file(name)).get_slice(name).get_shape())
+        with self._opened(self._file(name)) as f:
+            return tuple(f.get_slice(name).get_shape())
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Tensor ``name``, checked against ``shape`` when given."""
+        """Tensor ``name``, checked against ``shape`` (when given) before its data is read."""
         file = self._file(name)
-        if shape is not None and self.shape(name) != tuple(shape):
-            raise UserError(f"{file}: tensor {name} has shape {list(self.shape(name))}, "
-                            f"expected {list(shape)} (from {CONFIG})")
-        return self._handle(file).get_tensor(name)
+        with self._opened(file) as f:
+            have = tuple(f.get_slice(name).get_shape())
+            if shape is not None and have != tuple(shape):
+                raise UserError(f"{file}: tensor {name} has shape {list(have)}, expected "
+                                f"{list(shape)} (from {CONFIG})")
+            return f.get_tensor(name)  # a copy: the file's mapping goes when ``f`` closes
 
     def prefix(self, candidates: tuple[str, ...], probe: str) -> str:
         """The first of the candidate name prefixes under which the checkpoint holds
@@ -88,16 +90,18 @@ class CheckpointDir:
             raise UserError(f"{file}: missing shard (holds tensor {name}, by {INDEX})")
         return file
 
-    def _handle(self, file: Path):
+    @staticmethod
+    def _opened(file: Path):
+        """The file opened for one read: safetensors maps it, and the pages of a mapping
+        held open count in the process's memory as they are read, which over a whole
+        import would add up to the checkpoint's size."""
         from safetensors import safe_open
 
-        if file not in self._open:
-            try:
-                self._open[file] = safe_open(str(file), framework="pt")
-            except Exception as e:  # noqa: BLE001 -- a damaged file: one line
-                raise UserError(f"{file}: not a readable safetensors file "
-                                f"({str(e).splitlines()[0]})") from None
-        return self._open[file]
+        try:
+            return safe_open(str(file), framework="pt")
+        except Exception as e:  # noqa: BLE001 -- a damaged file: one line
+            raise UserError(f"{file}: not a readable safetensors file "
+                            f"({str(e).splitlines()[0]})") from None
 
 
 def read_config(path: str | Path) -> dict:

@@ -22,14 +22,21 @@ Reader = Callable[[str, tuple[int, ...], int], torch.Tensor]
 
 
 @torch.no_grad()
-def fill_parameters(module: nn.Module, read: Reader) -> None:
-    """Every parameter of ``module`` from ``read`` (module docstring)."""
+def fill_parameters(module: nn.Module, read: Reader, buffers: bool = False) -> None:
+    """Every parameter of ``module`` from ``read`` (module docstring), and every persistent
+    buffer too when ``buffers`` (buffers are never sharded). ``read`` may answer None: the
+    tensor keeps its value (a projection the checkpoint does not have)."""
     for module_name, child in module.named_modules():
         first = getattr(child, "ep_offset", 0)
-        for name, param in child.named_parameters(recurse=False):
+        tensors = list(child.named_parameters(recurse=False))
+        if buffers:
+            tensors += [(n, b) for n, b in child.named_buffers(recurse=False)
+                        if n not in child._non_persistent_buffers_set]
+        for name, tensor in tensors:
             full = read(plain_name(f"{module_name}.{name}" if module_name else name),
-                        tuple(param.shape), first)
-            copy_into(param, full)
+                        tuple(tensor.shape), first)
+            if full is not None:
+                copy_into(tensor, full)
 
 
 def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -36,6 +36,29 @@ def qwen3_moe(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def towers(tmp_path_factory):
+    """A tiny Qwen2-VL (its vision tower on the demo's patch geometry, merging to the decoder's
+    width) and a tiny Whisper (the demo's 80 mel bins), saved; (paths, the HF models)."""
+    root = tmp_path_factory.mktemp("towers")
+    torch.manual_seed(1)
+    vl = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+                           patch_size=8, temporal_patch_size=2, spatial_merge_size=2),
+        text_config=dict(vocab_size=64, hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                          "rope_theta": 10000.0})))
+    whisper = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+        num_mel_bins=80, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
+        vocab_size=64, max_target_positions=16, pad_token_id=0, bos_token_id=1,
+        eos_token_id=1, decoder_start_token_id=2, begin_suppress_tokens=None))
+    vl.save_pretrained(root / "qwen2-vl")
+    whisper.save_pretrained(root / "whisper")
+    return root / "qwen2-vl", root / "whisper", vl, whisper
+
+
 def _sets(demo, out, hf, **kw) -> list[str]:
     base = {"data.spec": demo / "mix.yaml", "data.workers": 0, "data.global_batch_tokens": 4096,
             "data.micro_batch_tokens": 4096, "optim.warmup_steps": 1, "eval.enabled": False,
@@ -52,13 +75,23 @@ def _trained(run_dir):
     return model.eval(), mcfg
 
 
-def test_a_run_starts_from_the_checkpoint_s_weights(demo, qwen3_moe, tmp_path):
+def test_a_run_starts_from_the_checkpoint_s_weights(demo, qwen3_moe, towers, tmp_path):
     """One step at learning rate ~0: the run's decoder is the checkpoint's, rows beyond its
-    vocabulary the mean of its rows."""
+    vocabulary the mean of its rows; its vision tower Qwen2-VL's, its audio encoder Whisper's
+    (with a new projector to the decoder's width)."""
+    vl_path, whisper_path, vl, whisper = towers
     train("configs/demo_omni.yaml", progress=False,
           sets=_sets(demo, tmp_path / "r", qwen3_moe, steps=1,
-                     **{"optim.lr": 1e-30, "optim.min_lr": 0.0}))
+                     **{"optim.lr": 1e-30, "optim.min_lr": 0.0,
+                        "model.init_from.vision": vl_path,
+                        "model.init_from.audio": whisper_path}))
     model, mcfg = _trained(tmp_path / "r")
+    assert (mcfg.vision.norm, mcfg.audio.layout) == ("layer", "whisper")
+    for ours, theirs in ((model.vision.blocks[0].qkv.weight, vl.model.visual.blocks[0].attn.qkv),
+                         (model.vision.merger.fc2.weight, vl.model.visual.merger.mlp[2]),
+                         (model.audio.blocks[1].up.weight, whisper.model.encoder.layers[1].fc1)):
+        assert torch.allclose(ours, theirs.weight, atol=1e-6)
+    assert model.audio.projector.weight.shape == (64, 32)  # Whisper has none: a new one
     ckpt = CheckpointDir(qwen3_moe)
     table = ckpt.get("model.embed_tokens.weight")
     assert mcfg.vocab_size > HF_VOCAB and mcfg.d_model == 64 and mcfg.moe.num_experts == 4

@@ -41,16 +41,21 @@ def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> Mod
         unknown = set(enc) - {"vision", "audio"}
         if unknown:
             raise ValueError(f"encoder_overrides: unknown encoder(s) {sorted(unknown)}")
-        if m.vision:
-            vision = VisionConfig.preset(m.vision, patch_size=geometry.patch_size,
-                                         temporal_patch_size=geometry.temporal_patch_size,
-                                         merge_size=geometry.merge_size, **enc.get("vision", {}))
-            vision.check_geometry(geometry)
-            overrides["vision"] = vision
-        if m.audio:
-            audio = AudioConfig.preset(m.audio, n_mels=geometry.n_mels, **enc.get("audio", {}))
-            audio.check_geometry(geometry)
-            overrides["audio"] = audio
+        if m.init_from.vision:  # the checkpoint's tower: its shapes, layout and geometry
+            overrides["vision"] = _hf_tower("vision", m.init_from.vision, base.d_model, enc)
+        elif m.vision:
+            overrides["vision"] = VisionConfig.preset(
+                m.vision, patch_size=geometry.patch_size,
+                temporal_patch_size=geometry.temporal_patch_size, merge_size=geometry.merge_size,
+                **enc.get("vision", {}))
+        if m.init_from.audio:
+            overrides["audio"] = _hf_tower("audio", m.init_from.audio, base.d_model, enc)
+        elif m.audio:
+            overrides["audio"] = AudioConfig.preset(m.audio, n_mels=geometry.n_mels,
+                                                    **enc.get("audio", {}))
+        for name in ("vision", "audio"):
+            if overrides.get(name) is not None:
+                overrides[name].check_geometry(geometry)
         config = dataclasses.replace(base, **overrides)
     except (TypeError, ValueError, KeyError) as e:
         raise UserError(f"model: {e}") from None
@@ -58,6 +63,15 @@ def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> Mod
         raise UserError(f"model.overrides.vocab_size={config.vocab_size}: the tokenizer has "
                         f"{vocab} ids")
     return config
+
+
+def _hf_tower(kind: str, path: str, width: int, enc: dict):
+    """The config of a Hugging Face vision or audio tower (``encoders.hf``), projecting to
+    ``width`` (the decoder's); ``encoder_overrides`` that change no shape still apply."""
+    from omniscale.encoders import hf
+
+    config = getattr(hf, f"{kind}_source")(path, width)[0]
+    return dataclasses.replace(config, **enc.get(kind, {}))
 
 
 def _hf_backbone(path: str) -> ModelConfig:
@@ -93,6 +107,14 @@ def init_weights(model: OmniModel, cfg: RunConfig) -> None:
         ckpt = CheckpointDir(backbone)
         fill_parameters(model.decoder, lambda name, shape, first: read_parameter(
             ckpt, name, shape, first))
+    for kind in ("vision", "audio"):
+        path = getattr(cfg.model.init_from, kind)
+        if path:
+            from omniscale.encoders import hf
+            from omniscale.parallel.load import fill_parameters
+
+            read = getattr(hf, f"{kind}_source")(path, model.config.d_model)[2]
+            fill_parameters(getattr(model, kind), read, buffers=True)
 
 
 def build_model(config: ModelConfig, seed: int, device: torch.device) -> OmniModel:

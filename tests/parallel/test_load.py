@@ -1,0 +1,88 @@
+"""A Hugging Face Qwen3-MoE imported under FSDP on 2 gloo processes (``parallel.load``): the
+model is built on the meta device, sharded, given memory for its shards only, then filled
+tensor by tensor -- each rank's logits equal one process's, and each rank's peak memory grows
+by far less than the model's size while it loads (one full tensor at a time beyond its
+shards)."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+from omniscale.backbone.hf import config_from_hf, from_hf
+from omniscale.backbone.hf_files import CheckpointDir
+from tests.parallel.multiproc import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+
+def _peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 4096, (24,), generator=torch.Generator().manual_seed(4))
+
+
+def _logits(decoder, sharded: bool = False) -> torch.Tensor:
+    ids = _ids()
+    with torch.no_grad():
+        if sharded:  # the embedding and head are called outside the root's forward
+            decoder.unshard()
+        embeds = decoder.embed_tokens(ids)
+        cu = torch.tensor([0, 24], dtype=torch.int32)
+        hidden, _ = decoder(embeds, torch.arange(24), cu, 24)
+        if sharded:
+            decoder.unshard()
+        return decoder.logits(hidden)
+
+
+def _sharded_import(rank, world, path):
+    from torch.distributed.fsdp import fully_shard
+
+    from omniscale.backbone.decoder import MoEDecoder
+    from omniscale.backbone.hf import read_parameter
+    from omniscale.parallel.load import fill_parameters
+
+    ckpt = CheckpointDir(path)
+    with torch.device("meta"):
+        decoder = MoEDecoder(config_from_hf(ckpt.config))
+    for layer in decoder.layers:
+        fully_shard(layer)
+    fully_shard(decoder)
+    decoder.to_empty(device="cpu")  # memory for this rank's shards only
+    with torch.no_grad():
+        for tensor in [*decoder.parameters(), *decoder.buffers()]:
+            # touched now, so that the growth below is what loading holds beyond the shards
+            # (a buffer: the experts' selection bias, zero)
+            (tensor.to_local() if hasattr(tensor, "to_local") else tensor).zero_()
+    before = _peak_bytes()
+    fill_parameters(decoder, lambda name, shape, first: read_parameter(ckpt, name, shape, first))
+    growth = _peak_bytes() - before
+    local = sum(p.to_local().numel() * 4 for p in decoder.parameters())
+    return {"growth": growth, "local": local, "logits": _logits(decoder.eval(), sharded=True)}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_import_matches_one_process_and_holds_only_shards(tmp_path):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config)
+    full = sum(p.numel() * 4 for p in hf.parameters())  # fp32 bytes of the whole model
+    hf.save_pretrained(tmp_path / "ckpt")
+    del hf
+    one, _ = from_hf(tmp_path / "ckpt")
+    want = _logits(one.eval())
+    ranks = run_ranks(_sharded_import, 2, tmp_path / "ckpt")
+    assert full > 40 << 20  # large enough for the memory figures to mean something
+    for r in ranks:
+        torch.testing.assert_close(r["logits"], want, rtol=1e-5, atol=1e-5)
+        assert r["local"] <= full // 2 + (1 << 20)  # the shards: half the model
+        print(f"rank peak growth while loading: {r['growth'] / 2**20:.1f} MiB of a "
+              f"{full / 2**20:.1f} MiB model, {r['local'] / 2**20:.1f} MiB of shards")
+        assert r["growth"] < full // 2, (r["growth"], full)  # never the whole model
