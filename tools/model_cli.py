@@ -5,7 +5,12 @@ training (``import-hf``), and a trained run handed back as one (``export-hf``).
 model in memory) and writes it as a torch DCP checkpoint beside a copy of its ``config.json``
 and tokenizer files: ``model.init_from.backbone: INIT`` then loads it on any number of ranks,
 each rank reading only its own shards (the DCP planner slices the files), which is faster than
-every rank reading every tensor of the safetensors for a large model.
+every rank reading every tensor of the safetensors for a large model. The checkpoint's
+``tokenizer.json`` is written with the special tokens our sequences need
+(``loaders.layout.SPECIAL_TOKENS``: pad, eos, the media markers) added where it lacks them,
+after its own ids; the vocabulary then grows to hold them (rounded up to 64, as a run sizes
+it), the new embedding and head rows the mean of the old. Point the mixing spec's
+``tokenizer:`` at ``INIT/tokenizer.json`` and index with it.
 
 ``export-hf RUN_DIR [--step N] --out DIR`` loads the run's checkpoint on this process (DCP
 reshards from any number of ranks), and writes the decoder as a Qwen3-MoE / Qwen3 checkpoint
@@ -66,22 +71,46 @@ def import_hf(path: str | Path, out: str | Path, vocab_size: int | None = None) 
     out = Path(out)
     if out.exists():
         raise UserError(f"{out}: already exists (give a new directory)")
-    decoder, config = from_hf(path, vocab_size)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     try:
-        save(tmp, decoder)  # one process: DCP writes without a process group
-        hf = dict(read_config(path), vocab_size=config.vocab_size)
-        (tmp / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         for name in TOKENIZER_FILES:
             if (Path(path) / name).is_file():
                 shutil.copy2(Path(path) / name, tmp / name)
+        if (tmp / "tokenizer.json").is_file():
+            ids = with_special_tokens(tmp / "tokenizer.json")
+            vocab_size = max(vocab_size or 0, -(-ids // 64) * 64)
+        decoder, config = from_hf(path, vocab_size)
+        save(tmp, decoder)  # one process: DCP writes without a process group
+        hf = dict(read_config(path), vocab_size=config.vocab_size)
+        (tmp / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         (tmp / IMPORTED).write_text(json.dumps({"source": str(Path(path).resolve())}) + "\n")
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def with_special_tokens(path: Path) -> int:
+    """Add to the tokenizer at ``path`` (rewritten) the special tokens our sequences need that
+    it lacks, after its own ids; returns how many ids it then has."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from omniscale.loaders.layout import SPECIAL_TOKENS
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises bare Exceptions
+        raise UserError(f"{path}: not a readable tokenizer ({' '.join(str(e).split())})"
+                        ) from None
+    missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+    if missing:
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                      for t in missing])
+        tokenizer.save(str(path))
+    return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
@@ -176,6 +205,9 @@ def _info(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     out = import_hf(args.dir, args.out, args.vocab_size)
     print(f"omniscale model: wrote {out} (set model.init_from.backbone: {out})")
+    if (out / "tokenizer.json").is_file():
+        print(f"omniscale model: its tokenizer, with our special tokens: {out}/tokenizer.json "
+              f"(the mixing spec's tokenizer: index with it)")
     return 0
 
 

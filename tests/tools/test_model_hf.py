@@ -33,6 +33,15 @@ def qwen3_moe(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
     model.save_pretrained(path)
+    # its own small byte-level BPE, with a special token of its own and none of ours
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["a small model reads small texts"] * 4, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path / "tokenizer.json"))
     return path
 
 
@@ -113,6 +122,19 @@ def test_a_run_starts_from_the_checkpoint_s_weights(demo, qwen3_moe, towers, tmp
     for (name, a), (_, b) in zip(model.decoder.state_dict().items(),
                                  imported.decoder.state_dict().items()):
         assert torch.equal(a, b), name
+    # its tokenizer gained our special tokens after its own ids, which keep their meaning
+    from tokenizers import Tokenizer
+
+    from omniscale.loaders.decode_text import load_tokenizer
+    from omniscale.loaders.layout import SPECIAL_TOKENS
+
+    before = Tokenizer.from_file(str(qwen3_moe / "tokenizer.json"))
+    after = load_tokenizer(init / "tokenizer.json")  # what our loaders require of one
+    n = before.get_vocab_size()
+    assert sorted(after.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS) == \
+        list(range(n, n + len(SPECIAL_TOKENS)))
+    text = "a small model reads <|endoftext|>"
+    assert after.tokenizer.encode(text).ids == before.encode(text).ids
     small = tmp_path / "init-small"
     assert main(["model", "import-hf", str(qwen3_moe), "--out", str(small)]) == 0
     with pytest.raises(UserError, match=rf"^model.init_from.backbone {small}: cannot load .*"
