@@ -11,6 +11,7 @@ temporary directory renamed into place at the end: a failed export leaves nothin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -128,13 +129,7 @@ def write_checkpoint_dir(out: str | Path, config: dict, tensors: Iterable[tuple[
     tokenizer's) into ``out``, which must not exist yet. Returns ``out``."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    if out.exists():
-        raise UserError(f"{out}: already exists (give a new directory)")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with new_directory(out) as tmp:
         shards: list[list[str]] = [[]]
         pending: dict[str, torch.Tensor] = {}
         size = total = 0
@@ -158,11 +153,25 @@ def write_checkpoint_dir(out: str | Path, config: dict, tensors: Iterable[tuple[
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for file in extra_files:
             shutil.copy2(file, tmp / Path(file).name)
+    return Path(out)
+
+
+@contextlib.contextmanager
+def new_directory(out: str | Path):
+    """A directory for ``out`` (which must not exist) to be written in: ``out.partial``,
+    renamed to ``out`` when the block ends, removed if it fails -- never half an output."""
+    out = Path(out)
+    if out.exists():
+        raise UserError(f"{out}: already exists (give a new directory)")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _name_shards(tmp: Path, shards: list[list[str]], total: int) -> None:

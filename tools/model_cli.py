@@ -65,16 +65,10 @@ def import_hf(path: str | Path, out: str | Path, vocab_size: int | None = None) 
     import shutil
 
     from omniscale.backbone.hf import from_hf
-    from omniscale.backbone.hf_files import CONFIG, read_config
+    from omniscale.backbone.hf_files import CONFIG, new_directory, read_config
     from omniscale.parallel.dcp import save
 
-    out = Path(out)
-    if out.exists():
-        raise UserError(f"{out}: already exists (give a new directory)")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with new_directory(out) as tmp:
         for name in TOKENIZER_FILES:
             if (Path(path) / name).is_file():
                 shutil.copy2(Path(path) / name, tmp / name)
@@ -86,11 +80,7 @@ def import_hf(path: str | Path, out: str | Path, vocab_size: int | None = None) 
         hf = dict(read_config(path), vocab_size=config.vocab_size)
         (tmp / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         (tmp / IMPORTED).write_text(json.dumps({"source": str(Path(path).resolve())}) + "\n")
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 def with_special_tokens(path: Path) -> int:

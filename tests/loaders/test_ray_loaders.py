@@ -135,11 +135,11 @@ def test_a_cluster_short_of_cpus_stalls_into_one_line(cluster):
     plan = PoolPlan({"a": 14}, 0.25)
     actors = [Idle.options(num_cpus=0.25).remote() for _ in range(14)]
     with pytest.raises(UserError) as e:
-        wait_placed(actors, plan, timeout=10.0)
+        wait_placed(actors, plan, timeout=3.0)
     text = str(e.value)
     # at most 8 fit (2 CPUs / 0.25); a placed actor whose process starts late counts as not
     started = re.match(r"Ray started (\d+) of 14 decoding actors \(0.25 CPU each, 3.5 CPUs in "
-                       r"all\): none more started within 10 s; the cluster has 2 CPUs, ", text)
+                       r"all\): none more started within 3 s; the cluster has 2 CPUs, ", text)
     assert started and int(started.group(1)) <= 8 and "\n" not in text, text
 
 
