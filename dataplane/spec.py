@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.schedule import KINDS, Schedule, ScheduleError, Segment
 from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.layout import FORMATS, TEMPLATES
+from omniscale.loaders.layout import FORMATS, TEMPLATES, SpecialTokens
 
 Accounting = Literal["samples", "tokens"]
 OnExhausted = Literal["next_epoch", "stop", "drop_source"]
@@ -51,6 +51,7 @@ class MixSpec:
     media: MediaGeometry
     sources: tuple[SourceSpec, ...]
     schedule: Schedule
+    special_tokens: SpecialTokens = SpecialTokens()  # the tokenizer's pad, eos, markers
 
     @property
     def source_names(self) -> tuple[str, ...]:
@@ -124,9 +125,15 @@ _MediaModel = create_model(
        for f in fields(MediaGeometry)})
 
 
+_SpecialTokensModel = create_model(
+    "_SpecialTokensModel", __base__=_Strict,
+    **{f.name: (str | None, Field(default=None, min_length=1)) for f in fields(SpecialTokens)})
+
+
 class _SpecModel(_Strict):
     seed: int = Field(default=0, ge=0)
     tokenizer: str = Field(min_length=1)
+    special_tokens: _SpecialTokensModel | None = None  # type: ignore[valid-type]
     accounting: Accounting = "tokens"
     on_exhausted: OnExhausted = "next_epoch"
     media: _MediaModel | None = None  # type: ignore[valid-type]
@@ -224,9 +231,14 @@ def _build(m: _SpecModel, file: str, root: Path, check_paths: bool) -> MixSpec:
         media = MediaGeometry.from_dict(media_given)
     except ValueError as e:  # its messages already read "media.<field>: ..."
         raise SpecError(f"{file}: {e}") from None
+    special = SpecialTokens(**(m.special_tokens.model_dump(exclude_none=True)
+                               if m.special_tokens is not None else {}))
+    if len(set(special.names())) < len(special.names()):
+        raise SpecError(f"{file}: special_tokens: each role needs a token of its own, got "
+                        f"{special.names()}")
     return MixSpec(path=Path(file), root=root, seed=m.seed, tokenizer=tokenizer,
                    accounting=m.accounting, on_exhausted=m.on_exhausted, media=media,
-                   sources=tuple(sources), schedule=_schedule(m, file))
+                   sources=tuple(sources), schedule=_schedule(m, file), special_tokens=special)
 
 
 def _schedule(m: _SpecModel, file: str) -> Schedule:

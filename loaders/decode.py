@@ -27,7 +27,13 @@ from omniscale.loaders.decode_text import load_tokenizer, tokenize
 from omniscale.loaders.decode_video import decode_video
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
-from omniscale.loaders.layout import media_order, member_kind, split_member_name
+from omniscale.loaders.layout import (
+    DEFAULT_SPECIAL_TOKENS,
+    SpecialTokens,
+    media_order,
+    member_kind,
+    split_member_name,
+)
 from omniscale.loaders.probe import Corrupt, probe_audio, probe_image, probe_video
 from omniscale.loaders.readers import RawSample, SampleReader
 from omniscale.loaders.sequence import (
@@ -57,9 +63,10 @@ class SampleDecoder:
     """Decodes refs of one dataset (one tokenizer, one media geometry); one per worker."""
 
     def __init__(self, reader: SampleReader, tokenizer: str | Path, geometry: MediaGeometry,
-                 token_ids: TokenIds | None = None) -> None:
+                 token_ids: TokenIds | None = None,
+                 special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> None:
         self.reader = reader
-        self.tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer, special)
         self.geometry = geometry
         self.token_ids = token_ids  # the index's ids by ref (None: tokenize every text)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from omniscale.dataplane.errors import UserError
-from omniscale.loaders.layout import EOS, MARKER_OF, PAD
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.probe import Corrupt, decode_text
 
 # A text member is one sample's caption or document; anything larger is no training text and
@@ -30,6 +30,7 @@ class TextTokenizer:
     pad_id: int
     eos_id: int
     marker_ids: dict[str, int]  # media kind -> id of its marker (``<image>`` …)
+    special: SpecialTokens = DEFAULT_SPECIAL_TOKENS  # the names of those tokens
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids (int64) of ``text``; markers stay single tokens."""
@@ -37,31 +38,45 @@ class TextTokenizer:
         return np.asarray(ids, dtype=np.int64)
 
 
-def load_tokenizer(path: str | Path) -> TextTokenizer:
-    """The tokenizer at ``path``, parsed once per process (a real one takes a while).
+def load_tokenizer(path: str | Path, special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
+                   ) -> TextTokenizer:
+    """The tokenizer at ``path``, parsed once per process (a real one takes a while), with
+    the ids of ``special``'s tokens (the mixing spec's ``special_tokens``).
 
-    UserError when the file is unreadable or lacks ``loaders.layout.SPECIAL_TOKENS``.
+    UserError when the file is unreadable or lacks one of the special tokens.
     """
-    return _load_tokenizer(str(Path(path).resolve()))
+    return _load_tokenizer(str(Path(path).resolve()), special)
 
 
 @functools.lru_cache(maxsize=8)
-def _load_tokenizer(path: str) -> TextTokenizer:
+def _raw_tokenizer(path: str):
     from tokenizers import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 -- the tokenizers library raises bare Exceptions
         raise UserError(f"{path}: not a readable tokenizer ({' '.join(str(e).split())})"
                         ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: str, special: SpecialTokens) -> TextTokenizer:
+    tokenizer = _raw_tokenizer(path)
     ids = {}
-    for token in (PAD, EOS, *MARKER_OF.values()):
+    for role, token in zip(("pad", "eos", *special.markers), special.names()):
         ids[token] = tokenizer.token_to_id(token)
         if ids[token] is None:
-            raise UserError(f"{path}: has no token {token!r} (the tokenizer must define "
-                            "omniscale.loaders.layout.SPECIAL_TOKENS as special tokens)")
-    return TextTokenizer(tokenizer, ids[PAD], ids[EOS],
-                         {kind: ids[marker] for kind, marker in MARKER_OF.items()})
+            raise UserError(f"{path}: has no token {token!r} (special_tokens.{role}: name a "
+                            "token of this tokenizer, or add it: `omniscale model import-hf` "
+                            "adds the defaults)")
+    return TextTokenizer(tokenizer, ids[special.pad], ids[special.eos],
+                         {kind: ids[marker] for kind, marker in special.markers.items()},
+                         special)
+
+
+def tokenizer_size(path: str | Path) -> int:
+    """How many ids the tokenizer at ``path`` has (added tokens included)."""
+    return _raw_tokenizer(str(Path(path).resolve())).get_vocab_size(with_added_tokens=True)
 
 
 def text_of(data: bytes) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
-from omniscale.loaders.layout import MARKER_OF, count_markers
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens, count_markers
 from omniscale.loaders.probe import Corrupt
 
 Grid = tuple[int, int, int]
@@ -30,13 +30,14 @@ class SampleFeatures:
 
 def sample_features(text_tokens: int, text: str, image_grids: list[Grid],
                     video_grids: list[Grid], audio_mel_frames: list[int],
-                    g: MediaGeometry) -> SampleFeatures:
+                    g: MediaGeometry, special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
+                    ) -> SampleFeatures:
     """Features of a sample from its text's token count and its probed media.
 
     Raises :class:`Corrupt` when the text's markers do not match the media items.
     """
     check_markers(text, {"image": len(image_grids), "video": len(video_grids),
-                         "audio": len(audio_mel_frames)})
+                         "audio": len(audio_mel_frames)}, special)
     media_tokens = (sum(vision_tokens(grid, g) for grid in (*image_grids, *video_grids))
                     + sum(audio_tokens(frames) for frames in audio_mel_frames))
     return SampleFeatures(
@@ -48,10 +49,11 @@ def sample_features(text_tokens: int, text: str, image_grids: list[Grid],
     )
 
 
-def check_markers(text: str, media_counts: dict[str, int]) -> None:
+def check_markers(text: str, media_counts: dict[str, int],
+                  special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> None:
     """Raise :class:`Corrupt` unless each kind is either unmarked or marked once per item."""
-    for kind, markers in count_markers(text).items():
+    for kind, markers in count_markers(text, special).items():
         items = media_counts.get(kind, 0)
         if markers and markers != items:
-            raise Corrupt(f"text has {markers} {MARKER_OF[kind]} marker(s) but the sample has "
-                          f"{items} {kind} member(s)")
+            raise Corrupt(f"text has {markers} {special.markers[kind]} marker(s) but the sample "
+                          f"has {items} {kind} member(s)")

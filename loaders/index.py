@@ -16,7 +16,7 @@ import os
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ from omniscale.loaders.index_schema import (
     index_path,
     read_index_metadata,
 )
-from omniscale.loaders.layout import FORMATS
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, FORMATS, SpecialTokens
 from omniscale.loaders.shard_index import ShardResult, index_shard
 from omniscale.loaders.text_cost import TokenCounter, find_tokenizer, tokenizer_fingerprint
 
@@ -89,14 +89,16 @@ def _index_path(path: Path, tokenizer: str | Path | None, pool: _LazyPool, force
         spec = load_spec(path)
         return [index_source(source.path, source.format, tokenizer or spec.tokenizer,
                              spec.media, workers=pool.workers, force=force, progress=progress,
-                             name=source.name, pool=pool)
+                             name=source.name, pool=pool, special=spec.special_tokens)
                 for source in spec.sources]
-    if path.is_dir():
-        previous = read_index_metadata(path).get("geometry")
-        geometry = MediaGeometry.from_dict(previous) if previous else MediaGeometry()
+    if path.is_dir():  # the geometry and special tokens of its last index, or the defaults
+        meta = read_index_metadata(path)
+        geometry = MediaGeometry.from_dict(meta["geometry"]) if meta.get("geometry") else \
+            MediaGeometry()
+        special = SpecialTokens(**meta.get("special_tokens", {}))
         return [index_source(path, infer_format(path), tokenizer or find_tokenizer(path),
                              geometry, workers=pool.workers, force=force, progress=progress,
-                             pool=pool)]
+                             pool=pool, special=special)]
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
     raise UserError(f"{path}: neither a mixing spec (.yaml) nor a source directory")
@@ -124,7 +126,8 @@ class _LazyPool:
 def index_source(source_dir: str | Path, fmt: str, tokenizer_path: str | Path,
                  geometry: MediaGeometry, workers: int | None = None, force: bool = False,
                  progress: bool = True, name: str | None = None,
-                 pool: _LazyPool | None = None) -> IndexReport:
+                 pool: _LazyPool | None = None,
+                 special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> IndexReport:
     """Write ``source_dir/_index.parquet`` and report what was indexed and what is corrupt.
 
     ``pool`` lets several sources share worker processes (see :func:`index_paths`).
@@ -135,11 +138,14 @@ def index_source(source_dir: str | Path, fmt: str, tokenizer_path: str | Path,
         raise UserError(f"{source_dir}: unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     if not Path(tokenizer_path).is_file():
         raise UserError(f"{tokenizer_path}: no such tokenizer file")
-    TokenCounter.from_file(tokenizer_path)  # a bad tokenizer is one line here, not in a worker
+    # a bad tokenizer, or one without the special tokens, is one line here, not in a worker
+    TokenCounter.from_file(tokenizer_path, special)
     shards = list_shards(source_dir, fmt)
     fingerprints = {s: shard_fingerprint(source_dir / s) for s in shards}
     settings = {"version": INDEX_VERSION, "format": fmt, "geometry": geometry.to_dict(),
                 "tokenizer_sha256": tokenizer_fingerprint(tokenizer_path)}
+    if special != DEFAULT_SPECIAL_TOKENS:  # (indexes made with the defaults do not say so)
+        settings["special_tokens"] = asdict(special)
     old_meta, old_rows = _reusable(source_dir, settings, force)
     old_shards = old_meta.get("shards", {})
     unchanged = [s for s in shards if s in old_rows and _same(old_shards.get(s), fingerprints[s])]
@@ -149,7 +155,7 @@ def index_source(source_dir: str | Path, fmt: str, tokenizer_path: str | Path,
     with ExitStack() as stack:
         pool = pool or _LazyPool(stack, workers)
         results = _run(source_dir, fmt, str(tokenizer_path), geometry, todo, pool, progress,
-                       report.source)
+                       report.source, special)
     tables, shard_meta = [], {}
     for shard in shards:
         if shard in results:
@@ -234,14 +240,14 @@ def _reusable(source_dir: Path, settings: dict, force: bool) -> tuple[dict, dict
 
 
 def _run(source_dir: Path, fmt: str, tokenizer_path: str, geometry: MediaGeometry,
-         shards: list[str], pool: _LazyPool, progress: bool, label: str
-         ) -> dict[str, ShardResult]:
+         shards: list[str], pool: _LazyPool, progress: bool, label: str,
+         special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> dict[str, ShardResult]:
     """Index ``shards``, in worker processes when more than one is worth it."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     args = [(str(source_dir), s, fmt, tokenizer_path, geometry.to_dict(),
-             shown(source_dir / s)) for s in shards]
+             shown(source_dir / s), special) for s in shards]
     console = Console(stderr=True)
     bar = Progress("[progress.description]{task.description}", BarColumn(),
                    MofNCompleteColumn(), TimeRemainingColumn(), console=console,

@@ -21,11 +21,33 @@ the media item's placeholder block, then ``<eos>``. Hence the index's cost featu
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-PAD, EOS = "<pad>", "<eos>"
-IMAGE, VIDEO, AUDIO = "<image>", "<video>", "<audio>"
-SPECIAL_TOKENS = [PAD, EOS, IMAGE, VIDEO, AUDIO]
-MARKER_OF = {"image": IMAGE, "video": VIDEO, "audio": AUDIO}
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The tokenizer's tokens for the roles a sequence needs, one token each: padding, the end
+    of a sample, and each media kind's marker -- the string that marks an item's place in a
+    text, and the token that fills its placeholder block. A mixing spec names them
+    (``special_tokens:``) for its tokenizer; the defaults are the demo tokenizer's."""
+
+    pad: str = "<pad>"
+    eos: str = "<eos>"
+    image: str = "<image>"
+    video: str = "<video>"
+    audio: str = "<audio>"
+
+    @property
+    def markers(self) -> dict[str, str]:
+        """Media kind -> its marker."""
+        return {"image": self.image, "video": self.video, "audio": self.audio}
+
+    def names(self) -> list[str]:
+        return [self.pad, self.eos, self.image, self.video, self.audio]
+
+
+DEFAULT_SPECIAL_TOKENS = SpecialTokens()
+SPECIAL_TOKENS = DEFAULT_SPECIAL_TOKENS.names()  # the demo tokenizer's special tokens
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif"})
 VIDEO_EXTS = frozenset({"mp4", "webm", "mkv", "avi", "mov"})
@@ -64,5 +86,6 @@ def media_order(suffix: str) -> tuple[int, str]:
     return (int(m.group(1)), suffix) if m else (-1, suffix)
 
 
-def count_markers(text: str) -> dict[str, int]:
-    return {kind: text.count(marker) for kind, marker in MARKER_OF.items()}
+def count_markers(text: str, special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
+                  ) -> dict[str, int]:
+    return {kind: text.count(marker) for kind, marker in special.markers.items()}

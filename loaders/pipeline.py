@@ -39,6 +39,7 @@ from omniscale.loaders.assemble import (
 )
 from omniscale.loaders.chunks import plan_chunks
 from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.prefetch import END, PlanPrefetcher
 from omniscale.loaders.token_ids import check_tokenizer
 from omniscale.loaders.worker import (
@@ -67,13 +68,15 @@ class StepLoader:
                  tokenizer_path: str | Path, geometry: MediaGeometry, num_workers: int = 2,
                  prefetch_steps: int = 2, policy: str = "skip", decode_timeout: float = 30.0,
                  token: str | None = None, start_step: int = 0,
-                 pin_memory: bool | None = None, skip_moved_media: bool = False) -> None:
+                 pin_memory: bool | None = None, skip_moved_media: bool = False,
+                 special_tokens: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> None:
         self.url, self.rank, self.token = plane_url, int(rank), token
         self.skip_moved_media = skip_moved_media
         self.geometry = geometry
         self.num_workers, self.decode_timeout = int(num_workers), decode_timeout
-        check_tokenizer(sources, tokenizer_path)  # the index's token ids must be this one's
-        self.spec = decoder_spec(sources, tokenizer_path, geometry)
+        # the index's token ids must be this tokenizer's, its markers these
+        check_tokenizer(sources, tokenizer_path, special_tokens)
+        self.spec = decoder_spec(sources, tokenizer_path, geometry, special=special_tokens)
         self.client = PlaneClient(plane_url, token=token)
         self._report_client = PlaneClient(plane_url, token=token)  # used by the assembly thread
         self._local = TimedDecoder(self.spec, decode_timeout)  # replacements, on that thread

@@ -234,7 +234,8 @@ class RayRankLoader(StepLoader):
             get_if_exists=True,
             num_cpus=self.plan.actor_cpus, scheduling_strategy="SPREAD").remote(
             DecoderSpec({source: self.spec.sources[source]}, self.spec.tokenizer,
-                        self.spec.geometry, self.spec.max_open), self.decode_timeout)
+                        self.spec.geometry, self.spec.max_open, self.spec.special),
+            self.decode_timeout)
 
     def _shares_now(self) -> dict[str, float]:
         """The mixture weights the plane is drawing with now (ahead of training by up to a

@@ -20,7 +20,12 @@ from omniscale.dataplane.errors import UserError
 from omniscale.loaders.features import SampleFeatures, sample_features
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.index_schema import INDEX_SCHEMA
-from omniscale.loaders.layout import media_order, member_kind
+from omniscale.loaders.layout import (
+    DEFAULT_SPECIAL_TOKENS,
+    SpecialTokens,
+    media_order,
+    member_kind,
+)
 from omniscale.loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
 from omniscale.loaders.tar_scan import TarMember, TarSample, scan_tar
 from omniscale.loaders.text_cost import TokenCounter
@@ -41,17 +46,18 @@ class ShardResult:
 
 
 @functools.lru_cache(maxsize=4)
-def token_counter(tokenizer_path: str) -> TokenCounter:
+def token_counter(tokenizer_path: str, special: SpecialTokens) -> TokenCounter:
     """The tokenizer, loaded once per worker process (a real one takes a while to parse)."""
-    return TokenCounter.from_file(tokenizer_path)
+    return TokenCounter.from_file(tokenizer_path, special)
 
 
 def index_shard(source_dir: str, shard: str, fmt: str, tokenizer_path: str,
-                geometry: dict, shown_as: str) -> ShardResult:
+                geometry: dict, shown_as: str,
+                special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> ShardResult:
     """Rows of ``source_dir/shard``; ``shown_as`` is how messages name the shard."""
     path = Path(source_dir) / shard
     g = MediaGeometry.from_dict(geometry)
-    counter = token_counter(tokenizer_path)
+    counter = token_counter(tokenizer_path, special)
     try:
         if fmt == "webdataset":
             rows, problems = _tar_rows(path, shard, counter, g)
@@ -132,7 +138,7 @@ def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGe
     ids = counter.encode_batch([text])[0]
     try:
         return sample_features(counter.count(ids), text, grids["image"], grids["video"],
-                               audio_frames, g), ids
+                               audio_frames, g, counter.special), ids
     except Corrupt as e:
         # Only a text can hold markers, so a mismatch names the text member.
         raise Corrupt(f"member {text_member.name!r}: {e}") from None
@@ -159,7 +165,8 @@ def _text_rows(shard: str, records: list[_TextRecord], counter: TokenCounter,
         batch = good[start:start + TEXT_BATCH]
         for record, ids in zip(batch, counter.encode_batch([r.text for r in batch])):
             try:
-                record.features = sample_features(counter.count(ids), record.text, [], [], [], g)
+                record.features = sample_features(counter.count(ids), record.text, [], [], [],
+                                                  g, counter.special)
                 record.ids = ids
             except Corrupt as e:
                 record.error = f"{record.where}: {e}"

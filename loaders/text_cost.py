@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omniscale.dataplane.errors import UserError
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 
 TOKENIZER_FILENAME = "tokenizer.json"
 
@@ -22,9 +23,11 @@ class TokenCounter:
 
     tokenizer: object  # tokenizers.Tokenizer
     marker_ids: frozenset[int]
+    special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "TokenCounter":
+    def from_file(cls, path: str | Path, special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
+                  ) -> "TokenCounter":
         """Load ``tokenizer.json`` (loaders.decode_text.load_tokenizer: the decoders' loader,
         so index and decoders agree); a UserError when it is unreadable or lacks the markers.
 
@@ -33,8 +36,8 @@ class TokenCounter:
         """
         from omniscale.loaders.decode_text import load_tokenizer
 
-        loaded = load_tokenizer(path)
-        return cls(loaded.tokenizer, frozenset(loaded.marker_ids.values()))
+        loaded = load_tokenizer(path, special)
+        return cls(loaded.tokenizer, frozenset(loaded.marker_ids.values()), special)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, as the decoders encode it (``decode_text``)."""

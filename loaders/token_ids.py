@@ -22,21 +22,30 @@ import numpy as np
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.index_schema import index_path, read_index_metadata, read_shard
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.text_cost import tokenizer_fingerprint
 
 MAX_SHARDS = 16  # shards whose ids a worker keeps
 
 
-def check_tokenizer(sources: dict[str, str | Path], tokenizer: str | Path) -> None:
-    """A UserError naming the first source indexed with another tokenizer than ``tokenizer``
-    (an index without a recorded tokenizer passes)."""
+def check_tokenizer(sources: dict[str, str | Path], tokenizer: str | Path,
+                    special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> None:
+    """A UserError naming the first source indexed with another tokenizer than ``tokenizer``,
+    or other special tokens than ``special`` (an index without a recorded tokenizer
+    passes)."""
     mine = tokenizer_fingerprint(tokenizer)
     for name, path in sources.items():
-        theirs = read_index_metadata(path).get("tokenizer_sha256")
+        meta = read_index_metadata(path)
+        theirs = meta.get("tokenizer_sha256")
         if theirs is not None and theirs != mine:
             raise UserError(f"{index_path(path)}: source {name!r} was indexed with another "
                             f"tokenizer (sha256 {theirs[:12]}…) than this run's {tokenizer} "
                             f"({mine[:12]}…); re-run `omniscale data index` with it")
+        named = SpecialTokens(**meta.get("special_tokens", {}))
+        if theirs is not None and named != special:
+            raise UserError(f"{index_path(path)}: source {name!r} was indexed with special "
+                            f"tokens {named.names()}, this run's spec names {special.names()}; "
+                            "re-run `omniscale data index` on the spec")
 
 
 class TokenIds:

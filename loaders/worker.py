@@ -29,6 +29,7 @@ from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.decode import DecodeNeed, SampleDecoder
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.readers import SampleReader
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.token_ids import TokenIds
@@ -51,16 +52,18 @@ class DecoderSpec:
     tokenizer: str
     geometry: MediaGeometry
     max_open: int = 16
+    special: SpecialTokens = DEFAULT_SPECIAL_TOKENS  # the tokenizer's pad, eos and markers
 
     def build(self) -> SampleDecoder:
         return SampleDecoder(SampleReader(self.sources, max_open=self.max_open),
-                             self.tokenizer, self.geometry, TokenIds(self.sources))
+                             self.tokenizer, self.geometry, TokenIds(self.sources), self.special)
 
 
 def decoder_spec(sources: dict, tokenizer: str | Path, geometry: MediaGeometry,
-                 max_open: int = 16) -> DecoderSpec:
+                 max_open: int = 16, special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
+                 ) -> DecoderSpec:
     return DecoderSpec({str(k): str(v) for k, v in sources.items()}, str(tokenizer), geometry,
-                       max_open)
+                       max_open, special)
 
 
 class TimedDecoder:

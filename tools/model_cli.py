@@ -124,7 +124,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     mcfg = model_config(cfg, spec.media, spec.tokenizer)
     model = build_model(mcfg, cfg.seed, torch.device("cpu"))
     checkpoint.load(found, model, None)
-    tokenizer = load_tokenizer(spec.tokenizer)
+    tokenizer = load_tokenizer(spec.tokenizer, spec.special_tokens)
     special = {"eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
     text = tokenizer.tokenizer
     with tempfile.TemporaryDirectory() as tmp:

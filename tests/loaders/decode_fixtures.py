@@ -16,7 +16,7 @@ from omniscale.loaders.tar_scan import scan_tar
 
 def demo_decoder(spec: MixSpec, max_open: int = 16) -> SampleDecoder:
     reader = SampleReader({s.name: s.path for s in spec.sources}, max_open=max_open)
-    return SampleDecoder(reader, spec.tokenizer, spec.media)
+    return SampleDecoder(reader, spec.tokenizer, spec.media, special=spec.special_tokens)
 
 
 def ref_of(source: str, row: dict, source_id: int = 0) -> SampleRef:

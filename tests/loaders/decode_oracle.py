@@ -20,7 +20,7 @@ from omniscale.loaders.geometry import (
     video_grid,
     vision_tokens,
 )
-from omniscale.loaders.layout import MARKER_OF, media_order, member_kind
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, media_order, member_kind
 
 
 def full_decode_features(kind: str, data: bytes, g: MediaGeometry) -> tuple[int, int]:
@@ -59,7 +59,7 @@ def text_tokens_of(tokenizer_path, text: str) -> int:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    markers = {tokenizer.token_to_id(m) for m in MARKER_OF.values()}
+    markers = {tokenizer.token_to_id(m) for m in DEFAULT_SPECIAL_TOKENS.markers.values()}
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     return len(ids) - sum(i in markers for i in ids) + 1
 

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from omniscale.dataplane.errors import UserError
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.layout import (
-    IMAGE,
+    DEFAULT_SPECIAL_TOKENS,
     SPECIAL_TOKENS,
     count_markers,
     media_order,
@@ -32,6 +32,7 @@ from omniscale.loaders.layout import (
 from omniscale.tools.demo import Plan, audio, build, generate, scenes, text
 from omniscale.tools.demo.dataset import _ranges
 
+IMAGE = DEFAULT_SPECIAL_TOKENS.image
 SPLITS = {"train": ("text", "image_caption", "video_caption", "audio_caption", "interleaved"),
           "eval": ("text", "image_caption", "video_caption", "audio_caption")}
 TEST_PLAN = Plan({(split, source): 3 for split, sources in SPLITS.items() for source in sources},

@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from omniscale.loaders.layout import IMAGE
+from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS
 from omniscale.tools.demo import image, scenes, text
 
 MIN_IMAGES, MAX_IMAGES = 2, 4
@@ -32,7 +32,7 @@ def sample(rng: np.random.Generator,
         topic, prose = text.filler(rng, docs)
         topics.append(topic)
         scene, ext, data = image.render(rng, MIN_SIDE, MAX_SIDE)
-        paragraphs += [prose, f"{IMAGE}\nFigure {j + 1} shows {scenes.image_caption(scene)}"]
+        paragraphs += [prose, f"{DEFAULT_SPECIAL_TOKENS.image}\nFigure {j + 1} shows {scenes.image_caption(scene)}"]
         images.append((f"{j}.{ext}", data))
         labels.append(scene)
     if rng.random() < 0.5:

@@ -18,7 +18,7 @@ from omniscale.backbone.omni import OmniModel
 from omniscale.dataplane.errors import UserError
 from omniscale.encoders.audio import AudioConfig
 from omniscale.encoders.vision import VisionConfig
-from omniscale.loaders.decode_text import load_tokenizer
+from omniscale.loaders.decode_text import tokenizer_size
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.tools.train.config import RunConfig
 
@@ -35,7 +35,7 @@ def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> Mod
             nested = getattr(base, name, None)
             if isinstance(value, dict) and dataclasses.is_dataclass(nested):
                 overrides[name] = dataclasses.replace(nested, **value)
-        vocab = load_tokenizer(tokenizer_path).tokenizer.get_vocab_size(with_added_tokens=True)
+        vocab = tokenizer_size(tokenizer_path)
         overrides.setdefault("vocab_size", max(base.vocab_size, -(-vocab // 64) * 64))
         enc = m.encoder_overrides
         unknown = set(enc) - {"vision", "audio"}

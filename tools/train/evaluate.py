@@ -76,7 +76,8 @@ def _batches(cfg: RunConfig, eval_spec: Path, source: str, out_dir: Path):
     batches, samples = [], 0
     with start_embedded(one.path, state, config) as plane:
         loader = RankLoader(plane.url, 0, {s.name: s.path for s in one.sources},
-                            one.tokenizer, one.media, num_workers=0)
+                            one.tokenizer, one.media, num_workers=0,
+                            special_tokens=one.special_tokens)
         try:
             for batch in loader:
                 batches += batch.micro_batches

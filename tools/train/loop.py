@@ -249,7 +249,7 @@ def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
     # The omni step reshards encoder outputs, so a rank decodes only the media it encodes.
     kw = dict(num_workers=cfg.data.workers, prefetch_steps=cfg.data.prefetch_steps,
               policy=cfg.data.policy, start_step=job.start_step, token=job.plane_token,
-              skip_moved_media=cfg.task == "omni")
+              skip_moved_media=cfg.task == "omni", special_tokens=spec.special_tokens)
     if cfg.data.loader == "workers":
         return RankLoader(*args, **kw)
     from omniscale.loaders.ray_cluster import connect, job_namespace

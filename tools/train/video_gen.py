@@ -45,7 +45,7 @@ from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import MixSpec
 from omniscale.loaders.collate import PackedBatch
-from omniscale.loaders.decode_text import load_tokenizer
+from omniscale.loaders.decode_text import tokenizer_size
 from omniscale.loaders.pixels import vision_patches
 from omniscale.tools.train.config import RunConfig
 
@@ -72,7 +72,7 @@ def dit_config(cfg: RunConfig, spec: MixSpec) -> DiTConfig:
     """``cfg.model.dit``'s preset on the spec's patch geometry, with a caption vocabulary
     holding every id of the spec's tokenizer (rounded up to 64, as the omni model's)."""
     g = spec.media
-    vocab = load_tokenizer(spec.tokenizer).tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = tokenizer_size(spec.tokenizer)
     try:
         return DiTConfig.preset(cfg.model.dit, in_channels=3, patch_size=g.patch_size,
                                 temporal_patch_size=g.temporal_patch_size,
