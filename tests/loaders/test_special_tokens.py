@@ -39,13 +39,14 @@ def _tokenizer(path, special: SpecialTokens) -> None:
     tok.save(str(path))
 
 
-def _source(root, special: SpecialTokens):
-    """A WebDataset shard: each text with its markers in ``special``'s names, and its images."""
-    root.mkdir(parents=True)
+def _source(root, special: SpecialTokens, texts: list[str] = TEXTS, images: int | None = None):
+    """A WebDataset shard: each text with its markers in ``special``'s names, and its images
+    (as many as it marks, or ``images``)."""
+    root.mkdir()
     with tarfile.open(root / "shard-0.tar", "w") as tar:
-        for i, text in enumerate(TEXTS):
+        for i, text in enumerate(texts):
             members = {f"s{i}.txt": text.format(image=special.image).encode()}
-            for j in range(text.count("{image}")):
+            for j in range(text.count("{image}") if images is None else images):
                 buf = io.BytesIO()
                 Image.new("RGB", (40 + 8 * j, 32), (200, 30 * j, 10)).save(buf, "PNG")
                 members[f"s{i}.{j}.png"] = buf.getvalue()
@@ -56,10 +57,12 @@ def _source(root, special: SpecialTokens):
 
 
 def _spec(root, special: SpecialTokens | None):
+    root.mkdir(parents=True)
     _tokenizer(root / "tokenizer.json", special or DEFAULT_SPECIAL_TOKENS)
     _source(root / "src", special or DEFAULT_SPECIAL_TOKENS)
     spec = {"tokenizer": "tokenizer.json", "media": {"patch_size": 8},
-            "sources": [{"name": "src", "path": "src", "template": "interleaved"}]}
+            "sources": [{"name": "src", "path": "src", "format": "webdataset", "weight": 1,
+                         "template": "interleaved"}]}
     if special is not None:
         spec["special_tokens"] = dict(vars(special))
     (root / "mix.yaml").write_text(yaml.safe_dump(spec))
@@ -121,3 +124,15 @@ def test_an_index_made_with_other_names_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"was indexed with special tokens \['<\|endoftext\|>', "
                                         r"'<\|im_end\|>'.*re-run `omniscale data index`"):
         check_tokenizer(sources, spec.tokenizer, other)
+
+
+def test_markers_that_do_not_match_the_media_are_corrupt_under_other_names(tmp_path):
+    spec_path = _spec(tmp_path / "qwen", QWEN_LIKE)
+    _source(tmp_path / "qwen" / "bad", QWEN_LIKE, ["two {image} marks {image}, one image"], 1)
+    raw = yaml.safe_load(spec_path.read_text())
+    raw["sources"][0]["path"] = "bad"
+    spec_path.write_text(yaml.safe_dump(raw))
+    index_paths([spec_path], workers=1, progress=False)
+    rows = read_index(load_spec(spec_path).sources[0].path).to_pylist()
+    assert "text has 2 <|image_pad|> marker(s) but the sample has 1 image member(s)" in \
+        rows[0]["error"]
