@@ -1,7 +1,7 @@
 """Pools follow the schedule: when the mixture moves from images to clips, the job's pools
 are shared out anew (the video pool grows, the image pool shrinks, on every rank alike) and
-the batches stay exactly per-sample decoding, samples in flight on retired actors included.
-On a local two-node Ray cluster of two CPUs a node."""
+the batches stay exactly per-sample decoding, samples in flight on retired actors included --
+while a node is lost mid-run. On a local two-node Ray cluster of two CPUs a node."""
 
 from __future__ import annotations
 
@@ -39,38 +39,19 @@ def demo(pipeline_demo):
 
 
 @pytest.mark.timeout(240)
-def test_pools_follow_the_schedule_on_every_rank(cluster, demo, tmp_path):
-    loaders, first = [], {}
+def test_pools_follow_the_schedule_and_survive_a_lost_node(cluster, demo, tmp_path):
+    """Images for steps 0-3, then clips, on two ranks; the worker node (and every decoding
+    actor on it) is removed after step 1. The pools are shared out anew for the clips on both
+    ranks alike, the lost actors start again on the node left, their samples are decoded
+    again, and the batches stay exactly per-sample decoding throughout. (One run for both
+    cases: a Ray run costs seconds to start. The cluster keeps one node after it.)"""
+    loaders, first, on_worker = [], {}, []
 
     def make(url, rank):
-        loader = RayRankLoader(url, rank, **loader_args(demo), resize_every=2,
+        loader = RayRankLoader(url, rank, **loader_args(demo), resize_every=2, actor_cpus=0.25,
                                shares=IMAGES if rank == 0 else None)
         loaders.append(loader)
         first[rank] = dict(loader.replicas)
-        return loader
-
-    check_full_path(demo, tmp_path, make)
-    assert first[0] == first[1]
-    assert first[0]["image_caption"] > first[0]["video_caption"]  # planned for images
-    for loader in loaders:  # both ranks now hold the plan for clips
-        assert loader.replicas["video_caption"] > loader.replicas["image_caption"]
-        assert loader.plan == loaders[0].plan
-        assert loader.pool_stats()["actors"] == loader.replicas
-    assert loaders[0].resizes >= 1 and loaders[1].resizes >= 1
-    actors, cpus = sum(loaders[0].replicas.values()), loaders[0].plan.actor_cpus
-    assert actors * cpus <= 4.0 + 1e-9  # still within the cluster
-
-
-@pytest.mark.timeout(240)
-def test_a_node_lost_mid_run_costs_its_actors_not_the_batches(cluster, demo, tmp_path):
-    """The worker node (and every decoding actor on it) is removed after step 1: the actors
-    are started again on the node left, their samples decoded again, the batches exact.
-    (Last in this module: the cluster keeps one node after it.)"""
-    loaders, on_worker = [], []
-
-    def make(url, rank):
-        loader = RayRankLoader(url, rank, **loader_args(demo), actor_cpus=0.25)
-        loaders.append(loader)
         return loader
 
     def lose_node(step, running):
@@ -82,5 +63,12 @@ def test_a_node_lost_mid_run_costs_its_actors_not_the_batches(cluster, demo, tmp
             cluster.remove_node(worker)
 
     check_full_path(demo, tmp_path, make, after_step=lose_node)
+    assert first[0] == first[1]
+    assert first[0]["image_caption"] > first[0]["video_caption"]  # planned for images
+    for loader in loaders:  # both ranks now hold the plan for clips
+        assert loader.replicas["video_caption"] > loader.replicas["image_caption"]
+        assert loader.plan == loaders[0].plan
+        assert loader.pool_stats()["actors"] == loader.replicas
+    assert loaders[0].resizes >= 1 and loaders[1].resizes >= 1
     assert on_worker  # the pools were spread: some actors were on the lost node
     assert sum(loader.actor_restarts for loader in loaders) >= len(on_worker)
