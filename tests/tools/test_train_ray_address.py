@@ -11,12 +11,15 @@ import pytest
 import ray
 
 from omniscale.tools.train.metrics import read_metrics
+from tests.tools.train_runs import few_sources
 
 TRAIN = [sys.executable, "-m", "omniscale", "train", "configs/demo_omni.yaml", "--no-progress"]
 
 
 def _sets(demo, out) -> list[str]:
-    sets = {"data.spec": demo / "mix.yaml", "data.workers": 1, "steps": 2,
+    # three of the demo's sources: three decoding actors to start, not six
+    spec = few_sources(demo, out.parent / f"{out.name}-mix.yaml")
+    sets = {"data.spec": spec, "data.workers": 1, "steps": 2,
             "checkpoint_every": 3, "output_dir": out, "eval.enabled": False,
             "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 4096}
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]

@@ -16,32 +16,39 @@ from omniscale.dataplane.errors import UserError
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 from omniscale.tools.train.torchrun import torchrun_layout
+from tests.tools.train_runs import few_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _sets(demo, out) -> dict:
-    return {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
+@pytest.fixture(scope="module")
+def mix(demo, tmp_path_factory):
+    """Three of the demo's sources: on Ray, three decoding actors to start, not six."""
+    return few_sources(demo, tmp_path_factory.mktemp("spec") / "mix.yaml")
+
+
+def _sets(mix, out) -> dict:
+    return {"data.spec": mix, "data.workers": 0, "eval.enabled": False,
             "data.global_batch_tokens": 8192, "data.micro_batch_tokens": 4096,
             "optim.warmup_steps": 1, "steps": 2, "output_dir": out}
 
 
 @pytest.fixture(scope="module")
-def spawned(demo, tmp_path_factory):
+def spawned(mix, tmp_path_factory):
     """Two spawned ranks decoding in worker processes: the rows the other launches match."""
     out = tmp_path_factory.mktemp("spawned") / "run"
     train("configs/demo_omni.yaml", nproc=2, progress=False,
-          sets=[f"{k}={v}" for k, v in _sets(demo, out).items()])
+          sets=[f"{k}={v}" for k, v in _sets(mix, out).items()])
     return read_metrics(out / "metrics.jsonl")
 
 
-def test_spawned_ranks_on_ray_defaults_train_what_worker_processes_do(demo, spawned, tmp_path):
+def test_spawned_ranks_on_ray_defaults_train_what_worker_processes_do(mix, spawned, tmp_path):
     """Two ranks with the Ray defaults on this 2-core machine (once a silent hang): the
     launcher starts the job's Ray instance, rank 0 plans pools that fit in it, rank 1 uses
     them. Same plans, decoding by reference either way: the losses must be identical."""
     out = tmp_path / "ray"
     train("configs/demo_omni.yaml", nproc=2, progress=False,
-          sets=[f"{k}={v}" for k, v in {**_sets(demo, out), "data.loader": "ray"}.items()])
+          sets=[f"{k}={v}" for k, v in {**_sets(mix, out), "data.loader": "ray"}.items()])
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["loss"] for r in rows] == [r["loss"] for r in spawned]
     pools = rows[-1]["data_pools"]  # what the metrics say of the pools
@@ -49,11 +56,11 @@ def test_spawned_ranks_on_ray_defaults_train_what_worker_processes_do(demo, spaw
     assert "data_pools" not in spawned[-1]
 
 
-def test_torchrun_two_ranks_train_what_spawned_ranks_do(demo, spawned, tmp_path):
+def test_torchrun_two_ranks_train_what_spawned_ranks_do(mix, spawned, tmp_path):
     """Also on Ray pools, with no address: rank 0 starts the job's Ray instance, rank 1 joins
     it (the batches are those of the spawned ranks' worker processes)."""
     out = tmp_path / "torchrun"
-    args = [a for k, v in {**_sets(demo, out), "data.loader": "ray"}.items()
+    args = [a for k, v in {**_sets(mix, out), "data.loader": "ray"}.items()
             for a in ("--set", f"{k}={v}")]
     torchrun = Path(sys.executable).with_name("torchrun")
     done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",

@@ -23,6 +23,18 @@ def every_source(demo, out):
     return every_source_spec(demo, out)
 
 
+def few_sources(demo, out, names=("text", "image_caption", "audio_caption")):
+    """The demo's spec with only ``names`` at equal weights (absolute paths), at ``out``: a
+    Ray run starts a decoding actor per source, each a process of its own, and the Ray
+    launch tests need not pay for six."""
+    import yaml
+
+    spec = yaml.safe_load(every_source(demo, out).read_text())
+    spec["sources"] = [s for s in spec["sources"] if s["name"] in names]
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
 def run_omni(demo, out, nproc, **extra):
     """A short omni run of the demo (3 steps, no eval) with step DUMP's gradients: (rows,
     gradients)."""
