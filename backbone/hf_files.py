@@ -25,6 +25,7 @@ from omniscale.dataplane.errors import UserError
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+IMPORTED = "omniscale_import.json"  # marks `omniscale model import-hf`'s DCP directories
 SHARD_BYTES = 2 << 30  # the most one written shard holds (HF's own default is 5 GB)
 
 
@@ -55,9 +56,6 @@ class CheckpointDir:
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
-
-    def names(self) -> list[str]:
-        return list(self.where)
 
     def shape(self, name: str) -> tuple[int, ...]:
         with self._opened(self._file(name)) as f:

@@ -22,7 +22,6 @@ freshly initialised, as it is for Whisper, which has no projector (there ``out_d
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from omniscale.backbone.hf_files import CheckpointDir
+from omniscale.backbone.hf_files import CONFIG, CheckpointDir, read_config
 from omniscale.dataplane.errors import UserError
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
 from omniscale.encoders.vision import QWEN2_VL, VisionConfig, VisionEncoder
@@ -67,10 +66,7 @@ def vision_from_hf(path: str | Path, out_dim: int | None = None
                    ) -> tuple[VisionEncoder, VisionConfig]:
     """Qwen2-VL's vision tower (``model_type`` ``qwen2_vl``, or a saved tower alone,
     ``qwen2_vl_vision``) as our encoder, with its weights."""
-    config, width, read = vision_source(path, out_dim)
-    encoder = _build(Path(path) / "config.json", VisionEncoder, config, width)
-    load_tower(encoder, read)
-    return encoder, config
+    return _tower(VisionEncoder, path, *vision_source(path, out_dim))
 
 
 def vision_source(path: str | Path, out_dim: int | None = None
@@ -114,10 +110,7 @@ def audio_from_hf(path: str | Path, out_dim: int | None = None
     """Whisper's encoder (``model_type`` ``whisper``: a fresh projector to ``out_dim``), or
     Qwen2-Audio's audio tower and projector (``qwen2_audio``; a saved tower alone,
     ``qwen2_audio_encoder``, has no projector), as our encoder with its weights."""
-    config, width, read = audio_source(path, out_dim)
-    encoder = _build(Path(path) / "config.json", AudioEncoder, config, width)
-    load_tower(encoder, read)
-    return encoder, config
+    return _tower(AudioEncoder, path, *audio_source(path, out_dim))
 
 
 def audio_source(path: str | Path, out_dim: int | None = None
@@ -253,13 +246,14 @@ def _to_hf(encoder: nn.Module, specs: list[Tensor]) -> dict[str, torch.Tensor]:
 # ---- files ------------------------------------------------------------------------------
 
 def _read_config(directory: Path) -> tuple[dict, Path]:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise UserError(f"{path}: no such file (a Hugging Face checkpoint directory has one)")
-    try:
-        return json.loads(path.read_text()), path
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: not readable JSON ({_line(e)})") from None
+    return read_config(directory), directory / CONFIG
+
+
+def _tower(cls, path: str | Path, config, width: int, read: Reader):
+    """A tower of ``config`` projecting to ``width``, filled from ``read``; with its config."""
+    encoder = _build(Path(path) / CONFIG, cls, config, width)
+    load_tower(encoder, read)
+    return encoder, config
 
 
 def _build(config_path: Path, cls, *args, **kwargs):

@@ -54,7 +54,6 @@ def model_info(path: str | Path) -> dict:
             "cost_alpha": alpha, "cost_beta": beta}
 
 
-IMPORTED = "omniscale_import.json"  # marks an import-hf directory (DCP beside config.json)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json")
 
@@ -65,7 +64,7 @@ def import_hf(path: str | Path, out: str | Path, vocab_size: int | None = None) 
     import shutil
 
     from omniscale.backbone.hf import from_hf
-    from omniscale.backbone.hf_files import CONFIG, new_directory, read_config
+    from omniscale.backbone.hf_files import CONFIG, IMPORTED, new_directory, read_config
     from omniscale.parallel.dcp import save
 
     with new_directory(out) as tmp:

@@ -85,8 +85,11 @@ def _hf_backbone(path: str) -> ModelConfig:
 def init_weights(model: OmniModel, cfg: RunConfig) -> None:
     """The weights ``model.init_from`` names, loaded into the built (and parallelized) model:
     each rank reads the tensors one at a time and keeps its own shards."""
+    from omniscale.backbone.hf_files import IMPORTED
+    from omniscale.parallel.load import fill_parameters
+
     backbone = cfg.model.init_from.backbone
-    if backbone and (Path(backbone) / ".metadata").is_file():  # omniscale model import-hf
+    if backbone and (Path(backbone) / IMPORTED).is_file():  # omniscale model import-hf
         from torch.distributed.checkpoint.api import CheckpointException
 
         from omniscale.parallel.dcp import load
@@ -102,7 +105,6 @@ def init_weights(model: OmniModel, cfg: RunConfig) -> None:
     elif backbone:
         from omniscale.backbone.hf import read_parameter
         from omniscale.backbone.hf_files import CheckpointDir
-        from omniscale.parallel.load import fill_parameters
 
         ckpt = CheckpointDir(backbone)
         fill_parameters(model.decoder, lambda name, shape, first: read_parameter(
@@ -111,7 +113,6 @@ def init_weights(model: OmniModel, cfg: RunConfig) -> None:
         path = getattr(cfg.model.init_from, kind)
         if path:
             from omniscale.encoders import hf
-            from omniscale.parallel.load import fill_parameters
 
             read = getattr(hf, f"{kind}_source")(path, model.config.d_model)[2]
             fill_parameters(getattr(model, kind), read, buffers=True)
