@@ -24,6 +24,10 @@ from omniscale.loaders.ray_cluster import job_namespace
 from omniscale.tools.train.loop import plane_ray_namespace
 from tests.dataplane.plane_steps import commit_step
 
+# The suite runs on two xdist workers; Ray tests share one of them (`--dist loadgroup`), so
+# that no two Ray clusters start at once on two cores.
+pytestmark = pytest.mark.xdist_group("ray")
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2, snapshot_every=4)

@@ -22,6 +22,10 @@ from tests.loaders.pipeline_fixtures import loader_args, spec_of
 from tests.loaders.ray_fixtures import two_node_cluster
 from tests.loaders.test_pipeline import check_full_path
 
+# The suite runs on two xdist workers; Ray tests share one of them (`--dist loadgroup`), so
+# that no two Ray clusters start at once on two cores.
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 @pytest.fixture(scope="module")
 def cluster():

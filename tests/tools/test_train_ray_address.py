@@ -13,6 +13,10 @@ import ray
 from omniscale.tools.train.metrics import read_metrics
 from tests.tools.train_runs import few_sources
 
+# The suite runs on two xdist workers; Ray tests share one of them (`--dist loadgroup`), so
+# that no two Ray clusters start at once on two cores.
+pytestmark = pytest.mark.xdist_group("ray")
+
 TRAIN = [sys.executable, "-m", "omniscale", "train", "configs/demo_omni.yaml", "--no-progress"]
 
 

@@ -18,6 +18,10 @@ from omniscale.tools.train.metrics import read_metrics
 from omniscale.tools.train.torchrun import torchrun_layout
 from tests.tools.train_runs import few_sources
 
+# The suite runs on two xdist workers; Ray tests share one of them (`--dist loadgroup`), so
+# that no two Ray clusters start at once on two cores.
+pytestmark = pytest.mark.xdist_group("ray")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
