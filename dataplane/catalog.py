@@ -82,7 +82,7 @@ class SourceState:
             raise UserError(f"{index_path(self.path)}: source {name!r} has no index (or no "
                             f"shards in it); run `omniscale data index` first")
         if metadata.get("version") not in PLANE_READS:
-            # 2 and 3 differ only in a column the plane never reads (the text's token ids).
+            # 2 to 4 differ only in columns the plane never reads (token ids, target tokens).
             raise UserError(f"{index_path(self.path)}: index version {metadata.get('version')}, "
                             f"the plane reads {min(PLANE_READS)} to {max(PLANE_READS)}; re-run "
                             f"`omniscale data index {self.path}`")

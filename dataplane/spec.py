@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.schedule import KINDS, Schedule, ScheduleError, Segment
+from omniscale.loaders.chat import ChatFormat, chat_format
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.layout import FORMATS, TEMPLATES, SpecialTokens
 
@@ -38,6 +39,8 @@ class SourceSpec:
     format: str
     template: str
     on_exhausted: str  # the source's own value, or the spec's
+    # a conversation source's rendering (``loaders.chat``); None for every other template
+    chat: ChatFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ class _SourceModel(_Strict):
     template: Literal[TEMPLATES]  # type: ignore[valid-type]
     on_exhausted: OnExhausted | None = None
     weight: Number | None = Field(default=None, ge=0)
+    # conversation sources only: chatml, tokenizer (its tokenizer_config.json's), or a .jinja
+    chat_template: str | None = Field(default=None, min_length=1)
+    train_on_prompt: bool | None = None  # conversation sources: targets beyond the assistant's
 
 
 class _SegmentBase(_Strict):
@@ -225,7 +231,8 @@ def _build(m: _SpecModel, file: str, root: Path, check_paths: bool) -> MixSpec:
             problem = "is not a directory" if path.exists() else "does not exist"
             raise SpecError(f"{file}: sources[{i}].path: {s.path!r} {problem}")
         sources.append(SourceSpec(s.name, path, s.format, s.template,
-                                  s.on_exhausted or m.on_exhausted))
+                                  s.on_exhausted or m.on_exhausted,
+                                  _chat(s, i, file, root, tokenizer, check_paths)))
     media_given = m.media.model_dump(exclude_none=True) if m.media is not None else {}
     try:
         media = MediaGeometry.from_dict(media_given)
@@ -239,6 +246,26 @@ def _build(m: _SpecModel, file: str, root: Path, check_paths: bool) -> MixSpec:
     return MixSpec(path=Path(file), root=root, seed=m.seed, tokenizer=tokenizer,
                    accounting=m.accounting, on_exhausted=m.on_exhausted, media=media,
                    sources=tuple(sources), schedule=_schedule(m, file), special_tokens=special)
+
+
+def _chat(s: _SourceModel, i: int, file: str, root: Path, tokenizer: Path,
+          check_paths: bool) -> ChatFormat | None:
+    if s.template != "conversation":
+        for key in ("chat_template", "train_on_prompt"):
+            if getattr(s, key) is not None:
+                raise SpecError(f"{file}: sources[{i}].{key}: only for template: conversation "
+                                f"(this source is {s.template})")
+        return None
+    if s.format == "parquet":
+        raise SpecError(f"{file}: sources[{i}].format: a conversation source is webdataset "
+                        "(media beside the conversation) or jsonl (text only)")
+    which = s.chat_template or "chatml"
+    if not check_paths and which != "chatml":
+        return None  # read where the files are (the indexer loads the spec with its paths)
+    try:
+        return chat_format(which, tokenizer, bool(s.train_on_prompt), relative_to=root)
+    except UserError as e:
+        raise SpecError(f"{file}: sources[{i}].chat_template: {e}") from None
 
 
 def _schedule(m: _SpecModel, file: str) -> Schedule:

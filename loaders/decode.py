@@ -18,9 +18,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from omniscale.dataplane.refs import SampleRef
+from omniscale.loaders.chat import ChatFormat, render_member, targets_mask, token_targets
 from omniscale.loaders.decode_audio import decode_audio
 from omniscale.loaders.decode_image import decode_image
 from omniscale.loaders.decode_text import load_tokenizer, tokenize
@@ -69,6 +71,8 @@ class SampleDecoder:
         self.tokenizer = load_tokenizer(tokenizer, special)
         self.geometry = geometry
         self.token_ids = token_ids  # the index's ids by ref (None: tokenize every text)
+        # which sources hold conversations, and their templates: the index metadata says
+        self._indexes = token_ids if token_ids is not None else TokenIds(reader.sources)
 
     def decode(self, ref: SampleRef, need: DecodeNeed | None = None) -> DecodedSample:
         """The ref's sample (what ``need`` asks of it); CorruptSample (``source/key:
@@ -78,11 +82,17 @@ class SampleDecoder:
     def decode_raw(self, ref: SampleRef, raw: RawSample, need: DecodeNeed | None = None
                    ) -> DecodedSample:
         g, tok = self.geometry, self.tokenizer
+        chat = self._indexes.chat(ref.source)
         text_data, text_name, found = b"", None, {kind: [] for kind in KINDS}
         for name, data in raw.members:
             suffix = split_member_name(name)[1]
             kind = member_kind(suffix)
-            if kind == "text":
+            if chat is not None and kind in ("text", "meta"):  # the messages are the text
+                if kind == "text":
+                    raise CorruptSample(ref.source, ref.key, f"member {name!r}: a text member "
+                                        "in a conversation source")
+                text_data, text_name = data, name
+            elif kind == "text":
                 if text_name is not None:
                     raise CorruptSample(ref.source, ref.key, f"member {name!r}: a second text "
                                         f"member (the first is {text_name!r})")
@@ -104,7 +114,14 @@ class SampleDecoder:
             return DecodedSample(ref.source, ref.key, empty, empty, empty,
                                  torch.zeros(3, 0, dtype=torch.int64), tok.pad_id, items)
         text_ids = self.token_ids.get(ref) if self.token_ids is not None else None
-        if text_ids is None:
+        targets = None  # every text token
+        if chat is not None and text_ids is not None:
+            ranges = self.token_ids.targets(ref)
+            targets = targets_mask(ranges, len(text_ids)) if ranges is not None else None
+        elif chat is not None:  # no ids in the index: render as the index did
+            text_ids, targets = self._render(ref, ChatFormat.from_dict(chat), text_data,
+                                             text_name)
+        elif text_ids is None:
             try:
                 _, text_ids = tokenize(text_data, tok)
             except Corrupt as e:
@@ -112,7 +129,7 @@ class SampleDecoder:
         slots = [ItemSlot(it.kind, it.num_tokens, _llm_grid(it.grid_thw, g)) for it in items]
         cap = ref.llm_tokens if ref.llm_tokens > 0 and not items else None
         try:
-            seq = build_sequence(text_ids, slots, tok, max_tokens=cap)
+            seq = build_sequence(text_ids, slots, tok, max_tokens=cap, text_targets=targets)
         except LayoutError as e:
             raise CorruptSample(ref.source, ref.key, f"member {text_name!r}: {e}") from None
         if ref.llm_tokens > 0 and len(seq.input_ids_L) != ref.llm_tokens:
@@ -123,6 +140,19 @@ class SampleDecoder:
         return DecodedSample(ref.source, ref.key, torch.from_numpy(seq.input_ids_L),
                              torch.from_numpy(seq.labels_L), torch.from_numpy(seq.position_ids_L),
                              torch.from_numpy(seq.mrope_3L), tok.pad_id, items)
+
+    def _render(self, ref: SampleRef, chat: ChatFormat, data: bytes, name: str | None):
+        """A conversation's (token ids, target mask), as ``shard_index`` makes them."""
+        if name is None:
+            raise CorruptSample(ref.source, ref.key, "no KEY.json member: a conversation "
+                                "sample's text is its messages")
+        try:
+            rendered = render_member(data, chat, self.tokenizer.special)
+        except Corrupt as e:
+            raise CorruptSample(ref.source, ref.key, f"member {name!r}: {e}") from None
+        encoding = self.tokenizer.tokenizer.encode(rendered.text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, dtype=np.int64)
+        return ids, targets_mask(token_targets(encoding.offsets, rendered.spans), len(ids))
 
     def _decode_item(self, ref: SampleRef, kind: str, name: str, data: bytes) -> MediaItem:
         g = self.geometry

@@ -26,6 +26,7 @@ class SampleFeatures:
     video_patches: list[int] = field(default_factory=list)
     audio_frames: list[int] = field(default_factory=list)
     llm_tokens: int = 0
+    target_tokens: int | None = None  # labels that are targets (``shard_index.target_tokens``)
 
 
 def sample_features(text_tokens: int, text: str, image_grids: list[Grid],

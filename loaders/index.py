@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from omniscale.dataplane.errors import UserError
+from omniscale.loaders.chat import ChatFormat
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.index_schema import (
     INDEX_FILENAME,
@@ -89,16 +90,18 @@ def _index_path(path: Path, tokenizer: str | Path | None, pool: _LazyPool, force
         spec = load_spec(path)
         return [index_source(source.path, source.format, tokenizer or spec.tokenizer,
                              spec.media, workers=pool.workers, force=force, progress=progress,
-                             name=source.name, pool=pool, special=spec.special_tokens)
+                             name=source.name, pool=pool, special=spec.special_tokens,
+                             chat=source.chat)
                 for source in spec.sources]
-    if path.is_dir():  # the geometry and special tokens of its last index, or the defaults
-        meta = read_index_metadata(path)
+    if path.is_dir():  # the geometry, special tokens and chat template of its last index,
+        meta = read_index_metadata(path)  # or the defaults
         geometry = MediaGeometry.from_dict(meta["geometry"]) if meta.get("geometry") else \
             MediaGeometry()
         special = SpecialTokens(**meta.get("special_tokens", {}))
+        chat = ChatFormat.from_dict(meta["chat"]) if meta.get("chat") else None
         return [index_source(path, infer_format(path), tokenizer or find_tokenizer(path),
                              geometry, workers=pool.workers, force=force, progress=progress,
-                             pool=pool, special=special)]
+                             pool=pool, special=special, chat=chat)]
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
     raise UserError(f"{path}: neither a mixing spec (.yaml) nor a source directory")
@@ -127,10 +130,12 @@ def index_source(source_dir: str | Path, fmt: str, tokenizer_path: str | Path,
                  geometry: MediaGeometry, workers: int | None = None, force: bool = False,
                  progress: bool = True, name: str | None = None,
                  pool: _LazyPool | None = None,
-                 special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> IndexReport:
+                 special: SpecialTokens = DEFAULT_SPECIAL_TOKENS,
+                 chat: ChatFormat | None = None) -> IndexReport:
     """Write ``source_dir/_index.parquet`` and report what was indexed and what is corrupt.
 
-    ``pool`` lets several sources share worker processes (see :func:`index_paths`).
+    ``pool`` lets several sources share worker processes (see :func:`index_paths`); ``chat``:
+    a conversation source's template (``loaders.chat``), recorded in the index.
     """
     started = time.perf_counter()
     source_dir = Path(source_dir)
@@ -146,6 +151,8 @@ def index_source(source_dir: str | Path, fmt: str, tokenizer_path: str | Path,
                 "tokenizer_sha256": tokenizer_fingerprint(tokenizer_path)}
     if special != DEFAULT_SPECIAL_TOKENS:  # (indexes made with the defaults do not say so)
         settings["special_tokens"] = asdict(special)
+    if chat is not None:
+        settings["chat"] = chat.to_dict()
     old_meta, old_rows = _reusable(source_dir, settings, force)
     old_shards = old_meta.get("shards", {})
     unchanged = [s for s in shards if s in old_rows and _same(old_shards.get(s), fingerprints[s])]
@@ -155,7 +162,7 @@ def index_source(source_dir: str | Path, fmt: str, tokenizer_path: str | Path,
     with ExitStack() as stack:
         pool = pool or _LazyPool(stack, workers)
         results = _run(source_dir, fmt, str(tokenizer_path), geometry, todo, pool, progress,
-                       report.source, special)
+                       report.source, special, chat)
     tables, shard_meta = [], {}
     for shard in shards:
         if shard in results:
@@ -241,13 +248,14 @@ def _reusable(source_dir: Path, settings: dict, force: bool) -> tuple[dict, dict
 
 def _run(source_dir: Path, fmt: str, tokenizer_path: str, geometry: MediaGeometry,
          shards: list[str], pool: _LazyPool, progress: bool, label: str,
-         special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> dict[str, ShardResult]:
+         special: SpecialTokens = DEFAULT_SPECIAL_TOKENS, chat: ChatFormat | None = None
+         ) -> dict[str, ShardResult]:
     """Index ``shards``, in worker processes when more than one is worth it."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     args = [(str(source_dir), s, fmt, tokenizer_path, geometry.to_dict(),
-             shown(source_dir / s), special) for s in shards]
+             shown(source_dir / s), special, chat.to_dict() if chat else None) for s in shards]
     console = Console(stderr=True)
     bar = Progress("[progress.description]{task.description}", BarColumn(),
                    MofNCompleteColumn(), TimeRemainingColumn(), console=console,

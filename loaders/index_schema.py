@@ -17,13 +17,17 @@ Columns:
 - ``text_ids``: the text's token ids as the tokenizer encodes them (media markers single
   tokens, no ``<eos>``): the loaders read them by ref instead of tokenizing again
   (``loaders.token_ids``); the plane never reads this column;
+- ``target_tokens``: the sequence's tokens the model is trained to predict (labels that are
+  not ignored: no media, no conversation prompt); ``text_targets``: a conversation's target
+  text tokens as [start, end) ranges of ``text_ids``, flattened (null: every text token);
 - ``error``: null for a good sample; for a corrupt one, why (the sample is kept in the index,
   marked, so that audits can account for it, and planners skip it).
 
 File metadata (key ``omniscale``, JSON): index version, source format, the media geometry and
-tokenizer fingerprint the features were computed with, and per shard its fingerprint (so that a
-re-index skips unchanged shards), its row count and its row group: each shard's rows are one
-row group, so a reader can load one shard's slice without the rest.
+tokenizer fingerprint the features were computed with (a conversation source's chat template
+too, ``chat``: the decoders render with it when a sample has no ids), and per shard its
+fingerprint (so that a re-index skips unchanged shards), its row count and its row group: each
+shard's rows are one row group, so a reader can load one shard's slice without the rest.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import pyarrow.parquet as pq
 from omniscale.dataplane.errors import UserError
 
 INDEX_FILENAME = "_index.parquet"
-INDEX_VERSION = 3  # 2: one row group per shard; 3: text_ids
+INDEX_VERSION = 4  # 2: one row group per shard; 3: text_ids; 4: target_tokens, text_targets
 METADATA_KEY = b"omniscale"
 
 MEMBER_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
@@ -55,6 +59,8 @@ INDEX_SCHEMA = pa.schema([
     ("llm_tokens", pa.int32()),
     ("text_ids", pa.list_(pa.int32())),
     ("error", pa.string()),
+    ("target_tokens", pa.int32()),
+    ("text_targets", pa.list_(pa.int32())),
 ])
 
 

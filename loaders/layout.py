@@ -56,7 +56,9 @@ TEXT_EXTS = frozenset({"txt"})
 META_EXTS = frozenset({"json"})
 
 FORMATS = ("webdataset", "parquet", "jsonl")
-TEMPLATES = ("text", "image_caption", "video_caption", "audio_caption", "interleaved")
+# conversation: a ``KEY.json`` member with ``messages`` (``loaders.chat``)
+TEMPLATES = ("text", "image_caption", "video_caption", "audio_caption", "interleaved",
+             "conversation")
 
 _NUMBERED = re.compile(r"^(\d+)\.(.+)$")
 

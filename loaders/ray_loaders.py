@@ -70,7 +70,8 @@ class SourceDecoder:
 
 def probe_refs(source: str, path: str, n: int = PROBE_SAMPLES) -> list[SampleRef]:
     """The first ``n`` good samples of a source's index, as refs (uncapped)."""
-    table = read_index(path, columns=[f.name for f in INDEX_SCHEMA if f.name != "text_ids"])
+    table = read_index(path, columns=[f.name for f in INDEX_SCHEMA
+                                         if f.name not in ("text_ids", "text_targets")])
     rows = [r for r in table.slice(0, 4 * n).to_pylist() if r["error"] is None][:n]
     return [SampleRef(0, source, r["shard"], r["key"], r["offset"], r["size"],
                       tuple((m["name"], m["offset"], m["size"]) for m in r["members"] or ()),

@@ -69,6 +69,11 @@ class SampleReader:
         self._max_open = max_open
         self._group: tuple[str, int, object] | None = None  # last Parquet row group read
 
+    @property
+    def sources(self) -> dict[str, str]:
+        """Source name -> its directory (or URL)."""
+        return dict(self._roots)
+
     def read(self, ref: SampleRef) -> RawSample:
         """The ref's members as bytes; CorruptSample when the bytes are not what it says."""
         fmt = shard_format(ref.shard)
@@ -78,7 +83,7 @@ class SampleReader:
             elif fmt == "parquet":
                 members = ((f"{ref.key}.txt", self._read_parquet(ref).encode("utf-8")),)
             else:
-                members = ((f"{ref.key}.txt", self._read_jsonl(ref).encode("utf-8")),)
+                members = (self._read_jsonl(ref),)
         except Corrupt as e:
             raise CorruptSample(ref.source, ref.key, str(e)) from None
         except (OSError, ValueError) as e:  # pyarrow's errors subclass these too
@@ -147,19 +152,25 @@ class SampleReader:
                           f"{'null' if text is None else type(text).__name__}")
         return text
 
-    def _read_jsonl(self, ref: SampleRef) -> str:
-        line = decode_text(self._read_range(ref, ref.offset, ref.size))
+    def _read_jsonl(self, ref: SampleRef) -> tuple[str, bytes]:
+        """The line's text as a ``KEY.txt`` member, or a conversation's line (``messages``,
+        ``loaders.chat``) as a ``KEY.json`` member."""
+        data = self._read_range(ref, ref.offset, ref.size)
+        line = decode_text(data)
         try:
             obj = json.loads(line)
         except ValueError as e:
             raise Corrupt(f"{ref.shard}: bytes [{ref.offset}, {ref.offset + ref.size}) are not "
                           f"a JSON line ({short(e)})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        conversation = isinstance(obj, dict) and "messages" in obj and "text" not in obj
+        if not isinstance(obj, dict) or not (conversation or isinstance(obj.get("text"), str)):
             raise Corrupt(f"{ref.shard}: line at byte {ref.offset} is not an object with a "
-                          "string 'text' field")
+                          "string 'text' field (or 'messages')")
         if obj.get("key") is not None:
             _check_key(ref, obj["key"])
-        return obj["text"]
+        if conversation:
+            return f"{ref.key}.json", data
+        return f"{ref.key}.txt", obj["text"].encode("utf-8")
 
     # --- files --------------------------------------------------------------------------------
 

@@ -93,13 +93,23 @@ class LayoutError(ValueError):
 
 
 def build_sequence(text_ids: np.ndarray, items: list[ItemSlot], tok: TextTokenizer,
-                   max_tokens: int | None = None) -> Sequence:
+                   max_tokens: int | None = None, text_targets: np.ndarray | None = None
+                   ) -> Sequence:
     """Lay out one sample (see the module docstring); truncate to ``max_tokens`` if given.
+
+    ``text_targets`` (bool per text id; None: all) says which text tokens the model is trained
+    to predict (a conversation's assistant turns, ``loaders.chat``); ``<eos>`` is a target when
+    the text's last token is.
 
     Truncation exists for long text-only documents the plane capped; cutting into or past a
     media block raises LayoutError, because the encoder's output would no longer fit.
     """
     text_ids = np.asarray(text_ids, dtype=np.int64)
+    every = text_targets is None
+    text_targets = np.ones(len(text_ids), bool) if every else np.asarray(text_targets, bool)
+    if len(text_targets) != len(text_ids):
+        raise LayoutError(f"{len(text_targets)} target flags for {len(text_ids)} text tokens")
+    eos_target = bool(text_targets[-1]) if len(text_targets) else every
     by_kind = {kind: [i for i, it in enumerate(items) if it.kind == kind] for kind in KINDS}
     marked = {}
     for kind in KINDS:
@@ -116,18 +126,21 @@ def build_sequence(text_ids: np.ndarray, items: list[ItemSlot], tok: TextTokeniz
     at = np.flatnonzero(np.isin(text_ids, list(marker_kind))) if marker_kind else []
     start = 0
     for pos in at:
-        pieces.append(("text", text_ids[start:pos]))
+        pieces.append(("text", (text_ids[start:pos], text_targets[start:pos])))
         pieces.append(("item", next(next_of[marker_kind[int(text_ids[pos])]])))
         start = pos + 1
-    pieces.append(("text", np.append(text_ids[start:], tok.eos_id)))
+    pieces.append(("text", (np.append(text_ids[start:], tok.eos_id),
+                            np.append(text_targets[start:], eos_target))))
 
-    ids, media, mrope = [], [], []
+    ids, media, mrope, targets = [], [], [], []
     token_starts = [0] * len(items)
     length, running = 0, 0  # tokens so far; next multimodal RoPE position
     for what, value in pieces:
         if what == "text":
+            value, wanted = value
             n = len(value)
             ids.append(value)
+            targets.append(wanted)
             media.append(np.zeros(n, bool))
             mrope.append(np.broadcast_to(np.arange(running, running + n), (3, n)))
             running += n
@@ -136,6 +149,7 @@ def build_sequence(text_ids: np.ndarray, items: list[ItemSlot], tok: TextTokeniz
             n = item.num_tokens
             token_starts[value] = length
             ids.append(np.full(n, tok.marker_ids[item.kind], np.int64))
+            targets.append(np.zeros(n, bool))
             media.append(np.ones(n, bool))
             block = _block_positions(item, running)
             mrope.append(block)
@@ -143,24 +157,29 @@ def build_sequence(text_ids: np.ndarray, items: list[ItemSlot], tok: TextTokeniz
         length += n
     input_ids = np.concatenate(ids)
     is_media = np.concatenate(media)
+    is_target = np.concatenate(targets)
     mrope_3L = np.concatenate(mrope, axis=1).astype(np.int64)
     full = len(input_ids)
     if max_tokens is not None and max_tokens < full:
         if any(s + it.num_tokens > max_tokens for s, it in zip(token_starts, items)):
             raise LayoutError(f"a cap of {max_tokens} tokens would cut a media block "
                               f"(the sample has {full})")
-        input_ids, is_media, mrope_3L = (input_ids[:max_tokens], is_media[:max_tokens],
-                                         mrope_3L[:, :max_tokens])
-    return Sequence(input_ids, shifted_labels(input_ids, is_media),
+        input_ids, is_media, is_target, mrope_3L = (
+            input_ids[:max_tokens], is_media[:max_tokens], is_target[:max_tokens],
+            mrope_3L[:, :max_tokens])
+    return Sequence(input_ids, shifted_labels(input_ids, is_media, is_target),
                     np.arange(len(input_ids), dtype=np.int64), np.ascontiguousarray(mrope_3L),
                     token_starts, full)
 
 
-def shifted_labels(input_ids_L: np.ndarray, is_media_L: np.ndarray) -> np.ndarray:
-    """``labels[t] = input_ids[t+1]``; IGNORE_INDEX at the end, on media, and on targets
-    that are media (placeholders are inputs the model cannot predict)."""
+def shifted_labels(input_ids_L: np.ndarray, is_media_L: np.ndarray,
+                   is_target_L: np.ndarray | None = None) -> np.ndarray:
+    """``labels[t] = input_ids[t+1]``; IGNORE_INDEX at the end, on media, on targets that are
+    media (placeholders are inputs the model cannot predict), and on tokens that are no
+    target (``is_target_L`` False: a conversation's prompt)."""
     labels = np.full(len(input_ids_L), IGNORE_INDEX, np.int64)
-    labels[:-1] = np.where(is_media_L[1:], IGNORE_INDEX, input_ids_L[1:])
+    wanted = ~is_media_L[1:] if is_target_L is None else ~is_media_L[1:] & is_target_L[1:]
+    labels[:-1] = np.where(wanted, input_ids_L[1:], IGNORE_INDEX)
     labels[is_media_L] = IGNORE_INDEX
     return labels
 

@@ -17,8 +17,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from omniscale.dataplane.errors import UserError
+from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.loaders.chat import ChatFormat, render, render_member, targets_mask, token_targets
 from omniscale.loaders.features import SampleFeatures, sample_features
-from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
 from omniscale.loaders.index_schema import INDEX_SCHEMA
 from omniscale.loaders.layout import (
     DEFAULT_SPECIAL_TOKENS,
@@ -27,6 +29,7 @@ from omniscale.loaders.layout import (
     member_kind,
 )
 from omniscale.loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
+from omniscale.loaders.sequence import ItemSlot, LayoutError, build_sequence
 from omniscale.loaders.tar_scan import TarMember, TarSample, scan_tar
 from omniscale.loaders.text_cost import TokenCounter
 
@@ -53,18 +56,21 @@ def token_counter(tokenizer_path: str, special: SpecialTokens) -> TokenCounter:
 
 def index_shard(source_dir: str, shard: str, fmt: str, tokenizer_path: str,
                 geometry: dict, shown_as: str,
-                special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> ShardResult:
-    """Rows of ``source_dir/shard``; ``shown_as`` is how messages name the shard."""
+                special: SpecialTokens = DEFAULT_SPECIAL_TOKENS,
+                chat: dict | None = None) -> ShardResult:
+    """Rows of ``source_dir/shard``; ``shown_as`` is how messages name the shard; ``chat``
+    (a ``ChatFormat.to_dict()``): a conversation source's samples."""
     path = Path(source_dir) / shard
     g = MediaGeometry.from_dict(geometry)
     counter = token_counter(tokenizer_path, special)
+    conversation = ChatFormat.from_dict(chat) if chat is not None else None
     try:
         if fmt == "webdataset":
-            rows, problems = _tar_rows(path, shard, counter, g)
+            rows, problems = _tar_rows(path, shard, counter, g, conversation)
         elif fmt == "parquet":
             rows, problems = _parquet_rows(path, shard, counter, g, shown_as)
         elif fmt == "jsonl":
-            rows, problems = _jsonl_rows(path, shard, counter, g)
+            rows, problems = _jsonl_rows(path, shard, counter, g, conversation)
         else:
             raise UserError(f"{shown_as}: unknown source format {fmt!r}")
     except (OSError, pa.ArrowException) as e:
@@ -74,7 +80,8 @@ def index_shard(source_dir: str, shard: str, fmt: str, tokenizer_path: str,
 
 def _row(shard: str, key: str, offset: int, size: int, members: Sequence[TarMember] = (),
          features: SampleFeatures | None = None, error: str | None = None,
-         text_ids: list[int] | None = None) -> dict:
+         text_ids: list[int] | None = None, targets: list[tuple[int, int]] | None = None
+         ) -> dict:
     f = features
     return {
         "shard": shard, "key": key, "offset": offset, "size": size,
@@ -86,36 +93,55 @@ def _row(shard: str, key: str, offset: int, size: int, members: Sequence[TarMemb
         "llm_tokens": f.llm_tokens if f else None,
         "text_ids": text_ids if f else None,
         "error": error,
+        "target_tokens": f.target_tokens if f else None,
+        "text_targets": [i for r in targets for i in r] if f and targets is not None else None,
     }
 
 
-def _tar_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry
-              ) -> tuple[list[dict], list[str]]:
+def target_tokens(counter: TokenCounter, ids: list[int], targets, grids: dict[str, list],
+                  audio_frames: list[int], g: MediaGeometry) -> int:
+    """How many of the sample's labels are targets: the sequence laid out as the decoders lay
+    it out (``loaders.sequence``), its labels counted. ``targets``: a conversation's target
+    token ranges, None for every text token."""
+    slots = [ItemSlot(kind, vision_tokens(grid, g),
+                      (grid[0], grid[1] // g.merge_size, grid[2] // g.merge_size))
+             for kind in ("image", "video") for grid in grids[kind]]
+    slots += [ItemSlot("audio", audio_tokens(frames)) for frames in audio_frames]
+    mask = None if targets is None else targets_mask(targets, len(ids))
+    try:
+        seq = build_sequence(ids, slots, counter.loaded, text_targets=mask)
+    except LayoutError as e:
+        raise Corrupt(str(e)) from None
+    return int((seq.labels_L != IGNORE_INDEX).sum())
+
+
+def _tar_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry,
+              chat: ChatFormat | None = None) -> tuple[list[dict], list[str]]:
     scan = scan_tar(path)
     rows = []
     with open(path, "rb") as f:
         for sample in scan.samples:
-            features, error, ids = None, sample.error, None
+            features, error, ids, targets = None, sample.error, None, None
             if error is None:
                 try:
-                    features, ids = _tar_sample_features(f, sample, counter, g)
+                    features, ids, targets = _tar_sample_features(f, sample, counter, g, chat)
                 except Corrupt as e:
                     error = str(e)
             rows.append(_row(shard, sample.key, sample.offset, sample.size, sample.members,
-                             features, error, ids))
+                             features, error, ids, targets))
     return rows, scan.problems
 
 
-def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGeometry
-                         ) -> tuple[SampleFeatures, list[int]]:
-    """Probe every member the sequence uses (features and the text's token ids); Corrupt
-    names the member at fault."""
-    text, text_member = "", None
+def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGeometry,
+                         chat: ChatFormat | None = None):
+    """Probe every member the sequence uses: (features, the text's token ids, a
+    conversation's target token ranges or None); Corrupt names the member at fault."""
+    text, text_member, rendered = "", None, None
     grids = {"image": [], "video": []}
     audio_frames: list[int] = []
     for member in sorted(sample.members, key=lambda m: media_order(m.suffix)):
         kind = member_kind(member.suffix)
-        if kind in (None, "meta"):
+        if kind is None or (kind == "meta" and chat is None):
             continue
         try:
             if member.size > MAX_MEMBER_BYTES:
@@ -123,10 +149,18 @@ def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGe
                               "reads")
             f.seek(member.offset)
             data = f.read(member.size)
-            if kind == "text":
+            if kind in ("text", "meta"):
                 if text_member is not None:
                     raise Corrupt(f"a second text member (the first is {text_member.name!r})")
-                text, text_member = decode_text(data), member
+                if chat is not None and kind == "text":
+                    raise Corrupt("a text member in a conversation source (the sample's text "
+                                  "is its KEY.json messages)")
+                if chat is not None:
+                    rendered = render_member(data, chat, counter.special)
+                    text = rendered.text
+                else:
+                    text = decode_text(data)
+                text_member = member
             elif kind == "image":
                 grids["image"].append(probe_image(data, g))
             elif kind == "video":
@@ -135,13 +169,20 @@ def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGe
                 audio_frames.append(probe_audio(data, g))
         except Corrupt as e:
             raise Corrupt(f"member {member.name!r}: {e}") from None
-    ids = counter.encode_batch([text])[0]
+    if chat is not None and rendered is None:
+        raise Corrupt("no KEY.json member: a conversation sample's text is its messages")
+    encoding = counter.encodings([text])[0]
+    ids = encoding.ids
+    targets = token_targets(encoding.offsets, rendered.spans) if rendered else None
     try:
-        return sample_features(counter.count(ids), text, grids["image"], grids["video"],
-                               audio_frames, g, counter.special), ids
+        features = sample_features(counter.count(ids), text, grids["image"], grids["video"],
+                                   audio_frames, g, counter.special)
+        features.target_tokens = target_tokens(counter, ids, targets, grids, audio_frames, g)
+        return features, ids, targets
     except Corrupt as e:
         # Only a text can hold markers, so a mismatch names the text member.
-        raise Corrupt(f"member {text_member.name!r}: {e}") from None
+        raise Corrupt(f"member {text_member.name if text_member else sample.key!r}: {e}"
+                      ) from None
 
 
 @dataclass
@@ -156,6 +197,8 @@ class _TextRecord:
     error: str | None = None
     features: SampleFeatures | None = None
     ids: list[int] | None = None
+    spans: tuple | None = None  # a conversation's target character spans
+    targets: list[tuple[int, int]] | None = None
 
 
 def _text_rows(shard: str, records: list[_TextRecord], counter: TokenCounter,
@@ -163,15 +206,20 @@ def _text_rows(shard: str, records: list[_TextRecord], counter: TokenCounter,
     good = [r for r in records if r.error is None]
     for start in range(0, len(good), TEXT_BATCH):
         batch = good[start:start + TEXT_BATCH]
-        for record, ids in zip(batch, counter.encode_batch([r.text for r in batch])):
+        for record, encoding in zip(batch, counter.encodings([r.text for r in batch])):
+            ids = encoding.ids
             try:
+                if record.spans is not None:
+                    record.targets = token_targets(encoding.offsets, record.spans)
                 record.features = sample_features(counter.count(ids), record.text, [], [], [],
                                                   g, counter.special)
+                record.features.target_tokens = target_tokens(
+                    counter, ids, record.targets, {"image": [], "video": []}, [], g)
                 record.ids = ids
             except Corrupt as e:
                 record.error = f"{record.where}: {e}"
     return [_row(shard, r.key, r.offset, r.size, features=r.features,
-                 error=r.error, text_ids=r.ids) for r in records]
+                 error=r.error, text_ids=r.ids, targets=r.targets) for r in records]
 
 
 def _parquet_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry,
@@ -204,8 +252,8 @@ def _parquet_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometr
     return _text_rows(shard, records, counter, g), []
 
 
-def _jsonl_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry
-                ) -> tuple[list[dict], list[str]]:
+def _jsonl_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry,
+                chat: ChatFormat | None = None) -> tuple[list[dict], list[str]]:
     """One row per non-blank line: ``offset``/``size`` = the line's bytes, newline excluded."""
     records = []
     with open(path, "rb") as f:
@@ -221,7 +269,8 @@ def _jsonl_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry
                                            f"{where}: longer than {MAX_LINE_BYTES} bytes"))
                 position += rest
             elif content.strip():
-                records.append(_jsonl_record(content, start, line_index, path.stem))
+                records.append(_jsonl_record(content, start, line_index, path.stem, chat,
+                                             counter.special))
             position += len(raw)
             line_index += 1
     return _text_rows(shard, records, counter, g), []
@@ -238,7 +287,9 @@ def _skip_line(f) -> tuple[int, int]:
     return consumed, len(tail) - len(tail.rstrip(b"\r\n"))
 
 
-def _jsonl_record(content: bytes, start: int, line_index: int, stem: str) -> _TextRecord:
+def _jsonl_record(content: bytes, start: int, line_index: int, stem: str,
+                  chat: ChatFormat | None = None,
+                  special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> _TextRecord:
     where = f"line {line_index + 1}"
     record = _TextRecord(f"{stem}-{line_index}", start, len(content), where, None)
     try:
@@ -249,10 +300,25 @@ def _jsonl_record(content: bytes, start: int, line_index: int, stem: str) -> _Te
     except ValueError as e:
         record.error = f"{where}: not JSON ({e})"
         return record
-    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+    if chat is not None and isinstance(obj, dict) and "messages" in obj:
+        try:
+            rendered = render(obj["messages"], chat, special)
+        except Corrupt as e:
+            record.error = f"{where}: {e}"
+            return record
+        if any(rendered.media.values()):
+            record.error = f"{where}: media parts in a JSONL conversation (media need a " \
+                           "webdataset source, where they are members beside the messages)"
+            return record
+        record.text, record.spans = rendered.text, rendered.spans
+    elif chat is not None:
+        record.error = f"{where}: not an object with 'messages'"
+        return record
+    elif not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         record.error = f"{where}: not an object with a string 'text' field"
         return record
+    else:
+        record.text = obj["text"]
     if obj.get("key") is not None:
         record.key = str(obj["key"])
-    record.text = obj["text"]
     return record

@@ -24,6 +24,7 @@ class TokenCounter:
     tokenizer: object  # tokenizers.Tokenizer
     marker_ids: frozenset[int]
     special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
+    loaded: object = None  # the decoders' decode_text.TextTokenizer (pad, eos, marker ids)
 
     @classmethod
     def from_file(cls, path: str | Path, special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
@@ -37,11 +38,16 @@ class TokenCounter:
         from omniscale.loaders.decode_text import load_tokenizer
 
         loaded = load_tokenizer(path, special)
-        return cls(loaded.tokenizer, frozenset(loaded.marker_ids.values()), special)
+        return cls(loaded.tokenizer, frozenset(loaded.marker_ids.values()), special, loaded)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, as the decoders encode it (``decode_text``)."""
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def encodings(self, texts: list[str]) -> list:
+        """Each text's encoding as ``encode_batch`` makes it, with each token's character
+        range (``.offsets``): a conversation's targets are character spans."""
+        return self.tokenizer.encode_batch(texts, add_special_tokens=False)
 
     def count(self, ids: list[int]) -> int:
         """Non-media tokens of a text's ids, ``<eos>`` included."""

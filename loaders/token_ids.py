@@ -59,6 +59,22 @@ class TokenIds:
 
     def get(self, ref: SampleRef) -> np.ndarray | None:
         """The ref's text token ids (int64), or None when the index has none for it."""
+        shard = self._shard(ref)
+        return shard.get(ref.key) if shard is not None else None
+
+    def targets(self, ref: SampleRef) -> np.ndarray | None:
+        """A conversation sample's target token ranges (flat [start, end) pairs into its
+        ids), or None: every text token is a target, or the index has no ids for it."""
+        shard = self._shard(ref)
+        return shard.targets(ref.key) if shard is not None else None
+
+    def chat(self, source: str) -> dict | None:
+        """The chat template a conversation source was indexed with (``ChatFormat``'s
+        dict), or None for any other source."""
+        root = self._roots.get(source)
+        return self._metadata(source, root).get("chat") if root is not None else None
+
+    def _shard(self, ref: SampleRef) -> "_ShardIds | None":
         root = self._roots.get(ref.source)
         if root is None or not ref.shard:
             return None
@@ -70,9 +86,9 @@ class TokenIds:
                 self._shards.popitem(last=False)
         else:
             self._shards.move_to_end(at)
-        return shard.get(ref.key)
+        return shard
 
-    def _load(self, source: str, root: str, shard: str) -> "_ShardIds":
+    def _metadata(self, source: str, root: str) -> dict:
         meta = self._meta.get(source)
         if meta is None:
             meta = self._meta[source] = read_index_metadata(root)
@@ -80,26 +96,47 @@ class TokenIds:
                 self._meta.popitem(last=False)
         else:
             self._meta.move_to_end(source)
+        return meta
+
+    def _load(self, source: str, root: str, shard: str) -> "_ShardIds":
+        meta = self._metadata(source, root)
         if shard not in meta.get("shards", {}) or meta.get("version", 0) < 3:
             return _ShardIds([], None)
-        table = read_shard(root, shard, meta, columns=["key", "text_ids"])
+        targets = meta.get("version", 0) >= 4
+        table = read_shard(root, shard, meta,
+                           columns=["key", "text_ids"] + (["text_targets"] if targets else []))
         return _ShardIds(table.column("key").to_pylist(),
-                         table.column("text_ids").combine_chunks())
+                         table.column("text_ids").combine_chunks(),
+                         table.column("text_targets").combine_chunks() if targets else None)
 
 
 class _ShardIds:
-    """One shard's ids: a key's row, then its slice of the list column's values (no copy
-    until the int64 conversion the sequence layout wants)."""
+    """One shard's ids (and conversation targets): a key's row, then its slice of the list
+    column's values (no copy until the int64 conversion the sequence layout wants)."""
 
-    def __init__(self, keys: list[str], column) -> None:
+    def __init__(self, keys: list[str], column, targets=None) -> None:
         self.row = {key: i for i, key in enumerate(keys)}
-        if column is not None:
-            self.valid = column.is_valid().to_numpy(zero_copy_only=False)
-            self.offsets = column.offsets.to_numpy()
-            self.values = column.values.to_numpy()
+        self.ids = _ListColumn(column) if column is not None else None
+        self.target_ranges = _ListColumn(targets) if targets is not None else None
 
     def get(self, key: str) -> np.ndarray | None:
         i = self.row.get(key)
-        if i is None or not self.valid[i]:
+        return self.ids.get(i) if i is not None and self.ids is not None else None
+
+    def targets(self, key: str) -> np.ndarray | None:
+        i = self.row.get(key)
+        if i is None or self.target_ranges is None:
+            return None
+        return self.target_ranges.get(i)
+
+
+class _ListColumn:
+    def __init__(self, column) -> None:
+        self.valid = column.is_valid().to_numpy(zero_copy_only=False)
+        self.offsets = column.offsets.to_numpy()
+        self.values = column.values.to_numpy()
+
+    def get(self, i: int) -> np.ndarray | None:
+        if not self.valid[i]:
             return None
         return self.values[self.offsets[i]:self.offsets[i + 1]].astype(np.int64)

@@ -217,5 +217,5 @@ def test_an_index_from_an_older_version_is_a_clear_error(tmp_path):
     meta = json.loads(table.schema.metadata[METADATA_KEY])
     pq.write_table(table.replace_schema_metadata(
         {METADATA_KEY: json.dumps({**meta, "version": 1})}), path)
-    with pytest.raises(UserError, match="index version 1, the plane reads 2 to 3; re-run"):
+    with pytest.raises(UserError, match="index version 1, the plane reads 2 to 4; re-run"):
         SourceState("old", 0, source, seed=0)
