@@ -86,6 +86,7 @@ class SourceState:
             raise UserError(f"{index_path(self.path)}: index version {metadata.get('version')}, "
                             f"the plane reads {min(PLANE_READS)} to {max(PLANE_READS)}; re-run "
                             f"`omniscale data index {self.path}`")
+        self._targets = metadata.get("version") >= 4  # has the target_tokens column
         # Only the shard names, rows and row groups are kept (read_shard needs the latter).
         self._metadata = {"shards": {s: {"rows": int(e.get("rows", 0)),
                                          "row_group": e.get("row_group")}
@@ -201,8 +202,9 @@ class SourceState:
                                                                  shard):
             return o
         self._close()
-        table = read_shard(self.path, shard, self._metadata, columns=_COLUMNS)
-        columns = {name: table.column(name).to_pylist() for name in _COLUMNS}
+        names = _COLUMNS + ["target_tokens"] * self._targets
+        table = read_shard(self.path, shard, self._metadata, columns=names)
+        columns = {name: table.column(name).to_pylist() for name in names}
         order = self.row_order(self.epoch, self.shard_pos, table.num_rows)
         self._open = _OpenShard(self.epoch, self.shard_pos, shard, order, columns)
         return self._open
@@ -213,8 +215,12 @@ class SourceState:
     def _ref(self, row: int) -> SampleRef:
         c, o = self._open.columns, self._open
         llm, text = c["llm_tokens"][row] or 0, c["text_tokens"][row] or 0
+        # an index before version 4 has no target counts: its text tokens stand in
+        target = (c["target_tokens"][row] if "target_tokens" in c else None)
+        target = text if target is None else target
         if self.max_tokens is not None and llm > self.max_tokens:  # text only: truncated
             llm = text = self.max_tokens
+            target = min(target, llm)
         return SampleRef(
             source_id=self.source_id, source=self.name, shard=o.shard, key=c["key"][row],
             offset=c["offset"][row], size=c["size"][row],
@@ -222,7 +228,8 @@ class SourceState:
             llm_tokens=llm, text_tokens=text,
             image_patches=tuple(c["image_patches"][row] or ()),
             video_patches=tuple(c["video_patches"][row] or ()),
-            audio_frames=tuple(c["audio_frames"][row] or ()), epoch=self.epoch)
+            audio_frames=tuple(c["audio_frames"][row] or ()), epoch=self.epoch,
+            target_tokens=target)
 
     # --- state -------------------------------------------------------------------------------
 

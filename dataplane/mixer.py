@@ -1,7 +1,8 @@
 """The mixer: which source each sample of each global batch comes from, following the schedule.
 
 Accounting. Each drawn sample adds ``u`` units: 1 for ``samples`` accounting, its
-``llm_tokens`` for ``tokens``. Every source ``i`` keeps a cumulative target
+``llm_tokens`` for ``tokens``, its ``target_tokens`` (the tokens the loss counts: a
+conversation's assistant turns) for ``target_tokens``. Every source ``i`` keeps a cumulative target
 ``T_i = Σ w_i(x) · u`` over all draws so far (``w(x)``: the schedule's normalised weights at the
 draw's position ``x``: the step number for a schedule over ``steps``, the tokens drawn before it
 for one over ``tokens``) and a realized count ``R_i = Σ u`` over its own draws. The promise:
@@ -44,7 +45,7 @@ from omniscale.dataplane.catalog import Catalog
 from omniscale.dataplane.refs import SampleRef
 from omniscale.dataplane.schedule import Schedule
 
-ACCOUNTING = ("samples", "tokens")
+ACCOUNTING = ("samples", "tokens", "target_tokens")
 _FEW = 16  # up to this many live sources, a pick runs on Python floats rather than arrays
 
 
@@ -64,7 +65,8 @@ class Mixer:
                  global_batch_samples: int | None = None,
                  global_batch_tokens: int | None = None) -> None:
         if accounting not in ACCOUNTING:
-            raise ValueError(f"accounting: unknown {accounting!r} (expected samples or tokens)")
+            raise ValueError(f"accounting: unknown {accounting!r} (expected one of "
+                             f"{', '.join(ACCOUNTING)})")
         if (global_batch_samples is None) == (global_batch_tokens is None):
             raise ValueError("give exactly one of global_batch_samples and global_batch_tokens")
         size = global_batch_samples if global_batch_tokens is None else global_batch_tokens
@@ -128,7 +130,7 @@ class Mixer:
             self._sources[i].next()  # the peeked ref: both read one cursor
             peeked.pop(i)
             self._drawn = i
-            u = 1.0 if samples else float(ref.llm_tokens)
+            u = 1.0 if samples else float(self._units(ref))
             self.target_N += w_N * u
             self.realized_N[i] += u
             self.tokens += ref.llm_tokens
@@ -139,6 +141,10 @@ class Mixer:
                 break
         self.step += 1
         return batch
+
+    def _units(self, ref: SampleRef) -> int:
+        """A sample's units under token accounting: its tokens, or its target tokens."""
+        return ref.target_tokens if self.accounting == "target_tokens" else ref.llm_tokens
 
     def _choose(self, peeked: dict[int, SampleRef]) -> tuple[int, SampleRef, np.ndarray] | None:
         """The next source by earliest deadline, its next sample and the weights in force;
@@ -167,7 +173,7 @@ class Mixer:
         if self.accounting == "samples":
             bound = 1.0
         else:
-            bound = float(max(max(peeked[i].llm_tokens for i in live), 1))
+            bound = float(max(max(self._units(peeked[i]) for i in live), 1))
         if len(live) > _FEW:
             return self._pick_arrays(w_N, bound)
         # Few sources: the same elementwise IEEE arithmetic as the array version

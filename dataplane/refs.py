@@ -30,6 +30,7 @@ REF_SCHEMA = pa.schema([
     ("video_patches", pa.list_(pa.int32())),
     ("audio_frames", pa.list_(pa.int32())),
     ("epoch", pa.int32()),
+    ("target_tokens", pa.int32()),
 ])
 
 
@@ -55,6 +56,7 @@ class SampleRef:
     video_patches: tuple[int, ...] = ()
     audio_frames: tuple[int, ...] = ()
     epoch: int = 0
+    target_tokens: int = 0  # labels the loss counts (index ``target_tokens``)
 
     @property
     def uid(self) -> tuple[str, str, str]:

@@ -19,11 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.schedule import KINDS, Schedule, ScheduleError, Segment
-from omniscale.loaders.chat import ChatFormat, chat_format
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.layout import FORMATS, TEMPLATES, SpecialTokens
 
-Accounting = Literal["samples", "tokens"]
+Accounting = Literal["samples", "tokens", "target_tokens"]
 OnExhausted = Literal["next_epoch", "stop", "drop_source"]
 NAME_PATTERN = r"^[A-Za-z0-9_-]+$"
 
@@ -39,8 +38,10 @@ class SourceSpec:
     format: str
     template: str
     on_exhausted: str  # the source's own value, or the spec's
-    # a conversation source's rendering (``loaders.chat``); None for every other template
-    chat: ChatFormat | None = None
+    # a conversation source's template (``loaders.chat.chat_format`` reads it) and whether its
+    # prompts are targets too; None for every other template
+    chat_template: str | None = None
+    train_on_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,8 @@ def _build(m: _SpecModel, file: str, root: Path, check_paths: bool) -> MixSpec:
             raise SpecError(f"{file}: sources[{i}].path: {s.path!r} {problem}")
         sources.append(SourceSpec(s.name, path, s.format, s.template,
                                   s.on_exhausted or m.on_exhausted,
-                                  _chat(s, i, file, root, tokenizer, check_paths)))
+                                  _chat_template(s, i, file, root, check_paths),
+                                  bool(s.train_on_prompt)))
     media_given = m.media.model_dump(exclude_none=True) if m.media is not None else {}
     try:
         media = MediaGeometry.from_dict(media_given)
@@ -248,8 +250,8 @@ def _build(m: _SpecModel, file: str, root: Path, check_paths: bool) -> MixSpec:
                    sources=tuple(sources), schedule=_schedule(m, file), special_tokens=special)
 
 
-def _chat(s: _SourceModel, i: int, file: str, root: Path, tokenizer: Path,
-          check_paths: bool) -> ChatFormat | None:
+def _chat_template(s: _SourceModel, i: int, file: str, root: Path, check_paths: bool
+                   ) -> str | None:
     if s.template != "conversation":
         for key in ("chat_template", "train_on_prompt"):
             if getattr(s, key) is not None:
@@ -258,14 +260,15 @@ def _chat(s: _SourceModel, i: int, file: str, root: Path, tokenizer: Path,
         return None
     if s.format == "parquet":
         raise SpecError(f"{file}: sources[{i}].format: a conversation source is webdataset "
-                        "(media beside the conversation) or jsonl (text only)")
+                        "(media beside the messages) or jsonl (text only)")
     which = s.chat_template or "chatml"
-    if not check_paths and which != "chatml":
-        return None  # read where the files are (the indexer loads the spec with its paths)
-    try:
-        return chat_format(which, tokenizer, bool(s.train_on_prompt), relative_to=root)
-    except UserError as e:
-        raise SpecError(f"{file}: sources[{i}].chat_template: {e}") from None
+    if which in ("chatml", "tokenizer"):  # (the tokenizer's config is read by the indexer)
+        return which
+    path = _resolve(root, which)
+    if check_paths and not path.is_file():
+        raise SpecError(f"{file}: sources[{i}].chat_template: {which!r} is not chatml, "
+                        "tokenizer or an existing Jinja file")
+    return str(path)
 
 
 def _schedule(m: _SpecModel, file: str) -> Schedule:

@@ -62,8 +62,7 @@ class ChatFormat:
         return cls(**d)
 
 
-def chat_format(which: str, tokenizer: Path, train_on_prompt: bool = False,
-                relative_to: Path | None = None) -> ChatFormat:
+def chat_format(which: str, tokenizer: Path, train_on_prompt: bool = False) -> ChatFormat:
     """``chatml``, ``tokenizer`` (``tokenizer_config.json`` beside ``tokenizer``) or a path to
     a Jinja file; a UserError naming what is missing."""
     if which in BUILTIN:
@@ -84,7 +83,7 @@ def chat_format(which: str, tokenizer: Path, train_on_prompt: bool = False,
                             "instead)")
         return ChatFormat(template, TOKENIZER, train_on_prompt, _token(config, "bos_token"),
                           _token(config, "eos_token"))
-    path = Path(which) if relative_to is None else relative_to / which
+    path = Path(which)
     try:
         return ChatFormat(path.read_text(encoding="utf-8"), str(which), train_on_prompt)
     except (OSError, UnicodeDecodeError) as e:

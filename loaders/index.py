@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from omniscale.dataplane.errors import UserError
-from omniscale.loaders.chat import ChatFormat
+from omniscale.loaders.chat import ChatFormat, chat_format
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.index_schema import (
     INDEX_FILENAME,
@@ -91,8 +91,8 @@ def _index_path(path: Path, tokenizer: str | Path | None, pool: _LazyPool, force
         return [index_source(source.path, source.format, tokenizer or spec.tokenizer,
                              spec.media, workers=pool.workers, force=force, progress=progress,
                              name=source.name, pool=pool, special=spec.special_tokens,
-                             chat=source.chat)
-                for source in spec.sources]
+                             chat=_chat_of(path, i, source, spec.tokenizer))
+                for i, source in enumerate(spec.sources)]
     if path.is_dir():  # the geometry, special tokens and chat template of its last index,
         meta = read_index_metadata(path)  # or the defaults
         geometry = MediaGeometry.from_dict(meta["geometry"]) if meta.get("geometry") else \
@@ -105,6 +105,16 @@ def _index_path(path: Path, tokenizer: str | Path | None, pool: _LazyPool, force
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
     raise UserError(f"{path}: neither a mixing spec (.yaml) nor a source directory")
+
+
+def _chat_of(spec_path: Path, i: int, source, tokenizer: Path) -> ChatFormat | None:
+    """A conversation source's template, read now (a one-line error naming the field)."""
+    if source.chat_template is None:
+        return None
+    try:
+        return chat_format(source.chat_template, tokenizer, source.train_on_prompt)
+    except UserError as e:
+        raise UserError(f"{spec_path}: sources[{i}].chat_template: {e}") from None
 
 
 class _LazyPool:

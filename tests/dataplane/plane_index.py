@@ -16,12 +16,14 @@ from omniscale.loaders.index_schema import INDEX_SCHEMA, INDEX_VERSION, METADATA
 
 def rows(shard: str, tokens: list[int], corrupt: frozenset[int] = frozenset()) -> list[dict]:
     """Index rows of one shard: sample ``j`` has key ``<shard>-<j>`` and ``tokens[j]`` LLM
-    tokens; rows whose position is in ``corrupt`` carry an error."""
+    tokens, a third of them targets (as if a prompt took the rest); rows whose position is in
+    ``corrupt`` carry an error."""
     stem = shard.split(".")[0]
     return [{"shard": shard, "key": f"{stem}-{j}", "offset": 512 * j, "size": 512,
              "members": [{"name": f"{stem}-{j}.txt", "offset": 512 * j + 512, "size": 10}],
              "text_tokens": t, "image_patches": [], "video_patches": [], "audio_frames": [],
-             "llm_tokens": t, "error": "bad header" if j in corrupt else None}
+             "llm_tokens": t, "error": "bad header" if j in corrupt else None,
+             "target_tokens": t // 3}
             for j, t in enumerate(tokens)]
 
 

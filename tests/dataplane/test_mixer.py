@@ -26,13 +26,14 @@ SIZES = {"a": (3, 20, 60), "b": (2, 30, 400), "c": (4, 10, 5), "d": (1, 50, 1000
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """Four sources with very different sample sizes: name -> (path, largest llm_tokens)."""
+    """Four sources with very different sample sizes: name -> (path, largest llm_tokens,
+    largest target_tokens)."""
     root = tmp_path_factory.mktemp("sources")
     out = {}
     for seed, (name, (shards, per_shard, top)) in enumerate(SIZES.items()):
         path = random_source(root / name, seed, shards, per_shard, top)
-        out[name] = (path, max(read_index(path, columns=["llm_tokens"])
-                               .column("llm_tokens").to_pylist()))
+        out[name] = (path, *(max(read_index(path, columns=[c]).column(c).to_pylist())
+                             for c in ("llm_tokens", "target_tokens")))
     return out
 
 
@@ -60,7 +61,8 @@ def check_run(mixer, steps, bound):
             w = schedule.weights_over([step if schedule.unit == "steps" else tokens])[0]
             i = names.index(ref.source)
             assert w[i] > 0, f"step {step}: drew {ref.source} at weight 0"
-            u = 1 if mixer.accounting == "samples" else ref.llm_tokens
+            u = {"samples": 1, "tokens": ref.llm_tokens,
+                 "target_tokens": ref.target_tokens}[mixer.accounting]
             target += w * u
             realized[i] += u
             tokens += ref.llm_tokens
@@ -110,12 +112,13 @@ batches_st = st.one_of(st.builds(lambda s: {"global_batch_samples": s}, st.integ
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(schedule=schedules(), accounting=st.sampled_from(["samples", "tokens"]),
-       batch=batches_st)
+@given(schedule=schedules(),
+       accounting=st.sampled_from(["samples", "tokens", "target_tokens"]), batch=batches_st)
 def test_realized_mixture_tracks_the_target_within_one_sample(sources, schedule, accounting,
                                                             batch):
     mixer = make_mixer(sources, schedule, accounting, batch)
-    bound = 1 if accounting == "samples" else max(sources[n][1] for n in schedule.sources)
+    column = {"samples": None, "tokens": 1, "target_tokens": 2}[accounting]
+    bound = 1 if column is None else max(sources[n][column] for n in schedule.sources)
     # Exact for constant schedules; a changing one can strand a fraction of a sample on a
     # source whose share falls to 0 (see the mixer's docstring), hence the slack.
     slack = 1 if len(schedule.segments) == 1 else 1.5
@@ -223,3 +226,13 @@ def test_bad_arguments_are_refused(sources):
         make_mixer(sources, schedule, "samples", {})
     with pytest.raises(ValueError, match="accounting"):
         make_mixer(sources, schedule, "bytes", {"global_batch_samples": 1})
+
+
+def test_target_accounting_counts_the_index_target_tokens(sources):
+    schedule = Schedule(("a", "b"), (Segment("const", 0, None, {"a": 1, "b": 1},
+                                             {"a": 1, "b": 1}),), "steps")
+    mixer = make_mixer(sources, schedule, "target_tokens", {"global_batch_samples": 8})
+    drawn = [r for step in range(30) for r in mixer.next_batch(step)]
+    assert all(r.target_tokens == r.llm_tokens // 3 for r in drawn)  # plane_index.rows' rule
+    targets = {n: sum(r.target_tokens for r in drawn if r.source == n) for n in "ab"}
+    assert abs(targets["a"] - targets["b"]) <= sources["b"][2]  # equal shares of targets

@@ -88,7 +88,7 @@ def test_the_documented_example_is_valid(tmp_path):
     text = (REPO / "docs" / "mixing-spec.md").read_text()
     example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     spec = parse_spec(yaml.safe_load(example), root=tmp_path, check_paths=False)
-    assert spec.schedule.weights_at(950) == {"text": 0.5, "docs": 0.5}
+    assert spec.schedule.weights_at(950) == {"text": 0.5, "docs": 0.5, "chat": 0.0}
 
 
 def mutate(fn):
@@ -157,7 +157,7 @@ BAD = [
     ("unknown template", mutate(lambda d: d["sources"][1].update(template="speech")),
      "sources[1].template", "unknown template 'speech'"),
     ("unknown accounting", mutate(lambda d: d.update(accounting="bytes")), "accounting",
-     "expected samples or tokens"),
+     "expected samples, tokens or target_tokens"),
     ("unknown unit", mutate(lambda d: d["schedule"].update(unit="epochs")), "schedule.unit",
      "unknown unit 'epochs'"),
     ("unknown on_exhausted", mutate(lambda d: d["sources"][0].update(on_exhausted="loop")),

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import SpecError, load_spec
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.loaders.chat import CHATML, ChatFormat, chat_format, flatten, render
@@ -206,10 +207,16 @@ def test_bad_conversations_are_marked_with_their_reason(tokenizer, tmp_path):
 def test_spec_mistakes_are_one_line(tokenizer, tmp_path):
     spec_path = _spec(tmp_path, tokenizer, {"chat_template": "tokenizer"})
     (tmp_path / "chat").mkdir()
-    with pytest.raises(SpecError, match=r"sources\[0\]\.chat_template: .*tokenizer_config\.json: "
-                                        r"chat_template: tokenizer needs a readable"):
-        load_spec(spec_path)
+    with pytest.raises(UserError, match=r"mix\.yaml: sources\[0\]\.chat_template: .*"
+                                        r"tokenizer_config\.json: chat_template: tokenizer "
+                                        r"needs a readable"):
+        index_paths([spec_path], workers=1, progress=False)
     raw = yaml.safe_load(spec_path.read_text())
+    raw["sources"][0]["chat_template"] = "nowhere.jinja"
+    spec_path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(SpecError, match=r"sources\[0\]\.chat_template: 'nowhere\.jinja' is "
+                                        r"not chatml, tokenizer or an existing Jinja file"):
+        load_spec(spec_path)
     raw["sources"][0].update(template="text", chat_template="chatml")
     spec_path.write_text(yaml.safe_dump(raw))
     with pytest.raises(SpecError, match=r"sources\[0\]\.chat_template: only for template: "
