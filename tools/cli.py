@@ -15,6 +15,7 @@ from omniscale.dataplane.errors import UserError
 
 EXIT_USER_ERROR = 2
 EXIT_CORRUPT = 3  # index written, but some members were corrupt and are marked in it
+MAX_SKIP_LINES = 100  # `data import` lists the rest in OUT/_skipped.jsonl only
 
 
 def _data_demo(args: argparse.Namespace) -> int:
@@ -36,6 +37,26 @@ def _data_index(args: argparse.Namespace) -> int:
     if corrupt and not args.allow_corrupt:
         print(f"omniscale: {corrupt} corrupt member(s) marked in the index and skipped "
               "(--allow-corrupt exits 0)", file=sys.stderr)
+        return EXIT_CORRUPT
+    return 0
+
+
+def _data_import(args: argparse.Namespace) -> int:
+    from omniscale.loaders.importers import import_conversations
+
+    report = import_conversations(args.format, args.src, args.out, media_root=args.media_root,
+                                  samples_per_shard=args.samples_per_shard,
+                                  workers=args.workers, force=args.force,
+                                  progress=not args.no_progress)
+    lines = report.lines()
+    for line in lines[:MAX_SKIP_LINES]:
+        print(line, file=sys.stderr)
+    if len(lines) > MAX_SKIP_LINES:
+        print(f"... and {len(lines) - MAX_SKIP_LINES} more skipped record(s)", file=sys.stderr)
+    print(report.summary())
+    if report.skipped and not args.allow_skipped:
+        print(f"omniscale: {len(report.skipped)} record(s) skipped (--allow-skipped exits 0)",
+              file=sys.stderr)
         return EXIT_CORRUPT
     return 0
 
@@ -133,6 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--allow-corrupt", action="store_true",
                        help="exit 0 even when corrupt members were found (they stay marked)")
     index.set_defaults(func=_data_index)
+
+    imp = data_commands.add_parser(
+        "import", help="convert conversation datasets (openai, sharegpt, llava) into a "
+                       "WebDataset source")
+    imp.add_argument("format", metavar="FORMAT", help="openai, sharegpt or llava")
+    imp.add_argument("src", nargs="+", metavar="SRC",
+                     help="*.json / *.jsonl input files, or directories holding them")
+    imp.add_argument("--out", required=True, metavar="DIR",
+                     help="output directory: DIR/*.tar shards, DIR/_skipped.jsonl")
+    imp.add_argument("--media-root", metavar="DIR",
+                     help="where relative media paths point (default: beside each input file)")
+    imp.add_argument("--samples-per-shard", type=int, default=1000, metavar="N",
+                     help="samples per tar shard (default 1000)")
+    imp.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="processes (default: one per input file, at most all cores)")
+    imp.add_argument("--force", action="store_true",
+                     help="discard DIR's shards and convert every input file again")
+    imp.add_argument("--allow-skipped", action="store_true",
+                     help="exit 0 even when records were skipped (they stay listed)")
+    imp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    imp.set_defaults(func=_data_import)
 
     inspect = data_commands.add_parser(
         "inspect", help="per-source counts, length percentiles and the schedule's weights")
