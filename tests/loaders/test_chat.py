@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from PIL import Image
 
@@ -237,3 +238,30 @@ def test_a_target_span_maps_to_the_tokens_starting_inside_it():
     assert targets_mask([1, 3, 4, 5], 5).tolist() == [False, True, True, False, True]
     assert ChatFormat.from_dict(ChatFormat(CHATML).to_dict()) == ChatFormat(CHATML)
     assert np.array_equal(targets_mask([], 3), np.zeros(3, bool))
+
+
+def test_a_long_conversation_split_over_sp_ranks_keeps_its_mask(tokenizer, tmp_path):
+    from omniscale.loaders.collate import collate
+
+    turns = []
+    for i in range(12):  # longer than a slice: its turns end up on different SP ranks
+        turns += [{"role": "user", "content": [{"type": "text", "text": f"What shape? {i}"}]
+                   + ([{"type": "image"}] if i == 5 else [])},
+                  {"role": "assistant", "content": f"A red square, blue circle {i}."}]
+    _conversation_shard(tmp_path, [turns])
+    spec_path = _spec(tmp_path, tokenizer, {})
+    index_paths([spec_path], workers=1, progress=False)
+    spec = load_spec(spec_path)
+    row = read_index(spec.sources[0].path).to_pylist()[0]
+    sample = _decoders(spec)[0].decode(ref_of("chat", row))
+    hf = _hf(tokenizer, CHATML_MARKED)
+    oracle = hf.apply_chat_template(flatten(turns)[0], tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=True)
+    want = [t for t, m in zip(oracle["input_ids"], oracle["assistant_masks"]) if m]
+    want.append(hf.convert_tokens_to_ids("<eos>"))
+    k = 3
+    slices = [collate([(sample, k, i)], spec.media) for i in range(k)]
+    labels = torch.cat([b.labels_T for b in slices])[:len(sample)]
+    assert torch.equal(labels, sample.labels_L)
+    assert [t for t in labels.tolist() if t != IGNORE_INDEX] == want
+    assert all((b.labels_T != IGNORE_INDEX).any() for b in slices)  # targets on every rank
