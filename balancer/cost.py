@@ -10,7 +10,7 @@ Shape suffixes: T measurements, K fitted parameters (3).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,6 +48,11 @@ class CostModel:
 
 
 _ZERO = CostModel(0.0, 0.0, 0.0)
+
+# Forward's share of forward + backward: backward computes the gradient of each matmul's input
+# and of its weight, two matmuls of the forward's size, so forward is 1/3 of the whole (as
+# `CostModel.from_dims`'s 2·P of 6·P; attention alike). A frozen tower runs forward only.
+FORWARD_SHARE = 1 / 3
 
 
 # Encoders relative to the LLM (Costs.from_llm): a ViT with about 1/8 of the active parameters
@@ -188,6 +193,21 @@ class Costs:
         return cls(llm=CostModel(alpha, beta),
                    encoders=(CostModel(a, b), CostModel(a + b * VIDEO_WINDOW_PATCHES, 0.0),
                              CostModel(a, b)), **collectives)
+
+    def forward_only(self, kinds) -> "Costs":
+        """These costs with the encoders of ``kinds`` (names of ENCODER_KINDS) priced forward
+        only: a frozen tower needs no backward (the trainer's ``optim.groups``). Their models,
+        FLOP-based or calibrated (both time forward + backward), are scaled by
+        ``FORWARD_SHARE``; for measured seconds that is the FLOPs' proportion, an estimate the
+        online refit does not correct (it fits the LLM's model)."""
+        unknown = set(kinds) - set(ENCODER_KINDS)
+        if unknown:
+            raise ValueError(f"forward_only: unknown encoder kinds {sorted(unknown)} (known: "
+                             f"{', '.join(ENCODER_KINDS)})")
+        f = FORWARD_SHARE
+        return replace(self, encoders=tuple(
+            CostModel(m.alpha * f, m.beta * f, m.gamma * f) if kind in kinds else m
+            for kind, m in zip(ENCODER_KINDS, self.encoders)))
 
     def item_cost(self, item_size_M: np.ndarray, item_kind_M: np.ndarray) -> np.ndarray:
         """Encoder cost of each item, priced by its kind's model."""

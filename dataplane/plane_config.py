@@ -40,8 +40,17 @@ class PlaneConfig:
     # ("micro_batch") and of the collectives per token (COLLECTIVES); None prices encoders
     # relative to cost_linear/quadratic
     costs: dict | None = None
+    # encoder kinds priced forward only (Costs.forward_only): their tower is frozen (the
+    # trainer's optim.groups); ENCODER_KINDS names
+    frozen_encoders: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        # a tuple however it came (a start record's JSON has a list), so restarts compare equal
+        object.__setattr__(self, "frozen_encoders", tuple(self.frozen_encoders))
+        unknown = sorted(set(self.frozen_encoders) - set(ENCODER_KINDS))
+        if unknown:
+            raise UserError(f"frozen_encoders: unknown encoder kinds {unknown} (known: "
+                            f"{', '.join(ENCODER_KINDS)})")
         if (self.global_batch_tokens is None) == (self.global_batch_samples is None):
             raise UserError("give exactly one of --global-batch-tokens and "
                             "--global-batch-samples")
@@ -62,10 +71,12 @@ class PlaneConfig:
         """The planner's costs with the LLM's ``linear·L + quadratic·L²`` (the refit may move
         them during a run): a calibrated model's γ and encoders, or encoders relative to it."""
         if self.costs is None:
-            return Costs.from_llm(linear, quadratic)
-        return Costs(llm=CostModel(linear, quadratic, self.costs["llm"][2]),
-                     encoders=tuple(CostModel(*self.costs[kind]) for kind in ENCODER_KINDS),
-                     **{name: float(self.costs.get(name, 0.0)) for name in SCALARS})
+            costs = Costs.from_llm(linear, quadratic)
+        else:
+            costs = Costs(llm=CostModel(linear, quadratic, self.costs["llm"][2]),
+                          encoders=tuple(CostModel(*self.costs[kind]) for kind in ENCODER_KINDS),
+                          **{name: float(self.costs.get(name, 0.0)) for name in SCALARS})
+        return costs.forward_only(self.frozen_encoders) if self.frozen_encoders else costs
 
     def planner(self, dp: int, window: int) -> PlannerConfig:
         return PlannerConfig(dp=dp, micro_batch_tokens=self.micro_batch_tokens, window=window,

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 # Settings that decide what the plane plans: a restart must keep them (dp may change).
 PLANNING_FIELDS = ("micro_batch_tokens", "window", "global_batch_tokens",
                    "global_batch_samples", "sp_max", "epsilon", "cost_linear",
-                   "cost_quadratic", "max_sample_tokens", "balance", "costs")
+                   "cost_quadratic", "max_sample_tokens", "balance", "costs", "frozen_encoders")
 # what a state dir written before a field existed was planned with
 DEFAULTS = {f.name: f.default for f in fields(PlaneConfig)}
 
@@ -47,10 +47,13 @@ def check_settings(start: dict, config: PlaneConfig) -> None:
     was = start["config"]
     for name in PLANNING_FIELDS:
         before = was.get(name, DEFAULTS[name])
+        before = tuple(before) if isinstance(before, list) else before  # JSON has no tuples
         if before != getattr(config, name):
-            raise UserError(f"--{name.replace('_', '-')} {getattr(config, name)}: this state "
-                            f"dir was planned with {before} (only --dp may change on a "
-                            "restart)")
+            # frozen_encoders is no flag: the trainer's optim.groups set it
+            what = "frozen encoders (optim.groups)" if name == "frozen_encoders" else \
+                f"--{name.replace('_', '-')}"
+            raise UserError(f"{what} {getattr(config, name)}: this state dir was planned with "
+                            f"{before} (only --dp may change on a restart)")
 
 
 def open_state(journal: Journal, config: PlaneConfig, restore_step: int | None = None

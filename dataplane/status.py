@@ -12,6 +12,7 @@ hand out), not as committed. ``next_step`` is what training has finished.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 
@@ -33,7 +34,8 @@ def plane_status(plane, now: float) -> dict:
     return {
         "spec": plane.spec_path, "accounting": plane.spec.accounting,
         "dp": plane.dp_at(plane.next_step), "window": W,
-        "config": dataclasses.asdict(plane.config),  # what a trainer checks before it joins
+        # what a trainer checks before it joins; JSON-ready (a tuple would come back a list)
+        "config": json.loads(json.dumps(dataclasses.asdict(plane.config))),
         "next_step": plane.next_step, "served_max_step": plane.served_max,
         "planned_through": planned_through,
         "plans_ahead": max(planned_through - plane.next_step, 0),  # beyond next_step

@@ -111,9 +111,11 @@ def apply_ep(model: nn.Module, ep_mesh: Group) -> nn.Module:
                                   getattr(local, "permute_kernel", None),
                                   getattr(local, "unpermute_kernel", None))
         lo, hi = rank * dispatcher.local, (rank + 1) * dispatcher.local
-        with torch.no_grad():
-            experts.gate_up_proj = nn.Parameter(experts.gate_up_proj[lo:hi].clone())
-            experts.down_proj = nn.Parameter(experts.down_proj[lo:hi].clone())
+        with torch.no_grad():  # a frozen weight (the trainer's optim.groups) stays frozen
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(experts, name)
+                setattr(experts, name, nn.Parameter(weight[lo:hi].clone(),
+                                                    requires_grad=weight.requires_grad))
         experts.num_experts, experts.num_global_experts, experts.ep_offset = hi - lo, \
             module.num_experts, lo
         # checkpoints (parallel/dcp.py) describe the slices over the mesh the group came from

@@ -124,13 +124,16 @@ def build_model(config: ModelConfig, seed: int, device: torch.device) -> OmniMod
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, vectors (norms, biases) do not."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    """AdamW over the parameters ``optim.groups`` leaves trained (frozen ones get no state);
+    matrices decay, vectors (norms, biases) do not. ``optimizer.lr_scales``: each param
+    group's factor on the scheduled learning rate (``step.set_lr``)."""
+    from omniscale.tools.train.optim_groups import Groups, param_groups
+
     o = cfg.optim
-    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}],
-                             lr=o.lr, betas=o.betas, foreach=False)
+    groups, scales = param_groups(model, Groups(tuple(o.groups)), o.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, foreach=False)
+    optimizer.lr_scales = scales
+    return optimizer
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:

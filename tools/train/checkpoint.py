@@ -212,10 +212,16 @@ def load(path: Path, model, optimizer, verified: bool = False) -> int:
     caller has just run :func:`verify` on every rank (a resume does, before the plane starts)."""
     if not verified:
         verify(path)  # before DCP unpickles anything
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     extra = _extra(0)
     try:
         load_checkpoint(path, model, optimizer, extra=extra)
-    except Exception as e:  # noqa: BLE001 -- a foreign or damaged checkpoint: one line
-        raise UserError(f"{path}: cannot load checkpoint ({str(e).splitlines()[0]})") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- foreign or damaged: one line
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if "optimizer.state." in reason:  # trained now, frozen (so stateless) when saved
+            reason += (" -- optim.groups must freeze the same parameters as when the "
+                       "checkpoint was saved")
+        raise UserError(f"{path}: cannot load checkpoint ({reason})") from None
     torch.set_rng_state(extra["rng"])
     return int(extra["step"])

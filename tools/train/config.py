@@ -79,6 +79,27 @@ class DataSection(_Strict):
     costs: str | None = None
 
 
+class ParamGroup(_Strict):
+    """One entry of ``optim.groups`` (``tools.train.optim_groups``): the parameters whose plain
+    name (``vision.blocks.0.qkv.weight``) matches the glob ``match`` train at ``lr_scale`` times
+    the scheduled learning rate, or not at all (``frozen``). The first matching entry wins."""
+
+    match: str = Field(min_length=1)
+    lr_scale: float | None = Field(None, gt=0)  # None: 1 (an entry that shields a subset)
+    frozen: bool = False
+
+    @model_validator(mode="after")
+    def _frozen_has_no_rate(self):
+        if self.frozen and self.lr_scale is not None:
+            raise ValueError(f"match {self.match!r}: lr_scale and frozen: true together (a "
+                             f"frozen parameter has no learning rate)")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.lr_scale is None else self.lr_scale
+
+
 class OptimSection(_Strict):
     lr: float = Field(3e-3, gt=0)
     min_lr: float = Field(3e-4, ge=0)
@@ -87,6 +108,8 @@ class OptimSection(_Strict):
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, gt=0)
+    # per-parameter learning-rate scales and freezing, first match wins (ParamGroup)
+    groups: list[ParamGroup] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _min_below_peak(self):
@@ -217,7 +240,11 @@ def apply_set(raw: dict, assignment: str) -> None:
 
 
 def _where(error: dict) -> str:
-    return ".".join(str(p) for p in error["loc"]) or "(top level)"
+    """The dotted key, list items by index (``optim.groups[1].lr_scale``)."""
+    where = ""
+    for part in error["loc"]:
+        where += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return where.lstrip(".") or "(top level)"
 
 
 def load_config(path: str | Path | None, sets: list[str] = (), name: str | None = None

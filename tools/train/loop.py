@@ -21,7 +21,7 @@ from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.pipeline import RankLoader
-from omniscale.tools.train import checkpoint
+from omniscale.tools.train import checkpoint, optim_groups
 from omniscale.tools.train.build import build_model, build_optimizer, init_weights, model_config
 from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig
@@ -48,10 +48,11 @@ class RankJob:
     ray_address: str | None = None  # the job's Ray cluster (``data.loader: ray``)
 
 
-def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = None
-                 ) -> PlaneConfig:
+def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = None,
+                 frozen_kinds: tuple[str, ...] = ()) -> PlaneConfig:
     """The embedded plane's settings; ``cost``: the model's (α, β) FLOPs per sequence, the
-    balancer's cost model (``ModelConfig.cost_coefficients``)."""
+    balancer's cost model (``ModelConfig.cost_coefficients``); ``frozen_kinds``: encoder kinds
+    whose tower ``optim.groups`` freezes (priced forward only, ``optim_groups.Groups``)."""
     d = cfg.data
     # parallel.sp: the plane may split a sample over an aligned group of up to that many
     # ranks; longer text is truncated to what such a group holds, longer media samples skipped.
@@ -64,7 +65,8 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
         extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0}
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
                        global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp,
-                       snapshot_every=cfg.checkpoint_every, balance=d.balance, **extra)
+                       snapshot_every=cfg.checkpoint_every, balance=d.balance,
+                       frozen_encoders=tuple(frozen_kinds), **extra)
 
 
 def device_of(cfg: RunConfig, rank: int) -> torch.device:
@@ -118,14 +120,14 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
                 device: torch.device) -> None:
     plane = loader = None
     try:
-        spec, mcfg, dims = layout(cfg, world)  # every rank, before the plane starts
+        spec, mcfg, dims, groups = layout(cfg, world)  # every rank, before the plane starts
         video = mcfg is None
         if job.resume_from:  # a refused checkpoint leaves RUN_DIR/plane as it was
             checkpoint.verify(Path(job.resume_from))
         if rank == 0 and job.plane_url is None:
             cost = mcfg.cost_coefficients() if mcfg is not None else None
             plane = start_embedded(job.spec, run_dir / "plane",
-                                   plane_config(cfg, dims.dp_sp, cost),
+                                   plane_config(cfg, dims.dp_sp, cost, groups.frozen_kinds),
                                    restore_step=job.start_step if job.resume_from else None)
         url = _share_url(job.plane_url or (plane.url if plane else None), rank, run_dir)
         # the plane plans for the data ranks; TP peers load (and commit) the same plan
@@ -137,7 +139,13 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
             model, step_fn = build_model(mcfg, cfg.seed, device), train_step
-        meshes = parallelize(cfg)(model, dims, settings_of(cfg, device), device.type)
+        optim_groups.freeze(model, groups)  # before FSDP builds its units (parallel.fsdp)
+        from omniscale.parallel.fsdp import MixedUnitError
+
+        try:
+            meshes = parallelize(cfg)(model, dims, settings_of(cfg, device), device.type)
+        except MixedUnitError as e:
+            raise optim_groups.unit_error(groups, model, e) from None
         if meshes.pipeline is not None:
             step_fn = pipeline_step
         if not job.resume_from:
@@ -163,9 +171,10 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
 
 
 def layout(cfg: RunConfig, world: int):
-    """``(spec, model config, ParallelDims)`` of the run over ``world`` processes (the model
-    config is None for video_gen); a one-line UserError when the layout cannot work. The
-    launcher checks it before it spawns anything, every rank again before the plane starts."""
+    """``(spec, model config, ParallelDims, optim_groups.Groups)`` of the run over ``world``
+    processes (the model config is None for video_gen); a one-line UserError when the layout
+    or ``optim.groups`` cannot work. The launcher checks it before it spawns anything, every
+    rank again before the plane starts."""
     spec = load_spec(cfg.data.spec)
     if cfg.task == "video_gen" and any(dict(cfg.model.init_from).values()):
         raise UserError("model.init_from: the video_gen task's DiT has no Hugging Face "
@@ -175,7 +184,7 @@ def layout(cfg: RunConfig, world: int):
         raise UserError("model.init_from.backbone with parallel.pp > 1: not supported yet "
                         "(start from it at pp=1, checkpoint, and resume with pp)")
     mcfg = None if cfg.task == "video_gen" else model_config(cfg, spec.media, spec.tokenizer)
-    return spec, mcfg, parallel_dims(cfg, world, mcfg)
+    return spec, mcfg, parallel_dims(cfg, world, mcfg), optim_groups.check(cfg, spec, mcfg)
 
 
 def parallel_dims(cfg: RunConfig, world: int, mcfg):

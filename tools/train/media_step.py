@@ -181,6 +181,8 @@ class StepMedia:
                 grads.append(leaf.grad)
         torch.autograd.backward(outs, grads)
         for out_ND, leaf_ND in self._encoder_outputs:
+            if not out_ND.requires_grad:  # a frozen tower (optim.groups): nothing to reach,
+                continue  # on every rank alike (the groups are the run's)
             grad = leaf_ND.grad if leaf_ND.grad is not None else torch.zeros_like(out_ND)
             torch.autograd.backward([out_ND], [grad / self.copies if self.copies > 1 else grad])
 

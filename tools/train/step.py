@@ -122,9 +122,12 @@ class StepCounts:
 
 
 def set_lr(optimizer, step: int, cfg) -> float:
+    """The step's scheduled learning rate (returned, and logged), times each param group's
+    ``optim.groups`` scale (``build.build_optimizer``'s ``optimizer.lr_scales``)."""
     lr = lr_at(step, cfg)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    scales = getattr(optimizer, "lr_scales", None) or [1.0] * len(optimizer.param_groups)
+    for group, scale in zip(optimizer.param_groups, scales, strict=True):
+        group["lr"] = lr * scale
     return lr
 
 
