@@ -35,6 +35,7 @@ CHATML = ("{% for message in messages %}"
           "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
           "{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")  # a tokenizer for chatml should have them
 BUILTIN = {"chatml": CHATML}
 TOKENIZER = "tokenizer"  # the template of the tokenizer's own tokenizer_config.json
 ROLES = ("system", "user", "assistant")

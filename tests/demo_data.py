@@ -14,7 +14,8 @@ from omniscale.tools.demo import generate
 
 SCALE = "tiny"
 SEED = 0
-SPECS = ("mix.yaml", "eval.yaml")  # indexed: every source the demo's specs name
+# indexed: every source the demo's specs name (lm.yaml and video.yaml name a subset of mix.yaml's)
+SPECS = ("mix.yaml", "eval.yaml", "sft.yaml", "sft_eval.yaml")
 
 
 def build(root: Path) -> Path:

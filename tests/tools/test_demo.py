@@ -21,6 +21,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from omniscale.dataplane.errors import UserError
+from omniscale.loaders.conversation import load_sample
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.layout import (
     DEFAULT_SPECIAL_TOKENS,
@@ -33,8 +34,10 @@ from omniscale.tools.demo import Plan, audio, build, generate, scenes, text
 from omniscale.tools.demo.dataset import _ranges
 
 IMAGE = DEFAULT_SPECIAL_TOKENS.image
-SPLITS = {"train": ("text", "image_caption", "video_caption", "audio_caption", "interleaved"),
-          "eval": ("text", "image_caption", "video_caption", "audio_caption")}
+SPLITS = {"train": ("text", "image_caption", "video_caption", "audio_caption", "interleaved",
+                    "chat"),
+          "eval": ("text", "image_caption", "video_caption", "audio_caption", "chat")}
+TASK_ONLY = ("chat",)  # in the fine-tuning demo's specs, not the main mixture's
 TEST_PLAN = Plan({(split, source): 3 for split, sources in SPLITS.items() for source in sources},
                  {"train": 2, "eval": 2})
 
@@ -99,7 +102,7 @@ def test_shards_are_webdataset(demo):
             rows = list(wds.WebDataset(shards, shardshuffle=False, empty_check=False))
             assert len(rows) == summary["sources"][split][source]["samples"]
             for row in rows:
-                assert "." not in row["__key__"] and "txt" in row
+                assert "." not in row["__key__"] and ("json" if source == "chat" else "txt") in row
 
 
 def test_image_captions_match_labels_and_sizes(demo):
@@ -201,7 +204,8 @@ def test_specs(demo):
     mix = yaml.safe_load((root / "mix.yaml").read_text())
     MediaGeometry(**mix["media"])
     assert mix["tokenizer"] == "tokenizer.json" and (root / mix["tokenizer"]).is_file()
-    assert [s["name"] for s in mix["sources"]] == list(summary["sources"]["train"])
+    assert [s["name"] for s in mix["sources"]] == [n for n in summary["sources"]["train"]
+                                                    if n not in TASK_ONLY]
     assert all((root / s["path"]).is_dir() for s in mix["sources"])
     segments = mix["schedule"]["segments"]
     assert {s["kind"] for s in segments} == {"const", "linear", "cosine", "step"}
@@ -210,7 +214,33 @@ def test_specs(demo):
     ev = yaml.safe_load((root / "eval.yaml").read_text())
     MediaGeometry(**ev["media"])
     assert "schedule" not in ev and all(s["weight"] > 0 for s in ev["sources"])
-    assert {s["name"] for s in ev["sources"]} == set(SPLITS["eval"])
+    assert {s["name"] for s in ev["sources"]} == set(SPLITS["eval"]) - set(TASK_ONLY)
+    for name, split in (("sft.yaml", "train"), ("sft_eval.yaml", "eval")):
+        sft = yaml.safe_load((root / name).read_text())
+        assert [(s["name"], s["path"], s["template"]) for s in sft["sources"]] == \
+            [("chat", f"{split}/chat", "conversation")]
+
+
+def test_conversations_are_in_the_import_form_and_answer_from_the_labels(demo):
+    root, _ = demo
+    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+    assert all(tok.token_to_id(t) is not None for t in ("<|im_start|>", "<|im_end|>"))
+    for split in SPLITS:
+        for key, members in source_samples(root, split, "chat").items():
+            body = json.loads(members["json"])
+            labels, messages = body["labels"], body["messages"]
+            media = {s.split(".")[1]: len(data) for s, data in members.items() if s != "json"}
+            load_sample(members["json"], {labels["kind"]: len(media)})  # parts = members
+            assert list(media) == [
+                {"image": labels.get("format"), "video": "mp4",
+                 "audio": labels.get("format")}[labels["kind"]]]
+            roles = [m["role"] for m in messages]
+            assert roles == ["user", "assistant"] * (len(roles) // 2) and 4 <= len(roles) <= 8
+            first = messages[1]["content"][0]["text"]
+            want = {"image": lambda: scenes.image_caption(labels),
+                    "video": lambda: scenes.video_caption(labels),
+                    "audio": lambda: audio.caption(labels)}[labels["kind"]]()
+            assert first == want, key
 
 
 def test_deterministic_whatever_the_workers(demo, tmp_path):

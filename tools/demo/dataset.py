@@ -28,11 +28,16 @@ from omniscale.tools.demo import specs, text
 from omniscale.tools.demo.shards import SOURCE_IDS, SPLIT_IDS, ShardResult, ShardTask, write_shard
 from omniscale.tools.demo.tokenizer import train_tokenizer
 
-VERSION = 2  # 2: lm.yaml and video.yaml, the lm and video_gen tasks' specs
+VERSION = 3  # 2: lm.yaml and video.yaml, the lm and video_gen tasks' specs; 3: chat, sft*.yaml
 SUMMARY_FILE = "demo.json"
 SPEC_FILES = {"train": "mix.yaml", "eval": "eval.yaml"}
 TASK_SPECS = {"lm": ("lm.yaml", ("text", "docs")),
-              "video": ("video.yaml", ("video_caption",))}
+              "video": ("video.yaml", ("video_caption",)),
+              "sft": ("sft.yaml", ("chat",))}
+# The fine-tuning demo's held-out conversations (configs/demo_sft.yaml).
+EVAL_TASK_SPECS = {"sft_eval": ("sft_eval.yaml", ("chat",))}
+# Sources only task specs draw from: the main mixture and its eval set leave them out.
+TASK_ONLY = ("chat",)
 # name -> (format, template), in the order the specs list them.
 SOURCES = {
     "text": ("webdataset", "text"), "docs": ("parquet", "text"),
@@ -40,6 +45,7 @@ SOURCES = {
     "video_caption": ("webdataset", "video_caption"),
     "audio_caption": ("webdataset", "audio_caption"),
     "interleaved": ("webdataset", "interleaved"),
+    "chat": ("webdataset", "conversation"),
 }
 # Samples per (split, source) at tiny; ``text`` counts stdlib files (big ones add parts).
 TINY_COUNTS = {
@@ -47,6 +53,7 @@ TINY_COUNTS = {
     ("train", "audio_caption"): 64, ("train", "interleaved"): 64,
     ("eval", "text"): 16, ("eval", "image_caption"): 32, ("eval", "video_caption"): 32,
     ("eval", "audio_caption"): 32,
+    ("train", "chat"): 128, ("eval", "chat"): 48,
 }
 SCALES = {  # scale -> (multiple of tiny, samples per tar shard by split)
     "tiny": (1, {"train": 32, "eval": 16}),
@@ -54,7 +61,8 @@ SCALES = {  # scale -> (multiple of tiny, samples per tar shard by split)
     "medium": (25, {"train": 128, "eval": 64}),
 }
 # Slowest sources first, so the pool's tail is short.
-COST_ORDER = ("video_caption", "audio_caption", "image_caption", "interleaved", "text", "docs")
+COST_ORDER = ("video_caption", "audio_caption", "chat", "image_caption", "interleaved", "text",
+              "docs")
 
 
 @dataclass(frozen=True)
@@ -161,11 +169,13 @@ def build(dest: Path, plan: Plan, seed: int = 0, workers: int = 1, progress: boo
     for split in sources:
         sources[split] = {name: sources[split][name] for name in SOURCES if name in sources[split]}
     in_split = {split: {n: SOURCES[n] for n in entries} for split, entries in sources.items()}
-    specs.write_spec(dest / SPEC_FILES["train"], specs.mix_spec(seed, in_split["train"]),
+    main = {split: {n: v for n, v in entries.items() if n not in TASK_ONLY}
+            for split, entries in in_split.items()}
+    specs.write_spec(dest / SPEC_FILES["train"], specs.mix_spec(seed, main["train"]),
                      f"Demo training mixture (omniscale data demo, scale {scale}, seed {seed}).\n"
                      "Curriculum: text-heavy warm-up, then every modality ramps in.")
     if "eval" in in_split:
-        specs.write_spec(dest / SPEC_FILES["eval"], specs.eval_spec(seed, in_split["eval"]),
+        specs.write_spec(dest / SPEC_FILES["eval"], specs.eval_spec(seed, main["eval"]),
                          f"Demo held-out evaluation set (scale {scale}, seed {seed}): "
                          "disjoint from train.")
     spec_files = {split: SPEC_FILES[split] for split in sources}
@@ -175,6 +185,12 @@ def build(dest: Path, plan: Plan, seed: int = 0, workers: int = 1, progress: boo
             specs.write_spec(dest / name, specs.task_spec(seed, chosen),
                              f"Demo {task} mixture (scale {scale}, seed {seed}): "
                              f"{', '.join(chosen)} at constant weight.")
+            spec_files[task] = name
+    for task, (name, wanted) in EVAL_TASK_SPECS.items():
+        chosen = {n: v for n, v in in_split.get("eval", {}).items() if n in wanted}
+        if chosen:
+            specs.write_spec(dest / name, specs.eval_spec(seed, chosen),
+                             f"Demo {task} held-out set (scale {scale}, seed {seed}).")
             spec_files[task] = name
     summary = {"version": VERSION, "scale": scale, "seed": seed, "tokenizer": "tokenizer.json",
                "specs": spec_files, "sources": sources}

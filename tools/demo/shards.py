@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from omniscale.tools.demo import audio, image, interleaved, text, video, writer
+from omniscale.tools.demo import audio, chat, image, interleaved, text, video, writer
 
 # Stable ids: they seed the per-sample generators, so changing one changes the data.
 SOURCE_IDS = {"text": 0, "docs": 1, "image_caption": 2, "video_caption": 3,
-              "audio_caption": 4, "interleaved": 5}
+              "audio_caption": 4, "interleaved": 5, "chat": 6}
 SPLIT_IDS = {"train": 0, "eval": 1}
 SAMPLERS = {"image_caption": image.sample, "video_caption": video.sample,
-            "audio_caption": audio.sample}
+            "audio_caption": audio.sample, "chat": chat.sample}
 
 
 @dataclass(frozen=True)

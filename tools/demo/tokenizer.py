@@ -1,8 +1,9 @@
 """The demo tokenizer: byte-level BPE trained on the demo's own text.
 
 Trained on a bounded sample of the training text plus every caption, so every caption word is
-in the vocabulary; the special tokens are exactly :data:`loaders.layout.SPECIAL_TOKENS`, so a
-``<image>`` marker in text is one token.
+in the vocabulary; the special tokens are :data:`loaders.layout.SPECIAL_TOKENS`, so a
+``<image>`` marker in text is one token, then ChatML's turn tokens (the ``chat`` source's
+template).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from omniscale.loaders.chat import CHATML_TOKENS
 from omniscale.loaders.layout import SPECIAL_TOKENS
 
 VOCAB_SIZE = 8192
@@ -39,7 +41,8 @@ def train_tokenizer(texts: list[str], captions: list[str], path: Path,
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *CHATML_TOKENS],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(bounded(texts) + list(captions), trainer=trainer)
     tok.save(str(path))

@@ -88,6 +88,9 @@ def init_weights(model: OmniModel, cfg: RunConfig) -> None:
     from omniscale.backbone.hf_files import IMPORTED
     from omniscale.parallel.load import fill_parameters
 
+    if cfg.model.init_from.run:
+        _from_run(model, Path(cfg.model.init_from.run))
+        return
     backbone = cfg.model.init_from.backbone
     if backbone and (Path(backbone) / IMPORTED).is_file():  # omniscale model import-hf
         from torch.distributed.checkpoint.api import CheckpointException
@@ -116,6 +119,27 @@ def init_weights(model: OmniModel, cfg: RunConfig) -> None:
 
             read = getattr(hf, f"{kind}_source")(path, model.config.d_model)[2]
             fill_parameters(getattr(model, kind), read, buffers=True)
+
+
+def _from_run(model: OmniModel, path: Path) -> None:
+    """Every weight of an earlier run's checkpoint (its newest, given the run directory), in
+    whatever layout this run has; one line when it is no checkpoint of this model."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from omniscale.parallel.dcp import load
+    from omniscale.tools.train import checkpoint
+
+    found = checkpoint.latest(path) if not (path / "meta.json").is_file() else (None, path)
+    if found is None:
+        raise UserError(f"model.init_from.run {path}: no checkpoint in it (a run directory "
+                        "with checkpoints/step-*, or one of those)")
+    checkpoint.verify(found[1])  # before DCP unpickles anything
+    try:
+        load(found[1], model)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- another model: one line
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise UserError(f"model.init_from.run {found[1]}: cannot load its weights into this "
+                        f"model ({reason})") from None
 
 
 def build_model(config: ModelConfig, seed: int, device: torch.device) -> OmniModel:

@@ -29,11 +29,21 @@ class _Strict(BaseModel):
 
 
 class InitFromSection(_Strict):
-    """Hugging Face checkpoint directories the run starts from (any subset)."""
+    """Where the run's weights come from: Hugging Face checkpoint directories (any subset), or
+    an earlier run of this model (``run``), e.g. fine-tuning from the main demo."""
 
     backbone: str | None = None  # Qwen3-MoE / Qwen3: the decoder's shapes and weights
     vision: str | None = None
     audio: str | None = None
+    # a run directory (its newest checkpoint) or one checkpoint directory: every weight, no
+    # optimizer state or step (a new run; `--resume` continues one)
+    run: str | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if self.run and (self.backbone or self.vision or self.audio):
+            raise ValueError("run: either an earlier run or Hugging Face directories, not both")
+        return self
 
 
 class ModelSection(_Strict):

@@ -1,7 +1,9 @@
 """Caption accuracy on the held-out split: teacher-forced next-token accuracy on the caption
 tokens (the only labelled positions of a caption sample) of every ``*_caption`` source of the
-eval spec, with two chance levels beside it: uniform (1 / vocabulary) and the majority
-baseline (always predicting the most frequent target token of that source's eval captions).
+eval spec -- and on the answer tokens of every conversation source (its labels are the
+assistant's turns, ``loaders.chat``) -- with two chance levels beside it: uniform
+(1 / vocabulary) and the majority baseline (always predicting the most frequent target token of
+that source's eval captions).
 
 Runs in the launcher process after training, on one unsharded model loaded from the final
 checkpoint (``parallel.dcp`` loads any layout into any other); each source is read through its
@@ -36,6 +38,8 @@ def _one_source_spec(eval_spec: Path, name: str, out: Path) -> Path:
     base = eval_spec.parent
     src = next(s for s in raw["sources"] if s["name"] == name)
     raw["sources"] = [dict(src, path=str((base / src["path"]).resolve()), weight=1)]
+    if src.get("chat_template") not in (None, "chatml", "tokenizer"):  # a file beside the spec
+        raw["sources"][0]["chat_template"] = str((base / src["chat_template"]).resolve())
     raw["tokenizer"] = str((base / raw["tokenizer"]).resolve())
     raw.pop("schedule", None)
     raw.update(accounting="samples", on_exhausted="stop")
@@ -125,8 +129,9 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
     model.eval()
     if cfg.task == "lm":
         chosen = [s.name for s in spec.sources if s.template in TEXT_TEMPLATES]
-    else:
-        chosen = [s.name for s in spec.sources if s.template.endswith("_caption")]
+    else:  # a conversation's labelled tokens are its answers (loaders.chat)
+        chosen = [s.name for s in spec.sources
+                  if s.template.endswith("_caption") or s.template == "conversation"]
     results = {}
     for source in chosen:
         batches, samples = _batches(cfg, eval_spec, source, out_dir)
@@ -137,7 +142,10 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
                            "chance_uniform": 1.0 / mcfg.vocab_size,
                            "chance_majority": majority}
     if verbose:
-        _print(results, found[0], "caption" if cfg.task == "omni" else "next-token")
+        what = "next-token" if cfg.task == "lm" else "caption"
+        if chosen and all(s.template == "conversation" for s in spec.sources if s.name in chosen):
+            what = "answer-token"
+        _print(results, found[0], what)
     return results
 
 

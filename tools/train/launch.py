@@ -62,7 +62,8 @@ def ensure_data(cfg: RunConfig) -> None:
         generate(spec.parent, scale=cfg.data.demo_scale, progress=False)
         if not spec.exists():
             raise UserError(f"data.spec: {cfg.data.spec}: the demo has no such spec "
-                            f"(it writes mix.yaml and eval.yaml)")
+                            f"(it writes mix.yaml, eval.yaml, lm.yaml, video.yaml, sft.yaml and "
+                              "sft_eval.yaml)")
     cfg.data.spec = str(spec)
     if cfg.data.costs:  # read now: a bad cost file is one line before anything starts
         from omniscale.tools.balance_calibrate import plane_costs

@@ -176,7 +176,8 @@ def layout(cfg: RunConfig, world: int):
     or ``optim.groups`` cannot work. The launcher checks it before it spawns anything, every
     rank again before the plane starts."""
     spec = load_spec(cfg.data.spec)
-    if cfg.task == "video_gen" and any(dict(cfg.model.init_from).values()):
+    hf = cfg.model.init_from.backbone or cfg.model.init_from.vision or cfg.model.init_from.audio
+    if cfg.task == "video_gen" and hf:
         raise UserError("model.init_from: the video_gen task's DiT has no Hugging Face "
                         "counterpart (omni and lm start from Qwen3 / Qwen3-MoE)")
     if cfg.parallel.pp > 1 and cfg.model.init_from.backbone:
