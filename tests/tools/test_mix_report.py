@@ -40,6 +40,8 @@ def write_index(source_dir: Path, llm_tokens: list[int], errors: list[str | None
         "llm_tokens": llm_tokens,
         "text_ids": [None] * n,
         "error": errors,
+        "target_tokens": [t - 64 * k - 1 for t, k in zip(llm_tokens, images)],
+        "text_targets": [None] * n,
     }, schema=INDEX_SCHEMA)
     pq.write_table(table, index_path(source_dir))
 
