@@ -39,6 +39,9 @@ def add_commands(commands) -> None:
     serve.add_argument("--costs", metavar="costs.json", default=None,
                        help="cost model of `omniscale balance calibrate` (default: relative "
                             "costs, 24576·L + L²)")
+    serve.add_argument("--frozen-encoders", metavar="KINDS", default="",
+                       help="encoder kinds whose tower the trainers freeze (optim.groups), "
+                            "comma-separated (image,video,audio): priced forward only")
     serve.add_argument("--balance", default="omniscale", choices=POLICIES,
                        help="who places samples on ranks: the planner (default) or a baseline "
                             "policy, to compare them on the same run")
@@ -126,7 +129,8 @@ def _serve(args: argparse.Namespace) -> int:
         global_batch_tokens=args.global_batch_tokens,
         global_batch_samples=args.global_batch_samples, sp_max=args.sp_max,
         snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens,
-        balance=args.balance, **_costs(args.costs))
+        balance=args.balance, **_costs(args.costs),
+        frozen_encoders=tuple(k.strip() for k in args.frozen_encoders.split(",") if k.strip()))
     return (_serve_on_ray if args.ray else _serve_here)(args, config)
 
 

@@ -264,3 +264,13 @@ def test_two_ranks_with_a_frozen_tower_match_one(demo, frozen_one, tmp_path):
     assert_same_rows(one[:3], two)
     start = next(r for _, r in Journal(tmp_path / "two" / "plane", readonly=True).records())
     assert start["config"]["frozen_encoders"] == ["image", "video", "audio"]
+
+
+def test_an_external_plane_is_told_the_frozen_towers_in_one_flag(tmp_path, capsys):
+    from omniscale.tools.cli import main
+
+    base = ["plane", "serve", "--state-dir", str(tmp_path / "state"), "--dp", "2",
+            "--global-batch-tokens", "4096"]
+    assert main(base + ["--frozen-encoders", "image,oops"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "frozen_encoders: unknown encoder kinds ['oops']" in err
