@@ -99,6 +99,10 @@ def test_text_equals_transformers_apply_chat_template(tokenizer, tmp_path, templ
         {"chat_template": template, "bos_token": "<pad>",
          "eos_token": {"content": "<eos>", "special": True}}))
     chat = chat_format("tokenizer", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<pad>",
+                                                                "eos_token": "<eos>"}))
+    (tmp_path / "chat_template.jinja").write_text(template)  # as transformers 4.43+ saves it
+    assert chat_format("tokenizer", tmp_path / "tokenizer.json") == chat
     hf = _hf(tokenizer, template)
     for messages in CONVERSATIONS:
         flat, media = flatten(messages)
