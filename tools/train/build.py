@@ -82,14 +82,20 @@ def _hf_backbone(path: str) -> ModelConfig:
     return config_from_hf(read_config(path), Path(path) / CONFIG)
 
 
-def init_weights(model: OmniModel, cfg: RunConfig) -> None:
+def init_weights(model: OmniModel, cfg: RunConfig, device: torch.device | None = None) -> None:
     """The weights ``model.init_from`` names, loaded into the built (and parallelized) model:
-    each rank reads the tensors one at a time and keeps its own shards."""
+    each rank reads the tensors one at a time and keeps its own shards (a decoder built on the
+    meta device gets memory for them first, on ``device``)."""
     from omniscale.backbone.hf_files import IMPORTED
     from omniscale.parallel.load import fill_parameters
 
+    if not isinstance(model, OmniModel):  # the video task's DiT: nothing to start from
+        return
+    empty = _materialize(model.decoder, device or torch.device("cpu"))
     if cfg.model.init_from.run:
         _from_run(model, Path(cfg.model.init_from.run))
+        if empty:
+            _check_filled(model.decoder)
         return
     backbone = cfg.model.init_from.backbone
     if backbone and (Path(backbone) / IMPORTED).is_file():  # omniscale model import-hf
@@ -112,6 +118,8 @@ def init_weights(model: OmniModel, cfg: RunConfig) -> None:
         ckpt = CheckpointDir(backbone)
         fill_parameters(model.decoder, lambda name, shape, first: read_parameter(
             ckpt, name, shape, first))
+    if empty:
+        _check_filled(model.decoder)
     for kind in ("vision", "audio"):
         path = getattr(cfg.model.init_from, kind)
         if path:
@@ -119,6 +127,31 @@ def init_weights(model: OmniModel, cfg: RunConfig) -> None:
 
             read = getattr(hf, f"{kind}_source")(path, model.config.d_model)[2]
             fill_parameters(getattr(model, kind), read, buffers=True)
+
+
+def _materialize(decoder: torch.nn.Module, device: torch.device) -> bool:
+    """A decoder built on the meta device (``build_model``), now parallelized: memory for this
+    rank's shards, NaN until filled (so a weight no checkpoint gave cannot pass unnoticed), its
+    buffers at their initial values (the experts' selection biases: zero). False when it was
+    built for real."""
+    if not any(p.is_meta for p in decoder.parameters()):
+        return False
+    decoder.to_empty(device=device)
+    with torch.no_grad():
+        for p in decoder.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
+        for b in decoder.buffers():
+            (b.to_local() if hasattr(b, "to_local") else b).zero_()
+    return True
+
+
+def _check_filled(decoder: torch.nn.Module) -> None:
+    """Every weight of a materialized decoder came from the checkpoint (none is still NaN)."""
+    for name, p in decoder.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.numel() and bool(torch.isnan(local).any()):
+            raise UserError(f"model.init_from: the checkpoint gave no value for the decoder's "
+                            f"{name} (it is built empty when init_from gives the decoder)")
 
 
 def _from_run(model: OmniModel, path: Path) -> None:
@@ -142,9 +175,32 @@ def _from_run(model: OmniModel, path: Path) -> None:
                         f"model ({reason})") from None
 
 
-def build_model(config: ModelConfig, seed: int, device: torch.device) -> OmniModel:
+def build_model(config: ModelConfig, seed: int, device: torch.device,
+                decoder_loaded: bool = False) -> OmniModel:
+    """The model, seeded by ``seed``. ``decoder_loaded``: ``init_from`` gives every decoder
+    weight (``decoder_from_checkpoint``), so the decoder is built on the meta device -- no rank
+    ever holds it whole; :func:`init_weights` gives its shards memory after parallelization
+    and fills them. The towers are built for real either way: they are small, and a checkpoint
+    may lack some of their weights (a new projector)."""
     torch.manual_seed(seed)
-    return OmniModel(config).to(device)
+    if not decoder_loaded:
+        return OmniModel(config).to(device)
+    with torch.device("meta"):
+        model = OmniModel(config)
+    torch.manual_seed(seed)
+    for name in ("vision", "audio"):
+        tower = getattr(model, name)
+        if tower is not None:
+            setattr(model, name, type(tower)(tower.config, config.d_model).to(device))
+    return model
+
+
+def decoder_from_checkpoint(cfg: RunConfig) -> bool:
+    """Whether ``model.init_from`` gives every decoder weight (an earlier run, or a Hugging
+    Face backbone), so the decoder need not be initialised (``build_model``). Not under
+    pipeline parallelism: its stages are cut from a built model."""
+    init = cfg.model.init_from
+    return bool(init.run or init.backbone) and cfg.parallel.pp == 1
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:

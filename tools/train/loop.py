@@ -22,7 +22,13 @@ from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.tools.train import checkpoint, optim_groups
-from omniscale.tools.train.build import build_model, build_optimizer, init_weights, model_config
+from omniscale.tools.train.build import (
+    build_model,
+    build_optimizer,
+    decoder_from_checkpoint,
+    init_weights,
+    model_config,
+)
 from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.metrics import MetricsWriter, Progress
@@ -138,7 +144,9 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
 
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
-            model, step_fn = build_model(mcfg, cfg.seed, device), train_step
+            model = build_model(mcfg, cfg.seed, device,
+                                decoder_loaded=decoder_from_checkpoint(cfg) and not job.resume_from)
+            step_fn = train_step
         optim_groups.freeze(model, groups)  # before FSDP builds its units (parallel.fsdp)
         from omniscale.parallel.fsdp import MixedUnitError
 
@@ -149,7 +157,7 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
         if meshes.pipeline is not None:
             step_fn = pipeline_step
         if not job.resume_from:
-            init_weights(model, cfg)
+            init_weights(model, cfg, device)
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer, verified=True)
