@@ -4,16 +4,19 @@ wall clock hides.
 Two gloo processes train an FSDP-sharded decoder: rank 0 runs four long micro-batches, rank 1
 one long and three one-token ones (FSDP needs the same passes on every rank). Rank 1 waits
 for rank 0 in every collective, so both ranks' wall times per step are about equal; the
-compute clock must instead report each rank's own work. The truth for a workload is the wall
-time of a step in which *both* ranks run it: the same model, FSDP's gathers and copies, and
-nobody to wait for. Rank 1 also runs a busy Python thread beside its unbalanced steps (as the
-loader's assembly thread decodes beside a step): its CPU must not count.
+compute clock must instead report each rank's own work. The truth for a workload is the
+process's CPU time in a step in which *both* ranks run it: the same model, FSDP's gathers and
+copies, and nobody to wait for (CPU time, not wall time: the suite runs other tests beside this
+one on the same cores, which stretch wall times but not CPU times). Rank 1 also runs a busy
+Python thread beside its unbalanced steps (as the loader's assembly thread decodes beside a
+step): its CPU must not count.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 
 import torch
 
@@ -45,15 +48,17 @@ def _busy(stop: threading.Event) -> None:
         hashlib.sha256(data).digest()
 
 
-def _fastest_step(model, lengths: list[int], clock: ComputeClock) -> tuple[float, float]:
-    """(wall, compute) seconds of the step, each the least over ROUNDS: the work without
-    interference from the rest of the machine."""
+def _fastest_step(model, lengths: list[int], clock: ComputeClock
+                  ) -> tuple[float, float, float]:
+    """(wall, compute, process CPU) seconds of the step, each the least over ROUNDS: the work
+    without interference from the rest of the machine."""
     times = []
     for _ in range(ROUNDS):
+        cpu = time.process_time()
         clock.start()
         _step(model, lengths)
-        times.append(clock.stop())
-    return min(w for w, _ in times), min(c for _, c in times)
+        times.append((*clock.stop(), time.process_time() - cpu))
+    return tuple(min(t[i] for t in times) for i in range(3))
 
 
 def _ranked(rank: int, world: int) -> dict:
@@ -64,12 +69,12 @@ def _ranked(rank: int, world: int) -> dict:
     apply_fsdp(model, ParallelDims(world_size=world).build_mesh("cpu"))
     clock = ComputeClock("cpu")
     _step(model, WORK[rank])  # warm-up
-    # the truth: a balanced step of each workload (wall time, nothing to wait for)
-    truth = [_fastest_step(model, WORK[r], clock)[0] for r in (0, 1)]
+    # the truth: a balanced step of each workload (nothing to wait for, no other thread)
+    truth = [_fastest_step(model, WORK[r], clock)[2] for r in (0, 1)]
     stop = threading.Event()
     if rank == 1:
         threading.Thread(target=_busy, args=(stop,), daemon=True).start()
-    wall, compute = _fastest_step(model, WORK[rank], clock)
+    wall, compute, _ = _fastest_step(model, WORK[rank], clock)
     stop.set()
     return {"truth": truth, "wall": wall, "compute": compute}
 
