@@ -103,6 +103,8 @@ def target_tokens(counter: TokenCounter, ids: list[int], targets, grids: dict[st
     """How many of the sample's labels are targets: the sequence laid out as the decoders lay
     it out (``loaders.sequence``), its labels counted. ``targets``: a conversation's target
     token ranges, None for every text token."""
+    if targets is None and not audio_frames and not grids["image"] and not grids["video"]:
+        return len(ids)  # plain text: every token after the first, then <eos>
     slots = [ItemSlot(kind, vision_tokens(grid, g),
                       (grid[0], grid[1] // g.merge_size, grid[2] // g.merge_size))
              for kind in ("image", "video") for grid in grids[kind]]

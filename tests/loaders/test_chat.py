@@ -269,3 +269,15 @@ def test_a_long_conversation_split_over_sp_ranks_keeps_its_mask(tokenizer, tmp_p
     assert torch.equal(labels, sample.labels_L)
     assert [t for t in labels.tolist() if t != IGNORE_INDEX] == want
     assert all((b.labels_T != IGNORE_INDEX).any() for b in slices)  # targets on every rank
+
+
+def test_target_tokens_of_other_sources_count_the_decoded_labels(demo_root):
+    """Every source's index counts its targets as the decoder's labels have them (plain text
+    takes a shortcut; media and markers go through the sequence layout)."""
+    spec = load_spec(demo_root / "mix.yaml")
+    decoder = SampleDecoder(SampleReader({s.name: s.path for s in spec.sources}), spec.tokenizer,
+                            spec.media, special=spec.special_tokens)
+    for source in spec.sources:
+        for row in read_index(source.path).to_pylist()[:3]:
+            labels = decoder.decode(ref_of(source.name, row)).labels_L
+            assert row["target_tokens"] == int((labels != IGNORE_INDEX).sum()), source.name
