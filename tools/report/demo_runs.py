@@ -1,7 +1,7 @@
 """The README's demo figures, from the runs themselves: ``make demo``'s run and the fine-tuning
 demo (``configs/demo_sft.yaml``) with its baseline, the same model before fine-tuning.
 
-    python -m omniscale.tools.bench.demo_runs [--omni RUN] [--out JSON]
+    python -m omniscale.tools.report.demo_runs [--omni RUN] [--out JSON]
 
 needs a finished ``make demo`` (its run directory and ``demo/``). It summarizes that run
 (mean loss per 15-step window, media items moved, data-wait share of step time, held-out
