@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.location import Location
 from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.index_schema import (
     INDEX_VERSION,
@@ -67,13 +68,14 @@ class SourceState:
     is exhausted whatever its policy, since rolling over would never yield one.
     """
 
-    def __init__(self, name: str, source_id: int, path: str | Path, seed: int,
+    def __init__(self, name: str, source_id: int, path: "str | Path | Location", seed: int,
                  on_exhausted: str = "next_epoch", metadata: dict | None = None,
                  max_tokens: int | None = None) -> None:
         if on_exhausted not in ON_EXHAUSTED:
             raise ValueError(f"{name}: on_exhausted: unknown policy {on_exhausted!r} "
                              f"(expected {', '.join(ON_EXHAUSTED)})")
-        self.name, self.source_id, self.path = name, int(source_id), Path(path)
+        # ``path``: where the source's index is (its directory, or its index_dir entry)
+        self.name, self.source_id, self.path = name, int(source_id), Location.of(path)
         self.seed, self.on_exhausted = int(seed), on_exhausted
         self.max_tokens = max_tokens
         self._name_seed = zlib.crc32(name.encode())  # stable across spec edits and processes
@@ -291,11 +293,11 @@ class Catalog:
     @classmethod
     def from_spec(cls, spec, max_tokens: int | None = None) -> "Catalog":
         """One source state per source of a :class:`dataplane.spec.MixSpec`, ids in spec order."""
-        return cls(spec.seed, [SourceState(s.name, i, s.path, spec.seed, s.on_exhausted,
+        return cls(spec.seed, [SourceState(s.name, i, s.index, spec.seed, s.on_exhausted,
                                            max_tokens=max_tokens)
                                for i, s in enumerate(spec.sources)], max_tokens=max_tokens)
 
-    def add(self, name: str, path: str | Path, on_exhausted: str = "next_epoch",
+    def add(self, name: str, path: "str | Path | Location", on_exhausted: str = "next_epoch",
             source_id: int | None = None) -> SourceState:
         """A new source at the start of its epoch 0; its id defaults to one past every id used
         so far (dropped sources included), so ids and hence seeded orders never collide."""
@@ -352,7 +354,7 @@ class Catalog:
     def state_dict(self) -> dict:
         """Every source's identity and state, plus the dropped ones: small and JSON-able."""
         return {"seed": self.seed, "dropped": dict(self.dropped),
-                "sources": [{"name": s.name, "id": s.source_id, "path": str(s.path),
+                "sources": [{"name": s.name, "id": s.source_id, **_where(s.path),
                              "on_exhausted": s.on_exhausted, **s.state_dict()} for s in self]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -364,12 +366,12 @@ class Catalog:
         wanted = {e["name"]: e for e in state["sources"]}
         for name, s in list(self._sources.items()):
             e = wanted.get(name)
-            if e is None or (e["id"], Path(e["path"]), e["on_exhausted"]) != (
+            if e is None or (e["id"], _location(e), e["on_exhausted"]) != (
                     s.source_id, s.path, s.on_exhausted):
                 del self._sources[name]
         for e in state["sources"]:
             if e["name"] not in self._sources:
-                self._insert(SourceState(e["name"], e["id"], e["path"], self.seed,
+                self._insert(SourceState(e["name"], e["id"], _location(e), self.seed,
                                          e["on_exhausted"], max_tokens=self.max_tokens))
             self._sources[e["name"]].load_state_dict(e)
         self.dropped = {str(k): int(v) for k, v in state.get("dropped", {}).items()}
@@ -377,3 +379,16 @@ class Catalog:
     def stats(self) -> dict[str, dict]:
         """Per-source counters for status reports, in id order."""
         return {s.name: s.stats() for s in self}
+
+
+def _where(loc: Location) -> dict:
+    """A source's index location in a snapshot: the path (or URL), plus its storage options
+    when it has any (checked free of credentials by the spec)."""
+    out = {"path": loc.url}
+    if loc.storage_options:
+        out["storage_options"] = loc.storage_options
+    return out
+
+
+def _location(entry: dict) -> Location:
+    return Location.of(entry["path"], entry.get("storage_options"))

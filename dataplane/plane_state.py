@@ -248,7 +248,7 @@ class PlaneState:
         mixer.load_state_dict(state)
         for source in new.sources:
             if source.name not in catalog:
-                catalog.add(source.name, source.path, source.on_exhausted)
+                catalog.add(source.name, source.index, source.on_exhausted)
         for name in list(catalog.names):
             if name not in new.source_names:
                 catalog.remove(name)

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.location import Location, check_storage_options, is_url
 from omniscale.dataplane.schedule import KINDS, Schedule, ScheduleError, Segment
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.layout import FORMATS, TEMPLATES, SpecialTokens
@@ -34,7 +35,7 @@ class SpecError(UserError):
 @dataclass(frozen=True)
 class SourceSpec:
     name: str
-    path: Path  # absolute
+    path: Path | str  # absolute local path (a Path) or an fsspec URL (a str)
     format: str
     template: str
     on_exhausted: str  # the source's own value, or the spec's
@@ -42,6 +43,20 @@ class SourceSpec:
     # prompts are targets too; None for every other template
     chat_template: str | None = None
     train_on_prompt: bool = False
+    storage_options: dict | None = None  # fsspec options for a URL path (no credentials)
+    index_dir: str | None = None  # where its ``_index.parquet`` lives, when not beside it
+
+    @property
+    def location(self) -> Location:
+        """Where the shards are, with the options to reach them."""
+        return Location.of(self.path, self.storage_options)
+
+    @property
+    def index(self) -> Location:
+        """Where the index is: beside the shards, or the spec's ``index_dir``/<name>."""
+        if self.index_dir is None:
+            return self.location
+        return Location.of(self.index_dir, self.storage_options).join(self.name)
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,16 @@ class MixSpec:
     @property
     def source_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.sources)
+
+    @property
+    def locations(self) -> dict[str, Location]:
+        """Source name -> where its shards are (what a loader reads)."""
+        return {s.name: s.location for s in self.sources}
+
+    @property
+    def indexes(self) -> dict[str, Location]:
+        """Source name -> where its index is (the plane and the token ids read it)."""
+        return {s.name: s.index for s in self.sources}
 
 
 # --- structure: pydantic models mirroring the YAML -------------------------------------------
@@ -84,6 +109,7 @@ class _SourceModel(_Strict):
     # conversation sources only: chatml, tokenizer (its tokenizer_config.json's), or a .jinja
     chat_template: str | None = Field(default=None, min_length=1)
     train_on_prompt: bool | None = None  # conversation sources: targets beyond the assistant's
+    storage_options: dict[str, Any] | None = None  # fsspec options of a URL path
 
 
 class _SegmentBase(_Strict):
@@ -146,6 +172,7 @@ class _SpecModel(_Strict):
     media: _MediaModel | None = None  # type: ignore[valid-type]
     sources: list[_SourceModel] = Field(min_length=1)
     schedule: _ScheduleModel | None = None
+    index_dir: str | None = Field(default=None, min_length=1)  # indexes away from the data
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -225,16 +252,31 @@ def _build(m: _SpecModel, file: str, root: Path, check_paths: bool) -> MixSpec:
     tokenizer = _resolve(root, m.tokenizer)
     if check_paths and not tokenizer.is_file():
         raise SpecError(f"{file}: tokenizer: {m.tokenizer!r} does not exist")
+    index_dir = None
+    if m.index_dir is not None:
+        index_dir = m.index_dir if is_url(m.index_dir) else str(_resolve(root, m.index_dir))
     sources = []
     for i, s in enumerate(m.sources):
-        path = _resolve(root, s.path)
-        if check_paths and not path.is_dir():
-            problem = "is not a directory" if path.exists() else "does not exist"
-            raise SpecError(f"{file}: sources[{i}].path: {s.path!r} {problem}")
+        try:
+            options = check_storage_options(s.storage_options,
+                                            f"{file}: sources[{i}].storage_options")
+        except UserError as e:
+            raise SpecError(str(e)) from None
+        if is_url(s.path):
+            # Remote paths are not listed here: the indexer and the plane name a missing one.
+            path: Path | str = s.path.rstrip("/")
+        else:
+            if options:
+                raise SpecError(f"{file}: sources[{i}].storage_options: only for a URL path "
+                                f"(s3://…, gs://…), this source is at {s.path!r}")
+            path = _resolve(root, s.path.removeprefix("file://"))
+            if check_paths and not path.is_dir():
+                problem = "is not a directory" if path.exists() else "does not exist"
+                raise SpecError(f"{file}: sources[{i}].path: {s.path!r} {problem}")
         sources.append(SourceSpec(s.name, path, s.format, s.template,
                                   s.on_exhausted or m.on_exhausted,
                                   _chat_template(s, i, file, root, check_paths),
-                                  bool(s.train_on_prompt)))
+                                  bool(s.train_on_prompt), options or None, index_dir))
     media_given = m.media.model_dump(exclude_none=True) if m.media is not None else {}
     try:
         media = MediaGeometry.from_dict(media_given)

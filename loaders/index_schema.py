@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.location import Location
 
 INDEX_FILENAME = "_index.parquet"
 INDEX_VERSION = 4  # 2: one row group per shard; 3: text_ids; 4: target_tokens, text_targets
@@ -64,34 +65,51 @@ INDEX_SCHEMA = pa.schema([
 ])
 
 
-def index_path(source_dir: str | Path) -> Path:
-    return Path(source_dir) / INDEX_FILENAME
+def index_path(source_dir: "str | Path | Location") -> Path | str:
+    """The index file of a source (or of an ``index_dir`` entry): a Path for local ones, the
+    URL (credentials dropped) for remote ones -- what messages name."""
+    loc = index_location(source_dir)
+    return loc.local_path() if loc.is_local else loc.shown()
 
 
-def read_index(source_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
+def index_location(source_dir: "str | Path | Location") -> Location:
+    return Location.of(source_dir).join(INDEX_FILENAME)
+
+
+def read_index(source_dir: "str | Path | Location", columns: list[str] | None = None
+               ) -> pa.Table:
     """The source's index table; a UserError naming the directory if there is none."""
-    path = index_path(source_dir)
-    if not path.is_file():
-        raise UserError(f"{source_dir}: no index ({INDEX_FILENAME}); run `omniscale data index "
-                        f"{source_dir}` first")
+    loc = index_location(source_dir)
+    shown = Location.of(source_dir).shown()
+    if not loc.is_file():
+        raise UserError(f"{shown}: no index ({INDEX_FILENAME}); run `omniscale data index "
+                        f"{shown}` first")
     try:
-        return pq.read_table(path, columns=columns)
+        if loc.is_local:
+            return pq.read_table(loc.url, columns=columns)
+        with loc.open() as f:
+            return pq.read_table(f, columns=columns)
     except (pa.ArrowInvalid, OSError) as e:
-        raise UserError(f"{path}: unreadable index ({e}); delete it and re-index") from None
+        raise UserError(f"{loc.shown()}: unreadable index ({e}); delete it and re-index"
+                        ) from None
 
 
-def read_index_metadata(source_dir: str | Path) -> dict:
+def read_index_metadata(source_dir: "str | Path | Location") -> dict:
     """The index's ``omniscale`` metadata, or {} when there is no readable index."""
-    path = index_path(source_dir)
+    loc = index_location(source_dir)
     try:
-        meta = pq.read_schema(path).metadata or {}
+        if loc.is_local:
+            meta = pq.read_schema(loc.url).metadata or {}
+        else:
+            with loc.open() as f:
+                meta = pq.read_schema(f).metadata or {}
     except (FileNotFoundError, pa.ArrowInvalid, OSError):
         return {}
     raw = meta.get(METADATA_KEY)
     return json.loads(raw) if raw else {}
 
 
-def read_shard(source_dir: str | Path, shard: str, metadata: dict | None = None,
+def read_shard(source_dir: "str | Path | Location", shard: str, metadata: dict | None = None,
                columns: list[str] | None = None) -> pa.Table:
     """One shard's rows (its row group), without reading the rest of the index."""
     metadata = metadata if metadata is not None else read_index_metadata(source_dir)
@@ -101,9 +119,12 @@ def read_shard(source_dir: str | Path, shard: str, metadata: dict | None = None,
         raise UserError(f"{index_path(source_dir)}: no shard {shard!r} in the index") from None
     if entry.get("row_group") is None:
         return INDEX_SCHEMA.empty_table().select(columns) if columns else INDEX_SCHEMA.empty_table()
+    loc = index_location(source_dir)
     try:
-        return pq.ParquetFile(index_path(source_dir)).read_row_group(entry["row_group"],
-                                                                     columns=columns)
+        if loc.is_local:
+            return pq.ParquetFile(loc.url).read_row_group(entry["row_group"], columns=columns)
+        with loc.open() as f:
+            return pq.ParquetFile(f).read_row_group(entry["row_group"], columns=columns)
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{index_path(source_dir)}: unreadable index ({e}); delete it and "
                         "re-index") from None

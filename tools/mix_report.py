@@ -35,7 +35,7 @@ def inspect_spec(spec_path: Path, plot: Path | None = None, steps: list[float] |
     # Piped output (CI logs, files) would be cut at 80 columns; give it room.
     console = console or Console(width=None if sys.stdout.isatty() else 132)
     spec = load_spec(spec_path)
-    indexes = {s.name: read_index(s.path, columns=COLUMNS) for s in spec.sources}
+    indexes = {s.name: read_index(s.index, columns=COLUMNS) for s in spec.sources}
     stats = {name: source_stats(index) for name, index in indexes.items()}
     for src in spec.sources:
         stats[src.name].update(format=src.format, template=src.template)
