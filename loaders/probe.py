@@ -1,10 +1,13 @@
 """Cost features of one media member from its headers, never by decoding pixels or samples.
 
-Each probe takes the member's bytes (the index reads a member's byte range into memory) and
-returns what ``loaders.geometry`` needs: an image's pixel size, a clip's frame count, frame rate
-and frame size, an audio clip's sample count and rate -- already turned into a patch grid or
-log-mel frame count. Files are untrusted: every parser call is bounded and any failure becomes
-:class:`Corrupt` with a short reason instead of an exception escaping the indexer.
+Each probe takes the member's bytes, or for images and audio a seekable file over the member
+(``loaders.ranged_file.MemberFile``: the parser reads only the header bytes it needs, so a
+remote shard's payloads stay where they are; a PNG is the exception, ``verify`` reads its
+chunks to check them) and returns what ``loaders.geometry`` needs: an image's pixel size, a
+clip's frame count, frame rate and frame size, an audio clip's sample count and rate --
+already turned into a patch grid or log-mel frame count. Files are untrusted: every parser
+call is bounded and any failure becomes :class:`Corrupt` with a short reason instead of an
+exception escaping the indexer.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import io
 import warnings
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from omniscale.loaders.geometry import MediaGeometry, audio_mel_frames, image_grid, video_grid
 
@@ -51,12 +55,12 @@ def untrusted_image():
         raise Corrupt(f"not a valid image ({short(e)})") from None
 
 
-def probe_image(data: bytes, g: MediaGeometry) -> tuple[int, int, int]:
+def probe_image(data: bytes | BinaryIO, g: MediaGeometry) -> tuple[int, int, int]:
     """Patch grid ``(1, h, w)`` of an image, from its header (PIL's lazy ``open``)."""
     from PIL import Image
 
     with untrusted_image():
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+        with Image.open(_file(data), formats=IMAGE_FORMATS) as image:
             width, height = image.size
             image.verify()
     try:
@@ -127,20 +131,26 @@ def _count_packets(container, stream) -> int:
     return count
 
 
-def probe_audio(data: bytes, g: MediaGeometry) -> int:
+def probe_audio(data: bytes | BinaryIO, g: MediaGeometry) -> int:
     """Log-mel frame count of a clip from its header (sample count and rate)."""
     import soundfile
 
     try:
-        info = soundfile.info(io.BytesIO(data))
+        info = soundfile.info(_file(data))
     except Exception as e:  # noqa: BLE001 -- untrusted bytes: any parser failure is corruption
-        raise Corrupt(f"not audio ({short(e)})") from None
+        # libsndfile's message names the file object (an address that differs per run): the
+        # reason alone keeps the index the same from run to run.
+        raise Corrupt(f"not audio ({short(getattr(e, 'error_string', None) or e)})") from None
     if info.frames <= 0:
         raise Corrupt("audio has no samples")
     try:
         return audio_mel_frames(info.frames, info.samplerate, g)
     except ValueError as e:
         raise Corrupt(short(e)) from None
+
+
+def _file(data: bytes | BinaryIO) -> BinaryIO:
+    return io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
 
 
 def decode_text(data: bytes) -> str:

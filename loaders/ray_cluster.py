@@ -50,7 +50,7 @@ def connect(address: str, namespace: str) -> None:
 
     if ray.is_initialized():
         return
-    _reachable(address)
+    reachable(address)
     _token_auth_if_at_hand()
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False,
@@ -78,7 +78,7 @@ def _token_auth_if_at_hand() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-def _reachable(address: str, timeout: float = 5.0) -> None:
+def reachable(address: str, timeout: float = 5.0, what: str = "data.ray_address") -> None:
     """One line when nothing listens at a ``HOST:PORT`` address: ``ray.init`` itself would
     retry for minutes, silently."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
@@ -87,7 +87,7 @@ def _reachable(address: str, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as e:
-        raise UserError(f"data.ray_address {address!r}: no Ray cluster to join ({e})") from None
+        raise UserError(f"{what} {address!r}: no Ray cluster to join ({e})") from None
 
 
 def node_cpus() -> list[float]:

@@ -4,11 +4,18 @@
 an Arrow table with :data:`loaders.index_schema.INDEX_SCHEMA`, plus problems that belong to no
 sample. A corrupt member never raises: its sample's row carries the reason in ``error``
 (``member 'x.jpg': not an image (…)``), and features stay null.
+
+The shard may be local or in an object store (a :class:`dataplane.location.Location`): a tar
+shard is then read in place with ranged reads (``loaders.ranged_file``) -- its headers, its
+text members and the header bytes of its images and audio; a video member whole (its index
+atom may sit at its end), never the whole shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.location import Location
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.loaders.chat import ChatFormat, render, render_member, targets_mask, token_targets
 from omniscale.loaders.features import SampleFeatures, sample_features
@@ -29,8 +37,9 @@ from omniscale.loaders.layout import (
     member_kind,
 )
 from omniscale.loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
+from omniscale.loaders.ranged_file import MemberFile, open_shard
 from omniscale.loaders.sequence import ItemSlot, LayoutError, build_sequence
-from omniscale.loaders.tar_scan import TarMember, TarSample, scan_tar
+from omniscale.loaders.tar_scan import TarMember, TarSample, scan_tar_file
 from omniscale.loaders.text_cost import TokenCounter
 
 # Members are probed from memory; anything larger is no single training item.
@@ -54,25 +63,28 @@ def token_counter(tokenizer_path: str, special: SpecialTokens) -> TokenCounter:
     return TokenCounter.from_file(tokenizer_path, special)
 
 
-def index_shard(source_dir: str, shard: str, fmt: str, tokenizer_path: str,
+def index_shard(source_dir: str | Location, shard: str, fmt: str, tokenizer_path: str,
                 geometry: dict, shown_as: str,
                 special: SpecialTokens = DEFAULT_SPECIAL_TOKENS,
-                chat: dict | None = None) -> ShardResult:
+                chat: dict | None = None, size: int | None = None) -> ShardResult:
     """Rows of ``source_dir/shard``; ``shown_as`` is how messages name the shard; ``chat``
-    (a ``ChatFormat.to_dict()``): a conversation source's samples."""
-    path = Path(source_dir) / shard
+    (a ``ChatFormat.to_dict()``): a conversation source's samples; ``size``: the shard's
+    size when the listing said it (a remote shard then costs no request to learn it)."""
+    loc = Location.of(source_dir).join(shard)
     g = MediaGeometry.from_dict(geometry)
     counter = token_counter(tokenizer_path, special)
     conversation = ChatFormat.from_dict(chat) if chat is not None else None
+    if fmt not in ("webdataset", "parquet", "jsonl"):
+        raise UserError(f"{shown_as}: unknown source format {fmt!r}")
     try:
-        if fmt == "webdataset":
-            rows, problems = _tar_rows(path, shard, counter, g, conversation)
-        elif fmt == "parquet":
-            rows, problems = _parquet_rows(path, shard, counter, g, shown_as)
-        elif fmt == "jsonl":
-            rows, problems = _jsonl_rows(path, shard, counter, g, conversation)
-        else:
-            raise UserError(f"{shown_as}: unknown source format {fmt!r}")
+        with open_shard(loc, size) as (f, file_size):
+            if fmt == "webdataset":
+                rows, problems = _tar_rows(f, file_size, shard, counter, g, conversation)
+            elif fmt == "parquet":
+                rows, problems = _parquet_rows(loc.url if loc.is_local else f, loc.name,
+                                               shard, counter, g, shown_as)
+            else:
+                rows, problems = _jsonl_rows(f, loc.name, shard, counter, g, conversation)
     except (OSError, pa.ArrowException) as e:
         rows, problems = [], [f"unreadable ({' '.join(str(e).split())})"]
     return ShardResult(shard, pa.Table.from_pylist(rows, schema=INDEX_SCHEMA), problems)
@@ -117,20 +129,19 @@ def target_tokens(counter: TokenCounter, ids: list[int], targets, grids: dict[st
     return int((seq.labels_L != IGNORE_INDEX).sum())
 
 
-def _tar_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry,
+def _tar_rows(f, file_size: int, shard: str, counter: TokenCounter, g: MediaGeometry,
               chat: ChatFormat | None = None) -> tuple[list[dict], list[str]]:
-    scan = scan_tar(path)
+    scan = scan_tar_file(f, file_size)
     rows = []
-    with open(path, "rb") as f:
-        for sample in scan.samples:
-            features, error, ids, targets = None, sample.error, None, None
-            if error is None:
-                try:
-                    features, ids, targets = _tar_sample_features(f, sample, counter, g, chat)
-                except Corrupt as e:
-                    error = str(e)
-            rows.append(_row(shard, sample.key, sample.offset, sample.size, sample.members,
-                             features, error, ids, targets))
+    for sample in scan.samples:
+        features, error, ids, targets = None, sample.error, None, None
+        if error is None:
+            try:
+                features, ids, targets = _tar_sample_features(f, sample, counter, g, chat)
+            except Corrupt as e:
+                error = str(e)
+        rows.append(_row(shard, sample.key, sample.offset, sample.size, sample.members,
+                         features, error, ids, targets))
     return rows, scan.problems
 
 
@@ -149,9 +160,9 @@ def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGe
             if member.size > MAX_MEMBER_BYTES:
                 raise Corrupt(f"{member.size} bytes, above the {MAX_MEMBER_BYTES} the indexer "
                               "reads")
-            f.seek(member.offset)
-            data = f.read(member.size)
+            member_file = MemberFile(f, member.offset, member.size)
             if kind in ("text", "meta"):
+                data = member_file.read()
                 if text_member is not None:
                     raise Corrupt(f"a second text member (the first is {text_member.name!r})")
                 if chat is not None and kind == "text":
@@ -163,12 +174,12 @@ def _tar_sample_features(f, sample: TarSample, counter: TokenCounter, g: MediaGe
                 else:
                     text = decode_text(data)
                 text_member = member
-            elif kind == "image":
-                grids["image"].append(probe_image(data, g))
+            elif kind == "image":  # PIL and soundfile read the header they parse
+                grids["image"].append(probe_image(member_file, g))
             elif kind == "video":
-                grids["video"].append(probe_video(data, g))
+                grids["video"].append(probe_video(member_file.read(), g))
             else:
-                audio_frames.append(probe_audio(data, g))
+                audio_frames.append(probe_audio(member_file, g))
         except Corrupt as e:
             raise Corrupt(f"member {member.name!r}: {e}") from None
     if chat is not None and rendered is None:
@@ -224,13 +235,16 @@ def _text_rows(shard: str, records: list[_TextRecord], counter: TokenCounter,
                  error=r.error, text_ids=r.ids, targets=r.targets) for r in records]
 
 
-def _parquet_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry,
+def _parquet_rows(source, filename: str, shard: str, counter: TokenCounter, g: MediaGeometry,
                   shown_as: str) -> tuple[list[dict], list[str]]:
-    """One row per Parquet row: ``offset`` = row group, ``size`` = row within the group."""
+    """One row per Parquet row: ``offset`` = row group, ``size`` = row within the group.
+    ``source``: a local path, or a file over the object (only the footer and the text and key
+    columns are read)."""
     import pyarrow.parquet as pq
 
+    stem = Path(filename).stem
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(source)
     except pa.ArrowException as e:
         return [], [f"not a Parquet file ({' '.join(str(e).split())})"]
     schema = parquet.schema_arrow
@@ -246,7 +260,7 @@ def _parquet_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometr
         texts = table.column("text").to_pylist()
         keys = table.column("key").to_pylist() if "key" in columns else [None] * len(texts)
         for row, (text, key) in enumerate(zip(texts, keys)):
-            key = str(key) if key is not None else f"{path.stem}-{row_number}"
+            key = str(key) if key is not None else f"{stem}-{row_number}"
             records.append(_TextRecord(key, group, row, f"row {row_number}", text,
                                        None if text is not None
                                        else f"row {row_number}: text is null"))
@@ -254,11 +268,14 @@ def _parquet_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometr
     return _text_rows(shard, records, counter, g), []
 
 
-def _jsonl_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry,
+def _jsonl_rows(raw, filename: str, shard: str, counter: TokenCounter, g: MediaGeometry,
                 chat: ChatFormat | None = None) -> tuple[list[dict], list[str]]:
     """One row per non-blank line: ``offset``/``size`` = the line's bytes, newline excluded."""
+    stem = Path(filename).stem
     records = []
-    with open(path, "rb") as f:
+    # Buffered, for readline; on a remote shard the reads carry on, so the ranges widen.
+    with io.BufferedReader(raw, 1 << 20) if isinstance(raw, io.RawIOBase) else \
+            contextlib.nullcontext(raw) as f:
         position, line_index = 0, 0
         while raw := f.readline(MAX_LINE_BYTES + 1):
             start = position
@@ -266,12 +283,12 @@ def _jsonl_rows(path: Path, shard: str, counter: TokenCounter, g: MediaGeometry,
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
                 rest, ending = _skip_line(f)
                 where = f"line {line_index + 1}"
-                records.append(_TextRecord(f"{path.stem}-{line_index}", start,
+                records.append(_TextRecord(f"{stem}-{line_index}", start,
                                            len(raw) + rest - ending, where, None,
                                            f"{where}: longer than {MAX_LINE_BYTES} bytes"))
                 position += rest
             elif content.strip():
-                records.append(_jsonl_record(content, start, line_index, path.stem, chat,
+                records.append(_jsonl_record(content, start, line_index, stem, chat,
                                              counter.special))
             position += len(raw)
             line_index += 1

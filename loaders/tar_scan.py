@@ -70,15 +70,20 @@ def scan_tar(path: str | Path) -> TarScan:
     listed with ``error`` set (or, when its header is unreadable, reported in ``problems``).
     """
     path = Path(path)
-    file_size = path.stat().st_size
     with open(path, "rb") as f:
-        try:
-            tar = tarfile.open(fileobj=f, mode="r:")
-        except tarfile.TarError as e:
-            return TarScan([], [f"not a tar ({_one_line(e)})"])
-        members, cut = _read_members(tar, file_size)
-        if cut is None:
-            cut = _check_tail(f, tar.offset)
+        return scan_tar_file(f, path.stat().st_size)
+
+
+def scan_tar_file(f, file_size: int) -> TarScan:
+    """:func:`scan_tar` of an open, seekable binary file of ``file_size`` bytes (a local file
+    or a ``loaders.ranged_file.RangedFile`` over an object store: only headers are read)."""
+    try:
+        tar = tarfile.open(fileobj=f, mode="r:")
+    except tarfile.TarError as e:
+        return TarScan([], [f"not a tar ({_one_line(e)})"])
+    members, cut = _read_members(tar, file_size)
+    if cut is None:
+        cut = _check_tail(f, tar.offset)
     samples = _group(members)
     for sample in samples:
         # A shard cut inside the last block's padding still holds all of the data.

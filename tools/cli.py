@@ -26,10 +26,19 @@ def _data_demo(args: argparse.Namespace) -> int:
 
 
 def _data_index(args: argparse.Namespace) -> int:
+    from omniscale.dataplane.location import check_storage_options
     from omniscale.loaders.index import index_paths
 
-    reports = index_paths([Path(p) for p in args.paths], tokenizer=args.tokenizer,
-                          workers=args.workers, force=args.force)
+    options = None
+    if args.storage_options is not None:
+        try:
+            options = json.loads(args.storage_options)
+        except ValueError as e:
+            raise UserError(f"--storage-options: not JSON ({e})") from None
+        options = check_storage_options(options, "--storage-options")
+    reports = index_paths(args.paths, tokenizer=args.tokenizer, workers=args.workers,
+                          force=args.force, index_dir=args.index_dir,
+                          storage_options=options, ray=args.ray)
     corrupt = sum(r.corrupt for r in reports)
     for report in reports:
         for line in report.errors:
@@ -58,6 +67,15 @@ def _data_import(args: argparse.Namespace) -> int:
         print(f"omniscale: {len(report.skipped)} record(s) skipped (--allow-skipped exits 0)",
               file=sys.stderr)
         return EXIT_CORRUPT
+    return 0
+
+
+def _data_copy(args: argparse.Namespace) -> int:
+    from omniscale.tools.data_copy import copy_specs
+
+    for out in copy_specs(args.specs, args.to, args.storage_options, args.suffix,
+                          out_dir=args.out_dir):
+        print(out)
     return 0
 
 
@@ -145,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     index = data_commands.add_parser(
         "index", help="write each source's Parquet index (cost features from headers only)")
     index.add_argument("paths", nargs="+", metavar="PATH",
-                       help="a mixing spec (indexes all its sources) or a source directory")
+                       help="a mixing spec (indexes all its sources), a source directory or "
+                            "a source URL (s3://bucket/prefix, gs://…: read in place, by "
+                            "ranged reads of its headers)")
     index.add_argument("--tokenizer", type=Path, default=None,
                        help="tokenizer.json (default: the spec's, or the nearest one above "
                             "the source directory)")
@@ -153,6 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--force", action="store_true", help="re-index unchanged shards too")
     index.add_argument("--allow-corrupt", action="store_true",
                        help="exit 0 even when corrupt members were found (they stay marked)")
+    index.add_argument("--index-dir", metavar="DIR",
+                       help="write source NAME's index to DIR/NAME/_index.parquet (a local "
+                            "directory or URL; for a read-only bucket); with a spec, the "
+                            "spec's index_dir must say the same")
+    index.add_argument("--storage-options", metavar="JSON",
+                       help="fsspec options of URL paths, e.g. '{\"endpoint_url\": "
+                            "\"http://minio:9000\"}' (credentials from the environment)")
+    index.add_argument("--ray", nargs="?", const=True, default=None, metavar="ADDRESS",
+                       help="index the shards as a Ray Data pipeline: on a local Ray instance, "
+                            "or the cluster at ADDRESS (auto: the one running here); put it "
+                            "after the paths")
     index.set_defaults(func=_data_index)
 
     imp = data_commands.add_parser(
@@ -182,6 +213,21 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--plot", metavar="FILE.png", help="draw length histograms and schedule")
     inspect.add_argument("--steps", help="comma-separated steps (or tokens) to show weights at")
     inspect.set_defaults(func=_data_inspect)
+
+    copy = data_commands.add_parser(
+        "copy", help="put specs' sources (shards + indexes) into an object store and write "
+                     "the specs that read them there")
+    copy.add_argument("specs", nargs="+", metavar="SPEC", help="mixing specs (YAML)")
+    copy.add_argument("--to", required=True, metavar="URL", help="s3://bucket/prefix (each "
+                      "source goes to URL/<name>/)")
+    copy.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                      help='fsspec options for URL, e.g. \'{"endpoint_url": "http://…"}\' '
+                           "(no credentials: they come from the environment)")
+    copy.add_argument("--suffix", default="_remote",
+                      help="the rewritten spec is SPEC<suffix>.yaml (default _remote)")
+    copy.add_argument("--out-dir", type=Path, default=None,
+                      help="where the rewritten specs go (default: beside each spec)")
+    copy.set_defaults(func=_data_copy)
 
     balance = commands.add_parser("balance", help="compute-aware placement of samples on ranks")
     balance_commands = balance.add_subparsers(dest="balance_command", required=True,
