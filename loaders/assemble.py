@@ -62,6 +62,9 @@ class StepBatch:
     data_wait_s: float = 0.0  # time the trainer was blocked in next() for this step
     plan: pa.Table | None = None  # the rank's plan table (the reshard map is derived from it)
     transfer_bytes: int = 0  # bytes worker processes handed over for this step
+    # the readers' counters for this step (``loaders.remote_io.READ_STATS``: requests and
+    # bytes from an object store, cache block hits and misses, retries); empty when local
+    io: dict = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -82,12 +85,15 @@ class DecodedStep:
     micro_batches: dict[int, PackedBatch] = field(default_factory=dict)
     encode_items: dict[int, EncodeItem] = field(default_factory=dict)
     transfer_bytes: int = 0  # what worker processes handed over for it
+    io: dict = field(default_factory=dict)  # its readers' counters (``StepBatch.io``)
 
     def update(self, other: "DecodedStep") -> None:
         self.samples.update(other.samples)
         self.micro_batches.update(other.micro_batches)
         self.encode_items.update(other.encode_items)
         self.transfer_bytes += other.transfer_bytes
+        for name, n in getattr(other, "io", {}).items():
+            self.io[name] = self.io.get(name, 0) + n
 
 
 def sample_id(ref: SampleRef) -> tuple:
@@ -160,7 +166,7 @@ class StepAssembler:
         decoded alone goes through the policy first)."""
         meta = plan_metadata(table)
         batch = StepBatch(step, [], [], meta, fingerprint(table), plan=table,
-                          transfer_bytes=decoded.transfer_bytes)
+                          transfer_bytes=decoded.transfer_bytes, io=dict(decoded.io))
         refs = table_to_refs(table)
         cols = {n: table.column(n).to_pylist() for n in (
             "role", "micro_batch", "sp_size", "sp_index", "item_kind", "item_index",

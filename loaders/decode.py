@@ -73,11 +73,24 @@ class SampleDecoder:
         self.token_ids = token_ids  # the index's ids by ref (None: tokenize every text)
         # which sources hold conversations, and their templates: the index metadata says
         self._indexes = token_ids if token_ids is not None else TokenIds(reader.sources)
+        self._ready: dict[SampleRef, RawSample | CorruptSample] = {}  # read ahead, not decoded
+
+    def read_ahead(self, refs: list[SampleRef]) -> None:
+        """Read a work item's remote refs together (``SampleReader.read_many``: a shard's
+        samples in few requests) for the :meth:`decode` calls that follow; what an earlier
+        call read and no decode took is dropped. Local refs are read as they are decoded:
+        reading them ahead saves nothing and would hold a whole item's bytes at once."""
+        ahead = [ref for ref in refs if self.reader.fetches_together(ref)]
+        self._ready = dict(zip(ahead, self.reader.read_many(ahead))) if ahead else {}
 
     def decode(self, ref: SampleRef, need: DecodeNeed | None = None) -> DecodedSample:
         """The ref's sample (what ``need`` asks of it); CorruptSample (``source/key:
-        reason``) for anything wrong."""
-        return self.decode_raw(ref, self.reader.read(ref), need)
+        reason``) for anything wrong. Its bytes come from :meth:`read_ahead` when that read
+        them, else from the reader now."""
+        raw = self._ready.pop(ref, None)
+        if isinstance(raw, CorruptSample):
+            raise raw
+        return self.decode_raw(ref, raw if raw is not None else self.reader.read(ref), need)
 
     def decode_raw(self, ref: SampleRef, raw: RawSample, need: DecodeNeed | None = None
                    ) -> DecodedSample:

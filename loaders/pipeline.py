@@ -25,12 +25,14 @@ import warnings
 from collections import deque
 from multiprocessing import connection as mp_connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data._utils import signal_handling
 
 from omniscale.dataplane.client import PlaneClient
-from omniscale.dataplane.refs import SampleRef
+from omniscale.dataplane.location import Location
+from omniscale.dataplane.refs import SampleRef, table_to_refs
 from omniscale.loaders.assemble import (
     DecodedStep,
     StepAssembler,
@@ -51,6 +53,9 @@ from omniscale.loaders.worker import (
     unpack,
 )
 
+if TYPE_CHECKING:
+    from omniscale.loaders.remote_cache import CacheConfig
+
 
 class StepLoader:
     """What both backends share: plan prefetch, assembly thread, iteration, commit.
@@ -69,14 +74,26 @@ class StepLoader:
                  prefetch_steps: int = 2, policy: str = "skip", decode_timeout: float = 30.0,
                  token: str | None = None, start_step: int = 0,
                  pin_memory: bool | None = None, skip_moved_media: bool = False,
-                 special_tokens: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> None:
+                 special_tokens: SpecialTokens = DEFAULT_SPECIAL_TOKENS,
+                 indexes: dict | None = None, cache: "CacheConfig | None" = None,
+                 cache_prefetch_steps: int = 0) -> None:
         self.url, self.rank, self.token = plane_url, int(rank), token
         self.skip_moved_media = skip_moved_media
         self.geometry = geometry
         self.num_workers, self.decode_timeout = int(num_workers), decode_timeout
         # the index's token ids must be this tokenizer's, its markers these
-        check_tokenizer(sources, tokenizer_path, special_tokens)
-        self.spec = decoder_spec(sources, tokenizer_path, geometry, special=special_tokens)
+        check_tokenizer(indexes or sources, tokenizer_path, special_tokens)
+        self.spec = decoder_spec(sources, tokenizer_path, geometry, special=special_tokens,
+                                 indexes=indexes, cache=cache)
+        # Remote sources with a cache: the plans of the next steps warm it before workers
+        # read (the plane knows them; no per-rank streaming loader can).
+        remote = {name: Location.of(where) for name, where in sources.items()
+                  if not Location.of(where).is_local}
+        self.shard_prefetcher = None
+        if cache is not None and remote and cache_prefetch_steps > 0:
+            from omniscale.loaders.remote_cache import Prefetcher
+
+            self.shard_prefetcher = Prefetcher(remote, cache)
         self.client = PlaneClient(plane_url, token=token)
         self._report_client = PlaneClient(plane_url, token=token)  # used by the assembly thread
         self._local = TimedDecoder(self.spec, decode_timeout)  # replacements, on that thread
@@ -84,8 +101,9 @@ class StepLoader:
         self.assembler = StepAssembler(self.rank, geometry, policy, self._report,
                                        self._local.decode, pin_memory=pin)
         self._stop = threading.Event()
-        self.plans = PlanPrefetcher(plane_url, self.rank, start_step, prefetch_steps, token,
-                                    self._stop)
+        ahead = cache_prefetch_steps if self.shard_prefetcher is not None else 0
+        self.plans = PlanPrefetcher(plane_url, self.rank, start_step, prefetch_steps + ahead,
+                                    token, self._stop, on_plan=self._prefetch_shards)
         self._out: queue.Queue = queue.Queue(maxsize=prefetch_steps)
         self._fps: dict[int, str] = {}
         self.next_step = start_step
@@ -138,9 +156,18 @@ class StepLoader:
     def corrupt_reasons(self):
         return self.assembler.corrupt_reasons
 
+    def _prefetch_shards(self, table) -> None:
+        """On the plan thread, as each plan arrives: its remote samples' bytes into the
+        cache (non-blocking; the prefetcher's threads fetch)."""
+        if self.shard_prefetcher is not None:
+            refs = [r for r in table_to_refs(table) if r.source in self.shard_prefetcher.sources]
+            self.shard_prefetcher.submit(refs)
+
     def close(self) -> None:
         self._stop.set()
         self.plans.close()
+        if self.shard_prefetcher is not None:
+            self.shard_prefetcher.close()
         while self._thread is not None and self._thread.is_alive():
             try:  # unblock an assembly thread waiting to hand over a batch
                 self._out.get(timeout=0.1)

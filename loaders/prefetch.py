@@ -23,11 +23,13 @@ class PlanPrefetcher:
     (or raises the plane's refusal)."""
 
     def __init__(self, url: str, rank: int, start_step: int, depth: int,
-                 token: str | None = None, stop: threading.Event | None = None) -> None:
+                 token: str | None = None, stop: threading.Event | None = None,
+                 on_plan=None) -> None:
         if depth < 1:
             raise ValueError(f"prefetch_steps: must be >= 1, got {depth}")
         self.url, self.rank, self.token = url, rank, token
         self.next_step = start_step
+        self.on_plan = on_plan  # called with each plan table as it arrives (cache prefetch)
         self.stop = stop or threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -85,6 +87,8 @@ class PlanPrefetcher:
                     self._put(e)
                     return
                 delay = 0.01
+                if self.on_plan is not None:
+                    self.on_plan(table)
                 if not self._put((self.next_step, table)):
                     return
                 self.next_step += 1

@@ -17,6 +17,7 @@ the death.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import warnings
@@ -68,7 +69,7 @@ class SourceDecoder:
         return self.decoder.decode_all(work)
 
 
-def probe_refs(source: str, path: str, n: int = PROBE_SAMPLES) -> list[SampleRef]:
+def probe_refs(source: str, path, n: int = PROBE_SAMPLES) -> list[SampleRef]:
     """The first ``n`` good samples of a source's index, as refs (uncapped)."""
     table = read_index(path, columns=[f.name for f in INDEX_SCHEMA
                                          if f.name not in ("text_ids", "text_targets")])
@@ -86,8 +87,8 @@ def measure_costs(spec: DecoderSpec, n: int = PROBE_SAMPLES,
     `clock`, which tests replace)."""
     decoder = TimedDecoder(spec, timeout=None)
     costs = {}
-    for name, path in spec.sources.items():
-        refs = probe_refs(name, path, n)
+    for name in spec.sources:
+        refs = probe_refs(name, (spec.indexes or spec.sources)[name], n)
         start = clock()
         for ref in refs:
             decoder.decode(ref)
@@ -234,8 +235,9 @@ class RayRankLoader(StepLoader):
             name=f"{self.pools_name}/{source}/{index}" + (f".{generation}" if generation else ""),
             get_if_exists=True,
             num_cpus=self.plan.actor_cpus, scheduling_strategy="SPREAD").remote(
-            DecoderSpec({source: self.spec.sources[source]}, self.spec.tokenizer,
-                        self.spec.geometry, self.spec.max_open, self.spec.special),
+            dataclasses.replace(self.spec, sources={source: self.spec.sources[source]},
+                                indexes={source: (self.spec.indexes or
+                                                  self.spec.sources)[source]}),
             self.decode_timeout)
 
     def _shares_now(self) -> dict[str, float]:
@@ -370,8 +372,13 @@ class RayRankLoader(StepLoader):
             if not pending:
                 return
             step, table, flights = pending.popleft()
-            yield step, table, DecodedStep({sample_id(ref): out for f in flights
-                                            for (ref, _), out in zip(f.work, self._result(f))})
+            decoded, io = {}, {}
+            for f in flights:
+                outs = self._result(f)
+                decoded.update((sample_id(ref), out) for (ref, _), out in zip(f.work, outs))
+                for name, n in getattr(outs, "io", {}).items():  # a DecodedList's counters
+                    io[name] = io.get(name, 0) + n
+            yield step, table, DecodedStep(decoded, io=io)
 
     def close(self) -> None:
         super().close()

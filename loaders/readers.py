@@ -10,9 +10,14 @@ follows from its suffix (``loaders.index.SHARD_SUFFIX``):
 - ``.parquet``: ``offset`` is the row group and ``size`` the row within it (column ``text``);
 - ``.jsonl``: ``offset``/``size`` is the line's byte range (newline excluded).
 
-Paths go through fsspec, so a source at ``s3://…`` or ``gs://…`` works once that fsspec
-backend is installed; local paths need nothing. Every problem with the bytes is a
-:class:`~loaders.errors.CorruptSample` naming source and key.
+A source is a local directory or a :class:`~dataplane.location.Location` in an object store
+(``s3://…``). Local shards are read through open files, as always. Remote tar and JSONL
+shards are read a work item at a time (:meth:`SampleReader.read_many`): the ranges of a
+shard coalesced into few requests, all issued at once, transient failures retried
+(``loaders.remote_io``), through the node's block cache when one is configured
+(``loaders.remote_cache``). Remote Parquet shards are read through fsspec file handles. Every
+problem with the bytes -- a missing shard, a range past its end, a store that keeps failing
+-- is a :class:`~loaders.errors.CorruptSample` naming source, key and shard.
 """
 
 from __future__ import annotations
@@ -27,9 +32,19 @@ from dataclasses import dataclass
 import fsspec
 
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.location import Location
 from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.probe import Corrupt, decode_text, short
+from omniscale.loaders.remote_cache import BlockCache, CacheConfig, CachedReads
+from omniscale.loaders.remote_io import (
+    Counters,
+    DirectReads,
+    FetchError,
+    RangeFetcher,
+    RemoteSettings,
+    scrub,
+)
 
 TAR_BLOCK = 512
 # One sample's slice is read into memory; refuse ranges no training sample needs before
@@ -54,43 +69,93 @@ class RawSample:
 class SampleReader:
     """Reads SampleRefs of named sources; one per worker (not thread-safe).
 
+    ``sources``: name -> local directory, URL, or Location (with its storage options);
+    ``storage_options`` (per source name) apply to a source given as a plain URL. ``remote``
+    says how remote reads are batched and retried; ``cache`` puts remote tar/JSONL reads
+    through a node-local block cache (local sources never use it).
+
     Keeps at most ``max_open`` shards open (least recently used closed first): workers read
     many sources, so the handle count, not the source count, bounds its memory.
     """
 
-    def __init__(self, sources: Mapping[str, str | os.PathLike], max_open: int = MAX_OPEN_FILES,
-                 storage_options: Mapping[str, dict] | None = None) -> None:
+    def __init__(self, sources: Mapping[str, "str | os.PathLike | Location"],
+                 max_open: int = MAX_OPEN_FILES,
+                 storage_options: Mapping[str, dict] | None = None,
+                 remote: RemoteSettings | None = None, cache: CacheConfig | None = None
+                 ) -> None:
         if max_open < 1:
             raise ValueError(f"max_open: must be >= 1, got {max_open}")
-        self._roots = {name: os.fspath(path) for name, path in sources.items()}
-        self._options = dict(storage_options or {})  # per source name: fsspec options
+        options = dict(storage_options or {})  # per source name: fsspec options
+        self._locs = {name: Location.of(where, options.get(name))
+                      for name, where in sources.items()}
+        self._remote_names = {name for name, loc in self._locs.items() if not loc.is_local}
         self._fs: dict[str, tuple[fsspec.AbstractFileSystem, str]] = {}
         self._open: OrderedDict[str, _OpenShard] = OrderedDict()
         self._max_open = max_open
         self._group: tuple[str, int, object] | None = None  # last Parquet row group read
+        self.remote = remote or RemoteSettings()
+        self.cache = cache
+        self._counters = Counters()
+        self._remote: DirectReads | CachedReads | None = None  # made on the first remote read
 
     @property
-    def sources(self) -> dict[str, str]:
-        """Source name -> its directory (or URL)."""
-        return dict(self._roots)
+    def sources(self) -> dict[str, Location]:
+        """Source name -> where its shards are."""
+        return dict(self._locs)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since the reader was made (``remote_io.READ_STATS``): requests to the
+        store, bytes fetched, retries, requests that failed for good, cache block hits and
+        misses. All zero for local sources."""
+        return self._counters.snapshot()
 
     def read(self, ref: SampleRef) -> RawSample:
         """The ref's members as bytes; CorruptSample when the bytes are not what it says."""
         fmt = shard_format(ref.shard)
+        if fmt != "parquet" and ref.source in self._remote_names:
+            got = self.read_many([ref])[0]
+            if isinstance(got, CorruptSample):
+                raise got
+            return got
         try:
             if fmt == "tar":
-                members = self._read_tar(ref)
+                members = self._tar_members(ref, self._read_range(ref, ref.offset, ref.size))
             elif fmt == "parquet":
                 members = ((f"{ref.key}.txt", self._read_parquet(ref).encode("utf-8")),)
             else:
-                members = (self._read_jsonl(ref),)
+                members = (self._jsonl_member(ref, self._read_range(ref, ref.offset,
+                                                                    ref.size)),)
         except Corrupt as e:
             raise CorruptSample(ref.source, ref.key, str(e)) from None
         except (OSError, ValueError) as e:  # pyarrow's errors subclass these too
             self._close_shard(self._path(ref)[1])
             raise CorruptSample(ref.source, ref.key,
-                                f"{ref.shard}: unreadable ({short(e)})") from None
+                                f"{ref.shard}: unreadable ({scrub(short(e))})") from None
         return RawSample(ref.source, ref.key, members)
+
+    def read_many(self, refs: list[SampleRef]) -> list["RawSample | CorruptSample"]:
+        """Every ref's sample, or its CorruptSample, in order: one work item's refs read
+        together. Remote tar and JSONL refs are fetched at once (coalesced, concurrent,
+        retried); the rest are read one by one as :meth:`read` does. An unknown source or
+        format raises a UserError, as in :meth:`read`."""
+        out: list = [None] * len(refs)
+        remote: dict[tuple[str, str], list[int]] = {}
+        for i, ref in enumerate(refs):
+            if ref.source in self._remote_names and shard_format(ref.shard) != "parquet":
+                remote.setdefault((ref.source, ref.shard), []).append(i)
+                continue
+            try:
+                out[i] = self.read(ref)
+            except CorruptSample as e:
+                out[i] = e
+        if remote:
+            self._read_remote(refs, remote, out)
+        return out
+
+    def fetches_together(self, ref: SampleRef) -> bool:
+        """Whether :meth:`read_many` fetches ``ref`` together with others (a remote tar or
+        JSONL shard), so reading a work item's refs at once saves requests."""
+        return ref.source in self._remote_names and not ref.shard.endswith(".parquet")
 
     @property
     def open_files(self) -> int:
@@ -100,6 +165,8 @@ class SampleReader:
         for path in list(self._open):
             self._close_shard(path)
         self._group = None
+        if self._remote is not None:
+            self._remote.fetcher.close()
 
     def __enter__(self) -> "SampleReader":
         return self
@@ -107,12 +174,55 @@ class SampleReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # --- remote shards ------------------------------------------------------------------------
+
+    def _read_remote(self, refs: list[SampleRef], groups: dict[tuple[str, str], list[int]],
+                     out: list) -> None:
+        wanted, asked = [], []
+        for (source, shard), indices in groups.items():
+            ranges, mine = [], []
+            for i in indices:
+                ref = refs[i]
+                if ref.offset < 0 or ref.size < 0 or ref.size > MAX_SAMPLE_BYTES:
+                    out[i] = CorruptSample(ref.source, ref.key, f"{ref.shard}: bad byte range "
+                                           f"[{ref.offset}, {ref.offset + ref.size})")
+                    continue
+                ranges.append((ref.offset, ref.offset + ref.size))
+                mine.append(i)
+            if mine:
+                wanted.append((self._locs[source].join(shard), ranges))
+                asked.append(mine)
+        if not wanted:
+            return
+        for indices, datas in zip(asked, self._remote_reads().read(wanted)):
+            for i, data in zip(indices, datas):
+                out[i] = self._parse(refs[i], data)
+
+    def _parse(self, ref: SampleRef, data: "bytes | FetchError") -> "RawSample | CorruptSample":
+        if isinstance(data, FetchError):
+            return CorruptSample(ref.source, ref.key, f"{ref.shard}: {data.reason}")
+        try:
+            if shard_format(ref.shard) == "tar":
+                members = self._tar_members(ref, data)
+            else:
+                members = (self._jsonl_member(ref, data),)
+        except Corrupt as e:
+            return CorruptSample(ref.source, ref.key, str(e))
+        return RawSample(ref.source, ref.key, members)
+
+    def _remote_reads(self) -> "DirectReads | CachedReads":
+        if self._remote is None:
+            fetcher = RangeFetcher(self.remote, self._counters)
+            self._remote = (CachedReads(BlockCache(self.cache), fetcher)
+                            if self.cache is not None else DirectReads(fetcher))
+        return self._remote
+
     # --- formats ------------------------------------------------------------------------------
 
-    def _read_tar(self, ref: SampleRef) -> tuple[tuple[str, bytes], ...]:
+    def _tar_members(self, ref: SampleRef, data: bytes) -> tuple[tuple[str, bytes], ...]:
+        """The ref's members out of its slice of the tar, each checked against its header."""
         if not ref.members:
             raise Corrupt("the ref lists no members")
-        data = self._read_range(ref, ref.offset, ref.size)
         end = ref.offset + ref.size
         out = []
         for name, offset, size in ref.members:
@@ -152,10 +262,9 @@ class SampleReader:
                           f"{'null' if text is None else type(text).__name__}")
         return text
 
-    def _read_jsonl(self, ref: SampleRef) -> tuple[str, bytes]:
+    def _jsonl_member(self, ref: SampleRef, data: bytes) -> tuple[str, bytes]:
         """The line's text as a ``KEY.txt`` member, or a conversation's line (``messages``,
         ``loaders.chat``) as a ``KEY.json`` member."""
-        data = self._read_range(ref, ref.offset, ref.size)
         line = decode_text(data)
         try:
             obj = json.loads(line)
@@ -190,13 +299,16 @@ class SampleReader:
         fs, root = self._filesystem(ref.source)
         return fs, (f"{root.rstrip('/')}/{ref.shard}" if root else ref.shard)
 
+    def _location(self, source: str) -> Location:
+        loc = self._locs.get(source)
+        if loc is None:
+            raise UserError(f"source {source!r}: the loader has no path for it (known: "
+                            f"{', '.join(sorted(self._locs)) or 'none'})")
+        return loc
+
     def _filesystem(self, source: str) -> tuple[fsspec.AbstractFileSystem, str]:
         if source not in self._fs:
-            if source not in self._roots:
-                raise UserError(f"source {source!r}: the loader has no path for it (known: "
-                                f"{', '.join(sorted(self._roots)) or 'none'})")
-            self._fs[source] = fsspec.core.url_to_fs(self._roots[source],
-                                                     **self._options.get(source, {}))
+            self._fs[source] = self._location(source).fs()
         return self._fs[source]
 
     def _shard(self, fs: fsspec.AbstractFileSystem, path: str) -> "_OpenShard":

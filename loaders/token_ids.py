@@ -10,6 +10,9 @@ The ids are only good for the tokenizer that made them: the index records its sh
 loader whose tokenizer differs refuses to start (:func:`check_tokenizer`), since the index's
 token counts -- what the plane budgets with -- would be wrong too. A source whose index has
 no ids (written by a hand-made ref, or a sample without a row) is tokenized as before.
+
+Indexes are found by Location: a local directory, or a URL in an object store (the spec's
+``index_dir`` may put them apart from the shards).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.location import Location
 from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.index_schema import index_path, read_index_metadata, read_shard
 from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
@@ -28,13 +32,14 @@ from omniscale.loaders.text_cost import tokenizer_fingerprint
 MAX_SHARDS = 16  # shards whose ids a worker keeps
 
 
-def check_tokenizer(sources: dict[str, str | Path], tokenizer: str | Path,
+def check_tokenizer(sources: "dict[str, str | Path | Location]", tokenizer: str | Path,
                     special: SpecialTokens = DEFAULT_SPECIAL_TOKENS) -> None:
     """A UserError naming the first source indexed with another tokenizer than ``tokenizer``,
     or other special tokens than ``special`` (an index without a recorded tokenizer
-    passes)."""
+    passes). ``sources``: where each source's index is."""
     mine = tokenizer_fingerprint(tokenizer)
-    for name, path in sources.items():
+    for name, where in sources.items():
+        path = Location.of(where)
         meta = read_index_metadata(path)
         theirs = meta.get("tokenizer_sha256")
         if theirs is not None and theirs != mine:
@@ -51,8 +56,10 @@ def check_tokenizer(sources: dict[str, str | Path], tokenizer: str | Path,
 class TokenIds:
     """The index's token ids of named sources' samples; one per worker (not thread-safe)."""
 
-    def __init__(self, sources: dict[str, str | Path], max_shards: int = MAX_SHARDS) -> None:
-        self._roots = {name: str(path) for name, path in sources.items()}
+    def __init__(self, sources: "dict[str, str | Path | Location]",
+                 max_shards: int = MAX_SHARDS) -> None:
+        # where each source's index is (its directory, or its ``index_dir`` entry)
+        self._roots = {name: Location.of(where) for name, where in sources.items()}
         self._meta: OrderedDict[str, dict] = OrderedDict()  # bounded too: 1,000s of sources
         self._shards: OrderedDict[tuple[str, str], dict[str, list | None]] = OrderedDict()
         self._max = max_shards
@@ -88,7 +95,7 @@ class TokenIds:
             self._shards.move_to_end(at)
         return shard
 
-    def _metadata(self, source: str, root: str) -> dict:
+    def _metadata(self, source: str, root: Location) -> dict:
         meta = self._meta.get(source)
         if meta is None:
             meta = self._meta[source] = read_index_metadata(root)
@@ -98,7 +105,7 @@ class TokenIds:
             self._meta.move_to_end(source)
         return meta
 
-    def _load(self, source: str, root: str, shard: str) -> "_ShardIds":
+    def _load(self, source: str, root: Location, shard: str) -> "_ShardIds":
         meta = self._metadata(source, root)
         if shard not in meta.get("shards", {}) or meta.get("version", 0) < 3:
             return _ShardIds([], None)

@@ -8,8 +8,17 @@ helper thread, handed a work item's samples at once; the worker watches, allowin
 cannot be interrupted, and the reader it holds is not thread-safe) and a fresh decoder takes
 over, so one pathological file costs one timeout, not a worker.
 
+A work item's samples are read together first (``SampleReader.read_many``: a remote
+source's ranges coalesced and fetched at once), then decoded one by one. The read is watched
+too, allowed a sample's timeout per sample it reads.
+
 Failures come back as data (:class:`Decoded` with ``error``), not exceptions: a worker that
 raised would take the whole DataLoader down with it, and the trainer side decides the policy.
+
+What the reader did for a call -- requests to the store, bytes, retries, cache hits and
+misses (``remote_io.READ_STATS``) -- comes back with it: ``decode_all`` returns a
+:class:`DecodedList` whose ``io`` holds the counts of that call, and a DataLoader worker's
+``DecodedStep`` carries the sum over its chunk as ``io``.
 """
 
 from __future__ import annotations
@@ -25,12 +34,15 @@ from pathlib import Path
 
 import torch
 
+from omniscale.dataplane.location import Location
 from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.decode import DecodeNeed, SampleDecoder
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.readers import SampleReader
+from omniscale.loaders.remote_cache import CacheConfig
+from omniscale.loaders.remote_io import RemoteSettings, add_stats, stats_delta
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.token_ids import TokenIds
 
@@ -44,34 +56,59 @@ class Decoded:
     error: CorruptSample | None = None
 
 
+class DecodedList(list):
+    """What :meth:`TimedDecoder.decode_all` returns: a list of :class:`Decoded`, plus ``io``,
+    the reader's counters for the call (``remote_io.READ_STATS``; empty when nothing was
+    counted)."""
+
+    def __init__(self, items=(), io: dict[str, int] | None = None) -> None:
+        super().__init__(items)
+        self.io = dict(io or {})
+
+
 @dataclass(frozen=True)
 class DecoderSpec:
-    """Everything a worker needs to build its decoder: small and picklable."""
+    """Everything a worker needs to build its decoder: small and picklable.
 
-    sources: dict[str, str]
+    ``sources``: where each source's shards are; ``indexes``: where its index is (for the
+    token ids; None: beside the shards); ``cache``: the node's block cache for remote shards;
+    ``remote``: how remote reads are batched and retried (None: the defaults).
+    """
+
+    sources: dict[str, Location]
     tokenizer: str
     geometry: MediaGeometry
     max_open: int = 16
     special: SpecialTokens = DEFAULT_SPECIAL_TOKENS  # the tokenizer's pad, eos and markers
+    indexes: dict[str, Location] | None = None
+    cache: CacheConfig | None = None
+    remote: RemoteSettings | None = None
 
     def build(self) -> SampleDecoder:
-        return SampleDecoder(SampleReader(self.sources, max_open=self.max_open),
-                             self.tokenizer, self.geometry, TokenIds(self.sources), self.special)
+        reader = SampleReader(self.sources, max_open=self.max_open, remote=self.remote,
+                              cache=self.cache)
+        return SampleDecoder(reader, self.tokenizer, self.geometry,
+                             TokenIds(self.indexes or self.sources), self.special)
 
 
 def decoder_spec(sources: dict, tokenizer: str | Path, geometry: MediaGeometry,
-                 max_open: int = 16, special: SpecialTokens = DEFAULT_SPECIAL_TOKENS
-                 ) -> DecoderSpec:
-    return DecoderSpec({str(k): str(v) for k, v in sources.items()}, str(tokenizer), geometry,
-                       max_open, special)
+                 max_open: int = 16, special: SpecialTokens = DEFAULT_SPECIAL_TOKENS, *,
+                 indexes: dict | None = None, cache: CacheConfig | None = None,
+                 remote: RemoteSettings | None = None) -> DecoderSpec:
+    """A DecoderSpec; sources and indexes may be paths, URLs or Locations."""
+    return DecoderSpec({str(k): Location.of(v) for k, v in sources.items()}, str(tokenizer),
+                       geometry, max_open, special,
+                       {str(k): Location.of(v) for k, v in indexes.items()}
+                       if indexes is not None else None, cache, remote)
 
 
 class TimedDecoder:
     """Decodes refs with a per-sample deadline; a timeout is a CorruptSample like any other.
 
     One hand-off per call, not per sample: :meth:`decode_all` gives a whole list to the decode
-    thread, which decodes it in order and stamps when each sample started; the calling thread
-    is the watchdog, asleep until the list is done or the current sample's deadline passes.
+    thread, which reads it at once, then decodes it in order and stamps when each sample
+    started; the calling thread is the watchdog, asleep until the list is done or the current
+    deadline passes (the read's: a sample's timeout per sample read; then each sample's).
     """
 
     def __init__(self, spec: DecoderSpec, timeout: float | None = 30.0) -> None:
@@ -79,54 +116,67 @@ class TimedDecoder:
         self._decoder: SampleDecoder | None = None
         self._jobs: queue.Queue | None = None
         self.timeouts = 0
+        self.io: dict[str, int] = {}  # the reader counters of every call so far, summed
 
     def decode(self, ref: SampleRef | None, need: DecodeNeed | None = None) -> Decoded:
         if ref is None:  # a step with nothing to decode still sends one item through
             return Decoded(None)
         return self.decode_all([(ref, need)])[0]
 
-    def decode_all(self, work: list[tuple[SampleRef, DecodeNeed | None]]) -> list[Decoded]:
+    def decode_all(self, work: list[tuple[SampleRef, DecodeNeed | None]]) -> DecodedList:
         """Every ``(ref, need)`` of ``work`` decoded, in order; a sample past its deadline
-        comes back timed out and the rest go on with a fresh decoder."""
+        comes back timed out and the rest go on with a fresh decoder. ``io`` on the result:
+        what the reads cost."""
         if self.timeout is None:
             decoder = self._current()
-            return [_run(decoder, ref, need) for ref, need in work]
-        outs: list[Decoded] = []
-        while len(outs) < len(work):
-            outs += self._watched(work[len(outs):])
-        return outs
+            before = _reader_stats(decoder)
+            outs = _decode_list(decoder, work)
+            io = stats_delta(_reader_stats(decoder), before)
+        else:
+            outs, io = [], {}
+            while len(outs) < len(work):
+                got, used = self._watched(work[len(outs):])
+                outs += got
+                add_stats(io, used)
+        add_stats(self.io, io)
+        return DecodedList(outs, io)
 
     def _current(self) -> SampleDecoder:
         if self._decoder is None:
             self._decoder = self.spec.build()
         return self._decoder
 
-    def _watched(self, work: list) -> list[Decoded]:
+    def _watched(self, work: list) -> tuple[list[Decoded], dict[str, int]]:
         """What the decode thread finished of ``work`` -- all of it, or the samples before
-        the one that ran past its deadline and that one timed out."""
+        the one that ran past its deadline and that one timed out -- and the reader's
+        counters meanwhile."""
         if self._jobs is None:
             self._jobs = queue.Queue()
             threading.Thread(target=_serve, args=(self._current(), self._jobs), daemon=True,
                              name="omniscale-decode").start()
-        job = _Job(work)
+        decoder = self._current()
+        job = _Job(work, self.timeout)
+        before = _reader_stats(decoder)
         self._jobs.put(job)
         with job.lock:
             while len(job.outs) < len(work):
-                left = job.started + self.timeout - time.monotonic()
+                left = job.started + job.allowed - time.monotonic()
                 if left <= 0:
                     break
-                job.lock.wait(left)  # woken once, when the list is done
+                job.lock.wait(left)  # woken when the read is done, and when the list is
             else:
-                return job.outs
+                return job.outs, stats_delta(_reader_stats(decoder), before)
             # Abandon the stuck thread with its decoder; the rest get fresh ones.
             job.abandoned = True
-            outs = list(job.outs)
+            outs, reading = list(job.outs), job.reading
+        io = stats_delta(_reader_stats(decoder), before)
         self._jobs.put(None)  # it exits once (if ever) the stuck decode returns
         self._jobs, self._decoder = None, None
         self.timeouts += 1
         ref = work[len(outs)][0]
-        return outs + [Decoded(ref, error=CorruptSample(
-            ref.source, ref.key, f"decode timed out after {self.timeout:g} s"))]
+        what = (f"read timed out after {job.allowed:g} s ({len(work)} samples read together)"
+                if reading else f"decode timed out after {self.timeout:g} s")
+        return outs + [Decoded(ref, error=CorruptSample(ref.source, ref.key, what))], io
 
     def close(self) -> None:
         if self._jobs is not None:
@@ -137,13 +187,14 @@ class TimedDecoder:
 
 
 class _Job:
-    """A list handed to the decode thread: its results so far, and when the sample being
-    decoded started (the watchdog's deadline runs from there)."""
+    """A list handed to the decode thread: its results so far, and the deadline of what it
+    does now (``started`` + ``allowed``: the read of the list, then each sample's decode)."""
 
-    def __init__(self, work: list) -> None:
+    def __init__(self, work: list, timeout: float) -> None:
         self.work, self.outs, self.abandoned = work, [], False
         self.lock = threading.Condition()
-        self.started = time.monotonic()
+        self.timeout = timeout
+        self.started, self.allowed, self.reading = time.monotonic(), timeout * len(work), True
 
 
 def _serve(decoder: SampleDecoder, jobs: queue.Queue) -> None:
@@ -152,11 +203,17 @@ def _serve(decoder: SampleDecoder, jobs: queue.Queue) -> None:
         if job is None:
             decoder.reader.close()
             return
+        with job.lock:
+            job.started = time.monotonic()
+        _read_ahead(decoder, [ref for ref, _ in job.work])
+        with job.lock:
+            job.started, job.allowed, job.reading = time.monotonic(), job.timeout, False
+            job.lock.notify()  # the watchdog's deadline is now each sample's, not the read's
         for ref, need in job.work:
             with job.lock:
                 if job.abandoned:
                     break
-                job.started = time.monotonic()
+                job.started, job.allowed = time.monotonic(), job.timeout
             out = _run(decoder, ref, need)
             with job.lock:
                 if job.abandoned:
@@ -164,6 +221,33 @@ def _serve(decoder: SampleDecoder, jobs: queue.Queue) -> None:
                 job.outs.append(out)
                 if len(job.outs) == len(job.work):
                     job.lock.notify()
+        _read_ahead(decoder, [])  # nothing read ahead outlives its work item
+
+
+def _decode_list(decoder: SampleDecoder, work: list) -> list[Decoded]:
+    _read_ahead(decoder, [ref for ref, _ in work])
+    try:
+        return [_run(decoder, ref, need) for ref, need in work]
+    finally:
+        _read_ahead(decoder, [])
+
+
+def _read_ahead(decoder: SampleDecoder, refs: list[SampleRef]) -> None:
+    """The refs read together before they are decoded one by one (a decoder without
+    ``read_ahead``, a stand-in in tests, reads each as it decodes it). A read that fails as a
+    whole (an unknown source) is left to each decode, which names its own sample."""
+    read_ahead = getattr(decoder, "read_ahead", None)
+    if read_ahead is None:
+        return
+    try:
+        read_ahead(refs)
+    except Exception:  # noqa: BLE001 -- each sample's decode reports it
+        read_ahead([])
+
+
+def _reader_stats(decoder: SampleDecoder) -> dict[str, int]:
+    stats = getattr(decoder.reader, "stats", None)  # stand-ins in tests count nothing
+    return stats() if stats is not None else {}
 
 
 def _run(decoder: SampleDecoder, ref: SampleRef, need: DecodeNeed | None) -> Decoded:
@@ -194,7 +278,15 @@ class RefDataset(torch.utils.data.Dataset):
         if self._decoder is None:
             self._decoder = TimedDecoder(self.spec, self.timeout)
         tag, chunk = item
-        out = decode_chunk(chunk, self._decoder.decode_all, self.geometry)
+        io: dict[str, int] = {}
+
+        def decode_all(work):
+            outs = self._decoder.decode_all(work)
+            add_stats(io, outs.io)
+            return outs
+
+        out = decode_chunk(chunk, decode_all, self.geometry)
+        out.io = io  # the reader's counters for this chunk (``DecodedList.io``)
         # Packed only to leave a worker process (num_workers=0 decodes in the trainer's).
         return tag, pack(out) if torch.utils.data.get_worker_info() else out
 

@@ -88,7 +88,9 @@ def test_the_documented_example_is_valid(tmp_path):
     text = (REPO / "docs" / "mixing-spec.md").read_text()
     example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     spec = parse_spec(yaml.safe_load(example), root=tmp_path, check_paths=False)
-    assert spec.schedule.weights_at(950) == {"text": 0.5, "docs": 0.5, "chat": 0.0}
+    assert spec.schedule.weights_at(950) == {"text": 0.5, "docs": 0.5, "web_images": 0.0,
+                                             "chat": 0.0}
+    assert spec.sources[1].location.url == "s3://corpus/web_images"
 
 
 def mutate(fn):

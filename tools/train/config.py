@@ -66,6 +66,12 @@ class DataSection(_Strict):
     window: int = Field(4, ge=1)
     workers: int = Field(1, ge=0)  # decode processes per rank (0: decode in the loader thread)
     prefetch_steps: int = Field(2, ge=1)
+    # Sources in object stores (s3://…): a node-local cache of their shards' bytes, shared by
+    # the node's ranks and workers (None: read ranges straight from the store), its size cap,
+    # and how many steps ahead the plans are fetched to fill it (the plane knows them)
+    cache_dir: str | None = None
+    cache_bytes: int = Field(8 << 30, gt=0)
+    cache_prefetch_steps: int = Field(4, ge=0)
     policy: Literal["skip", "fail"] = "skip"
     loader: Literal["workers", "ray"] = "workers"  # DataLoader processes, or Ray source pools
     # The job's Ray cluster: None starts one on this machine for the job (the launcher's),

@@ -22,6 +22,7 @@ import yaml
 
 from omniscale.backbone.omni import scatter_media
 from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.location import is_url
 from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.spec import load_spec
 from omniscale.kernels.reference import IGNORE_INDEX
@@ -29,6 +30,7 @@ from omniscale.loaders.pipeline import RankLoader
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.build import build_model, model_config
 from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.loop import cache_config
 
 TEXT_TEMPLATES = ("text",)  # the lm task's held-out sources (templates without media)
 
@@ -37,7 +39,10 @@ def _one_source_spec(eval_spec: Path, name: str, out: Path) -> Path:
     raw = yaml.safe_load(eval_spec.read_text())
     base = eval_spec.parent
     src = next(s for s in raw["sources"] if s["name"] == name)
-    raw["sources"] = [dict(src, path=str((base / src["path"]).resolve()), weight=1)]
+    path = src["path"] if is_url(src["path"]) else str((base / src["path"]).resolve())
+    raw["sources"] = [dict(src, path=path, weight=1)]
+    if raw.get("index_dir") and not is_url(raw["index_dir"]):
+        raw["index_dir"] = str((base / raw["index_dir"]).resolve())
     if src.get("chat_template") not in (None, "chatml", "tokenizer"):  # a file beside the spec
         raw["sources"][0]["chat_template"] = str((base / src["chat_template"]).resolve())
     raw["tokenizer"] = str((base / raw["tokenizer"]).resolve())
@@ -78,10 +83,11 @@ def _batches(cfg: RunConfig, eval_spec: Path, source: str, out_dir: Path):
     config = PlaneConfig(dp=1, micro_batch_tokens=cfg.data.micro_batch_tokens,
                          global_batch_samples=8, sp_max=1, window=1)
     batches, samples = [], 0
+    cache = cache_config(cfg)
     with start_embedded(one.path, state, config) as plane:
-        loader = RankLoader(plane.url, 0, {s.name: s.path for s in one.sources},
-                            one.tokenizer, one.media, num_workers=0,
-                            special_tokens=one.special_tokens)
+        loader = RankLoader(plane.url, 0, one.locations, one.tokenizer, one.media,
+                            num_workers=0, special_tokens=one.special_tokens,
+                            indexes=one.indexes, cache=cache)
         try:
             for batch in loader:
                 batches += batch.micro_batches

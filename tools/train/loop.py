@@ -263,11 +263,13 @@ def parallelize(cfg: RunConfig):
 def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
     """The rank's loader: DataLoader worker processes (``data.loader: workers``) or per-source
     Ray actor pools (``ray``: the job's, in its Ray cluster, ``loaders.ray_cluster``)."""
-    args = (url, rank, {s.name: s.path for s in spec.sources}, spec.tokenizer, spec.media)
+    args = (url, rank, spec.locations, spec.tokenizer, spec.media)
     # The omni step reshards encoder outputs, so a rank decodes only the media it encodes.
     kw = dict(num_workers=cfg.data.workers, prefetch_steps=cfg.data.prefetch_steps,
               policy=cfg.data.policy, start_step=job.start_step, token=job.plane_token,
-              skip_moved_media=cfg.task == "omni", special_tokens=spec.special_tokens)
+              skip_moved_media=cfg.task == "omni", special_tokens=spec.special_tokens,
+              indexes=spec.indexes, cache=cache_config(cfg),
+              cache_prefetch_steps=cfg.data.cache_prefetch_steps)
     if cfg.data.loader == "workers":
         return RankLoader(*args, **kw)
     from omniscale.loaders.ray_cluster import connect, job_namespace
@@ -281,6 +283,16 @@ def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
                          placement_timeout=cfg.data.ray_placement_timeout_s,
                          autoscale_cpus=cfg.data.ray_autoscale_cpus,
                          resize_every=cfg.data.window, **kw)
+
+
+def cache_config(cfg: RunConfig):
+    """The node-local cache of remote sources' bytes (``data.cache_dir``), or None."""
+    if cfg.data.cache_dir is None:
+        return None
+    from omniscale.loaders.remote_cache import CacheConfig
+
+    return CacheConfig(os.path.abspath(os.path.expanduser(cfg.data.cache_dir)),
+                       cfg.data.cache_bytes)
 
 
 def plane_ray_namespace(url: str, token: str | None) -> str | None:

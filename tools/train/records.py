@@ -78,6 +78,7 @@ class StepRecord:
     skipped: int  # corrupt samples this rank skipped
     replaced: list = dataclasses.field(default_factory=list)  # their sample ids
     lengths: list[int] | None = None  # sequence lengths, for the cost refit
+    io: dict = dataclasses.field(default_factory=dict)  # the loader's reads (StepBatch.io)
 
 
 def step_record(step: int, batch, **fields) -> StepRecord:
@@ -92,7 +93,8 @@ def step_record(step: int, batch, **fields) -> StepRecord:
                             "baseline_predicted_step_cost": meta.get("baseline_step_cost"),
                             "baseline_policy": meta.get("baseline")},
                       micro_batches=len(batch.micro_batches), skipped=len(batch.skipped),
-                      replaced=sorted(sample_id(bad) for bad, _ in batch.replaced), **fields)
+                      replaced=sorted(sample_id(bad) for bad, _ in batch.replaced),
+                      io=dict(getattr(batch, "io", {})), **fields)
 
 
 def _timing(ctx, record: StepRecord, costs: list[float], secs: list[float],
@@ -122,7 +124,8 @@ def flush(ctx, records: list[StepRecord]) -> list[dict]:
     gathered = [torch.zeros_like(host) for _ in range(ctx.world)]
     dist.all_gather(gathered, host, group=ctx.group)
     objects: list = [None] * ctx.world
-    dist.all_gather_object(objects, [(r.lengths, r.replaced) for r in records], group=ctx.group)
+    dist.all_gather_object(objects, [(r.lengths, r.replaced, r.io) for r in records],
+                           group=ctx.group)
     # the one host synchronisation of the interval
     sums = sums.cpu()
     per_rank = torch.stack(gathered, dim=1).tolist()  # [step][rank][field]
@@ -141,6 +144,26 @@ def flush(ctx, records: list[StepRecord]) -> list[dict]:
         row = record.row(record, sums[offset:offset + size], record.counts.cpu(), times,
                          int(reported))
         row["grad_norm"] = norms[i]
+        io = _data_io([o[i][2] for o in objects], sum(row.get("mix_samples", {}).values()))
+        if io:
+            row["data_io"] = io
         rows.append(row)
         offset += size
     return rows
+
+
+def _data_io(per_rank: list[dict], samples: int | None) -> dict:
+    """The step's object-store reads over all ranks (``loaders.remote_io.READ_STATS``), with
+    the cache hit rate and the bytes fetched per sample trained; {} when every source is
+    local."""
+    total: dict[str, int] = {}
+    for io in per_rank:
+        for name, n in (io or {}).items():
+            total[name] = total.get(name, 0) + int(n)
+    if not any(total.values()):
+        return {}
+    blocks = total.get("cache_hits", 0) + total.get("cache_misses", 0)
+    total["cache_hit_rate"] = total.get("cache_hits", 0) / blocks if blocks else None
+    if samples:
+        total["store_bytes_per_sample"] = total.get("store_bytes", 0) / samples
+    return total

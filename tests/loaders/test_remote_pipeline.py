@@ -1,0 +1,81 @@
+"""The demo read from a real S3 server (moto in its own process) end to end: ``data copy``
+puts it in a bucket, the plane plans from the indexes there, and a rank's loader -- reading
+ranges through the node cache, which the plans of the next steps fill ahead -- hands over the
+same StepBatches as the local copy."""
+
+from __future__ import annotations
+
+import pytest
+
+from omniscale.dataplane.embedded import start_embedded
+from omniscale.dataplane.plan_table import fingerprint
+from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.pipeline import RankLoader
+from omniscale.loaders.remote_cache import CacheConfig
+from omniscale.tools.data_copy import copy_specs
+from tests.loaders.pipeline_fixtures import CONFIG, assert_same_batch
+from tests.s3_fixtures import client, new_bucket, s3_fixture, s3_server_fixture  # noqa: F401
+
+STEPS = 4
+RANK = 0
+
+
+def run(spec_path, state_dir, **loader_kw):
+    """STEPS batches of RANK's loader (1 worker), every step committed by both ranks."""
+    spec = load_spec(spec_path)
+    batches = []
+    with start_embedded(spec.path, state_dir, CONFIG) as plane:
+        with RankLoader(plane.url, RANK, spec.locations, spec.tokenizer, spec.media,
+                        indexes=spec.indexes, num_workers=1, prefetch_steps=2,
+                        **loader_kw) as loader:
+            for step in range(STEPS):
+                batch = next(loader)
+                batches.append(batch)
+                loader.commit(step)
+                other = loader.client.get_plan(step, 1 - RANK)
+                loader.client.commit(step, 1 - RANK, plan_fp=fingerprint(other))
+            prefetched = (loader.shard_prefetcher.stats() if loader.shard_prefetcher
+                          else None)
+    return batches, prefetched
+
+
+@pytest.mark.timeout(180)
+def test_the_demo_from_a_bucket_gives_the_local_batches(pipeline_demo, s3, tmp_path):
+    bucket = new_bucket(s3, "demo")
+    remote, = copy_specs([pipeline_demo / "all.yaml"], f"s3://{bucket}/demo",
+                         s3.storage_options, progress=False, out_dir=tmp_path)
+    spec = load_spec(remote)
+    assert all(s.location.url == f"s3://{bucket}/demo/{s.name}" for s in spec.sources)
+    # every file of every source is in the bucket, byte for byte the same size
+    listed = {o["Key"]: o["Size"] for o in client(s3).list_objects_v2(
+        Bucket=bucket)["Contents"]}
+    local = load_spec(pipeline_demo / "all.yaml")
+    for source in local.sources:
+        for path in source.path.rglob("*"):
+            if path.is_file():
+                rel = path.relative_to(source.path).as_posix()
+                assert listed[f"demo/{source.name}/{rel}"] == path.stat().st_size, rel
+    # copying again uploads nothing (sizes match): an interrupted copy resumes
+    s3.control(reset_stats=True)
+    copy_specs([pipeline_demo / "all.yaml"], f"s3://{bucket}/demo", s3.storage_options,
+               progress=False, out_dir=tmp_path)
+    assert s3.stats()["by_method"].get("PUT", 0) == 0
+
+    want, _ = run(pipeline_demo / "all.yaml", tmp_path / "local")
+    s3.control(reset_stats=True)
+    got, prefetched = run(remote, tmp_path / "remote",
+                          cache=CacheConfig(str(tmp_path / "cache"), 1 << 30),
+                          cache_prefetch_steps=4)
+    assert s3.stats()["by_method"].get("GET", 0) > 0  # it did read from the store
+    assert prefetched is not None and prefetched["prefetch_blocks"] > 0, prefetched
+    assert len(got) == len(want) == STEPS
+    # the readers' counters reach each step: requests to the store or blocks from the cache
+    assert all(not b.io.get("store_requests") for b in want)  # local: no store at all
+    io = [b.io for b in got]
+    assert all(x.get("cache_hits", 0) + x.get("cache_misses", 0) > 0 for x in io), io
+    for a, b in zip(got, want):
+        assert a.step == b.step and len(a.micro_batches) == len(b.micro_batches)
+        assert sum(mb.num_tokens for mb in a.micro_batches) > 0
+        for x, y in zip(a.micro_batches, b.micro_batches):
+            assert_same_batch(x, y)
+        assert len(a.encode_items) == len(b.encode_items)
