@@ -33,6 +33,9 @@ shard's rows are one row group, so a reader can load one shard's slice without t
 from __future__ import annotations
 
 import json
+import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import pyarrow as pa
@@ -101,8 +104,7 @@ def read_index_metadata(source_dir: "str | Path | Location") -> dict:
         if loc.is_local:
             meta = pq.read_schema(loc.url).metadata or {}
         else:
-            with loc.open() as f:
-                meta = pq.read_schema(f).metadata or {}
+            meta = _remote_index(loc, lambda pf: pf.schema_arrow.metadata) or {}
     except (FileNotFoundError, pa.ArrowInvalid, OSError):
         return {}
     raw = meta.get(METADATA_KEY)
@@ -123,8 +125,50 @@ def read_shard(source_dir: "str | Path | Location", shard: str, metadata: dict |
     try:
         if loc.is_local:
             return pq.ParquetFile(loc.url).read_row_group(entry["row_group"], columns=columns)
-        with loc.open() as f:
-            return pq.ParquetFile(f).read_row_group(entry["row_group"], columns=columns)
+        return _remote_index(loc, lambda pf: pf.read_row_group(entry["row_group"],
+                                                               columns=columns))
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{index_path(source_dir)}: unreadable index ({e}); delete it and "
                         "re-index") from None
+
+
+# Remote indexes stay open per process (a bounded LRU): the plane loads a shard's rows and
+# each worker its token ids at every shard it reaches, and re-opening costs a HEAD and a
+# footer read each time. An index does not change under a running job (the plane keeps its
+# metadata from the start anyway); a read that fails drops the handle and opens it afresh.
+_MAX_REMOTE_OPEN = 64
+_remote_open: "OrderedDict[tuple, tuple[threading.Lock, object, pq.ParquetFile]]" = \
+    OrderedDict()
+_remote_lock = threading.Lock()
+
+
+def _remote_index(loc: Location, use):
+    """``use(ParquetFile)`` on the cached open index at ``loc`` (one reader at a time: a
+    file object's position is not thread-safe); retried once on a fresh handle. Handles are
+    per process: a forked worker must not use its parent's (fsspec's async file systems are
+    not fork-safe), so the key holds the pid."""
+    key = (os.getpid(), loc)
+    for attempt in (0, 1):
+        with _remote_lock:
+            entry = _remote_open.get(key)
+            if entry is not None:
+                _remote_open.move_to_end(key)
+        if entry is None:
+            handle = loc.open()
+            entry = (threading.Lock(), handle, pq.ParquetFile(handle))
+            with _remote_lock:
+                _remote_open[key] = entry
+                while len(_remote_open) > _MAX_REMOTE_OPEN:
+                    (pid, _), old = _remote_open.popitem(last=False)
+                    if pid == key[0]:
+                        old[1].close()
+        lock, _, parquet = entry
+        try:
+            with lock:
+                return use(parquet)
+        except (pa.ArrowInvalid, OSError):
+            with _remote_lock:
+                if _remote_open.get(key) is entry:
+                    del _remote_open[key]
+            if attempt:
+                raise

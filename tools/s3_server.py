@@ -9,7 +9,8 @@ to a loader and moto does not:
 - faults: the next ``n`` requests whose path contains ``match`` (and whose method is
   ``method``, if given) answer 503 ``SlowDown`` (throttling), 404 ``NoSuchKey``, or hang for
   ``hang_s`` seconds (a time-out);
-- counters: requests and response bytes, per method.
+- counters: requests and response bytes, per method and per kind of object (index,
+  shard, other).
 
 Both are driven over HTTP at ``/_omniscale/control`` (POST JSON: ``{"latency_ms": 20}``,
 ``{"fault": {"kind": "slowdown", "n": 3, "match": "shard-0"}}``, ``{"reset_stats": true}``)
@@ -69,6 +70,8 @@ class FaultLayer:
             fault = self._take_fault(method, path)
             self.stats["requests"] += 1
             self.stats["by_method"][method] = self.stats["by_method"].get(method, 0) + 1
+            kind = _kind(path)
+            self.stats["by_kind"][kind] = self.stats["by_kind"].get(kind, 0) + 1
         if delay:
             time.sleep(delay)
         if fault is not None:
@@ -134,7 +137,17 @@ class _Counted:
 
 
 def _empty_stats() -> dict:
-    return {"requests": 0, "bytes_out": 0, "faults": 0, "by_method": {}}
+    return {"requests": 0, "bytes_out": 0, "faults": 0, "by_method": {}, "by_kind": {}}
+
+
+def _kind(path: str) -> str:
+    """What a request is for, by its object's name: ``index``, ``shard`` or ``other``
+    (listings, buckets)."""
+    if path.endswith("_index.parquet"):
+        return "index"
+    if path.endswith((".tar", ".parquet", ".jsonl")):
+        return "shard"
+    return "other"
 
 
 def serve(port: int, host: str = "127.0.0.1", latency_ms: float = 0.0,

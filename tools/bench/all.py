@@ -163,6 +163,20 @@ BENCHES: dict[str, Bench] = {
                    baseline="median.workers.samples_per_s", ratio="ratio.median"),
             Metric("loader start to the first step, s: Ray pools vs DataLoader workers",
                    value="median.ray.start_s", baseline="median.workers.start_s"))),
+    "remote": Bench(
+        "remote.py", quick_args=("--steps", "4", "--rounds", "1", "--latency-ms", "20"),
+        metrics=(
+            Metric("samples/s from a local S3 server at 20 ms/request, cold cache + plan "
+                   "prefetch vs local disk (median of rounds)", each="latencies",
+                   where=("latency_ms", 20.0), value="cold.samples_per_s",
+                   baseline="local.samples_per_s", ratio="cold.ratio.median",
+                   target=Goal(">=", 0.9)),
+            Metric("samples/s from a local S3 server at {latency_ms:g} ms/request, no cache vs "
+                   "local disk", each="latencies", value="direct.samples_per_s",
+                   baseline="local.samples_per_s", ratio="direct.ratio.median"),
+            Metric("samples/s from a local S3 server at {latency_ms:g} ms/request, warm cache "
+                   "vs local disk", each="latencies", value="warm.samples_per_s",
+                   baseline="local.samples_per_s", ratio="warm.ratio.median"))),
     "plane": Bench(
         "plane.py", quick_args=("--quick",), quick_is_own_flag=True, missed_exit_code=1,
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
