@@ -49,6 +49,7 @@ from omniscale.loaders.remote_io import (
 LOW_WATER = 0.9  # eviction frees down to this share of max_bytes
 STALE_TMP_S = 3600  # a temporary block file older than this was left by a dead writer
 MAX_FINGERPRINTS = 65536  # shards whose fingerprint a reader remembers
+FINGERPRINT_TTL_S = 60.0  # a lookup recorded by another process of the node is reused this long
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,36 @@ class BlockCache:
             "endpoint_url")
         ident = json.dumps([loc.url, endpoint, fp["size"], fp.get("etag")])
         return hashlib.sha256(ident.encode()).hexdigest()[:40]
+
+    def _fingerprint_path(self, loc: Location) -> str:
+        name = hashlib.sha256(json.dumps([loc.url, loc.options_json]).encode()).hexdigest()
+        return os.path.join(self.config.dir, "fingerprints", f"{name[:40]}.json")
+
+    def share_fingerprint(self, loc: Location, fp: dict) -> None:
+        """Record a lookup for the node's other readers (atomically; best effort)."""
+        path = self._fingerprint_path(loc)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(fp, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only or full cache: each reader looks up for itself
+
+    def recent_fingerprint(self, loc: Location) -> dict | None:
+        """A lookup another process recorded less than ``FINGERPRINT_TTL_S`` ago, or None.
+        The bound is how long a replaced object can go unnoticed by a new reader; a reader
+        that looked up keeps its answer for its whole life anyway."""
+        path = self._fingerprint_path(loc)
+        try:
+            if time.time() - os.stat(path).st_mtime > FINGERPRINT_TTL_S:
+                return None
+            with open(path) as f:
+                fp = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return fp if isinstance(fp, dict) and "size" in fp else None
 
     def path(self, key: str, index: int) -> str:
         return os.path.join(self.config.dir, key[:2], f"{key}.{index}")
@@ -212,16 +243,23 @@ class CachedReads:
                     self._fps.move_to_end(loc)
                     out[loc] = self._fps[loc]
         unknown = list(dict.fromkeys(loc for loc in locs if loc not in out))
-        if unknown:
-            infos = self.fetcher.info([loc.fs() for loc in unknown])
-            with self._lock:
-                for loc, info in zip(unknown, infos):
-                    if isinstance(info, FetchError):
-                        out[loc] = info
-                        continue
-                    out[loc] = self._fps[loc] = fingerprint(info)
-                    if len(self._fps) > MAX_FINGERPRINTS:
-                        self._fps.popitem(last=False)
+        # Another process of the node (the plan prefetcher, ahead of every worker) may have
+        # looked the object up moments ago: as fresh as a lookup of our own, and free.
+        shared = {loc: self.cache.recent_fingerprint(loc) for loc in unknown}
+        asked = [loc for loc in unknown if shared[loc] is None]
+        infos = self.fetcher.info([loc.fs() for loc in asked]) if asked else []
+        with self._lock:
+            for loc, info in [*((loc, shared[loc]) for loc in unknown if shared[loc]),
+                              *zip(asked, infos)]:
+                if isinstance(info, FetchError):
+                    out[loc] = info
+                    continue
+                fp = info if loc not in asked else fingerprint(info)
+                if loc in asked:
+                    self.cache.share_fingerprint(loc, fp)
+                out[loc] = self._fps[loc] = fp
+                if len(self._fps) > MAX_FINGERPRINTS:
+                    self._fps.popitem(last=False)
         return out
 
     def read(self, wanted: list[tuple[Location, list[tuple[int, int]]]]

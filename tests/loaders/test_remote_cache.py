@@ -14,7 +14,12 @@ import pytest
 from omniscale.dataplane.location import Location
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.readers import SampleReader
-from omniscale.loaders.remote_cache import BlockCache, CacheConfig, Prefetcher
+from omniscale.loaders.remote_cache import (
+    FINGERPRINT_TTL_S,
+    BlockCache,
+    CacheConfig,
+    Prefetcher,
+)
 from tests.loaders.decode_fixtures import refs_of, tar_refs
 from tests.loaders.index_fixtures import write_tar
 from tests.s3_fixtures import (  # noqa: F401 -- fixtures
@@ -47,7 +52,8 @@ def _on_disk(config: CacheConfig) -> int:
     """Bytes of block files in the cache directory (temporary files and bookkeeping left
     out), counted from the file system."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(config.dir)
-               for f in files if d != config.dir and not f.endswith(".tmp"))
+               for f in files if d != config.dir and not f.endswith(".tmp")
+               and os.path.basename(d) != "fingerprints")
 
 
 def test_a_second_read_is_served_from_the_blocks(s3, remote, tmp_path):
@@ -67,9 +73,10 @@ def test_a_second_read_is_served_from_the_blocks(s3, remote, tmp_path):
         assert first.read_many(refs) == want  # the fingerprints are remembered too
         assert _requests(s3) == {"HEAD": shards, "GET": shards}
         assert first.stats()["cache_hits"] == misses
-    with SampleReader(locs, cache=cache) as second:  # another reader: HEADs, no GETs
+    # another reader: the first one's lookups are fresh (the node shares them), no GETs
+    with SampleReader(locs, cache=cache) as second:
         assert second.read_many(refs) == want
-        assert _requests(s3) == {"HEAD": 2 * shards, "GET": shards}
+        assert _requests(s3) == {"HEAD": shards, "GET": shards}
         assert second.stats()["cache_misses"] == 0
 
 
@@ -103,13 +110,33 @@ def test_a_replaced_object_is_fetched_again_not_served_stale(s3, tmp_path):
     assert refs == tar_refs("hand", versions[1][0])  # same layout, other bytes
     loc = Location.of(f"s3://{bucket}/hand", s3.storage_options)
     cache = CacheConfig(str(tmp_path / "cache"), max_bytes=MiB, block_bytes=4 * KiB)
-    for path, truth in versions:
+    shard = loc.join("hand-000000.tar")
+    for v, (path, truth) in enumerate(versions):
         put_object(s3, bucket, "hand/hand-000000.tar", path.read_bytes())
+        if v:  # the node's shared lookup has aged out (it is reused for FINGERPRINT_TTL_S)
+            record = BlockCache(cache)._fingerprint_path(shard)
+            old = os.stat(record).st_mtime - FINGERPRINT_TTL_S - 1
+            os.utime(record, (old, old))
         gets = _requests(s3).get("GET", 0)
         with SampleReader({"hand": loc}, cache=cache) as reader:
             for raw in reader.read_many(refs):
                 assert all(data == truth[name] for name, data in raw.members)
         assert _requests(s3)["GET"] > gets  # the new ETag's blocks: fetched, not reused
+
+
+def test_a_fresh_lookup_is_shared_by_the_nodes_readers(s3, remote, tmp_path):
+    """What one process of the node looked up (the plan prefetcher, ahead of the workers)
+    spares the others their HEAD requests."""
+    spec, locs, local = remote
+    refs = refs_of(spec, "text")[:8]
+    cache = CacheConfig(str(tmp_path / "cache"), max_bytes=64 * MiB)
+    with SampleReader(locs, cache=cache) as first:
+        want = first.read_many(refs)
+    heads = _requests(s3).get("HEAD", 0)
+    assert heads > 0
+    with SampleReader(locs, cache=cache) as second:
+        assert second.read_many(refs) == want
+    assert _requests(s3).get("HEAD", 0) == heads
 
 
 def _read_all(locs, cache, refs, want):
