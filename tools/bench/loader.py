@@ -69,7 +69,7 @@ TARGETS = {"mixed": 1.5, "image": 1.5, "text": 3.0}
 STEP_FACTOR = {"text": 20}
 
 
-def demo_spec(data: Path, workload: str = "mixed") -> Path:
+def demo_spec(data: Path, workload: str = "mixed", scale: str = "tiny") -> Path:
     """The demo under ``data`` (generated and indexed once) and a spec mixing its tar
     sources from step 0 in the workload's proportions."""
     import yaml
@@ -77,9 +77,9 @@ def demo_spec(data: Path, workload: str = "mixed") -> Path:
     from omniscale.loaders.index import index_paths
     from omniscale.tools.demo import generate
 
-    demo = data / "demo"
+    demo = data / ("demo" if scale == "tiny" else f"demo-{scale}")
     if not (demo / "mix.yaml").is_file():
-        generate(demo, scale="tiny", seed=3, progress=False)
+        generate(demo, scale=scale, seed=3, progress=False)
     index_paths([demo / "mix.yaml"], progress=False)  # incremental: re-indexes what changed
     spec = yaml.safe_load((demo / "mix.yaml").read_text())
     spec["sources"] = [s for s in spec["sources"] if s["name"] in TAR_SOURCES]
@@ -125,11 +125,13 @@ def run_ours(spec_path: Path, steps: int, workers: int, make_loader=None) -> dic
             wait = loader.data_wait_s
             pools = loader.pool_stats()["actors"] if hasattr(loader, "pool_stats") else None
         with_counts = p.plane.status()["sources"]
+    epochs = {}
     for row in with_counts:
         per_source[row["source"]] = row["served_samples"]
+        epochs[row["source"]] = row.get("epoch")
     return {"samples": samples, "tokens": tokens, "seconds": seconds,
             "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds,
-            "data_wait_s": wait, "drawn_per_source": per_source,
+            "data_wait_s": wait, "drawn_per_source": per_source, "epochs": epochs,
             "bytes_per_sample": moved / max(samples, 1), "start_s": start_s,
             **({"actors": pools} if pools is not None else {})}
 
