@@ -1,12 +1,13 @@
 """``omniscale data copy SPEC… --to URL``: a spec's sources into an object store, and the spec
 that reads them there.
 
-Each source's files (shards and ``_index.parquet``) go to ``URL/<source name>/`` with the same
-relative names, so the index's byte ranges stay valid and the plane plans from the copy without
-re-indexing. Each spec is rewritten beside the original as ``<stem><suffix>.yaml`` (default
-``_remote``): source paths point into the store, ``storage_options`` carry the endpoint (no
-credentials: those come from the environment), everything else unchanged. Files already there
-with the same size are skipped, so an interrupted copy resumes.
+Each source's files (shards and ``_index.parquet``) go to ``URL/<its path below the spec's
+directory>/`` (``URL/<source name>/`` for a source outside it) with the same relative names, so
+the index's byte ranges stay valid and the plane plans from the copy without re-indexing. Each
+spec is rewritten as ``<stem><suffix>.yaml`` (default ``_remote``, beside it or in ``out_dir``):
+source paths point into the store, ``storage_options`` carry the endpoint (no credentials:
+those come from the environment), everything else unchanged. Files already there with the same
+size are skipped, so an interrupted copy resumes.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def copy_specs(specs: list[str | Path], to: str, storage_options: dict | None = 
             if not source.location.is_local:
                 raise UserError(f"{spec_file}: source {source.name!r} is already remote "
                                 f"({source.location.shown()})")
-            dest = Location.of(to, options).join(source.name)
-            if source.name not in copied:
+            dest = Location.of(to, options).join(_relative(source.location.local_path(),
+                                                           spec.root, source.name))
+            if dest.url not in copied:
                 _copy_tree(source.location.local_path(), source.index.local_path(), dest,
                            progress)
-                copied.add(source.name)
+                copied.add(dest.url)
             entry["path"] = dest.url
             if options:
                 entry["storage_options"] = options
@@ -55,7 +57,17 @@ def copy_specs(specs: list[str | Path], to: str, storage_options: dict | None = 
     return written
 
 
+def _relative(path: Path, root: Path, name: str) -> str:
+    """Where a source goes under the destination: its path below the spec's directory (so
+    the training and held-out copies of a source, same name, stay apart), else its name."""
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return name
+
+
 def _copy_tree(source_dir: Path, index_dir: Path, dest: Location, progress: bool) -> None:
+    from rich.console import Console
     from rich.progress import Progress
 
     files = sorted(p for p in source_dir.rglob("*") if p.is_file() and not p.name.startswith(
@@ -67,7 +79,9 @@ def _copy_tree(source_dir: Path, index_dir: Path, dest: Location, progress: bool
     pairs.append((index, "_index.parquet"))  # last: a reader never finds an index without shards
     fs, root = dest.fs()
     total = sum(p.stat().st_size for p, _ in pairs)
-    with Progress(disable=not progress, transient=True) as bar:
+    console = Console(stderr=True)
+    with Progress(console=console, disable=not progress or not console.is_terminal,
+                  transient=True) as bar:
         task = bar.add_task(f"copy {source_dir.name} → {dest.shown()}", total=total)
         for path, rel in pairs:
             target = f"{root}/{rel}"

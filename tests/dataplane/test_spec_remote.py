@@ -12,12 +12,22 @@ import yaml
 
 from omniscale.dataplane.location import Location, is_url
 from omniscale.dataplane.spec import SpecError, load_spec
-from tests.dataplane.test_spec import BASE, root, write  # noqa: F401 -- the fixture
+from tests.dataplane.test_spec import BASE, write
 
 REMOTE = {"name": "web", "path": "s3://corpus/web/", "format": "webdataset",
           "template": "image_caption",
           "storage_options": {"endpoint_url": "http://127.0.0.1:9000",
                               "client_kwargs": {"region_name": "eu-west-1"}}}
+
+
+@pytest.fixture
+def root(tmp_path):
+    """test_spec's layout: a tokenizer and the local sources' directories."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    for name in ("text", "docs"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+    return tmp_path
 
 
 def with_remote(**changes) -> dict:

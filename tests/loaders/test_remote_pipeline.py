@@ -45,7 +45,7 @@ def test_the_demo_from_a_bucket_gives_the_local_batches(pipeline_demo, s3, tmp_p
     remote, = copy_specs([pipeline_demo / "all.yaml"], f"s3://{bucket}/demo",
                          s3.storage_options, progress=False, out_dir=tmp_path)
     spec = load_spec(remote)
-    assert all(s.location.url == f"s3://{bucket}/demo/{s.name}" for s in spec.sources)
+    assert all(s.location.url == f"s3://{bucket}/demo/train/{s.name}" for s in spec.sources)
     # every file of every source is in the bucket, byte for byte the same size
     listed = {o["Key"]: o["Size"] for o in client(s3).list_objects_v2(
         Bucket=bucket)["Contents"]}
@@ -54,7 +54,7 @@ def test_the_demo_from_a_bucket_gives_the_local_batches(pipeline_demo, s3, tmp_p
         for path in source.path.rglob("*"):
             if path.is_file():
                 rel = path.relative_to(source.path).as_posix()
-                assert listed[f"demo/{source.name}/{rel}"] == path.stat().st_size, rel
+                assert listed[f"demo/train/{source.name}/{rel}"] == path.stat().st_size, rel
     # copying again uploads nothing (sizes match): an interrupted copy resumes
     s3.control(reset_stats=True)
     copy_specs([pipeline_demo / "all.yaml"], f"s3://{bucket}/demo", s3.storage_options,
