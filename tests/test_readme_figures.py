@@ -6,7 +6,7 @@ docs/bench/NAME.json -->``; a table with figure-like cells (a time, a rate, a ra
 not benchmark output says so with ``<!-- not figures: why -->``. In a marked table every number
 outside the first column (the row's label) must equal a number of the JSON -- a numeric value,
 or a number inside one of its strings -- at the precision the README shows it, directly or
-converted to MiB, GiB, percent or millions. (A check by value: a figure that happens to equal
+converted to KiB, MiB, GiB, percent or millions. (A check by value: a figure that happens to equal
 another number of a large JSON passes.) The JSON is written by the bench script, so a figure
 typed by hand, or left over from an older run, fails here.
 """
@@ -66,7 +66,8 @@ def shown(token: str, numbers: set[float]) -> bool:
     digits = len(token.split(".")[1]) if "." in token else 0
     x = float(token.replace(",", ""))
     for v in numbers:
-        for scaled in (v, v / 2 ** 20, v / 2 ** 30, v * 100, v / 1e6):  # MiB, GiB, %, M
+        for scaled in (v, v / 2 ** 10, v / 2 ** 20, v / 2 ** 30, v * 100, v / 1e6):
+            # as is, KiB, MiB, GiB, percent, millions
             if abs(round(scaled, digits) - x) < 10 ** -(digits + 3):
                 return True
     return False

@@ -9,6 +9,7 @@ import pytest
 
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.plan_table import fingerprint
+from omniscale.dataplane.refs import table_to_refs
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.loaders.remote_cache import CacheConfig
@@ -79,3 +80,41 @@ def test_the_demo_from_a_bucket_gives_the_local_batches(pipeline_demo, s3, tmp_p
         for x, y in zip(a.micro_batches, b.micro_batches):
             assert_same_batch(x, y)
         assert len(a.encode_items) == len(b.encode_items)
+
+
+@pytest.mark.timeout(180)
+def test_a_shard_missing_from_the_bucket_is_skipped_and_replaced(pipeline_demo, s3, tmp_path):
+    """A shard deleted from the store after indexing: its samples fail as corrupt (not
+    retried), the policy skips and replaces them, and the plane stays exactly-once."""
+    bucket = new_bucket(s3, "missing")
+    remote, = copy_specs([pipeline_demo / "all.yaml"], f"s3://{bucket}/demo",
+                         s3.storage_options, progress=False, out_dir=tmp_path)
+    spec = load_spec(remote)
+    with start_embedded(spec.path, tmp_path / "state", CONFIG) as plane:
+        # the plane plans from the index alone: delete an image shard step 0 reads
+        shard = next(ref.shard for ref in table_to_refs(plane.plane.get_plan(0, 0))
+                     if ref.source == "image_caption")
+        client(s3).delete_object(Bucket=bucket, Key=f"demo/train/image_caption/{shard}")
+        loaders = [RankLoader(plane.url, r, spec.locations, spec.tokenizer, spec.media,
+                              indexes=spec.indexes, num_workers=1, prefetch_steps=2)
+                   for r in range(2)]
+        try:
+            batches = []
+            for step in range(STEPS):
+                for loader in loaders:
+                    batches.append(next(loader))
+                for loader in loaders:
+                    loader.commit(step)
+        finally:
+            for loader in loaders:
+                loader.close()
+        report = plane.plane.audit()
+        status = plane.plane.status()
+    skipped = [e for b in batches for e in b.skipped]
+    assert skipped and all(e.source == "image_caption" and shard in e.reason
+                           and "missing from the store" in e.reason for e in skipped), skipped
+    assert all(len(e.reason.splitlines()) == 1 for e in skipped)
+    row = next(s for s in status["sources"] if s["source"] == "image_caption")
+    assert row["corrupt_reported"] >= len({e.key for e in skipped})
+    assert (report["duplicated"], report["missing"], report["fingerprint_mismatches"]) == \
+        (0, 0, [])
