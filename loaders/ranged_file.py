@@ -30,7 +30,22 @@ MAX_BLOCK = 8 << 20  # the widest read-ahead when a shard is read through
 READ_THROUGH_GAP = 64 << 10  # skipping less than this costs more in requests than in bytes
 
 
-class RangedFile(io.RawIOBase):
+class _Seekable(io.RawIOBase):
+    """A readable, seekable raw file whose position is ``_pos``."""
+
+    _pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class RangedFile(_Seekable):
     """A read-only, seekable file of ``size`` bytes whose bytes ``fetch(start, end)`` returns.
 
     ``requests`` and ``fetched`` count what it fetched (bytes over the wire, for tests and
@@ -47,15 +62,6 @@ class RangedFile(io.RawIOBase):
         self._pos = 0
         self._buf, self._buf_start = b"", 0
         self.requests = self.fetched = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
@@ -103,7 +109,7 @@ class RangedFile(io.RawIOBase):
         self._buf, self._buf_start = bytes(data), start
 
 
-class MemberFile(io.RawIOBase):
+class MemberFile(_Seekable):
     """The bytes ``[offset, offset + size)`` of ``f`` as a file of their own (a tar member's
     data), so a parser reads the member's header without the rest of it."""
 
@@ -111,15 +117,6 @@ class MemberFile(io.RawIOBase):
         super().__init__()
         self._f, self._offset, self.size = f, offset, size
         self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]

@@ -36,15 +36,6 @@ BASE = {
 }
 
 
-@pytest.fixture
-def root(tmp_path):
-    (tmp_path / "tok").mkdir()
-    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
-    for name in ("text", "docs"):
-        (tmp_path / "train" / name).mkdir(parents=True)
-    return tmp_path
-
-
 def write(root: Path, data) -> Path:
     path = root / "mix.yaml"
     path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))

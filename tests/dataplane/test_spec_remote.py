@@ -20,16 +20,6 @@ REMOTE = {"name": "web", "path": "s3://corpus/web/", "format": "webdataset",
                               "client_kwargs": {"region_name": "eu-west-1"}}}
 
 
-@pytest.fixture
-def root(tmp_path):
-    """test_spec's layout: a tokenizer and the local sources' directories."""
-    (tmp_path / "tok").mkdir()
-    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
-    for name in ("text", "docs"):
-        (tmp_path / "train" / name).mkdir(parents=True)
-    return tmp_path
-
-
 def with_remote(**changes) -> dict:
     data = copy.deepcopy(BASE)
     data["sources"].append({**REMOTE, **changes})
