@@ -28,6 +28,7 @@ from omniscale.loaders.collate import PackedBatch, collate
 from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry
+from omniscale.loaders.remote_io import add_stats
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.worker import Decoded
 
@@ -92,8 +93,7 @@ class DecodedStep:
         self.micro_batches.update(other.micro_batches)
         self.encode_items.update(other.encode_items)
         self.transfer_bytes += other.transfer_bytes
-        for name, n in getattr(other, "io", {}).items():
-            self.io[name] = self.io.get(name, 0) + n
+        add_stats(self.io, other.io)
 
 
 def sample_id(ref: SampleRef) -> tuple:

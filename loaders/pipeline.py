@@ -31,7 +31,6 @@ import torch
 from torch.utils.data._utils import signal_handling
 
 from omniscale.dataplane.client import PlaneClient
-from omniscale.dataplane.location import Location
 from omniscale.dataplane.refs import SampleRef, table_to_refs
 from omniscale.loaders.assemble import (
     DecodedStep,
@@ -87,8 +86,7 @@ class StepLoader:
                                  indexes=indexes, cache=cache)
         # Remote sources with a cache: the plans of the next steps warm it before workers
         # read (the plane knows them; no per-rank streaming loader can).
-        remote = {name: Location.of(where) for name, where in sources.items()
-                  if not Location.of(where).is_local}
+        remote = {name: loc for name, loc in self.spec.sources.items() if not loc.is_local}
         self.shard_prefetcher = None
         if cache is not None and remote and cache_prefetch_steps > 0:
             from omniscale.loaders.remote_cache import Prefetcher

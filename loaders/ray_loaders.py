@@ -44,6 +44,7 @@ from omniscale.loaders.ray_cluster import (
     request_room,
     wait_placed,
 )
+from omniscale.loaders.remote_io import add_stats
 from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
 
 PROBE_SAMPLES = 3  # decoded per source at startup to measure its cost
@@ -376,8 +377,7 @@ class RayRankLoader(StepLoader):
             for f in flights:
                 outs = self._result(f)
                 decoded.update((sample_id(ref), out) for (ref, _), out in zip(f.work, outs))
-                for name, n in getattr(outs, "io", {}).items():  # a DecodedList's counters
-                    io[name] = io.get(name, 0) + n
+                add_stats(io, getattr(outs, "io", {}))  # a DecodedList's reader counters
             yield step, table, DecodedStep(decoded, io=io)
 
     def close(self) -> None:

@@ -160,31 +160,14 @@ def _code_and_status(e: BaseException) -> tuple[str | None, int | None]:
     return None, None
 
 
-_NETWORK: tuple | None = None
-
-
 def _network_errors() -> tuple:
-    """The backends' connection and time-out errors (imported only if installed)."""
-    global _NETWORK
-    if _NETWORK is None:
-        found: list[type] = []
-        try:
-            from botocore.exceptions import HTTPClientError
-            found.append(HTTPClientError)
-        except ImportError:
-            pass
-        try:
-            from aiohttp import ClientConnectionError, ClientPayloadError
-            found += [ClientConnectionError, ClientPayloadError]
-        except ImportError:
-            pass
-        try:
-            from fsspec.exceptions import FSTimeoutError
-            found.append(FSTimeoutError)
-        except ImportError:
-            pass
-        _NETWORK = tuple(found)
-    return _NETWORK
+    """The backends' connection and time-out errors (botocore, aiohttp and fsspec come with
+    s3fs, a dependency)."""
+    from aiohttp import ClientConnectionError, ClientPayloadError
+    from botocore.exceptions import HTTPClientError
+    from fsspec.exceptions import FSTimeoutError
+
+    return (HTTPClientError, ClientConnectionError, ClientPayloadError, FSTimeoutError)
 
 
 _USERINFO = re.compile(r"([a-z][a-z0-9+.-]*://)[^/@\s]*@", re.IGNORECASE)

@@ -156,10 +156,11 @@ def _data_io(per_rank: list[dict], samples: int | None) -> dict:
     """The step's object-store reads over all ranks (``loaders.remote_io.READ_STATS``), with
     the cache hit rate and the bytes fetched per sample trained; {} when every source is
     local."""
+    from omniscale.loaders.remote_io import add_stats
+
     total: dict[str, int] = {}
     for io in per_rank:
-        for name, n in (io or {}).items():
-            total[name] = total.get(name, 0) + int(n)
+        add_stats(total, io or {})
     if not any(total.values()):
         return {}
     blocks = total.get("cache_hits", 0) + total.get("cache_misses", 0)
