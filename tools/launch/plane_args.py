@@ -1,0 +1,78 @@
+"""The ``omniscale plane serve`` flags that fit a training run, one per line.
+
+``python -m omniscale.tools.launch.plane_args --world N CONFIG.yaml [train args ...]``
+
+An external plane must plan as the run's embedded plane would (``tools.train.launch
+.check_plane`` refuses another ``--dp``, a larger ``--sp-max``, another ``--balance`` or
+another next step): the flags come from the functions the trainer itself uses
+(``load_config`` with the same ``--set``, ``layout``, ``plane_config``). ``--world``: the
+job's processes over all nodes (the plane's ``--dp`` is their data ranks, ``world / (tp·pp)``).
+The other arguments are those of ``omniscale train`` (unknown to this helper, ignored).
+
+The plane reads the spec's indexes when it starts, so the data is prepared here as the
+trainer's rank 0 would (the demo generated when the spec is missing, indexes brought up to
+date; cheap when current). The plane's state goes to ``RUN_DIR/plane``, where the embedded
+plane keeps it; with ``--resume`` the plane restores the checkpoint's step.
+
+The plane's starting cost model is its default (24576·L + L², refit during the run) unless
+``data.costs`` names a calibration: ``plane serve`` has no flag for the model's own (α, β).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+from omniscale.dataplane.errors import UserError
+
+
+def serve_flags(cfg, run_dir, world: int, restore_step: int | None = None) -> list[str]:
+    """``plane serve`` arguments for ``cfg`` (a ``RunConfig`` whose data is prepared) on
+    ``world`` processes; every value is one list item."""
+    from omniscale.tools.train.loop import layout, plane_config
+
+    _, _, dims, groups = layout(cfg, world)  # an impossible layout: one line, as in training
+    config = plane_config(cfg, dims.dp_sp, None, groups.frozen_kinds)
+    flags = ["--spec", cfg.data.spec, "--state-dir", str(run_dir / "plane"),
+             "--dp", config.dp, "--sp-max", config.sp_max, "--balance", config.balance,
+             "--window", config.window, "--global-batch-tokens", config.global_batch_tokens,
+             "--micro-batch-tokens", config.micro_batch_tokens,
+             "--snapshot-every", config.snapshot_every]
+    if config.frozen_encoders:
+        flags += ["--frozen-encoders", ",".join(config.frozen_encoders)]
+    if cfg.data.costs:
+        flags += ["--costs", cfg.data.costs]
+    if restore_step is not None:
+        flags += ["--restore-step", restore_step]
+    return [str(f) for f in flags]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from omniscale.tools.cli import EXIT_USER_ERROR, build_parser
+    from omniscale.tools.train import checkpoint
+    from omniscale.tools.train.launch import ensure_data, resolve_config
+
+    own = argparse.ArgumentParser(prog="plane_args", add_help=False)
+    own.add_argument("--world", type=int, required=True,
+                     help="the job's processes over all nodes")
+    ours, rest = own.parse_known_args(argv)
+    train_args = build_parser().parse_args(["train", *rest])
+    try:
+        if ours.world < 1:
+            raise UserError(f"--world {ours.world}: must be >= 1")
+        cfg, run_dir = resolve_config(train_args.config, train_args.resume,
+                                      list(train_args.set or []))
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the flags only
+            ensure_data(cfg)
+        found = checkpoint.latest(run_dir) if train_args.resume else None
+        flags = serve_flags(cfg, run_dir, ours.world, found[0] if found else None)
+    except UserError as e:
+        print(f"plane_args: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print("\n".join(flags))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
