@@ -111,7 +111,7 @@ batches_st = st.one_of(st.builds(lambda s: {"global_batch_samples": s}, st.integ
                        st.builds(lambda t: {"global_batch_tokens": t}, st.integers(50, 3000)))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule=schedules(),
        accounting=st.sampled_from(["samples", "tokens", "target_tokens"]), batch=batches_st)
 def test_realized_mixture_tracks_the_target_within_one_sample(sources, schedule, accounting,

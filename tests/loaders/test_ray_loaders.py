@@ -199,4 +199,7 @@ def test_with_an_autoscaler_the_pools_ask_it_for_room(cluster, demo, tmp_path):
             starting.join()
             for node in added:  # the module's cluster as it was
                 cluster.remove_node(node)
-    assert len(added) == 2
+    # as many nodes as the plan's bundles needed, no more (the plan follows measured decode
+    # costs, so how many actors of how many CPUs is the loader's choice, not the test's)
+    per_node = math.floor(1.0 / cpus + 1e-9)
+    assert len(added) == max(0, math.ceil(actors / per_node) - 2) >= 1

@@ -16,6 +16,7 @@ from omniscale.dataplane.errors import UserError
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 from omniscale.tools.train.torchrun import torchrun_layout
+from tests.procs import free_port
 from tests.tools.train_runs import few_sources
 
 # The suite runs on two xdist workers; Ray tests share one of them (`--dist loadgroup`), so
@@ -60,19 +61,23 @@ def test_spawned_ranks_on_ray_defaults_train_what_worker_processes_do(mix, spawn
     assert "data_pools" not in spawned[-1]
 
 
-def test_torchrun_two_ranks_train_what_spawned_ranks_do(mix, spawned, tmp_path):
+def test_torchrun_script_s_two_ranks_train_what_spawned_ranks_do(mix, spawned, tmp_path):
     """Also on Ray pools, with no address: rank 0 starts the job's Ray instance, rank 1 joins
     it (the batches are those of the spawned ranks' worker processes)."""
     out = tmp_path / "torchrun"
     args = [a for k, v in {**_sets(mix, out), "data.loader": "ray"}.items()
             for a in ("--set", f"{k}={v}")]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
-                           "omniscale", "train", "configs/demo_omni.yaml", "--no-progress",
-                           *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # through the launch script a user copies (tools/launch/torchrun.sh: torchrun's c10d
+    # rendezvous on this node, the plane embedded by rank 0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PLANE_"))}
+    done = subprocess.run([str(ROOT / "tools" / "launch" / "torchrun.sh"),
+                           "configs/demo_omni.yaml", "--no-progress", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**env, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable,
+                               "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "step 2/2" in done.stdout and (out / "result.json").is_file()
+    assert (out / "plane" / "wal.jsonl").is_file()  # rank 0 embedded the plane
     got = read_metrics(out / "metrics.jsonl")
     assert [len(r["rank_compute_s"]) for r in got] == [2, 2]
     assert min(got[-1]["data_pools"]["actors"].values()) >= 1
