@@ -160,6 +160,21 @@ def test_eval_from_result_json(tmp_path):
     assert "from result.json" in page and "audio_caption" in page and "1,234" in page
 
 
+def test_profiler_traces_are_linked_relative_to_the_page(tmp_path):
+    run = write_metrics(tmp_path / "run", [full_row(s) for s in range(3)])
+    assert "Profiler traces" not in build_report(run).read_text()  # none: no section
+    (run / "profile").mkdir()
+    for rank in (0, 1):
+        (run / "profile" / f"trace-rank{rank}-steps-1-2.json").write_text('{"traceEvents": []}')
+    (run / "profile" / "notes.txt").write_text("not a trace")
+    page = build_report(run).read_text()
+    assert "href='../profile/trace-rank0-steps-1-2.json'" in page
+    assert "href='../profile/trace-rank1-steps-1-2.json'" in page
+    assert "notes.txt" not in page and "ui.perfetto.dev" in page
+    elsewhere = build_report(run, tmp_path / "pages" / "r").read_text()  # --out
+    assert "href='../../run/profile/trace-rank0-steps-1-2.json'" in elsewhere
+
+
 def test_a_skipped_plot_leaves_no_stale_png(tmp_path):
     run = write_metrics(tmp_path / "run", [full_row(s) for s in range(3)])
     out = build_report(run).parent

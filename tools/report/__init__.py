@@ -2,17 +2,24 @@
 
 Reads ``RUN_DIR/metrics.jsonl`` (one row per step, tools/train/loop.py) and the held-out
 evaluation, draws loss, throughput, mixture (realized vs target), per-rank load and expert
-load, and writes them with a summary table to ``RUN_DIR/report/`` (or ``--out``). A field no
-row records skips its plot with a note on the page; a missing or corrupt metrics file is a
-UserError naming the file and line.
+load, and writes them with a summary table to ``RUN_DIR/report/`` (or ``--out``), with links to
+the profiler's traces when the run has any (``RUN_DIR/profile``). A field no row records skips
+its plot with a note on the page; a missing or corrupt metrics file is a UserError naming the
+file and line.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omniscale.tools.report.balance_plot import plot_balancer
-from omniscale.tools.report.inputs import read_accounting, read_eval_results, read_metrics_rows
+from omniscale.tools.report.inputs import (
+    read_accounting,
+    read_eval_results,
+    read_metrics_rows,
+    read_traces,
+)
 from omniscale.tools.report.page import render
 from omniscale.tools.report.plots import PLOTS, Plot
 
@@ -38,7 +45,10 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
                                f"({type(e).__name__}: {e})"]))
     eval_results, eval_note = read_eval_results(run_dir)
     index = out / "index.html"
-    index.write_text(render(run_dir, rows, plots, eval_results, eval_note), encoding="utf-8")
+    # links relative to the page, so the run directory can move with its report
+    traces = [Path(os.path.relpath(t, out)).as_posix() for t in read_traces(run_dir)]
+    index.write_text(render(run_dir, rows, plots, eval_results, eval_note, traces),
+                     encoding="utf-8")
     return index
 
 

@@ -7,6 +7,9 @@ optional, though: older runs and other tasks record fewer, and the plots skip wh
 
 The held-out evaluation is optional and read leniently: ``eval.json`` (results per source) if
 present, else the ``eval`` entry of the ``result.json`` that ``omniscale train`` writes.
+
+The profiler's traces (``RUN_DIR/profile``) are only listed, with links: a browser's trace
+viewer opens them, the report does not read them.
 """
 
 from __future__ import annotations
@@ -96,3 +99,12 @@ def read_accounting(run_dir: Path) -> str | None:
         return None
     accounting = spec.get("accounting", "tokens") if isinstance(spec, dict) else None
     return accounting if accounting in ("samples", "tokens") else None
+
+
+def read_traces(run_dir: Path) -> list[Path]:
+    """The profiler's Chrome traces (``profile.steps``: ``RUN_DIR/profile``), by name."""
+    folder = run_dir / "profile"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and p.name.endswith((".json", ".json.gz")))

@@ -1,12 +1,13 @@
-"""``index.html`` of a report: a summary table, the evaluation if there is one, then each figure
-with its notes (or why it was skipped). Self-contained: no scripts, no external styles, so it
-opens from a file system or any static file server."""
+"""``index.html`` of a report: a summary table, the evaluation if there is one, the profiler's
+traces if any, then each figure with its notes (or why it was skipped). Self-contained: no
+scripts, no external styles, so it opens from a file system or any static file server."""
 
 from __future__ import annotations
 
 import html
 import math
 from pathlib import Path
+from urllib.parse import quote
 
 from omniscale.tools.report.balance_plot import predicted_gain
 from omniscale.tools.report.inputs import is_number
@@ -87,8 +88,19 @@ def eval_table(results: dict) -> str:
     return _table(["source"] + (columns or ["value"]), body)
 
 
+def traces_section(traces: list[str]) -> list[str]:
+    """Links to the profiler's traces (``traces``: paths relative to the page)."""
+    items = "".join(f"<li><a href='{html.escape(quote(t))}'>{html.escape(t)}</a></li>"
+                    for t in traces)
+    return ["<h2>Profiler traces</h2>",
+            "<p class='note'>torch.profiler over <code>profile.steps</code>, one Chrome trace "
+            "per rank: open one in <a href='https://ui.perfetto.dev'>ui.perfetto.dev</a> "
+            "(Open trace file) or chrome://tracing (Load).</p>",
+            f"<ul>{items}</ul>"]
+
+
 def render(run_dir: Path, rows: list[dict], plots: list[Plot], eval_results: dict | None,
-           eval_note: str) -> str:
+           eval_note: str, traces: list[str] | None = None) -> str:
     title = f"OmniScale run report: {run_dir.name or run_dir}"
     parts = [f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}"
              f"</title><style>{STYLE}</style></head><body>",
@@ -101,6 +113,8 @@ def render(run_dir: Path, rows: list[dict], plots: list[Plot], eval_results: dic
         parts += [f"<p class='note'>from {html.escape(eval_note)}</p>", eval_table(eval_results)]
     else:
         parts.append(f"<p class='note skipped'>Not shown: {html.escape(eval_note)}.</p>")
+    if traces:
+        parts += traces_section(traces)
     for plot in plots:
         parts.append(f"<h2>{html.escape(plot.title)}</h2>")
         if plot.file:

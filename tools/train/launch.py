@@ -26,6 +26,7 @@ from omniscale.tools.train.config import RunConfig, load_config
 from omniscale.tools.train.fork_server import adopt_environment, launch_environment, start_method
 from omniscale.tools.train.loop import RankJob, layout, mesh_dims, train_rank
 from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
+from omniscale.tools.train.trackers import check_trackers
 
 
 def resolve_config(config: str | None, resume: str | None, sets: list[str]
@@ -139,6 +140,7 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
         raise UserError(f"--nproc {nproc}: must be >= 1")
     rank, world = torchrun_layout(nproc, plane) if under_torchrun() else (0, 1)
     cfg, run_dir = resolve_config(config, resume, list(sets))
+    check_trackers(cfg)  # metrics.wandb without the package: one line before anything starts
     if rank == 0:
         ensure_data(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)

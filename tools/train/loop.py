@@ -33,6 +33,7 @@ from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.metrics import MetricsWriter, Progress
 from omniscale.tools.train.pipeline_step import pipeline_step
+from omniscale.tools.train.profiler import step_profiler
 from omniscale.tools.train.records import flush
 from omniscale.tools.train.step import StepContext, train_step
 from omniscale.tools.train.torchrun import shared_ray
@@ -336,7 +337,8 @@ def _refit(ctx: StepContext, client) -> dict | None:
 
 def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_fn) -> None:
     cfg, rank = ctx.cfg, dist.get_rank()  # the global rank: files are written by rank 0
-    writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step) if ctx.writer else None
+    writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step, cfg.metrics.wandb,
+                           job.raw_config) if ctx.writer else None
     bar = Progress(ctx.writer, job.progress, cfg.steps, job.start_step, cfg.log_every)
     client = loader.client
     tokens_before = [writer.tokens_before if writer is not None else 0]
@@ -344,6 +346,7 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
     async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
     pending = None  # the checkpoint being written in the background
     records = []  # steps trained since the last log, their metrics still on the device
+    profiler = step_profiler(cfg, run_dir, rank, ctx.device, job.start_step)
     try:
         for step in range(job.start_step, cfg.steps):
             batch = next(loader)
@@ -361,11 +364,15 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
                 checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
                 pending = checkpoint.save(run_dir, done, model, optimizer, client, rank,
                                           cfg.checkpoint.keep_last, async_group)
+            if profiler is not None:  # profile.steps: the step is the whole iteration
+                profiler.step(step)
         checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
     finally:
         bar.close()
         if writer is not None:
             writer.close()
+        if profiler is not None:
+            profiler.close()
 
 
 def _log(ctx: StepContext, rows: list[dict], writer, bar, spec, client, tokens_before: list,

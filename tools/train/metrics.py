@@ -1,6 +1,7 @@
 """Per-step metrics: one JSON line per step in ``RUN_DIR/metrics.jsonl`` (rank 0), the same
 numbers as TensorBoard scalars in ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR``;
-dicts such as ``source_loss`` become ``source_loss/<source>``), and the progress line.
+dicts such as ``source_loss`` become ``source_loss/<source>``) and, with ``metrics.wandb``, in
+Weights & Biases (``tools.train.trackers``), and the progress line.
 
 The step-time model: the plan predicts each rank's cost (the balancer's units); the trainer
 measures each rank's compute seconds. ``sec_per_cost`` is fitted online (least squares through
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from omniscale.tools.train.trackers import TensorBoardSink, WandbSink
 
 
 class CostFit:
@@ -61,10 +64,12 @@ class CostRefit:
 
 
 class MetricsWriter:
-    """Appends rows; on resume, rows at or after the resumed step are dropped first so the
-    file reads as one run."""
+    """Appends rows to metrics.jsonl and hands each to the sinks (TensorBoard; W&B with
+    ``metrics.wandb``: ``tools.train.trackers``). On resume, rows at or after the resumed step
+    are dropped first so the file reads as one run."""
 
-    def __init__(self, path: Path, resume_step: int | None = None) -> None:
+    def __init__(self, path: Path, resume_step: int | None = None, wandb=None,
+                 config: dict | None = None) -> None:
         self.path = path
         self.tokens_before = 0  # tokens trained by the rows kept (a resumed run's past)
         if resume_step is not None and path.exists():
@@ -72,33 +77,22 @@ class MetricsWriter:
                     if line.strip() and json.loads(line).get("step", -1) < resume_step]
             path.write_text("".join(line + "\n" for line in keep))
             self.tokens_before = sum(json.loads(line).get("tokens", 0) for line in keep)
+        self.sinks = [TensorBoardSink(path.parent / "tensorboard")]
+        if wandb is not None:  # metrics.wandb
+            self.sinks.append(WandbSink(wandb, path.parent, config,
+                                        resumed=bool(resume_step)))
         self.file = path.open("a")
-        self.board = None  # TensorBoard's writer, opened with the first row
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        self._board(row)
-
-    def _board(self, row: dict) -> None:
-        if self.board is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.board = SummaryWriter(str(self.path.parent / "tensorboard"))
-        step = row["step"]
-        for name, value in row.items():
-            if isinstance(value, dict):
-                for key, v in value.items():
-                    if isinstance(v, (int, float)):
-                        self.board.add_scalar(f"{name}/{key}", v, step)
-            elif isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and name != "step":
-                self.board.add_scalar(name, value, step)
+        for sink in self.sinks:
+            sink.write(row)
 
     def close(self) -> None:
         self.file.close()
-        if self.board is not None:
-            self.board.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(path: str | Path) -> list[dict]:
