@@ -338,6 +338,12 @@ class PlaneClient:
             "key": str(key), "reason": str(reason), "epoch": int(epoch)})
         return ref_from_json(reply.get("replacement") or "")
 
+    def report_suspect(self, step: int, samples: list[dict], reason: str) -> dict:
+        """Report the samples of a step the trainer did not apply (``tools.train.guard``);
+        idempotent per step."""
+        return self._action("report_suspect", {"step": int(step), "samples": list(samples),
+                                               "reason": str(reason)})
+
     def status(self) -> dict:
         return self._action("status", {})
 

@@ -391,6 +391,44 @@ class DataPlane(PlaneState):
             return {"step": step, "source": source, "key": key,
                     "replacement": event["replacement"]}
 
+    def report_suspect(self, step: int, samples: list, reason: str) -> dict:
+        """The trainer did not apply ``step`` (``tools.train.guard``: a non-finite or spiking
+        loss): its ``samples`` ({source, shard, key, epoch} each) are suspect -- kept in the
+        state dir, quarantined from later epochs, listed by status. Journaled before
+        acknowledged, idempotent per step; see :mod:`dataplane.suspect`."""
+        with self.lock:
+            self._check_step(step, "report_suspect")
+            self._check_planned(step, "step {step} was never planned")
+            event = self.suspects.find(step)
+            if event is None:
+                wanted = sorted({_sample_of(s) for s in samples})
+                known = self._step_samples(step)
+                unknown = [s for s in wanted if s not in known]
+                if unknown or not wanted:
+                    what = "/".join(map(str, unknown[0][::2])) if unknown else "no samples"
+                    raise RequestError(f"report_suspect: {what} is not in step {step}'s plans",
+                                       Reason.UNKNOWN_SAMPLE)
+                event = {"t": "suspect", "step": step,
+                         "samples": [dict(zip(("source", "shard", "key", "epoch"), s))
+                                     for s in wanted],
+                         "reason": " ".join(str(reason).split())[:500],
+                         "before_window": self.next_window}
+                self._log(event)
+                self.suspects.record(event, self.mixer.catalog)
+                log.warning("step %d not applied by the trainer (%s): its %d samples are "
+                            "suspect, quarantined", step, event["reason"], len(wanted))
+            return {"step": step, "samples": len(event["samples"])}
+
+    def _step_samples(self, step: int) -> set[tuple]:
+        """(source, shard, key, epoch) of every sample in ``step``'s plans and replacements."""
+        known = set()
+        for rank in range(self.dp_at(step)):
+            table = self.table(step, rank)
+            known |= set(zip(*(table.column(c).to_pylist()
+                               for c in ("source", "shard", "key", "epoch"))))
+        return known | {(r.source, r.shard, r.key, r.epoch)
+                        for _, r in self.corrupt.replaced_at(step) if r is not None}
+
     def status(self) -> dict:
         """Mixture, progress, balance, clients, snapshots: see :mod:`dataplane.status`."""
         with self.lock:
@@ -398,6 +436,7 @@ class DataPlane(PlaneState):
             for row in status["sources"]:
                 row["corrupt_reported"] = self.corrupt.counts.get(row["source"], 0)
             status["corrupt_recent"] = list(self.corrupt.recent)
+            status["suspect"] = self.suspects.status()
             if self.ray_namespace is not None:  # trainers' decoding pools go there too
                 status["ray_namespace"] = self.ray_namespace
             return status
@@ -448,6 +487,16 @@ def _redacted(error: SpecError, file: str) -> str:
     where = f"{field}: invalid" if _FIELD.match(field) and field != rest else \
         "not a valid mixing spec"
     return f"{file}: {where} (details in the plane's log; `omniscale data inspect` checks a spec)"
+
+
+def _sample_of(sample) -> tuple[str, str, str, int]:
+    """A reported sample as (source, shard, key, epoch); a malformed one is refused."""
+    try:
+        return (str(sample["source"]), str(sample["shard"]), str(sample["key"]),
+                int(sample["epoch"]))
+    except (TypeError, KeyError, ValueError):
+        raise RequestError(f"report_suspect: a sample must be {{source, shard, key, epoch}}, "
+                           f"got {str(sample)[:200]}", Reason.INVALID) from None
 
 
 def _one_line(error: BaseException) -> str:

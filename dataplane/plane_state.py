@@ -34,11 +34,12 @@ from omniscale.dataplane.mixer import Mixer, MixtureExhausted
 from omniscale.dataplane.plan_table import fingerprint, rank_tables
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.dataplane.spec import MixSpec, spec_from_text
+from omniscale.dataplane.suspect import SuspectLedger
 from omniscale.dataplane.windows import Window, best_baseline, plan_policy, window_samples
 
 log = logging.getLogger(__name__)
 
-RECORD_KINDS = ("start", "commit", "rank", "reload", "costs", "dp", "corrupt")
+RECORD_KINDS = ("start", "commit", "rank", "reload", "costs", "dp", "corrupt", "suspect")
 
 
 @dataclass
@@ -77,6 +78,7 @@ class PlaneState:
         # [window, linear, quadratic]: refits of the cost model, applied from that window on.
         self.cost_changes: list[list] = []
         self.corrupt = CorruptLedger()
+        self.suspects = SuspectLedger()
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -105,6 +107,7 @@ class PlaneState:
         state.reloads = [list(r) for r in snap["reloads"]]
         state.cost_changes = [list(c) for c in snap["cost_changes"]]
         state.corrupt = CorruptLedger.from_state(snap["corrupt"])
+        state.suspects = SuspectLedger.from_state(snap.get("suspect"), k)  # older: none
         return state
 
     def snapshot_body(self, wal_offset: int) -> dict:
@@ -124,7 +127,7 @@ class PlaneState:
             "rank_commits": {str(s): sorted(r) for s, r in self.rank_commits.items()
                              if s >= step},
             "wal_offset": wal_offset, "config": asdict(self.config),
-            "corrupt": self.corrupt.state(k)}
+            "corrupt": self.corrupt.state(k), "suspect": self.suspects.state()}
 
     def _mix_from(self, spec_ref: dict, mixer_state: dict | None = None) -> None:
         """A new mixer (and catalog) for the spec ``spec_ref``, at ``mixer_state`` if given."""
@@ -157,6 +160,8 @@ class PlaneState:
             self.resize_from(record["step"], record["dp"])
         elif kind == "corrupt":
             self.corrupt.record(record, applied=False)
+        elif kind == "suspect":
+            self.suspects.record(record)
         elif kind == "start":
             raise ValueError("a second start record")
         else:
@@ -212,6 +217,7 @@ class PlaneState:
             if window == k:
                 self.costs = self.config.cost_model(linear, quadratic)
         self.corrupt.apply(self.mixer.catalog, k)  # reports that arrived before this window
+        self.suspects.apply(self.mixer.catalog, k)
         start = WindowStart(_copy(self.mixer.state_dict()), self.spec_ref,
                             (self.costs.llm.alpha, self.costs.llm.beta))
         self.starts[k] = start
@@ -266,6 +272,7 @@ class PlaneState:
             self.costs = self.config.cost_model(*start.costs)
             self.next_window, self.exhausted_at = k, None
             self.corrupt.unapply_after(k)
+            self.suspects.unapply_after(k)
         for j in [j for j in self.starts if j > k]:
             del self.starts[j]
 

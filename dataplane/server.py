@@ -66,6 +66,9 @@ ACTIONS = {
              "seen: {linear, quadratic}",
     "report_corrupt": "a planned sample does not decode: quarantine it, get a replacement from "
                       "its source: {step, rank, source, shard, key, reason, epoch}",
+    "report_suspect": "the trainer did not apply a step (a non-finite or spiking loss): its "
+                      "samples are suspect, quarantined from later epochs: {step, samples: "
+                      "[{source, shard, key, epoch}], reason}",
     "lane": "the TCP port of the plan lane (plan fetches without gRPC; see dataplane.lane): "
             "{} -> {port} (0: no lane)",
 }
@@ -290,6 +293,13 @@ class PlaneServer(flight.FlightServerBase):
                                                "strings")
             reply = _call(self.service.report_corrupt, _int(body, "step"), _int(body, "rank"),
                           *(body[n] for n in names), _int(body, "epoch"))
+        elif kind == "report_suspect":
+            if not isinstance(body.get("samples"), list) or not isinstance(body.get("reason"),
+                                                                           str):
+                raise flight.FlightServerError("report_suspect: 'samples' (a list) and 'reason' "
+                                               "(a string) are required")
+            reply = _call(self.service.report_suspect, _int(body, "step"), body["samples"],
+                          body["reason"])
         else:
             raise flight.FlightServerError(
                 f"unknown action {kind!r} (one of {', '.join(sorted(ACTIONS))})")

@@ -102,4 +102,10 @@ def _footer(s: dict) -> list[str]:
                      f"({event['policy']})")
     if s.get("dropped"):
         lines.append("dropped sources: " + ", ".join(s["dropped"]))
+    suspect = s.get("suspect") or {}
+    if suspect.get("steps"):
+        lines.append(f"suspect: {suspect['samples']} samples of {suspect['steps']} step(s) "
+                     f"the trainer did not apply (quarantined); the latest:")
+        lines += [f"  step {r['step']}: {r['source']}/{r['key']} ({r['shard']}): {r['reason']}"
+                  for r in suspect["recent"][-5:]]
     return lines

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,13 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step-{step:06d}"
 
 
+LATEST = "latest"  # RUN_DIR/checkpoints/latest: the newest complete checkpoint's name
+
+
 def latest(run_dir: Path) -> tuple[int, Path] | None:
-    """(step, directory) of the newest complete checkpoint, or None."""
+    """(step, directory) of the newest complete checkpoint, or None. Found by scanning for
+    ``meta.json`` (the ``latest`` pointer is for tools outside the trainer: both are written
+    after every other file, so neither ever names a half-written checkpoint)."""
     found = []
     for d in (run_dir / "checkpoints").glob("step-*"):
         if (d / "meta.json").exists():
@@ -165,7 +171,7 @@ class PendingSave:
 
 
 def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int,
-         keep_last: int = 0, async_group=None) -> PendingSave:
+         keep_last: int = 0, async_group=None, kill_in_save: bool = False) -> PendingSave:
     """Every rank calls this after committing step ``step - 1``; rank 0 snapshots the plane.
     ``async_group`` (a process group of its own): the files are written in the background and
     the checkpoint is complete after :func:`finish`; otherwise it is finished here. Either way
@@ -181,13 +187,15 @@ def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int,
                                                process_group=async_group)
         return pending
     save_checkpoint(path, model, optimizer, extra=_extra(step))
-    finish(pending, run_dir, rank, keep_last)
+    finish(pending, run_dir, rank, keep_last, kill_in_save)
     return pending
 
 
-def finish(pending: PendingSave | None, run_dir: Path, rank: int, keep_last: int = 0) -> None:
-    """Complete ``pending`` (wait for its files, then rank 0 writes ``meta.json`` and prunes);
-    every rank calls it, at the same point. None: nothing to do."""
+def finish(pending: PendingSave | None, run_dir: Path, rank: int, keep_last: int = 0,
+           kill_in_save: bool = False) -> None:
+    """Complete ``pending`` (wait for its files, then rank 0 writes ``meta.json``, points
+    ``checkpoints/latest`` at it and prunes); every rank calls it, at the same point. None:
+    nothing to do."""
     if pending is None:
         return
     if pending.future is not None:
@@ -203,8 +211,21 @@ def finish(pending: PendingSave | None, run_dir: Path, rank: int, keep_last: int
             f.write(json.dumps(meta, indent=1) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if kill_in_save:  # a test's crash between the files and meta.json (debug.kill_in_save)
+            os.kill(os.getpid(), signal.SIGKILL)
         os.replace(tmp, pending.path / "meta.json")
+        _write_atomically(run_dir / "checkpoints" / LATEST, pending.path.name + "\n")
         prune(run_dir, keep_last)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part (fsync, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load(path: Path, model, optimizer, verified: bool = False) -> int:

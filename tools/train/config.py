@@ -194,6 +194,64 @@ class ParallelSection(_Strict):
 class EvalSection(_Strict):
     enabled: bool = True
     max_samples: int = Field(32, ge=1)  # per caption source
+    # held-out evaluation every N steps during training, on the sharded model (0: only after
+    # training); results in the metrics rows and the report
+    every: int = Field(0, ge=0)
+
+
+class GuardSection(_Strict):
+    """The update guard (``tools.train.guard``): a step whose loss or gradient norm is not
+    finite, or whose loss is above ``spike_factor`` times the median of the last
+    ``spike_window`` applied steps, is not applied; its samples go to the plane as suspect."""
+
+    enabled: bool = True
+    spike_factor: float = Field(5.0, gt=1)
+    spike_window: int = Field(50, ge=1)
+    min_history: int = Field(10, ge=1)  # no spike verdict before this many applied steps
+    max_skipped_steps: int = Field(3, ge=1)  # in a row: then the run stops with one line
+
+
+class WatchdogSection(_Strict):
+    """Hangs and stragglers (``tools.train.watchdog``)."""
+
+    # no step finished for this long (the first step: twice it, for compilation): every
+    # thread's stack to RUN_DIR/hang-rankR.txt and the run exits with one line (0: off)
+    step_timeout_s: float = Field(900.0, ge=0)
+    # the process group's collective time-out (torch's own default: 10 min NCCL, 30 min gloo)
+    collective_timeout_s: float = Field(1800.0, gt=0)
+    # a rank whose compute seconds exceed the plan's prediction for it by this factor (the
+    # cost model fitted over all ranks) for ``straggler_steps`` steps in a row is named
+    straggler_factor: float = Field(1.5, gt=1)
+    straggler_steps: int = Field(5, ge=1)
+
+
+class ProfileSection(_Strict):
+    # torch.profiler over steps [first, last] (inclusive) into RUN_DIR/profile (Chrome trace
+    # format, one file per rank); None: no profiling
+    steps: tuple[int, int] | None = None
+
+    @field_validator("steps")
+    @classmethod
+    def _ordered(cls, value):
+        if value is not None and not 0 <= value[0] <= value[1]:
+            raise ValueError(f"must be [first, last] with 0 <= first <= last, got {list(value)}")
+        return value
+
+
+class WandbSection(_Strict):
+    """Weights & Biases (the ``wandb`` package, an optional extra): the same rows as
+    metrics.jsonl and TensorBoard."""
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    name: str | None = None  # default: the run directory's name
+    group: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
+class MetricsSection(_Strict):
+    wandb: WandbSection | None = None
 
 
 class CheckpointSection(_Strict):
@@ -205,10 +263,33 @@ class CheckpointSection(_Strict):
     async_save: bool = False
 
 
+class PoisonSection(_Strict):
+    """A test's fault (``debug.poison``): at ``step``, ``rank``'s loss becomes NaN (``nan``)
+    or ``factor`` times itself (``spike``) before the backward pass."""
+
+    step: int = Field(ge=0)
+    rank: int = Field(0, ge=0)
+    kind: Literal["nan", "spike"] = "nan"
+    factor: float = Field(100.0, gt=1)
+
+
+class HangSection(_Strict):
+    """A test's hang (``debug.hang``): ``rank`` sleeps ``seconds`` inside step ``step``."""
+
+    step: int = Field(ge=0)
+    rank: int = Field(0, ge=0)
+    seconds: float = Field(3600.0, gt=0)
+
+
 class DebugSection(_Strict):
     # Write every parameter's gradient (before clipping, gathered from the FSDP shards) at
     # this step to RUN_DIR/grads-step-N.pt (tools.train.step.dump_gradients; omni and lm).
     dump_grads_at_step: int | None = Field(None, ge=0)
+    poison: PoisonSection | None = None
+    # a test's kill -9 of rank 0 while it saves the checkpoint of this step: after every
+    # other file, before meta.json (synchronous saves)
+    kill_in_save: int | None = Field(None, ge=1)
+    hang: HangSection | None = None
 
 
 class RunConfig(_Strict):
@@ -227,6 +308,10 @@ class RunConfig(_Strict):
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    guard: GuardSection = Field(default_factory=GuardSection)
+    watchdog: WatchdogSection = Field(default_factory=WatchdogSection)
+    profile: ProfileSection = Field(default_factory=ProfileSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
     debug: DebugSection = Field(default_factory=DebugSection)
 
     @property

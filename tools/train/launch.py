@@ -211,7 +211,8 @@ def _train_one_rank(cfg, run_dir: Path, rank: int, world: int, start: int, found
 def _finish(cfg, run_dir: Path, start: int, plane, plane_token) -> dict:
     """After training: the corrupt-sample report, the held-out evaluation, result.json."""
     result = {"run_dir": str(run_dir), "steps": cfg.steps, "start_step": start, "eval": None,
-              "corrupt": corrupt_report(run_dir, cfg.steps, plane, plane_token)}
+              "corrupt": corrupt_report(run_dir, cfg.steps, plane, plane_token),
+              "suspect": suspect_report(run_dir, plane, plane_token)}
     if cfg.eval.enabled and cfg.data.eval_spec:
         from omniscale.tools.train.evaluate import evaluate_run
 
@@ -257,6 +258,34 @@ def corrupt_report(run_dir: Path, steps: int, plane: str | None = None,
     return report
 
 
+def suspect_report(run_dir: Path, plane: str | None = None,
+                   plane_token: str | None = None) -> dict:
+    """The steps the guard did not apply and their samples (``tools.train.guard``), from the
+    plane's log (``RUN_DIR/plane``) or an external plane's status (its latest only):
+    ``{"steps": [{step, reason, samples: [{source, shard, key, epoch}]}], "samples": N}``."""
+    if plane is None:
+        from omniscale.dataplane.journal import Journal
+
+        try:
+            records = Journal(run_dir / "plane", readonly=True).records()
+        except (OSError, ValueError, UserError) as e:  # the run trained; names are a bonus
+            print(f"omniscale train: cannot list the suspect samples ({e})")
+            return {"steps": [], "samples": 0}
+        steps = [{n: r[n] for n in ("step", "reason", "samples")} for _, r in records
+                 if r["t"] == "suspect"]
+        return {"steps": steps, "samples": sum(len(s["samples"]) for s in steps)}
+    from omniscale.dataplane.client import PlaneClient
+
+    try:
+        with PlaneClient(plane, token=plane_token, timeout=10.0, retry_for=10.0) as client:
+            suspect = client.status().get("suspect") or {}
+    except Exception as e:  # noqa: BLE001 -- the plane may be gone by now
+        print(f"omniscale train: cannot list the suspect samples ({str(e).splitlines()[0]})")
+        return {"steps": [], "samples": 0}
+    return {"recent": suspect.get("recent", []), "samples": suspect.get("samples", 0),
+            "steps_skipped": suspect.get("steps", 0)}
+
+
 def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None
                     ) -> tuple[list[dict], bool]:
     """The plane's corrupt reports, and whether that is all of them."""
@@ -281,6 +310,7 @@ def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None
 
 def _spawn(job: RankJob, nproc: int, run_dir: Path) -> None:
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     # When a rank stops (a UserError), torch logs "Terminating process N via signal SIGTERM"
     # for each rank still waiting on it: noise beside the one line that says why.
@@ -290,9 +320,11 @@ def _spawn(job: RankJob, nproc: int, run_dir: Path) -> None:
     try:
         mp.start_processes(_spawned, args=(nproc, job, launch_environment()), nprocs=nproc,
                            join=True, start_method=start_method())
-    except mp.ProcessExitedException:
-        errors = sorted(run_dir.glob("error-rank*.txt"))
-        if errors:
+    except ProcessException:  # a rank's exit or exception: its peers' then follow
+        # a rank that stopped on purpose (a UserError, the watchdog) left its line; a peer
+        # that failed because it left (a broken collective) did not
+        errors = sorted(run_dir.glob("error-rank*.txt"), key=lambda f: f.stat().st_mtime_ns)
+        if errors:  # the first written: the rank that stopped the others
             raise UserError(errors[0].read_text().strip()) from None
         raise
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -31,12 +32,14 @@ from omniscale.tools.train.build import (
 )
 from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.guard import report_suspects, seeded
 from omniscale.tools.train.metrics import MetricsWriter, Progress
 from omniscale.tools.train.pipeline_step import pipeline_step
 from omniscale.tools.train.profiler import step_profiler
 from omniscale.tools.train.records import flush
 from omniscale.tools.train.step import StepContext, train_step
 from omniscale.tools.train.torchrun import shared_ray
+from omniscale.tools.train.watchdog import StepWatchdog, injected_hang
 
 
 @dataclass
@@ -115,7 +118,8 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=job.store, rank=rank, world_size=world)
+                            init_method=job.store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.watchdog.collective_timeout_s))
     try:
         with shared_ray(cfg, job, rank) as job:
             _train_rank(rank, world, job, cfg, run_dir, device)
@@ -346,13 +350,26 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
     async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
     pending = None  # the checkpoint being written in the background
     records = []  # steps trained since the last log, their metrics still on the device
+    if cfg.guard.enabled:
+        ctx.guard = seeded(cfg.guard, run_dir / "metrics.jsonl", job.start_step)
+    watchdog = StepWatchdog(cfg.watchdog.step_timeout_s, run_dir, rank, job.start_step) \
+        if cfg.watchdog.step_timeout_s > 0 else None
     profiler = step_profiler(cfg, run_dir, rank, ctx.device, job.start_step)
     try:
         for step in range(job.start_step, cfg.steps):
             batch = next(loader)
             assert batch.step == step, (batch.step, step)
+            injected_hang(cfg, step, rank)
             records.append(step_fn(ctx, step, model, optimizer, batch))
+            skipped = records[-1].update_skipped
+            if skipped is not None:  # before the commit: the plane still holds its plans
+                report_suspects(client, step, batch, skipped, rank)
             loader.commit(step)
+            if watchdog is not None:
+                watchdog.beat(step)
+            if skipped is not None and ctx.guard.stops_run:
+                _log(ctx, flush(ctx, records), writer, bar, spec, client, tokens_before, None)
+                ctx.guard.stop(step, skipped, run_dir)
             done = step + 1
             save = done % cfg.checkpoint_every == 0 or done == cfg.steps
             if save or done % cfg.log_every == 0:  # every step it covers is logged first
@@ -363,11 +380,14 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
             if save:
                 checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
                 pending = checkpoint.save(run_dir, done, model, optimizer, client, rank,
-                                          cfg.checkpoint.keep_last, async_group)
+                                          cfg.checkpoint.keep_last, async_group,
+                                          kill_in_save=cfg.debug.kill_in_save == done)
             if profiler is not None:  # profile.steps: the step is the whole iteration
                 profiler.step(step)
         checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
     finally:
+        if watchdog is not None:
+            watchdog.close()
         bar.close()
         if writer is not None:
             writer.close()

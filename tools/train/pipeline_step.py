@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from omniscale.parallel.grads import clip_grad_norm
+from omniscale.tools.train.guard import guarded_update
 from omniscale.tools.train.records import StepRecord, StepSums
 from omniscale.tools.train.step import (
     StepContext,
@@ -95,13 +96,16 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepR
     if step == cfg.debug.dump_grads_at_step:
         dump_gradients(ctx, step, model, pp_group)
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, pp_group)
-    optimizer.step()
+    # the loss is the last stage's (zeros elsewhere): the guard's world sum is the step's
+    skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
     config = model.config
     if config.moe is not None and sums.load_LE is None:  # no MoE layer here, or a TP copy
         sums.load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts,
                                    dtype=torch.float64, device=ctx.device)
-    update_bias(ctx, model, sums.load_LE, _moe_rows(config, runner))
-    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums)
+    if skipped is None:
+        update_bias(ctx, model, sums.load_LE, _moe_rows(config, runner))
+    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
+                       skipped)
 
 
 def _moe_rows(config, runner) -> slice:

@@ -79,6 +79,7 @@ class StepRecord:
     replaced: list = dataclasses.field(default_factory=list)  # their sample ids
     lengths: list[int] | None = None  # sequence lengths, for the cost refit
     io: dict = dataclasses.field(default_factory=dict)  # the loader's reads (StepBatch.io)
+    update_skipped: str | None = None  # why the guard did not apply the step (guard.py)
 
 
 def step_record(step: int, batch, **fields) -> StepRecord:
@@ -144,6 +145,8 @@ def flush(ctx, records: list[StepRecord]) -> list[dict]:
         row = record.row(record, sums[offset:offset + size], record.counts.cpu(), times,
                          int(reported))
         row["grad_norm"] = norms[i]
+        if record.update_skipped is not None:
+            row["update_skipped"] = record.update_skipped
         io = _data_io([o[i][2] for o in objects], sum(row.get("mix_samples", {}).values()))
         if io:
             row["data_io"] = io

@@ -28,6 +28,7 @@ from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at
 from omniscale.tools.train.compute_clock import ComputeClock
+from omniscale.tools.train.guard import guarded_update, poisoned
 from omniscale.tools.train.media_step import encode_and_reshard
 from omniscale.tools.train.metrics import CostFit, CostRefit
 from omniscale.tools.train.records import StepRecord, StepSums, step_record
@@ -55,6 +56,7 @@ class StepContext:
     clock: ComputeClock = dataclasses.field(default_factory=ComputeClock)  # per-rank compute
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
+    guard: object = None  # guard.UpdateGuard (None: every step applied, no verdict to wait for)
 
     @property
     def sum_group(self):
@@ -157,7 +159,8 @@ def source_losses(model, mb, hidden_TD: torch.Tensor, groups_S: torch.Tensor,
                         mb.labels_T.to(hidden_TD.device), group_T, n_groups)
 
 
-def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> StepSums:
+def _backbone(ctx: StepContext, step: int, model, prepared, batch, counts: StepCounts
+              ) -> StepSums:
     """Phase 1: each micro-batch's forward and backward through the backbone (the encoders'
     turn comes after every micro-batch, ``StepMedia.backward``)."""
     n_groups = len(ctx.sources) + 1
@@ -168,6 +171,7 @@ def _backbone(ctx: StepContext, model, prepared, batch, counts: StepCounts) -> S
         with sp_batch(model, mb):  # split sequences' attention over their SP group
             hidden_TD, aux = model.decode(mb, items)
         loss_G, n_G = source_losses(model, mb, hidden_TD, groups_S, n_groups)
+        loss_G = poisoned(ctx, step, loss_G)
         # The router losses are per-token means over the micro-batch: weighted by its share
         # of the global batch's tokens (a placeholder's: 0), they add up to the global mean.
         router_share = routed.num_tokens / counts.routed
@@ -212,14 +216,16 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepReco
     prepared = [media.items_for(mb) for mb in batch.micro_batches]
     prepared = [(mb if mb.num_tokens else placeholder(mb), items) for mb, items in prepared]
     counts = global_counts(ctx, batch, [mb for mb, _ in prepared], media.moved)
-    sums = _backbone(ctx, model, prepared, batch, counts)
+    sums = _backbone(ctx, step, model, prepared, batch, counts)
     media.backward()
     if step == cfg.debug.dump_grads_at_step:
         dump_gradients(ctx, step, model)
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-    optimizer.step()
-    update_bias(ctx, model, sums.load_LE)
-    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums)
+    skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
+    if skipped is None:
+        update_bias(ctx, model, sums.load_LE)
+    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
+                       skipped)
 
 
 def sequence_lengths(batch) -> list[int]:
@@ -228,14 +234,15 @@ def sequence_lengths(batch) -> list[int]:
 
 
 def omni_record(ctx: StepContext, step: int, batch, lr: float, grad_norm: torch.Tensor,
-                seconds: tuple[float, float], counts: StepCounts, sums: StepSums
-                ) -> StepRecord:
-    """The step's record; ``seconds``: (wall, compute) of ``ComputeClock.stop``."""
+                seconds: tuple[float, float], counts: StepCounts, sums: StepSums,
+                update_skipped: str | None = None) -> StepRecord:
+    """The step's record; ``seconds``: (wall, compute) of ``ComputeClock.stop``;
+    ``update_skipped``: why the guard did not apply the step (``guard.guarded_update``)."""
     load_shape = tuple(sums.load_LE.shape) if sums.load_LE is not None else None
     return step_record(step, batch, lr=lr, grad_norm=grad_norm, counts=counts.values,
                        sums=sums.flat(), row=partial(_omni_row, ctx, load_shape),
                        wall_s=seconds[0], compute_s=seconds[1],
-                       lengths=sequence_lengths(batch))
+                       lengths=sequence_lengths(batch), update_skipped=update_skipped)
 
 
 def _omni_row(ctx: StepContext, load_shape, record: StepRecord, flat: torch.Tensor,

@@ -231,6 +231,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
     import torch.distributed as dist
 
     from omniscale.parallel.grads import clip_grad_norm
+    from omniscale.tools.train.guard import guarded_update, poisoned
     from omniscale.tools.train.records import step_record
     from omniscale.tools.train.step import placeholder, set_lr
 
@@ -249,16 +250,18 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
     loss_sum = torch.zeros(1, dtype=torch.float64, device=ctx.device)
     for mb in mbs:
         out = video_gen_loss(model, mb, generator)
+        out["loss_sum"] = poisoned(ctx, step, out["loss_sum"])
         loss = out["loss_sum"]
         if "router_loss" in out["aux"]:
             loss = loss + out["aux"]["router_loss"] * out["n_targets"]
         (loss / n_global).backward()
         loss_sum += out["loss_sum"].detach().double()
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-    optimizer.step()
+    skipped = guarded_update(ctx, optimizer, loss_sum, counts[0], grad_norm)
     wall_s, compute_s = ctx.clock.stop()
     return step_record(step, batch, lr=lr, grad_norm=grad_norm, counts=counts,
-                       sums=loss_sum, row=_video_row, wall_s=wall_s, compute_s=compute_s)
+                       sums=loss_sum, row=_video_row, wall_s=wall_s, compute_s=compute_s,
+                       update_skipped=skipped)
 
 
 def _video_row(record, sums: torch.Tensor, counts: torch.Tensor, times: dict,

@@ -1,0 +1,38 @@
+"""Hangs (``tools.train.watchdog``) with real processes: rank 1 of 2 made to hang inside step 1
+(``debug.hang``). Its watchdog fires within its bound, the stack dump names the hang site, and
+the run ends with one line naming the rank and where it waits; the rank waiting for it in a
+collective does not take the blame."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from omniscale.dataplane.errors import UserError
+from omniscale.tools.train.launch import train
+
+BOUND_S = 4.0
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_rank_is_named_with_its_stack_and_the_run_stops(demo, tmp_path):
+    run = tmp_path / "run"
+    sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
+            "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 2048,
+            "optim.warmup_steps": 1, "output_dir": run, "steps": 3,
+            "watchdog.step_timeout_s": BOUND_S, "debug.hang": "{step: 1, rank: 1}"}
+    with pytest.raises(UserError) as stopped:
+        train("configs/demo_omni.yaml", nproc=2, progress=False,
+              sets=[f"{k}={v}" for k, v in sets.items()])
+    line = str(stopped.value)
+    assert "\n" not in line
+    found = re.match(r"watchdog: rank 1 finished no step for (\d+) s \(step 1; bound "
+                     r"watchdog.step_timeout_s=4\), waiting in \S+watchdog.py:\d+ injected_hang; "
+                     r"every thread's stack in (\S+)$", line)
+    assert found, line
+    assert BOUND_S <= int(found[1]) <= BOUND_S + 2  # checked every second
+    dump = (run / "hang-rank1.txt").read_text()
+    assert found[2] == str(run / "hang-rank1.txt")
+    assert "injected_hang" in dump and "_loop" in dump  # the main thread's stack
+    assert "Thread 0x" in dump and dump.count("File ") > 5  # every thread's
