@@ -344,6 +344,13 @@ class PlaneClient:
         return self._action("report_suspect", {"step": int(step), "samples": list(samples),
                                                "reason": str(reason)})
 
+    def report_stragglers(self, step: int, ranks: list[int], slowdown: list[float]) -> dict:
+        """The data ranks found computing much slower than planned as of ``step``
+        (``tools.train.stragglers``; ``[]``: none any more), each with its slowdown; the
+        plane shows them in status."""
+        return self._action("stragglers", {"step": int(step), "ranks": [int(r) for r in ranks],
+                                           "slowdown": [float(v) for v in slowdown]})
+
     def status(self) -> dict:
         return self._action("status", {})
 

@@ -54,6 +54,8 @@ class DataPlane(PlaneState):
         self.ray_namespace: str | None = None  # set by a plane running as a Ray actor
         self.served: dict[int, set[int]] = {}  # step -> ranks it was served to (this process)
         self.clients: dict[int, tuple[float, int]] = {}  # rank -> (monotonic time, step)
+        # the trainer's latest straggler report (report_stragglers): in memory only
+        self.stragglers: dict = {"ranks": [], "step": None, "slowdown": []}
         self.last_snapshot = -1
         opened = open_state(self.journal, config, restore_step)
         if opened is None:
@@ -419,6 +421,27 @@ class DataPlane(PlaneState):
                             "suspect, quarantined", step, event["reason"], len(wanted))
             return {"step": step, "samples": len(event["samples"])}
 
+    def report_stragglers(self, step: int, ranks: list, slowdown: list) -> dict:
+        """The trainer's stragglers as of ``step`` (``tools.train.stragglers``): data ranks
+        computing much slower than their plans predict, each with its slowdown; ``[]`` once
+        they recovered. Kept in memory for status and never journaled: an observation of the
+        hardware, not plane state -- a restart or an audit plans the same without it, and
+        the trainer reports again when the set changes."""
+        with self.lock:
+            if step < 0 or len(ranks) != len(slowdown) or len(set(ranks)) != len(ranks) \
+                    or any(r < 0 for r in ranks) \
+                    or not all(math.isfinite(v) and v > 0 for v in slowdown):
+                raise RequestError(f"stragglers: step >= 0, distinct ranks >= 0 and as many "
+                                   f"finite slowdowns > 0, got step {step}, ranks {ranks!r}, "
+                                   f"slowdown {slowdown!r}"[:500], Reason.INVALID)
+            order = sorted(range(len(ranks)), key=ranks.__getitem__)
+            self.stragglers = {"ranks": [ranks[i] for i in order], "step": step,
+                               "slowdown": [slowdown[i] for i in order]}
+            if ranks:
+                log.info("stragglers as of step %d: data rank(s) %s", step,
+                            ", ".join(map(str, self.stragglers["ranks"])))
+            return {"step": step, "ranks": len(ranks)}
+
     def _step_samples(self, step: int) -> set[tuple]:
         """(source, shard, key, epoch) of every sample in ``step``'s plans and replacements."""
         known = set()
@@ -437,6 +460,7 @@ class DataPlane(PlaneState):
                 row["corrupt_reported"] = self.corrupt.counts.get(row["source"], 0)
             status["corrupt_recent"] = list(self.corrupt.recent)
             status["suspect"] = self.suspects.status()
+            status["stragglers"] = dict(self.stragglers)
             if self.ray_namespace is not None:  # trainers' decoding pools go there too
                 status["ray_namespace"] = self.ray_namespace
             return status

@@ -69,6 +69,9 @@ ACTIONS = {
     "report_suspect": "the trainer did not apply a step (a non-finite or spiking loss): its "
                       "samples are suspect, quarantined from later epochs: {step, samples: "
                       "[{source, shard, key, epoch}], reason}",
+    "stragglers": "the data ranks the trainer finds computing much slower than planned, as of "
+                  "a step (kept in memory for status, not logged): {step, ranks: [int], "
+                  "slowdown: [float]}",
     "lane": "the TCP port of the plan lane (plan fetches without gRPC; see dataplane.lane): "
             "{} -> {port} (0: no lane)",
 }
@@ -300,6 +303,16 @@ class PlaneServer(flight.FlightServerBase):
                                                "(a string) are required")
             reply = _call(self.service.report_suspect, _int(body, "step"), body["samples"],
                           body["reason"])
+        elif kind == "stragglers":
+            ranks, slowdown = body.get("ranks"), body.get("slowdown")
+            if not (isinstance(ranks, list) and isinstance(slowdown, list)
+                    and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
+                    and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                            for v in slowdown)):
+                raise flight.FlightServerError("stragglers: 'ranks' (a list of integers) and "
+                                               "'slowdown' (a list of numbers) are required")
+            reply = _call(self.service.report_stragglers, _int(body, "step"), ranks,
+                          [float(v) for v in slowdown])
         else:
             raise flight.FlightServerError(
                 f"unknown action {kind!r} (one of {', '.join(sorted(ACTIONS))})")

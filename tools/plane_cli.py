@@ -38,7 +38,12 @@ def add_commands(commands) -> None:
     serve.add_argument("--sp-max", type=int, default=8)
     serve.add_argument("--costs", metavar="costs.json", default=None,
                        help="cost model of `omniscale balance calibrate` (default: relative "
-                            "costs, 24576·L + L²)")
+                            "costs, --cost-linear·L + --cost-quadratic·L²)")
+    serve.add_argument("--cost-linear", type=float, default=None, metavar="X",
+                       help="the LLM's relative cost per token, X·L (default 24576; the "
+                            "trainer's embedded plane uses the model's FLOPs ratio α/β)")
+    serve.add_argument("--cost-quadratic", type=float, default=None, metavar="Y",
+                       help="the LLM's relative cost of attention, Y·L² (default 1)")
     serve.add_argument("--frozen-encoders", metavar="KINDS", default="",
                        help="encoder kinds whose tower the trainers freeze (optim.groups), "
                             "comma-separated (image,video,audio): priced forward only")
@@ -115,7 +120,6 @@ def token_from(args: argparse.Namespace) -> str | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from omniscale.dataplane.auth import check_bind, read_pem
-    from omniscale.dataplane.plane import PlaneConfig
 
     args.token = token_from(args)
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -124,22 +128,48 @@ def _serve(args: argparse.Namespace) -> int:
         read_pem(args.tls_cert, "--tls-cert")
         read_pem(args.tls_key, "--tls-key")
     check_bind(args.host, args.token, args.tls_cert is not None, args.insecure)
-    config = PlaneConfig(
+    return (_serve_on_ray if args.ray else _serve_here)(args, serve_config(args))
+
+
+def serve_config(args: argparse.Namespace):
+    """The ``PlaneConfig`` of ``plane serve``'s flags."""
+    from omniscale.dataplane.plane import PlaneConfig
+
+    return PlaneConfig(
         dp=args.dp, micro_batch_tokens=args.micro_batch_tokens, window=args.window,
         global_batch_tokens=args.global_batch_tokens,
         global_batch_samples=args.global_batch_samples, sp_max=args.sp_max,
         snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens,
-        balance=args.balance, **_costs(args.costs),
+        balance=args.balance, **_costs(args),
         frozen_encoders=tuple(k.strip() for k in args.frozen_encoders.split(",") if k.strip()))
-    return (_serve_on_ray if args.ray else _serve_here)(args, config)
 
 
-def _costs(path: str | None) -> dict:
-    if path is None:
-        return {}
-    from omniscale.tools.balance_calibrate import plane_costs
+def _costs(args: argparse.Namespace) -> dict:
+    """The starting cost model: a calibration (``--costs``) or the LLM's two relative
+    coefficients (``--cost-linear``/``--cost-quadratic``, each defaulting to PlaneConfig's);
+    checked as the plane checks a refit (``DataPlane.set_costs``)."""
+    import math
 
-    return plane_costs(path)
+    from omniscale.dataplane.plane import MAX_COST
+
+    given = {name: value for name, value in (("cost_linear", args.cost_linear),
+                                             ("cost_quadratic", args.cost_quadratic))
+             if value is not None}
+    if args.costs is not None:
+        if given:  # a calibration has its own LLM coefficients, in seconds
+            raise UserError("--costs and --cost-linear/--cost-quadratic: give one cost model "
+                            "(a calibration brings its own LLM coefficients)")
+        from omniscale.tools.balance_calibrate import plane_costs
+
+        return plane_costs(args.costs)
+    for name, value in given.items():
+        if not (math.isfinite(value) and 0 <= value <= MAX_COST):
+            raise UserError(f"--{name.replace('_', '-')} {value:g}: must be finite, in [0, "
+                            f"{MAX_COST:g}]")
+    if given and not any(given.get(n, 1.0) for n in ("cost_linear", "cost_quadratic")):
+        raise UserError("--cost-linear and --cost-quadratic: not both 0 (every sample would "
+                        "cost nothing)")
+    return given
 
 
 def _serve_here(args: argparse.Namespace, config) -> int:

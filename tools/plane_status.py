@@ -108,4 +108,9 @@ def _footer(s: dict) -> list[str]:
                      f"the trainer did not apply (quarantined); the latest:")
         lines += [f"  step {r['step']}: {r['source']}/{r['key']} ({r['shard']}): {r['reason']}"
                   for r in suspect["recent"][-5:]]
+    stragglers = s.get("stragglers") or {}
+    if stragglers.get("ranks"):
+        lines.append(f"stragglers (the trainer, as of step {stragglers['step']}): " + ", ".join(
+            f"data rank {r} at {v:.1f}× its predicted compute"
+            for r, v in zip(stragglers["ranks"], stragglers["slowdown"])))
     return lines

@@ -164,15 +164,42 @@ def test_first_host_of_a_nodelist_without_scontrol(nodelist, first):
 
 
 def test_plane_args_plan_for_the_data_ranks(mix, tmp_path):
-    """The plane's --dp is the data ranks: 4 processes at tp=2 are 2 of them."""
+    """The plane's --dp is the data ranks: 4 processes at tp=2 are 2 of them; its cost model
+    is the model's own, as the embedded plane's: `plane serve` with these flags plans with
+    the embedded plane's very settings."""
+    from omniscale.tools.cli import build_parser
     from omniscale.tools.launch.plane_args import serve_flags
+    from omniscale.tools.plane_cli import serve_config
     from omniscale.tools.train.config import load_config
+    from omniscale.tools.train.loop import layout, plane_config
 
     sets = [f"data.spec={mix}", "parallel.tp=2", "checkpoint_every=7", "data.window=2"]
     cfg, _ = load_config(ROOT / "configs" / "demo_omni.yaml", sets)
     flags = serve_flags(cfg, tmp_path / "run", world=4)
     got = dict(zip(flags[::2], flags[1::2], strict=True))
+    _, mcfg, dims, groups = layout(cfg, 4)
+    embedded = plane_config(cfg, dims.dp_sp, mcfg.cost_coefficients(), groups.frozen_kinds)
+    assert embedded.cost_linear != 24576.0  # not the plane's default: the model's α/β
     assert got == {"--spec": str(mix), "--state-dir": str(tmp_path / "run" / "plane"),
                    "--dp": "2", "--sp-max": "1", "--balance": "omniscale", "--window": "2",
                    "--global-batch-tokens": "8192", "--micro-batch-tokens": "4096",
-                   "--snapshot-every": "7"}
+                   "--snapshot-every": "7", "--cost-linear": repr(embedded.cost_linear),
+                   "--cost-quadratic": repr(embedded.cost_quadratic)}
+    assert serve_config(build_parser().parse_args(["plane", "serve", *flags])) == embedded
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cost-linear", "nan"], "--cost-linear nan: must be finite, in [0, 1e+12]"),
+    (["--cost-quadratic", "-1"], "--cost-quadratic -1: must be finite"),
+    (["--cost-linear", "0", "--cost-quadratic", "0"], "not both 0"),
+    (["--costs", "costs.json", "--cost-linear", "1"], "--costs and --cost-linear"),
+])
+def test_plane_serve_refuses_a_bad_cost_model_in_one_line(flags, message, tmp_path, capsys):
+    from omniscale.tools.cli import main
+
+    base = ["plane", "serve", "--state-dir", str(tmp_path / "state"), "--dp", "2",
+            "--global-batch-tokens", "4096"]
+    assert main(base + flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "state").exists()  # refused before anything started

@@ -14,8 +14,10 @@ trainer's rank 0 would (the demo generated when the spec is missing, indexes bro
 date; cheap when current). The plane's state goes to ``RUN_DIR/plane``, where the embedded
 plane keeps it; with ``--resume`` the plane restores the checkpoint's step.
 
-The plane's starting cost model is its default (24576·L + L², refit during the run) unless
-``data.costs`` names a calibration: ``plane serve`` has no flag for the model's own (α, β).
+The plane starts from the cost model the embedded plane would: ``data.costs``'s calibration
+(``--costs``), else the model's own FLOPs per sequence (``--cost-linear α/β --cost-quadratic
+1``, ``ModelConfig.cost_coefficients``) -- the same settings, so a restart of the state dir
+under either kind of plane is accepted (``dataplane.restore.check_settings``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ def serve_flags(cfg, run_dir, world: int, restore_step: int | None = None) -> li
     ``world`` processes; every value is one list item."""
     from omniscale.tools.train.loop import layout, plane_config
 
-    _, _, dims, groups = layout(cfg, world)  # an impossible layout: one line, as in training
-    config = plane_config(cfg, dims.dp_sp, None, groups.frozen_kinds)
+    _, mcfg, dims, groups = layout(cfg, world)  # an impossible layout: one line, as in training
+    cost = mcfg.cost_coefficients() if mcfg is not None else None  # as loop._train_rank's
+    config = plane_config(cfg, dims.dp_sp, cost, groups.frozen_kinds)
     flags = ["--spec", cfg.data.spec, "--state-dir", str(run_dir / "plane"),
              "--dp", config.dp, "--sp-max", config.sp_max, "--balance", config.balance,
              "--window", config.window, "--global-batch-tokens", config.global_batch_tokens,
@@ -43,6 +46,9 @@ def serve_flags(cfg, run_dir, world: int, restore_step: int | None = None) -> li
         flags += ["--frozen-encoders", ",".join(config.frozen_encoders)]
     if cfg.data.costs:
         flags += ["--costs", cfg.data.costs]
+    else:  # repr round-trips a float exactly: the plane's settings equal the embedded one's
+        flags += ["--cost-linear", repr(config.cost_linear),
+                  "--cost-quadratic", repr(config.cost_quadratic)]
     if restore_step is not None:
         flags += ["--restore-step", restore_step]
     return [str(f) for f in flags]

@@ -212,7 +212,7 @@ class GuardSection(_Strict):
 
 
 class WatchdogSection(_Strict):
-    """Hangs and stragglers (``tools.train.watchdog``)."""
+    """Hangs (``tools.train.watchdog``) and stragglers (``tools.train.stragglers``)."""
 
     # no step finished for this long (the first step: twice it, for compilation): every
     # thread's stack to RUN_DIR/hang-rankR.txt and the run exits with one line (0: off)
@@ -281,6 +281,15 @@ class HangSection(_Strict):
     seconds: float = Field(3600.0, gt=0)
 
 
+class SlowRankSection(_Strict):
+    """A test's straggler (``debug.slow_rank``): data rank ``rank`` computes ``seconds``
+    longer at every step from ``from_step`` (``watchdog.injected_slowness``)."""
+
+    rank: int = Field(0, ge=0)
+    seconds: float = Field(gt=0)
+    from_step: int = Field(0, ge=0)
+
+
 class DebugSection(_Strict):
     # Write every parameter's gradient (before clipping, gathered from the FSDP shards) at
     # this step to RUN_DIR/grads-step-N.pt (tools.train.step.dump_gradients; omni and lm).
@@ -290,6 +299,7 @@ class DebugSection(_Strict):
     # other file, before meta.json (synchronous saves)
     kill_in_save: int | None = Field(None, ge=1)
     hang: HangSection | None = None
+    slow_rank: SlowRankSection | None = None
 
 
 class RunConfig(_Strict):

@@ -420,3 +420,4 @@ def _log(ctx: StepContext, rows: list[dict], writer, bar, spec, client, tokens_b
             writer.write(row)
         bar.update(f"loss {row['loss']:.3f}  lr {row['lr']:.2e}  "
                    f"{row['tokens_per_s']:,.0f} tok/s")
+    ctx.stragglers.tell(client, ctx.writer)  # the plane's status names them (changes only)

@@ -101,9 +101,17 @@ def step_record(step: int, batch, **fields) -> StepRecord:
 def _timing(ctx, record: StepRecord, costs: list[float], secs: list[float],
             walls: list[float], waits: list[float]) -> dict:
     """Per-rank predicted cost vs measured compute seconds (their imbalance is the honest
-    one: waiting excluded), the data wait, and the wall-clock step the slowest rank sets
-    (every task's row has these)."""
-    predicted = ctx.fit.k * max(costs) if ctx.fit.k is not None else None
+    one: waiting excluded), the data wait, the wall-clock step the slowest rank sets, each
+    rank's slowdown against the cost fit and the stragglers (``stragglers``; every task's
+    row has these)."""
+    k = ctx.fit.k  # from the steps before this one: the prediction this step is judged by
+    predicted = k * max(costs) if k is not None else None
+    watchdog = ctx.cfg.watchdog
+    slow, lines = ctx.stragglers.observe(record.step, costs, secs, k,
+                                         watchdog.straggler_factor, watchdog.straggler_steps)
+    if ctx.writer:
+        for line in lines:
+            print(line, flush=True)
     ctx.fit.update(costs, secs)
     step_s = max(s + w for s, w in zip(walls, waits))
     return {"step_s": step_s, "data_wait_frac": max(waits) / max(step_s, 1e-9),
@@ -111,7 +119,7 @@ def _timing(ctx, record: StepRecord, costs: list[float], secs: list[float],
             "rank_compute_s": secs, "rank_wall_s": walls, "rank_predicted_cost": costs,
             "compute_clock": ctx.clock.kind,
             **record.plan,
-            "imbalance_measured": max(secs) / max(sum(secs) / len(secs), 1e-12)}
+            "imbalance_measured": max(secs) / max(sum(secs) / len(secs), 1e-12), **slow}
 
 
 def flush(ctx, records: list[StepRecord]) -> list[dict]:

@@ -32,6 +32,8 @@ from omniscale.tools.train.guard import guarded_update, poisoned
 from omniscale.tools.train.media_step import encode_and_reshard
 from omniscale.tools.train.metrics import CostFit, CostRefit
 from omniscale.tools.train.records import StepRecord, StepSums, step_record
+from omniscale.tools.train.stragglers import StragglerTracker
+from omniscale.tools.train.watchdog import injected_slowness
 
 
 @dataclasses.dataclass
@@ -57,6 +59,7 @@ class StepContext:
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
     guard: object = None  # guard.UpdateGuard (None: every step applied, no verdict to wait for)
+    stragglers: StragglerTracker = dataclasses.field(default_factory=StragglerTracker)
 
     @property
     def sum_group(self):
@@ -209,6 +212,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepReco
     AdamW → record."""
     cfg = ctx.cfg
     ctx.clock.start()
+    injected_slowness(cfg, step, ctx.rank)  # inside the clock: it counts as compute
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
     media = encode_and_reshard(model, batch, ctx.rank, ctx.world, group=ctx.group,
