@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from omniscale.tools.train.config import load_config
+from omniscale.tools.train.evaluate import evaluate_run
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 
@@ -34,3 +36,10 @@ def test_video_gen_task_trains_the_dit_on_two_processes(demo, tmp_path):
     assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3])
     held_out = results["video_caption"]
     assert held_out["n_targets"] > 0 and math.isfinite(held_out["loss"])
+    # the two ranks' evaluation of their halves (tools.train.held_out) is one process's of
+    # the whole held-out set, the same noise per clip (up to the order of the sums)
+    cfg, _ = load_config(tmp_path / "vg" / "config.yaml")
+    one = evaluate_run(cfg, tmp_path / "vg", verbose=False)["video_caption"]
+    assert one.keys() == held_out.keys() and one["samples"] == held_out["samples"]
+    for key, value in one.items():
+        assert math.isclose(held_out[key], value, rel_tol=1e-9), key

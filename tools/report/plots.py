@@ -436,6 +436,38 @@ def _summed_expert_load(load_rows: list[dict]) -> np.ndarray | None:
 
 
 # Order of the report's sections, and each figure's file name.
+def plot_eval(rows: list[dict], path: Path, accounting: str | None = None) -> Plot:
+    """The held-out figures the trainer logged during training (``eval.every``: a row's
+    ``eval``, ``source/metric``): accuracy per source (omni, lm) or velocity loss (video_gen)."""
+    plot = Plot("Held-out evaluation during training", None)
+    for metric, label in (("accuracy", "teacher-forced token accuracy"),
+                          ("loss", "velocity loss")):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for row in rows:
+            for key, value in (row.get("eval") or {}).items():
+                source, _, name = key.rpartition("/")
+                if name == metric and is_number(value) and is_number(row.get("step")):
+                    series.setdefault(source, []).append((int(row["step"]) + 1, float(value)))
+        if series:
+            break
+    if not series:
+        plot.notes.append("skipped: no row records `eval` (set eval.every to evaluate during "
+                          "training)")
+        return plot
+    fig, (ax,) = _figure(1)
+    for i, (source, points) in enumerate(sorted(series.items())):
+        steps, values = zip(*points)
+        ax.plot(steps, values, marker="o", color=f"C{i % 10}", label=source)
+    ax.set_title(f"held-out {label} after N steps")
+    ax.set_ylabel(metric)
+    ax.set_xlabel("steps trained")
+    _integer_ticks(ax.xaxis)
+    _legend(ax, len(series))
+    _save(fig, path)
+    plot.file = path.name
+    return plot
+
+
 PLOTS = (("loss.png", plot_loss), ("throughput.png", plot_throughput),
          ("mixture.png", plot_mixture), ("rank_load.png", plot_rank_load),
-         ("expert_load.png", plot_expert_load))
+         ("expert_load.png", plot_expert_load), ("eval.png", plot_eval))

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from omniscale.backbone.omni import scatter_media
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.location import is_url
 from omniscale.dataplane.plane import PlaneConfig
@@ -53,26 +52,63 @@ def _one_source_spec(eval_spec: Path, name: str, out: Path) -> Path:
 
 
 @torch.no_grad()
+def scored(model, mb) -> tuple[int, int, Counter]:
+    """(correct, counted, target-token counts) of one micro-batch, teacher-forced: the model's
+    own ``encode_media`` and ``decode`` (under FSDP, forward methods: every rank must call
+    them alike), then the head's argmax at the labelled positions."""
+    media = model.encode_media(mb)
+    hidden_TD, _ = model.decode(mb, media.items)
+    labels_T = mb.labels_T.to(hidden_TD.device)
+    mask = labels_T != IGNORE_INDEX
+    pred = model.decoder.logits(hidden_TD[mask]).argmax(-1)
+    labels = labels_T[mask]
+    return int((pred == labels).sum()), int(mask.sum()), Counter(labels.tolist())
+
+
 def caption_accuracy(model, batches) -> tuple[int, int, Counter]:
     """(correct, counted, target-token counts) over the micro-batches."""
     correct = total = 0
     targets: Counter = Counter()
-    dec = model.decoder
     for mb in batches:
         if mb.num_tokens == 0:
             continue
-        media = model.encode_media(mb)
-        embeds_TD = scatter_media(dec.embed_tokens(mb.input_ids_T), mb.media_token_start_M,
-                                  media.items, mb.media_sample_M, mb.cu_seqlens_S1)
-        hidden_TD, _ = dec(embeds_TD, mb.position_ids_T, mb.cu_seqlens_S1, mb.max_seqlen,
-                           mrope_3T=mb.mrope_3T)
-        mask = mb.labels_T != IGNORE_INDEX
-        pred = (hidden_TD[mask] @ dec.lm_weight_VD.T).argmax(-1)
-        labels = mb.labels_T[mask]
-        correct += int((pred == labels).sum())
-        total += int(mask.sum())
-        targets.update(labels.tolist())
+        c, n, t = scored(model, mb)
+        correct, total = correct + c, total + n
+        targets.update(t)
     return correct, total, targets
+
+
+def accuracy_result(samples: int, correct: int, total: int, targets: Counter,
+                    vocab_size: int) -> dict:
+    """One source's row: accuracy beside the uniform and majority-token chance levels."""
+    return {"samples": samples, "tokens": total,
+            "accuracy": correct / total if total else 0.0,
+            "chance_uniform": 1.0 / vocab_size,
+            "chance_majority": max(targets.values()) / total if total else 0.0}
+
+
+def scored_sources(cfg: RunConfig, spec) -> list[str]:
+    """The eval spec's sources the task scores: lm, the text sources; omni, the captions and
+    conversations (a conversation's labelled tokens are its answers, loaders.chat); video_gen,
+    the video captions."""
+    if cfg.task == "video_gen":
+        return [s.name for s in spec.sources if s.template == "video_caption"]
+    if cfg.task == "lm":
+        return [s.name for s in spec.sources if s.template in TEXT_TEMPLATES]
+    return [s.name for s in spec.sources
+            if s.template.endswith("_caption") or s.template == "conversation"]
+
+
+def report(cfg: RunConfig, spec, results: dict, step: int) -> None:
+    """The results as the user sees them (a table; video_gen: one line)."""
+    if cfg.task == "video_gen":
+        print(f"held-out velocity loss (checkpoint step {step}): " + ", ".join(
+            f"{n} {r['loss']:.4f}" for n, r in results.items()))
+        return
+    what = "next-token" if cfg.task == "lm" else "caption"
+    if results and all(s.template == "conversation" for s in spec.sources if s.name in results):
+        what = "answer-token"
+    _print(results, step, what)
 
 
 def _batches(cfg: RunConfig, eval_spec: Path, source: str, out_dir: Path):
@@ -114,44 +150,28 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
     spec = load_spec(eval_spec)
     out_dir = run_dir / "eval"
     out_dir.mkdir(exist_ok=True)
+    results = {}
     if cfg.task == "video_gen":
         from omniscale.tools.train.video_gen import build_video_model, evaluate_video_gen
 
         model = build_video_model(cfg, spec, torch.device("cpu"))
         checkpoint.load(found[1], model, None)
         model.eval()
-        results = {}
-        for source in [s.name for s in spec.sources if s.template == "video_caption"]:
+        for source in scored_sources(cfg, spec):
             batches, samples = _batches(cfg, eval_spec, source, out_dir)
             r = evaluate_video_gen(model, batches)
             results[source] = {"samples": samples, **{k: float(v) for k, v in r.items()}}
-        if verbose:
-            print(f"held-out velocity loss (checkpoint step {found[0]}): " + ", ".join(
-                f"{n} {r['loss']:.4f}" for n, r in results.items()))
-        return results
-    mcfg = model_config(cfg, spec.media, spec.tokenizer)
-    model = build_model(mcfg, cfg.seed, torch.device("cpu"))
-    checkpoint.load(found[1], model, None)
-    model.eval()
-    if cfg.task == "lm":
-        chosen = [s.name for s in spec.sources if s.template in TEXT_TEMPLATES]
-    else:  # a conversation's labelled tokens are its answers (loaders.chat)
-        chosen = [s.name for s in spec.sources
-                  if s.template.endswith("_caption") or s.template == "conversation"]
-    results = {}
-    for source in chosen:
-        batches, samples = _batches(cfg, eval_spec, source, out_dir)
-        correct, total, targets = caption_accuracy(model, batches)
-        majority = max(targets.values()) / total if total else 0.0
-        results[source] = {"samples": samples, "tokens": total,
-                           "accuracy": correct / total if total else 0.0,
-                           "chance_uniform": 1.0 / mcfg.vocab_size,
-                           "chance_majority": majority}
+    else:
+        mcfg = model_config(cfg, spec.media, spec.tokenizer)
+        model = build_model(mcfg, cfg.seed, torch.device("cpu"))
+        checkpoint.load(found[1], model, None)
+        model.eval()
+        for source in scored_sources(cfg, spec):
+            batches, samples = _batches(cfg, eval_spec, source, out_dir)
+            results[source] = accuracy_result(samples, *caption_accuracy(model, batches),
+                                              mcfg.vocab_size)
     if verbose:
-        what = "next-token" if cfg.task == "lm" else "caption"
-        if chosen and all(s.template == "conversation" for s in spec.sources if s.name in chosen):
-            what = "answer-token"
-        _print(results, found[0], what)
+        report(cfg, spec, results, found[0])
     return results
 
 

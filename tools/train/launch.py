@@ -24,6 +24,7 @@ from omniscale.dataplane.errors import UserError
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.config import RunConfig, load_config
 from omniscale.tools.train.fork_server import adopt_environment, launch_environment, start_method
+from omniscale.tools.train.held_out import notice as eval_notice
 from omniscale.tools.train.loop import RankJob, layout, mesh_dims, train_rank
 from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
 from omniscale.tools.train.trackers import check_trackers
@@ -140,6 +141,8 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
         raise UserError(f"--nproc {nproc}: must be >= 1")
     rank, world = torchrun_layout(nproc, plane) if under_torchrun() else (0, 1)
     cfg, run_dir = resolve_config(config, resume, list(sets))
+    if rank == 0 and (line := eval_notice(cfg)):
+        print(f"omniscale train: {line}", flush=True)
     check_trackers(cfg)  # metrics.wandb without the package: one line before anything starts
     if rank == 0:
         ensure_data(cfg)
@@ -214,11 +217,25 @@ def _finish(cfg, run_dir: Path, start: int, plane, plane_token) -> dict:
               "corrupt": corrupt_report(run_dir, cfg.steps, plane, plane_token),
               "suspect": suspect_report(run_dir, plane, plane_token)}
     if cfg.eval.enabled and cfg.data.eval_spec:
-        from omniscale.tools.train.evaluate import evaluate_run
-
-        result["eval"] = evaluate_run(cfg, run_dir)
+        result["eval"] = _final_eval(cfg, run_dir)
     (run_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _final_eval(cfg, run_dir: Path) -> dict:
+    """The last step's held-out results: the ranks' (``held_out``, RUN_DIR/eval.json), or on
+    layouts they cannot evaluate, the last checkpoint's evaluated here (``evaluate_run``)."""
+    from omniscale.tools.train import evaluate
+    from omniscale.tools.train.held_out import evaluates_in_ranks
+
+    done = run_dir / "eval.json"
+    if evaluates_in_ranks(cfg) and done.exists():
+        found = json.loads(done.read_text())
+        if found.get("step") == cfg.steps:
+            evaluate.report(cfg, evaluate.load_spec(cfg.data.eval_spec), found["eval"],
+                            found["step"])
+            return found["eval"]
+    return evaluate.evaluate_run(cfg, run_dir)
 
 
 MAX_LISTED = 100  # corrupt samples listed in result.json (the count is always whole)

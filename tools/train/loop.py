@@ -33,6 +33,7 @@ from omniscale.tools.train.build import (
 from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.guard import report_suspects, seeded
+from omniscale.tools.train.held_out import HeldOut, evaluates_in_ranks, flat
 from omniscale.tools.train.metrics import MetricsWriter, Progress
 from omniscale.tools.train.pipeline_step import pipeline_step
 from omniscale.tools.train.profiler import step_profiler
@@ -174,7 +175,9 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
                           writer=rank == 0, devices=world,
                           encoder_copies=dims.tp // dims.encoder_tp, tp_rank=dims.tp_rank(rank),
                           pipeline=meshes.pipeline, clock=ComputeClock(device.type))
-        _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn)
+        held_out = HeldOut(cfg, run_dir, mcfg.vocab_size if mcfg is not None else None) \
+            if evaluates_in_ranks(cfg) else None
+        _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn, held_out)
         dist.barrier()  # nobody stops the plane while another rank still talks to it
     finally:
         if loader is not None:
@@ -339,7 +342,10 @@ def _refit(ctx: StepContext, client) -> dict | None:
     return fitted
 
 
-def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_fn) -> None:
+def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_fn,
+          held_out=None) -> None:
+    """The steps from ``job.start_step``: train, commit, evaluate (``held_out``:
+    ``held_out.HeldOut``, every ``eval.every`` steps and after the last), log, checkpoint."""
     cfg, rank = ctx.cfg, dist.get_rank()  # the global rank: files are written by rank 0
     writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step, cfg.metrics.wandb,
                            job.raw_config) if ctx.writer else None
@@ -371,9 +377,15 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
                 _log(ctx, flush(ctx, records), writer, bar, spec, client, tokens_before, None)
                 ctx.guard.stop(step, skipped, run_dir)
             done = step + 1
+            held = held_out.evaluate(model, done) if held_out and held_out.due(done) else None
+            if held is not None and watchdog is not None:
+                watchdog.beat(step)  # the evaluation is no hang
             save = done % cfg.checkpoint_every == 0 or done == cfg.steps
-            if save or done % cfg.log_every == 0:  # every step it covers is logged first
-                _log(ctx, flush(ctx, records), writer, bar, spec, client, tokens_before,
+            if save or done % cfg.log_every == 0 or held:  # every step it covers is logged
+                rows = flush(ctx, records)
+                if held:
+                    rows[-1]["eval"] = flat(held)
+                _log(ctx, rows, writer, bar, spec, client, tokens_before,
                      checkpoint=done if save else None,
                      pools=getattr(loader, "pool_stats", None))
                 records = []

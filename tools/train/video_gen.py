@@ -184,8 +184,8 @@ def video_gen_loss(model: VideoDiT, mb: PackedBatch, generator: torch.Generator)
 
 
 @torch.no_grad()
-def evaluate_video_gen(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = EVAL_SEED
-                       ) -> dict:
+def evaluate_video_gen(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = EVAL_SEED,
+                       indices: list[int] | None = None) -> dict:
     """Held-out velocity loss at fixed flow times, deterministic.
 
     Batch ``i``'s noise comes from a CPU ``torch.Generator`` seeded ``seed + i`` (the same
@@ -193,7 +193,8 @@ def evaluate_video_gen(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = E
     Returns ``loss`` (mean per-patch velocity MSE over all times), ``loss_t{t}`` per time,
     and ``loss_sum`` / ``n_targets`` (summed over times) for an all-reduce across ranks.
     Every batch runs ``len(times)`` forwards, dummy ones when it holds no video, so ranks
-    handed the same number of batches run the same collectives under FSDP.
+    handed the same number of batches run the same collectives under FSDP. ``indices``: each
+    batch's index in the whole eval set (a rank's slice of it), for its noise seed.
     """
     device = _device(model)
     sums = {t: 0.0 for t in times}
@@ -204,7 +205,7 @@ def evaluate_video_gen(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = E
             for _ in times:
                 _dummy_forward(model, device)
             continue
-        gen = torch.Generator().manual_seed(seed + i)
+        gen = torch.Generator().manual_seed(seed + (indices[i] if indices is not None else i))
         noise_PC = torch.randn(clips.x0_PC.shape, generator=gen).to(device)
         clips = clips.to(device)
         x0_PC, n_clips = clips.x0_PC, clips.grid_thw_V3.shape[0]

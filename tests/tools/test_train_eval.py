@@ -1,0 +1,65 @@
+"""Evaluation during training (``eval.every``, ``tools.train.held_out``): on 2 processes each
+rank scores its slice of the held-out set on the FSDP-sharded model, and the results equal one
+process's evaluation of the same checkpoint on the whole unsharded model
+(``evaluate.evaluate_run``, the independent path); they are logged in the metrics rows and are
+the run's final evaluation; evaluating does not change what the run trains."""
+
+from __future__ import annotations
+
+import json
+
+from omniscale.tools.train.config import load_config
+from omniscale.tools.train.evaluate import evaluate_run
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.metrics import read_metrics
+
+
+def _sets(demo, out, **extra) -> list[str]:
+    sets = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
+            "data.workers": 0, "data.global_batch_tokens": 4096,
+            "data.micro_batch_tokens": 2048, "optim.warmup_steps": 1, "eval.max_samples": 6,
+            "output_dir": out, **extra}
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def test_two_ranks_evaluate_what_one_process_does(demo, tmp_path):
+    run = tmp_path / "run"
+    result = train("configs/demo_omni.yaml", nproc=2, progress=False, sets=_sets(
+        demo, run, steps=4, checkpoint_every=4, **{"eval.every": 2}))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert ["eval" in r for r in rows] == [False, True, False, True]
+    final = result["eval"]
+    assert set(final) == {"image_caption", "video_caption", "audio_caption"}
+    assert all(r["tokens"] > 0 and r["samples"] >= 6 for r in final.values())
+    assert json.loads((run / "eval.json").read_text()) == {"step": 4, "eval": final}
+    assert rows[3]["eval"] == {f"{s}/{k}": v for s, r in final.items() for k, v in r.items()}
+    # one process, the unsharded model loaded from the step-4 checkpoint, the whole set
+    cfg, _ = load_config(run / "config.yaml")
+    assert evaluate_run(cfg, run, verbose=False) == final
+
+
+def test_evaluating_during_training_changes_nothing_trained(demo, tmp_path):
+    with_eval, without = tmp_path / "with", tmp_path / "without"
+    train("configs/demo_omni.yaml", progress=False, sets=_sets(
+        demo, with_eval, steps=3, **{"eval.every": 1}))
+    train("configs/demo_omni.yaml", progress=False, sets=_sets(
+        demo, without, steps=3, **{"eval.enabled": False}))
+    a, b = read_metrics(with_eval / "metrics.jsonl"), read_metrics(without / "metrics.jsonl")
+    assert all("eval" in r for r in a) and not any("eval" in r for r in b)
+    for x, y in zip(a, b, strict=True):
+        assert (x["loss"], x["grad_norm"], x["mix_samples"]) == \
+            (y["loss"], y["grad_norm"], y["mix_samples"])
+
+
+def test_eval_every_on_a_layout_it_cannot_shard_says_so_in_one_line(demo, tmp_path):
+    from omniscale.tools.train.held_out import evaluates_in_ranks, notice
+
+    cfg, _ = load_config("configs/demo_omni.yaml", _sets(demo, tmp_path, **{
+        "eval.every": 2, "parallel.tp": 2}))
+    line = notice(cfg)
+    assert line == ("eval.every=2: evaluation during training runs on FSDP / HSDP layouts only "
+                    "(this run has tp=2, pp=1, sp=1, ep=1); the last checkpoint is evaluated "
+                    "after training instead")
+    assert not evaluates_in_ranks(cfg)  # the launcher evaluates the last checkpoint
+    cfg.parallel.tp = 1
+    assert notice(cfg) is None and evaluates_in_ranks(cfg)

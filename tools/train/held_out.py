@@ -1,0 +1,163 @@
+"""Evaluation during training (``eval.every``) on the sharded model: the held-out set is read
+once (rank 0, through the same one-source planes and loaders as ``tools.train.evaluate``) and
+sent to every rank; each data rank scores its slice of the micro-batches (every ``world``-th),
+the slices padded with placeholder micro-batches so every rank runs the same forwards (FSDP's
+collectives line up), and the counts are gathered: the results equal one process's evaluation
+of the same weights (tests/tools/test_train_eval.py). The run's last step is evaluated the same
+way (``RUN_DIR/eval.json``: what ``result.json`` and the report show).
+
+Evaluation draws nothing from the training stream: its planes are its own (``RUN_DIR/eval``),
+it runs under ``torch.no_grad`` in eval mode, and video_gen's noise comes from seeded
+generators, so a run with ``eval.every`` trains bit for bit what one without it trains.
+
+Layouts: FSDP and HSDP (every rank a data rank). Under tensor, sequence, expert or pipeline
+parallelism the ranks do not each hold whole forward passes for a slice: there the launcher says
+so in one line, nothing is evaluated during training, and the final evaluation runs after
+training on the last checkpoint (``evaluate.evaluate_run``), as before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from omniscale.dataplane.spec import load_spec
+
+
+def supported(cfg) -> bool:
+    """Whether this run's layout evaluates in the ranks (module docstring)."""
+    p = cfg.parallel
+    return p.tp == 1 and p.pp == 1 and p.sp == 1 and p.ep == 1
+
+
+def evaluates_in_ranks(cfg) -> bool:
+    """Whether the ranks evaluate this run (during training and after its last step)."""
+    return bool(cfg.eval.enabled and cfg.data.eval_spec) and supported(cfg)
+
+
+def notice(cfg) -> str | None:
+    """The line the launcher prints when ``eval.every`` cannot run on this layout (the run
+    goes on: its last checkpoint is evaluated after training), else None."""
+    if cfg.eval.enabled and cfg.data.eval_spec and cfg.eval.every and not supported(cfg):
+        return (f"eval.every={cfg.eval.every}: evaluation during training runs on FSDP / HSDP "
+                f"layouts only (this run has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, "
+                f"sp={cfg.parallel.sp}, ep={cfg.parallel.ep}); the last checkpoint is evaluated "
+                f"after training instead")
+    return None
+
+
+class HeldOut:
+    """The run's held-out evaluation inside the ranks (every rank makes one, calls
+    :meth:`evaluate` at the same steps)."""
+
+    def __init__(self, cfg, run_dir: Path, vocab_size: int | None) -> None:
+        self.cfg, self.run_dir, self.vocab_size = cfg, Path(run_dir), vocab_size
+        self.sets: dict[str, tuple[list, int]] | None = None  # source -> (micro-batches, samples)
+        self.spec = load_spec(cfg.data.eval_spec)
+
+    def due(self, done: int) -> bool:
+        every = self.cfg.eval.every
+        return done == self.cfg.steps or (every > 0 and done % every == 0)
+
+    def _read(self) -> dict[str, tuple[list, int]]:
+        """Rank 0 reads every scored source's held-out micro-batches; all ranks get them."""
+        from omniscale.tools.train import evaluate
+
+        box = [None]
+        if dist.get_rank() == 0:
+            out = self.run_dir / "eval"
+            out.mkdir(exist_ok=True)
+            box = [{source: evaluate._batches(self.cfg, Path(self.cfg.data.eval_spec), source, out)
+                    for source in evaluate.scored_sources(self.cfg, self.spec)}]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def evaluate(self, model, done: int) -> dict:
+        """Every source's results after ``done`` steps (every rank gets them); rank 0 writes the
+        last step's to ``RUN_DIR/eval.json``."""
+        if self.sets is None:
+            self.sets = self._read()
+        was_training = model.training
+        model.eval()
+        try:
+            results = {source: self._score(model, mbs, samples)
+                       for source, (mbs, samples) in self.sets.items()}
+        finally:
+            model.train(was_training)
+        if done == self.cfg.steps and dist.get_rank() == 0:
+            (self.run_dir / "eval.json").write_text(json.dumps(
+                {"step": done, "eval": results}, indent=1) + "\n")
+        return results
+
+    def _score(self, model, mbs: list, samples: int) -> dict:
+        from omniscale.loaders.collate import collate
+        from omniscale.tools.train.step import placeholder
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        # one token, no media, its label ignored: scores nothing, runs every encoder's dummy
+        pad = placeholder(collate([], self.spec.media))
+        mine = [(i, mb if mb.num_tokens else pad) for i, mb in enumerate(mbs)
+                if i % world == rank]
+        # every rank the same number of forwards: the longest slice's
+        mine += [(None, pad)] * (-(-len(mbs) // world) - len(mine))
+        if self.cfg.task == "video_gen":
+            return self._velocity(model, mine, samples)
+        from omniscale.tools.train import evaluate  # it imports the loop, which imports this
+
+        correct = total = 0
+        targets: Counter = Counter()
+        with torch.no_grad():
+            for i, mb in mine:
+                c, n, t = evaluate.scored(model, mb)
+                if i is not None:
+                    correct, total = correct + c, total + n
+                    targets.update(t)
+        parts: list = [None] * world
+        dist.all_gather_object(parts, (correct, total, targets))
+        correct, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        return evaluate.accuracy_result(samples, correct, total,
+                                        sum((p[2] for p in parts), Counter()), self.vocab_size)
+
+    def _velocity(self, model, mine: list, samples: int) -> dict:
+        """video_gen: the velocity loss at the eval's fixed times, each batch with the noise
+        of its index in the whole set (as one process draws it)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from omniscale.tools.train.video_gen import EVAL_TIMES, evaluate_video_gen
+
+        # the DiT's velocity() is no FSDP forward method: its root parameters (time and
+        # caption embeddings, the final layer) are gathered here for the evaluation's calls
+        root = model if isinstance(model, FSDPModule) else None
+        if root is not None:
+            root.unshard()
+        try:
+            with torch.no_grad():
+                r = evaluate_video_gen(model, [mb for _, mb in mine],
+                                       indices=[i if i is not None else -1 for i, _ in mine])
+        finally:
+            if root is not None:
+                root.reshard()
+        n = r["n_targets"] // len(EVAL_TIMES)
+        local = [r["loss_sum"], float(n)] + [r[f"loss_t{t:g}"] * n if n else 0.0
+                                             for t in EVAL_TIMES]
+        # on the model's device: NCCL reduces CUDA tensors only
+        sums = torch.tensor(local, dtype=torch.float64, device=next(model.parameters()).device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+        total, n = float(sums[0]), float(sums[1])
+        out = {"samples": samples, "loss": total / (n * len(EVAL_TIMES)) if n else float("nan"),
+               "loss_sum": total, "n_targets": n * len(EVAL_TIMES)}
+        for t, s in zip(EVAL_TIMES, sums[2:].tolist()):
+            out[f"loss_t{t:g}"] = s / n if n else float("nan")
+        return out
+
+
+def flat(results: dict) -> dict:
+    """``{source/metric: value}``: the metrics row's ``eval`` (one level, as every sink
+    names scalars)."""
+    return {f"{source}/{k}": v for source, r in results.items() for k, v in r.items()
+            if k not in ("loss_sum", "n_targets")}
