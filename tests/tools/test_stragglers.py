@@ -123,7 +123,7 @@ def test_the_plane_keeps_the_stragglers_in_memory_and_status_names_them(plane, c
         assert client.status()["stragglers"] == {"ranks": [], "step": 9, "slowdown": []}
 
 
-def test_a_slow_rank_in_a_real_run_is_named_from_its_nth_slow_step(demo, tmp_path, capfd):
+def test_a_slow_rank_in_a_real_run_is_named_from_its_nth_slow_step(demo, tmp_path):
     """Data rank 1 computes 1 s longer from step 2 (inside the compute clock); with
     ``straggler_steps=2`` it is a straggler from step 3. (1 s, not less: the tiny model's
     steps take about 0.5 s of CPU, and the cost fit's k, warmed up on step 0, runs high.)"""
@@ -139,8 +139,5 @@ def test_a_slow_rank_in_a_real_run_is_named_from_its_nth_slow_step(demo, tmp_pat
     assert [r.get("stragglers") for r in rows] == [None, None, None, [1], [1]]
     assert rows[0]["rank_slowdown"] is None  # no cost fit before the first step
     assert all(r["rank_slowdown"][1] > 1.5 for r in rows[2:])
-    out = capfd.readouterr().out
-    announced = [line for line in out.splitlines() if line.startswith("straggler:")]
-    assert len(announced) == 1, out
-    assert announced[0].startswith("straggler: data rank 1 took ")
-    assert announced[0].endswith("× its predicted compute for 2 steps in a row (step 3)")
+    # (the printed line is the tracker's, tested above: a rank forked from a fork server
+    # started by an earlier test writes to that server's stdout, which capfd does not see)
