@@ -170,7 +170,10 @@ class VideoDiT(nn.Module):
             raise ValueError(f"grids hold {sum(sizes)} patches but x has {x_PC.shape[0]}")
         device = x_PC.device
         sizes_V = torch.tensor(sizes, device=device)
-        cond_VD = (self.time_mlp(timestep_embedding(t_V, self.config.d_model))
+        # the sinusoid is built in fp32; under bf16 parameters (FSDP mixed precision) it
+        # enters the MLP in the MLP's dtype
+        time_VD = timestep_embedding(t_V, self.config.d_model)
+        cond_VD = (self.time_mlp(time_VD.to(self.patch_embed.weight.dtype))
                    + self.text_embed(caption_ids_W, caption_offsets_V))
         cond_PD = cond_VD.repeat_interleave(sizes_V, dim=0)
         cos_PK, sin_PK = rope_nd(_positions(grids, device),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from omniscale.tools.train.config import load_config
 from omniscale.tools.train.evaluate import evaluate_run
 from omniscale.tools.train.launch import train
@@ -63,3 +65,15 @@ def test_eval_every_on_a_layout_it_cannot_shard_says_so_in_one_line(demo, tmp_pa
     assert not evaluates_in_ranks(cfg)  # the launcher evaluates the last checkpoint
     cfg.parallel.tp = 1
     assert notice(cfg) is None and evaluates_in_ranks(cfg)
+
+
+@pytest.mark.parametrize("task, spec", [("omni", "mix.yaml"), ("video_gen", "video.yaml")])
+def test_evaluation_runs_under_bf16(demo, tmp_path, task, spec):
+    """bf16 parameters (CUDA's default; asked for here on CPU): the evaluation's calls made
+    outside a forward method (the head's logits, the DiT's velocity) run too."""
+    run = tmp_path / "run"
+    result = train(f"configs/demo_{task}.yaml", progress=False, sets=_sets(
+        demo, run, steps=1, **{"data.spec": demo / spec, "eval.max_samples": 2,
+                               "parallel.mixed_precision": "bf16"}))
+    assert result["eval"] and all(r["samples"] >= 2 for r in result["eval"].values())
+    assert read_metrics(run / "metrics.jsonl")[0]["eval"]

@@ -84,14 +84,24 @@ class HeldOut:
         was_training = model.training
         model.eval()
         try:
-            results = {source: self._score(model, mbs, samples)
-                       for source, (mbs, samples) in self.sets.items()}
+            with self._precision(model):
+                results = {source: self._score(model, mbs, samples)
+                           for source, (mbs, samples) in self.sets.items()}
         finally:
             model.train(was_training)
         if done == self.cfg.steps and dist.get_rank() == 0:
             (self.run_dir / "eval.json").write_text(json.dumps(
                 {"step": done, "eval": results}, indent=1) + "\n")
         return results
+
+    def _precision(self, model):
+        """Autocast to bf16 when the run trains in bf16: FSDP casts the inputs of a module's
+        forward (and ``decode``'s), but the DiT's ``velocity`` and the head's logits here are
+        called outside one, with fp32 inputs against bf16 parameters."""
+        device = next(model.parameters()).device
+        precision = self.cfg.parallel.mixed_precision
+        bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def _score(self, model, mbs: list, samples: int) -> dict:
         from omniscale.loaders.collate import collate
