@@ -11,17 +11,16 @@ from torch.multiprocessing.spawn import ProcessExitedException
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
+from tests.tools.train_runs import demo_sets
 
 
 def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(demo, tmp_path):
     run = tmp_path / "run"
-    sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
-            "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 2048,
-            "optim.warmup_steps": 1, "output_dir": run, "steps": 4, "checkpoint_every": 2,
-            "debug.kill_in_save": 4}
+    sets = demo_sets(demo, run, **{"data.global_batch_tokens": 4096,
+                                   "data.micro_batch_tokens": 2048, "steps": 4,
+                                   "checkpoint_every": 2, "debug.kill_in_save": 4})
     with pytest.raises(ProcessExitedException, match="SIGKILL"):
-        train("configs/demo_omni.yaml", nproc=2, progress=False,
-              sets=[f"{k}={v}" for k, v in sets.items()])
+        train("configs/demo_omni.yaml", nproc=2, progress=False, sets=sets)
     half = run / "checkpoints" / "step-000004"
     assert half.is_dir() and any(half.iterdir()) and not (half / "meta.json").exists()
     assert (run / "checkpoints" / "latest").read_text() == "step-000002\n"

@@ -12,14 +12,13 @@ from omniscale.tools.cli import main
 from omniscale.tools.train.config import load_config
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
+from tests.tools.train_runs import demo_sets
 
 
 def _sets(demo, out, **kw) -> list[str]:
-    base = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
-            "data.workers": 0, "data.global_batch_tokens": 4096,
-            "data.micro_batch_tokens": 4096, "optim.warmup_steps": 1,
-            "optim.decay_steps": 4, "eval.enabled": False, "output_dir": out}
-    return [f"{k}={v}" for k, v in {**base, **kw}.items()]
+    return demo_sets(demo, out, **{"data.global_batch_tokens": 4096,
+                                   "data.micro_batch_tokens": 4096, "optim.decay_steps": 4,
+                                   **kw})
 
 
 @pytest.mark.parametrize("sets, want", [

@@ -14,14 +14,13 @@ from omniscale.tools.train.config import load_config
 from omniscale.tools.train.evaluate import evaluate_run
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
+from tests.tools.train_runs import demo_sets
 
 
 def _sets(demo, out, **extra) -> list[str]:
-    sets = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
-            "data.workers": 0, "data.global_batch_tokens": 4096,
-            "data.micro_batch_tokens": 2048, "optim.warmup_steps": 1, "eval.max_samples": 6,
-            "output_dir": out, **extra}
-    return [f"{k}={v}" for k, v in sets.items()]
+    return demo_sets(demo, out, **{"data.global_batch_tokens": 4096,
+                                   "data.micro_batch_tokens": 2048, "eval.enabled": True,
+                                   "eval.max_samples": 6, **extra})
 
 
 def test_two_ranks_evaluate_what_one_process_does(demo, tmp_path):

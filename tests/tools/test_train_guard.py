@@ -15,15 +15,14 @@ import torch
 from omniscale.dataplane.errors import UserError
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
+from tests.tools.train_runs import demo_sets
 
 BAD = 2  # the poisoned step
 
 
 def _sets(demo, out, **extra) -> list[str]:
-    sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
-            "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 2048,
-            "optim.warmup_steps": 1, "output_dir": out, **extra}
-    return [f"{k}={v}" for k, v in sets.items()]
+    return demo_sets(demo, out, **{"data.global_batch_tokens": 4096,
+                                   "data.micro_batch_tokens": 2048, **extra})
 
 
 def _state(run, step: int, tmp_path) -> dict:

@@ -19,17 +19,16 @@ from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 from omniscale.tools.train.profiler import StepProfiler, step_profiler
 from omniscale.tools.train.trackers import check_trackers, scalars
+from tests.tools.train_runs import demo_sets
 
 MISSING = ("metrics.wandb: the wandb package is not installed "
            "(pip install 'omniscale[wandb]')")
 
 
 def _sets(demo, out, **kw) -> list[str]:
-    base = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
-            "data.workers": 0, "data.global_batch_tokens": 2048,
-            "data.micro_batch_tokens": 2048, "optim.warmup_steps": 1,
-            "optim.decay_steps": 5, "eval.enabled": False, "output_dir": out}
-    return [f"{k}={v}" for k, v in {**base, **kw}.items()]
+    return demo_sets(demo, out, **{"data.global_batch_tokens": 2048,
+                                   "data.micro_batch_tokens": 2048, "optim.decay_steps": 5,
+                                   **kw})
 
 
 def wandb_records(path: Path):

@@ -11,6 +11,7 @@ import pytest
 
 from omniscale.dataplane.errors import UserError
 from omniscale.tools.train.launch import train
+from tests.tools.train_runs import demo_sets
 
 BOUND_S = 4.0
 
@@ -18,13 +19,12 @@ BOUND_S = 4.0
 @pytest.mark.timeout(180)
 def test_a_hung_rank_is_named_with_its_stack_and_the_run_stops(demo, tmp_path):
     run = tmp_path / "run"
-    sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
-            "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 2048,
-            "optim.warmup_steps": 1, "output_dir": run, "steps": 3,
-            "watchdog.step_timeout_s": BOUND_S, "debug.hang": "{step: 1, rank: 1}"}
+    sets = demo_sets(demo, run, **{"data.global_batch_tokens": 4096,
+                                   "data.micro_batch_tokens": 2048, "steps": 3,
+                                   "watchdog.step_timeout_s": BOUND_S,
+                                   "debug.hang": "{step: 1, rank: 1}"})
     with pytest.raises(UserError) as stopped:
-        train("configs/demo_omni.yaml", nproc=2, progress=False,
-              sets=[f"{k}={v}" for k, v in sets.items()])
+        train("configs/demo_omni.yaml", nproc=2, progress=False, sets=sets)
     line = str(stopped.value)
     assert "\n" not in line
     found = re.match(r"watchdog: rank 1 finished no step for (\d+) s \(step 1; bound "

@@ -35,6 +35,15 @@ def few_sources(demo, out, names=("text", "image_caption", "audio_caption")):
     return out
 
 
+def demo_sets(demo, out, **overrides) -> list[str]:
+    """``--set`` arguments of a short demo run into ``out``: the demo mix and eval spec, decoding
+    in the loader thread, one warm-up step, no evaluation -- and ``overrides`` (dotted keys)."""
+    sets = {"data.spec": demo / "mix.yaml", "data.eval_spec": demo / "eval.yaml",
+            "data.workers": 0, "optim.warmup_steps": 1, "eval.enabled": False,
+            "output_dir": out, **overrides}
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
 def run_omni(demo, out, nproc, **extra):
     """A short omni run of the demo (3 steps, no eval) with step DUMP's gradients: (rows,
     gradients)."""
