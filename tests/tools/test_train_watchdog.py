@@ -36,3 +36,22 @@ def test_a_hung_rank_is_named_with_its_stack_and_the_run_stops(demo, tmp_path):
     assert found[2] == str(run / "hang-rank1.txt")
     assert "injected_hang" in dump and "_loop" in dump  # the main thread's stack
     assert "Thread 0x" in dump and dump.count("File ") > 5  # every thread's
+
+
+def test_a_paused_watchdog_gives_no_verdict_and_a_full_bound_after(tmp_path):
+    """An evaluation runs paused (its length is the eval set's, not a step's)."""
+    import time
+
+    from omniscale.tools.train.watchdog import StepWatchdog
+
+    dog = StepWatchdog(100.0, tmp_path, 0, first_step=0)
+    try:
+        now = time.monotonic()
+        assert dog.overdue(now + 150) is None and dog.overdue(now + 250) is not None  # 1st: 2x
+        with dog.paused(0):
+            assert dog.overdue(time.monotonic() + 10_000) is None
+        now = time.monotonic()
+        assert dog.overdue(now + 50) is None and dog.overdue(now + 150) is not None
+    finally:
+        dog.close()
+    assert not (tmp_path / "hang-rank0.txt").exists()  # no hang: no file

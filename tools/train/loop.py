@@ -7,6 +7,7 @@ backbone micro-batches) or ``tools.train.video_gen`` (the rectified-flow DiT).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -377,9 +378,10 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
                 _log(ctx, flush(ctx, records), writer, bar, spec, client, tokens_before, None)
                 ctx.guard.stop(step, skipped, run_dir)
             done = step + 1
-            held = held_out.evaluate(model, done) if held_out and held_out.due(done) else None
-            if held is not None and watchdog is not None:
-                watchdog.beat(step)  # the evaluation is no hang
+            held = None
+            if held_out is not None and held_out.due(done):
+                with watchdog.paused(step) if watchdog else contextlib.nullcontext():
+                    held = held_out.evaluate(model, done)
             save = done % cfg.checkpoint_every == 0 or done == cfg.steps
             if save or done % cfg.log_every == 0 or held:  # every step it covers is logged
                 rows = flush(ctx, records)

@@ -13,7 +13,9 @@ and exits the process.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import math
 import os
 import sys
 import threading
@@ -52,6 +54,18 @@ class StepWatchdog:
         self.step, self.since, self.first = step + 1, time.monotonic(), False
         self._arm_backstop()
 
+    @contextlib.contextmanager
+    def paused(self, step: int):
+        """No verdict while the block runs (a held-out evaluation: its length is the eval set's,
+        not a step's; a rank stuck in it still ends at the collective time-out); a full bound
+        after it."""
+        self.since = math.inf
+        faulthandler.cancel_dump_traceback_later()
+        try:
+            yield
+        finally:
+            self.beat(step)
+
     def close(self) -> None:
         self.stop.set()
         faulthandler.cancel_dump_traceback_later()
@@ -63,12 +77,17 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         while not self.stop.wait(min(1.0, self.timeout_s / 4)):
-            waited = time.monotonic() - self.since
-            # A rank waiting in a collective waits for another: the one holding the job up
-            # fires first (its exit breaks the others' collectives, or they fire after it).
-            grace = VICTIM_GRACE if self._in_collective() else 1.0
-            if waited > self._bound() * grace:
+            waited = self.overdue(time.monotonic())
+            if waited is not None:
                 self._fire(waited)
+
+    def overdue(self, now: float) -> float | None:
+        """Seconds without a finished step at ``now`` when that is past the bound, else None.
+        A rank waiting in a collective waits for another: the one holding the job up fires
+        first (its exit breaks the others' collectives, or they fire after it)."""
+        waited = now - self.since
+        grace = VICTIM_GRACE if self._in_collective() else 1.0
+        return waited if waited > self._bound() * grace else None
 
     def _in_collective(self) -> bool:
         frame = sys._current_frames().get(self.main)
