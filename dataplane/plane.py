@@ -38,6 +38,12 @@ MAX_SPEC_BYTES = 1 << 20  # a mixing spec is a few KiB; a reload reads no more t
 MAX_COST = 1e12  # cost coefficients above this overflow the planner's sums long before use
 
 
+def cost_in_range(value) -> bool:
+    """A cost coefficient the planner can use: a finite number in [0, MAX_COST] (a refit's,
+    ``set_costs``, or ``plane serve --cost-linear/--cost-quadratic``)."""
+    return isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= MAX_COST
+
+
 class DataPlane(PlaneState):
     """Implements dataplane.server.PlaneService. Thread-safe: one lock around the state."""
 
@@ -346,8 +352,7 @@ class DataPlane(PlaneState):
         replays the same plans."""
         with self.lock:
             values = (linear, quadratic)
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= MAX_COST
-                       for v in values) or not any(values):
+            if not all(cost_in_range(v) for v in values) or not any(values):
                 raise RequestError(f"costs: linear and quadratic must be finite, in [0, "
                                    f"{MAX_COST:g}] and not both 0, got {linear!r}, "
                                    f"{quadratic!r}", Reason.INVALID)

@@ -148,9 +148,7 @@ def _costs(args: argparse.Namespace) -> dict:
     """The starting cost model: a calibration (``--costs``) or the LLM's two relative
     coefficients (``--cost-linear``/``--cost-quadratic``, each defaulting to PlaneConfig's);
     checked as the plane checks a refit (``DataPlane.set_costs``)."""
-    import math
-
-    from omniscale.dataplane.plane import MAX_COST
+    from omniscale.dataplane.plane import MAX_COST, cost_in_range
 
     given = {name: value for name, value in (("cost_linear", args.cost_linear),
                                              ("cost_quadratic", args.cost_quadratic))
@@ -163,7 +161,7 @@ def _costs(args: argparse.Namespace) -> dict:
 
         return plane_costs(args.costs)
     for name, value in given.items():
-        if not (math.isfinite(value) and 0 <= value <= MAX_COST):
+        if not cost_in_range(value):
             raise UserError(f"--{name.replace('_', '-')} {value:g}: must be finite, in [0, "
                             f"{MAX_COST:g}]")
     if given and not any(given.get(n, 1.0) for n in ("cost_linear", "cost_quadratic")):

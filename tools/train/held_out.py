@@ -137,7 +137,7 @@ class HeldOut:
         of its index in the whole set (as one process draws it)."""
         from torch.distributed.fsdp import FSDPModule
 
-        from omniscale.tools.train.video_gen import EVAL_TIMES, evaluate_video_gen
+        from omniscale.tools.train.video_gen import velocity_result, velocity_sums
 
         # the DiT's velocity() is no FSDP forward method: its root parameters (time and
         # caption embeddings, the final layer) are gathered here for the evaluation's calls
@@ -146,24 +146,17 @@ class HeldOut:
             root.unshard()
         try:
             with torch.no_grad():
-                r = evaluate_video_gen(model, [mb for _, mb in mine],
-                                       indices=[i if i is not None else -1 for i, _ in mine])
+                sums, n = velocity_sums(model, [mb for _, mb in mine],
+                                        indices=[i if i is not None else -1 for i, _ in mine])
         finally:
             if root is not None:
                 root.reshard()
-        n = r["n_targets"] // len(EVAL_TIMES)
-        local = [r["loss_sum"], float(n)] + [r[f"loss_t{t:g}"] * n if n else 0.0
-                                             for t in EVAL_TIMES]
         # on the model's device: NCCL reduces CUDA tensors only
-        sums = torch.tensor(local, dtype=torch.float64, device=next(model.parameters()).device)
-        dist.all_reduce(sums)
-        sums = sums.cpu()
-        total, n = float(sums[0]), float(sums[1])
-        out = {"samples": samples, "loss": total / (n * len(EVAL_TIMES)) if n else float("nan"),
-               "loss_sum": total, "n_targets": n * len(EVAL_TIMES)}
-        for t, s in zip(EVAL_TIMES, sums[2:].tolist()):
-            out[f"loss_t{t:g}"] = s / n if n else float("nan")
-        return out
+        both = torch.tensor([*sums, n], dtype=torch.float64,
+                            device=next(model.parameters()).device)
+        dist.all_reduce(both)
+        *sums, n = both.tolist()
+        return {"samples": samples, **velocity_result(sums, n)}
 
 
 def flat(results: dict) -> dict:

@@ -278,50 +278,49 @@ def corrupt_report(run_dir: Path, steps: int, plane: str | None = None,
 def suspect_report(run_dir: Path, plane: str | None = None,
                    plane_token: str | None = None) -> dict:
     """The steps the guard did not apply and their samples (``tools.train.guard``), from the
-    plane's log (``RUN_DIR/plane``) or an external plane's status (its latest only):
-    ``{"steps": [{step, reason, samples: [{source, shard, key, epoch}]}], "samples": N}``."""
-    if plane is None:
-        from omniscale.dataplane.journal import Journal
-
-        try:
-            records = Journal(run_dir / "plane", readonly=True).records()
-        except (OSError, ValueError, UserError) as e:  # the run trained; names are a bonus
-            print(f"omniscale train: cannot list the suspect samples ({e})")
-            return {"steps": [], "samples": 0}
-        steps = [{n: r[n] for n in ("step", "reason", "samples")} for _, r in records
-                 if r["t"] == "suspect"]
-        return {"steps": steps, "samples": sum(len(s["samples"]) for s in steps)}
-    from omniscale.dataplane.client import PlaneClient
-
-    try:
-        with PlaneClient(plane, token=plane_token, timeout=10.0, retry_for=10.0) as client:
-            suspect = client.status().get("suspect") or {}
-    except Exception as e:  # noqa: BLE001 -- the plane may be gone by now
-        print(f"omniscale train: cannot list the suspect samples ({str(e).splitlines()[0]})")
+    plane's log (``RUN_DIR/plane``): ``{"steps": [{step, reason, samples: [{source, shard, key,
+    epoch}]}], "samples": N}``; an external plane's status keeps its latest samples only
+    (``recent``)."""
+    found, whole = _plane_reports(run_dir, plane, plane_token, "suspect",
+                                  lambda status: [status.get("suspect") or {}])
+    if not whole and plane is None:  # its log could not be read (said in one line)
         return {"steps": [], "samples": 0}
-    return {"recent": suspect.get("recent", []), "samples": suspect.get("samples", 0),
-            "steps_skipped": suspect.get("steps", 0)}
+    if not whole:
+        suspect = found[0] if found else {}
+        return {"recent": suspect.get("recent", []), "samples": suspect.get("samples", 0),
+                "steps_skipped": suspect.get("steps", 0)}
+    steps = [{n: r[n] for n in ("step", "reason", "samples")} for r in found]
+    return {"steps": steps, "samples": sum(len(s["samples"]) for s in steps)}
 
 
 def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None
                     ) -> tuple[list[dict], bool]:
     """The plane's corrupt reports, and whether that is all of them."""
+    return _plane_reports(run_dir, plane, plane_token, "corrupt",
+                          lambda status: list(status.get("corrupt_recent", [])))
+
+
+def _plane_reports(run_dir: Path, plane: str | None, plane_token: str | None, kind: str,
+                   from_status) -> tuple[list[dict], bool]:
+    """The ``kind`` records of the embedded plane's log, all of them (True); or what
+    ``from_status`` takes from an external plane's status (False). A log or plane that cannot
+    be read costs the names, in one line, not the run: ``([], False)``."""
     if plane is None:
         from omniscale.dataplane.journal import Journal
 
         try:
             records = Journal(run_dir / "plane", readonly=True).records()
-            return [r for _, r in records if r["t"] == "corrupt"], True
-        except (OSError, ValueError, UserError) as e:  # the run trained; a bad log costs names
-            print(f"omniscale train: cannot list the corrupt samples ({e})")
+            return [r for _, r in records if r["t"] == kind], True
+        except (OSError, ValueError, UserError) as e:
+            print(f"omniscale train: cannot list the {kind} samples ({e})")
             return [], False
     from omniscale.dataplane.client import PlaneClient
 
     try:
         with PlaneClient(plane, token=plane_token, timeout=10.0, retry_for=10.0) as client:
-            return list(client.status().get("corrupt_recent", [])), False
-    except Exception as e:  # noqa: BLE001 -- the plane may be gone by now: names are a bonus
-        print(f"omniscale train: cannot list the corrupt samples ({str(e).splitlines()[0]})")
+            return from_status(client.status()), False
+    except Exception as e:  # noqa: BLE001 -- the plane may be gone by now
+        print(f"omniscale train: cannot list the {kind} samples ({str(e).splitlines()[0]})")
         return [], False
 
 

@@ -186,12 +186,17 @@ def video_gen_loss(model: VideoDiT, mb: PackedBatch, generator: torch.Generator)
 @torch.no_grad()
 def evaluate_video_gen(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = EVAL_SEED,
                        indices: list[int] | None = None) -> dict:
-    """Held-out velocity loss at fixed flow times, deterministic.
+    """:func:`velocity_result` of :func:`velocity_sums`."""
+    return velocity_result(*velocity_sums(model, batches, times, seed, indices), times)
+
+
+def velocity_sums(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = EVAL_SEED,
+                  indices: list[int] | None = None) -> tuple[list[float], int]:
+    """Held-out velocity loss at fixed flow times, deterministic: (per time, the per-patch
+    velocity MSE summed over patches; patches) -- sums, so ranks' slices add up.
 
     Batch ``i``'s noise comes from a CPU ``torch.Generator`` seeded ``seed + i`` (the same
     noise at every time), so the result depends only on the weights and the batches.
-    Returns ``loss`` (mean per-patch velocity MSE over all times), ``loss_t{t}`` per time,
-    and ``loss_sum`` / ``n_targets`` (summed over times) for an all-reduce across ranks.
     Every batch runs ``len(times)`` forwards, dummy ones when it holds no video, so ranks
     handed the same number of batches run the same collectives under FSDP. ``indices``: each
     batch's index in the whole eval set (a rank's slice of it), for its noise seed.
@@ -216,11 +221,17 @@ def evaluate_video_gen(model: VideoDiT, batches, times=EVAL_TIMES, seed: int = E
                                      clips.caption_offsets_V)
             sums[t] += float((v_PC.float() - (noise_PC - x0_PC)).pow(2).mean(dim=1).sum())
         n += x0_PC.shape[0]
-    total = sum(sums.values())
+    return [sums[t] for t in times], n
+
+
+def velocity_result(sums: list[float], n: float, times=EVAL_TIMES) -> dict:
+    """``loss`` (mean per-patch velocity MSE over all times), ``loss_t{t}`` per time, and
+    ``loss_sum`` / ``n_targets`` (summed over times)."""
+    total = sum(sums)
     out = {"loss": total / (n * len(times)) if n else float("nan"),
            "loss_sum": total, "n_targets": n * len(times)}
-    for t in times:
-        out[f"loss_t{t:g}"] = sums[t] / n if n else float("nan")
+    for t, s in zip(times, sums, strict=True):
+        out[f"loss_t{t:g}"] = s / n if n else float("nan")
     return out
 
 
