@@ -1,6 +1,7 @@
 """Evaluation during training (``eval.every``, ``tools.train.held_out``): on 2 processes each
-rank scores its slice of the held-out set on the FSDP-sharded model, and the results equal one
-process's evaluation of the same checkpoint on the whole unsharded model
+data rank scores its slice of the held-out set on the sharded model (FSDP with sequence and
+expert parallelism; tensor parallelism, where both ranks are one data rank), and the results
+equal one process's evaluation of the same checkpoint on the whole unsharded model
 (``evaluate.evaluate_run``, the independent path); they are logged in the metrics rows and are
 the run's final evaluation; evaluating does not change what the run trains."""
 
@@ -23,10 +24,14 @@ def _sets(demo, out, **extra) -> list[str]:
                                    "eval.max_samples": 6, **extra})
 
 
-def test_two_ranks_evaluate_what_one_process_does(demo, tmp_path):
+LAYOUTS = {"sp2-ep2": {"parallel.sp": 2, "parallel.ep": 2}, "tp2": {"parallel.tp": 2}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_two_ranks_evaluate_what_one_process_does(demo, tmp_path, layout):
     run = tmp_path / "run"
     result = train("configs/demo_omni.yaml", nproc=2, progress=False, sets=_sets(
-        demo, run, steps=4, checkpoint_every=4, **{"eval.every": 2}))
+        demo, run, steps=4, checkpoint_every=4, **{"eval.every": 2}, **layout))
     rows = read_metrics(run / "metrics.jsonl")
     assert ["eval" in r for r in rows] == [False, True, False, True]
     final = result["eval"]
@@ -56,13 +61,13 @@ def test_eval_every_on_a_layout_it_cannot_shard_says_so_in_one_line(demo, tmp_pa
     from omniscale.tools.train.held_out import evaluates_in_ranks, notice
 
     cfg, _ = load_config("configs/demo_omni.yaml", _sets(demo, tmp_path, **{
-        "eval.every": 2, "parallel.tp": 2}))
+        "eval.every": 2, "parallel.pp": 2}))
     line = notice(cfg)
-    assert line == ("eval.every=2: evaluation during training runs on FSDP / HSDP layouts only "
-                    "(this run has tp=2, pp=1, sp=1, ep=1); the last checkpoint is evaluated "
-                    "after training instead")
+    assert line == ("eval.every=2: evaluation during training does not run on pipeline stages "
+                    "(this run has pp=2); the last checkpoint is evaluated after training "
+                    "instead")
     assert not evaluates_in_ranks(cfg)  # the launcher evaluates the last checkpoint
-    cfg.parallel.tp = 1
+    cfg.parallel.pp = 1
     assert notice(cfg) is None and evaluates_in_ranks(cfg)
 
 

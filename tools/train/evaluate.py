@@ -26,6 +26,7 @@ from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.spec import load_spec
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.loaders.pipeline import RankLoader
+from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.build import build_model, model_config
 from omniscale.tools.train.config import RunConfig
@@ -55,9 +56,11 @@ def _one_source_spec(eval_spec: Path, name: str, out: Path) -> Path:
 def scored(model, mb) -> tuple[int, int, Counter]:
     """(correct, counted, target-token counts) of one micro-batch, teacher-forced: the model's
     own ``encode_media`` and ``decode`` (under FSDP, forward methods: every rank must call
-    them alike), then the head's argmax at the labelled positions."""
+    them alike; under SP inside ``sp_batch``, a no-op otherwise), then the head's argmax at the
+    labelled positions."""
     media = model.encode_media(mb)
-    hidden_TD, _ = model.decode(mb, media.items)
+    with sp_batch(model, mb):
+        hidden_TD, _ = model.decode(mb, media.items)
     labels_T = mb.labels_T.to(hidden_TD.device)
     mask = labels_T != IGNORE_INDEX
     pred = model.decoder.logits(hidden_TD[mask]).argmax(-1)

@@ -10,10 +10,14 @@ Evaluation draws nothing from the training stream: its planes are its own (``RUN
 it runs under ``torch.no_grad`` in eval mode, and video_gen's noise comes from seeded
 generators, so a run with ``eval.every`` trains bit for bit what one without it trains.
 
-Layouts: FSDP and HSDP (every rank a data rank). Under tensor, sequence, expert or pipeline
-parallelism the ranks do not each hold whole forward passes for a slice: there the launcher says
-so in one line, nothing is evaluated during training, and the final evaluation runs after
-training on the last checkpoint (``evaluate.evaluate_run``), as before.
+Layouts: every one without pipeline stages. The slices go by *data* rank (TP peers score the
+same micro-batches, as they train the same ones: the head's logits are gathered over the
+vocabulary, ``parallel.tensor``), the counts are gathered over the data ranks of each TP slice;
+under sequence parallelism each forward runs inside ``sp_batch`` (the held-out plans split no
+sample, so attention stays local); under expert parallelism the padded slices keep every
+rank's token exchanges in step. A pipeline's stages hold no whole forward: with ``pp > 1`` the
+launcher says so in one line, nothing is evaluated during training, and the final evaluation
+runs after training on the last checkpoint (``evaluate.evaluate_run``), as before.
 """
 
 from __future__ import annotations
@@ -30,8 +34,7 @@ from omniscale.dataplane.spec import load_spec
 
 def supported(cfg) -> bool:
     """Whether this run's layout evaluates in the ranks (module docstring)."""
-    p = cfg.parallel
-    return p.tp == 1 and p.pp == 1 and p.sp == 1 and p.ep == 1
+    return cfg.parallel.pp == 1
 
 
 def evaluates_in_ranks(cfg) -> bool:
@@ -43,19 +46,21 @@ def notice(cfg) -> str | None:
     """The line the launcher prints when ``eval.every`` cannot run on this layout (the run
     goes on: its last checkpoint is evaluated after training), else None."""
     if cfg.eval.enabled and cfg.data.eval_spec and cfg.eval.every and not supported(cfg):
-        return (f"eval.every={cfg.eval.every}: evaluation during training runs on FSDP / HSDP "
-                f"layouts only (this run has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, "
-                f"sp={cfg.parallel.sp}, ep={cfg.parallel.ep}); the last checkpoint is evaluated "
-                f"after training instead")
+        return (f"eval.every={cfg.eval.every}: evaluation during training does not run on "
+                f"pipeline stages (this run has pp={cfg.parallel.pp}); the last checkpoint is "
+                f"evaluated after training instead")
     return None
 
 
 class HeldOut:
     """The run's held-out evaluation inside the ranks (every rank makes one, calls
-    :meth:`evaluate` at the same steps)."""
+    :meth:`evaluate` at the same steps). ``rank``, ``world``: this process's data rank and the
+    number of data ranks; ``group``: the data ranks of this TP slice (None: the world)."""
 
-    def __init__(self, cfg, run_dir: Path, vocab_size: int | None) -> None:
+    def __init__(self, cfg, run_dir: Path, vocab_size: int | None, rank: int, world: int,
+                 group=None) -> None:
         self.cfg, self.run_dir, self.vocab_size = cfg, Path(run_dir), vocab_size
+        self.rank, self.world, self.group = rank, world, group
         self.sets: dict[str, tuple[list, int]] | None = None  # source -> (micro-batches, samples)
         self.spec = load_spec(cfg.data.eval_spec)
 
@@ -107,7 +112,7 @@ class HeldOut:
         from omniscale.loaders.collate import collate
         from omniscale.tools.train.step import placeholder
 
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = self.rank, self.world
         # one token, no media, its label ignored: scores nothing, runs every encoder's dummy
         pad = placeholder(collate([], self.spec.media))
         mine = [(i, mb if mb.num_tokens else pad) for i, mb in enumerate(mbs)
@@ -127,7 +132,7 @@ class HeldOut:
                     correct, total = correct + c, total + n
                     targets.update(t)
         parts: list = [None] * world
-        dist.all_gather_object(parts, (correct, total, targets))
+        dist.all_gather_object(parts, (correct, total, targets), group=self.group)
         correct, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
         return evaluate.accuracy_result(samples, correct, total,
                                         sum((p[2] for p in parts), Counter()), self.vocab_size)
@@ -154,7 +159,7 @@ class HeldOut:
         # on the model's device: NCCL reduces CUDA tensors only
         both = torch.tensor([*sums, n], dtype=torch.float64,
                             device=next(model.parameters()).device)
-        dist.all_reduce(both)
+        dist.all_reduce(both, group=self.group)
         *sums, n = both.tolist()
         return {"samples": samples, **velocity_result(sums, n)}
 
