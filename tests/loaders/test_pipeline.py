@@ -28,17 +28,19 @@ def demo(pipeline_demo):
     return spec_of(pipeline_demo / "all.yaml")
 
 
-def check_full_path(spec, state_dir, make_loader, after_step=None) -> set[str]:
-    """Two ranks through ``make_loader(url, rank)``; every micro-batch and encoder item equal
-    to per-sample decoding; every step committed by both; the audit exactly-once.
-    ``after_step(step, loaders)`` runs after each step's commits (to break something)."""
+def check_full_path(spec, state_dir, make_loader, after_step=None, steps: int = STEPS
+                    ) -> set[str]:
+    """Two ranks through ``make_loader(url, rank)`` for ``steps`` steps; every micro-batch and
+    encoder item equal to per-sample decoding; every step committed by both; the audit
+    exactly-once. ``after_step(step, loaders)`` runs after each step's commits (to break
+    something)."""
     seen: set[str] = set()
     decoder = demo_decoder(spec)
     with start_embedded(spec.path, state_dir, CONFIG) as plane, \
             PlaneClient(plane.url) as client:
         loaders = [make_loader(plane.url, r) for r in range(2)]
         try:
-            for step in range(STEPS):
+            for step in range(steps):
                 for rank, loader in enumerate(loaders):
                     batch = next(loader)
                     table = client.get_plan(step, rank)
@@ -60,7 +62,7 @@ def check_full_path(spec, state_dir, make_loader, after_step=None) -> set[str]:
                     loader.commit(step)
                 if after_step is not None:
                     after_step(step, loaders)
-            assert client.status()["next_step"] == STEPS
+            assert client.status()["next_step"] == steps
         finally:
             for loader in loaders:
                 loader.close()

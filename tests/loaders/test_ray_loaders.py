@@ -95,7 +95,8 @@ def test_default_pools_fit_the_cluster_spread_over_its_nodes_and_survive_deaths(
             for source in ("image_caption", "video_caption"):
                 ray.kill(running[0].pools[source][0], no_restart=True)
 
-    seen = check_full_path(demo, tmp_path, make, after_step=kill_some)
+    # step 2 reads through the replacements (a Ray run's steps cost seconds: no more)
+    seen = check_full_path(demo, tmp_path, make, after_step=kill_some, steps=3)
     assert seen == {"text", "image", "video", "audio"}
     owner, other = loaders
     assert owner.plan == other.plan and owner.replicas == other.replicas

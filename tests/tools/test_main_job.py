@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 6
+STEPS = 4
 
 
 @pytest.mark.skipif(shutil.which("make") is None or not (ROOT / ".venv/bin/omniscale").exists(),
