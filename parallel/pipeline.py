@@ -99,6 +99,14 @@ class DecoderStage(nn.Module):
         return ce(hidden_TD.to(weight_VD.dtype), weight_VD, labels_T, ignore_index=IGNORE_INDEX,
                   reduction="sum")
 
+    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """Whole [T, V] logits (last stage only; for evaluation, never for the loss): a head
+        split over the vocabulary by `apply_tp` is gathered first."""
+        weight_VD = (self.lm_head or self.embed_tokens).weight
+        if isinstance(weight_VD, DTensor):
+            weight_VD = weight_VD.full_tensor()
+        return hidden_TD.to(weight_VD.dtype) @ weight_VD.T
+
     @torch.no_grad()
     def update_bias(self, load_LE: torch.Tensor) -> None:
         """Aux-loss-free balancing for this stage's MoE layers (`MoEDecoder.update_bias`)."""
@@ -133,6 +141,7 @@ class PipelineRunner:
         self._n_tokens: torch.Tensor | None = None
         self._router_divisor = n_microbatches
         self._num_groups = 0
+        self._scorer: Callable | None = None  # evaluate()'s, while it runs
         self.router_sum: torch.Tensor | None = None
         self.loss_G: torch.Tensor | None = None
         self.n_G: torch.Tensor | None = None
@@ -151,6 +160,9 @@ class PipelineRunner:
                          target: torch.Tensor) -> torch.Tensor:
         hidden_1TD, router_loss_1 = output
         hidden_TD = hidden_1TD[0]
+        if self._scorer is not None:  # evaluate(): forward only, nothing to differentiate
+            self._scorer(hidden_TD, target[0])
+            return router_loss_1[0].new_zeros(())
         if self._num_groups:  # target [1, 2, T]: labels and each token's group
             labels_T, group_T = target[0]
             loss_G, n_G = grouped_loss(self.module.loss, hidden_TD, labels_T, group_T,
@@ -173,13 +185,8 @@ class PipelineRunner:
         and over several `step` calls). `groups[m]`: a group id per sequence of micro-batch m
         (`num_groups` of them) for the per-group loss split. Returns the loss (detached) on
         the last stage, None elsewhere."""
-        if len(microbatches) != self.n_microbatches:
-            raise ValueError(f"apply_pp: n_microbatches={self.n_microbatches}, the step got "
-                             f"{len(microbatches)} micro-batches")
-        ids_MT, labels_MT, kwargs = stack_microbatches(microbatches, self.microbatch_tokens)
+        ids_MT, labels_MT, kwargs = self._inputs(microbatches)
         device = self.stage.device
-        ids_MT, labels_MT = ids_MT.to(device), labels_MT.to(device)
-        kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
         self._n_tokens = (labels_MT != IGNORE_INDEX).sum() if n_tokens is None else \
             torch.as_tensor(n_tokens)
         self._router_divisor = router_divisor or self.n_microbatches
@@ -199,6 +206,33 @@ class PipelineRunner:
         self.schedule.step(*args, target=target if self.is_last else None, losses=losses,
                            return_outputs=False, **kwargs)
         return torch.stack(losses).sum().detach() if self.is_last else None
+
+    def _inputs(self, microbatches: Sequence) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """`stack_microbatches` of a schedule run's micro-batches, on the stage's device."""
+        if len(microbatches) != self.n_microbatches:
+            raise ValueError(f"apply_pp: n_microbatches={self.n_microbatches}, the step got "
+                             f"{len(microbatches)} micro-batches")
+        ids_MT, labels_MT, kwargs = stack_microbatches(microbatches, self.microbatch_tokens)
+        device = self.stage.device
+        kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        return ids_MT.to(device), labels_MT.to(device), kwargs
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence,
+                 score: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Forward only over `n_microbatches` micro-batches (the same list on every rank of the
+        pp group; no gradient, no parameter or bias changes): on the last stage
+        `score(hidden_TD, labels_T)` sees each micro-batch's final-normed hidden states
+        (padding rows' labels ignored); `module.logits` turns them into logits."""
+        ids_MT, labels_MT, kwargs = self._inputs(microbatches)
+        self._scorer = score
+        try:
+            args = (ids_MT,) if self.is_first else ()
+            self.schedule.eval(*args, target=labels_MT if self.is_last else None, losses=[],
+                               return_outputs=False, **kwargs)
+        finally:
+            self._scorer = None
+            self.module.load_LE = None  # the evaluation's routing is no step's load
 
 
 def _token_groups(mb, group_S: torch.Tensor, tokens: int, pad_group: int) -> torch.Tensor:

@@ -57,20 +57,6 @@ def test_evaluating_during_training_changes_nothing_trained(demo, tmp_path):
             (y["loss"], y["grad_norm"], y["mix_samples"])
 
 
-def test_eval_every_on_a_layout_it_cannot_shard_says_so_in_one_line(demo, tmp_path):
-    from omniscale.tools.train.held_out import evaluates_in_ranks, notice
-
-    cfg, _ = load_config("configs/demo_omni.yaml", _sets(demo, tmp_path, **{
-        "eval.every": 2, "parallel.pp": 2}))
-    line = notice(cfg)
-    assert line == ("eval.every=2: evaluation during training does not run on pipeline stages "
-                    "(this run has pp=2); the last checkpoint is evaluated after training "
-                    "instead")
-    assert not evaluates_in_ranks(cfg)  # the launcher evaluates the last checkpoint
-    cfg.parallel.pp = 1
-    assert notice(cfg) is None and evaluates_in_ranks(cfg)
-
-
 @pytest.mark.parametrize("task, spec", [("omni", "mix.yaml"), ("video_gen", "video.yaml")])
 def test_evaluation_runs_under_bf16(demo, tmp_path, task, spec):
     """bf16 parameters (CUDA's default; asked for here on CPU): the evaluation's calls made

@@ -5,8 +5,10 @@ assistant's turns, ``loaders.chat``) -- with two chance levels beside it: unifor
 (1 / vocabulary) and the majority baseline (always predicting the most frequent target token of
 that source's eval captions).
 
-Runs in the launcher process after training, on one unsharded model loaded from the final
-checkpoint (``parallel.dcp`` loads any layout into any other); each source is read through its
+``evaluate_run`` evaluates a checkpoint in one process, on the whole unsharded model
+(``parallel.dcp`` loads any layout into any other): the independent evaluation the ranks'
+(``held_out``, which reuses this module's scoring and batches) is tested against, and the
+launcher's fallback when the ranks wrote none for the last step. Each source is read through its
 own one-source plane (``samples`` accounting, ``stop`` at exhaustion), so the same loaders and
 decoders as training produce the batches.
 """

@@ -10,14 +10,15 @@ Evaluation draws nothing from the training stream: its planes are its own (``RUN
 it runs under ``torch.no_grad`` in eval mode, and video_gen's noise comes from seeded
 generators, so a run with ``eval.every`` trains bit for bit what one without it trains.
 
-Layouts: every one without pipeline stages. The slices go by *data* rank (TP peers score the
-same micro-batches, as they train the same ones: the head's logits are gathered over the
-vocabulary, ``parallel.tensor``), the counts are gathered over the data ranks of each TP slice;
-under sequence parallelism each forward runs inside ``sp_batch`` (the held-out plans split no
-sample, so attention stays local); under expert parallelism the padded slices keep every
-rank's token exchanges in step. A pipeline's stages hold no whole forward: with ``pp > 1`` the
-launcher says so in one line, nothing is evaluated during training, and the final evaluation
-runs after training on the last checkpoint (``evaluate.evaluate_run``), as before.
+Layouts: every one. The slices go by *data* rank (TP and PP peers score the same micro-batches,
+as they train the same ones): under TP the head's logits are gathered over the vocabulary
+(``parallel.tensor``) and the counts gathered over the data ranks of each TP slice; under SP
+each forward runs inside ``sp_batch`` (the held-out plans split no sample, so attention stays
+local); under EP the padded slices keep every rank's token exchanges in step; under PP the
+slice runs forward only through the stages' schedule (``PipelineRunner.evaluate``, runs of
+``pp_microbatches`` padded with placeholders), the last stage scores it and the counts are
+summed over the world, each contributed by one last-stage TP copy (as ``pipeline_step`` sums
+its figures).
 """
 
 from __future__ import annotations
@@ -30,37 +31,25 @@ import torch
 import torch.distributed as dist
 
 from omniscale.dataplane.spec import load_spec
-
-
-def supported(cfg) -> bool:
-    """Whether this run's layout evaluates in the ranks (module docstring)."""
-    return cfg.parallel.pp == 1
+from omniscale.kernels.reference import IGNORE_INDEX
 
 
 def evaluates_in_ranks(cfg) -> bool:
     """Whether the ranks evaluate this run (during training and after its last step)."""
-    return bool(cfg.eval.enabled and cfg.data.eval_spec) and supported(cfg)
-
-
-def notice(cfg) -> str | None:
-    """The line the launcher prints when ``eval.every`` cannot run on this layout (the run
-    goes on: its last checkpoint is evaluated after training), else None."""
-    if cfg.eval.enabled and cfg.data.eval_spec and cfg.eval.every and not supported(cfg):
-        return (f"eval.every={cfg.eval.every}: evaluation during training does not run on "
-                f"pipeline stages (this run has pp={cfg.parallel.pp}); the last checkpoint is "
-                f"evaluated after training instead")
-    return None
+    return bool(cfg.eval.enabled and cfg.data.eval_spec)
 
 
 class HeldOut:
     """The run's held-out evaluation inside the ranks (every rank makes one, calls
     :meth:`evaluate` at the same steps). ``rank``, ``world``: this process's data rank and the
-    number of data ranks; ``group``: the data ranks of this TP slice (None: the world)."""
+    number of data ranks; ``group``: the data ranks of this TP slice (None: the world);
+    ``pipeline``: this rank's ``PipelineRunner`` under PP, ``tp_rank`` its TP rank."""
 
     def __init__(self, cfg, run_dir: Path, vocab_size: int | None, rank: int, world: int,
-                 group=None) -> None:
+                 group=None, pipeline=None, tp_rank: int = 0) -> None:
         self.cfg, self.run_dir, self.vocab_size = cfg, Path(run_dir), vocab_size
         self.rank, self.world, self.group = rank, world, group
+        self.pipeline, self.tp_rank = pipeline, tp_rank
         self.sets: dict[str, tuple[list, int]] | None = None  # source -> (micro-batches, samples)
         self.spec = load_spec(cfg.data.eval_spec)
 
@@ -121,6 +110,8 @@ class HeldOut:
         mine += [(None, pad)] * (-(-len(mbs) // world) - len(mine))
         if self.cfg.task == "video_gen":
             return self._velocity(model, mine, samples)
+        if self.pipeline is not None:
+            return self._accuracy(samples, *self._stages([mb for _, mb in mine]), group=None)
         from omniscale.tools.train import evaluate  # it imports the loop, which imports this
 
         correct = total = 0
@@ -131,8 +122,37 @@ class HeldOut:
                 if i is not None:
                     correct, total = correct + c, total + n
                     targets.update(t)
-        parts: list = [None] * world
-        dist.all_gather_object(parts, (correct, total, targets), group=self.group)
+        return self._accuracy(samples, correct, total, targets, group=self.group)
+
+    def _stages(self, mbs: list) -> tuple[int, int, Counter]:
+        """PP: the slice forward through the schedule; the last stage's counts (TP rank 0's:
+        every other rank's are zero, so the world's sum counts each once)."""
+        from omniscale.tools.train.pipeline_step import schedule_runs
+
+        runner = self.pipeline
+        counts = [0, 0, Counter()]
+        scores = runner.is_last and self.tp_rank == 0
+
+        def score(hidden_TD, labels_T):
+            mask = labels_T != IGNORE_INDEX
+            pred = runner.module.logits(hidden_TD[mask]).argmax(-1)  # every TP peer gathers
+            if scores:
+                labels = labels_T[mask]
+                counts[0] += int((pred == labels).sum())
+                counts[1] += int(mask.sum())
+                counts[2].update(labels.tolist())
+
+        for run in schedule_runs(mbs, runner.n_microbatches):
+            runner.evaluate(run, score)
+        return tuple(counts)
+
+    def _accuracy(self, samples: int, correct: int, total: int, targets: Counter,
+                  group) -> dict:
+        """The counts summed over ``group`` (None: the world), as one source's row."""
+        from omniscale.tools.train import evaluate
+
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (correct, total, targets), group=group)
         correct, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
         return evaluate.accuracy_result(samples, correct, total,
                                         sum((p[2] for p in parts), Counter()), self.vocab_size)

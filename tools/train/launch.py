@@ -24,7 +24,6 @@ from omniscale.dataplane.errors import UserError
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.config import RunConfig, load_config
 from omniscale.tools.train.fork_server import adopt_environment, launch_environment, start_method
-from omniscale.tools.train.held_out import notice as eval_notice
 from omniscale.tools.train.loop import RankJob, layout, mesh_dims, train_rank
 from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
 from omniscale.tools.train.trackers import check_trackers
@@ -141,8 +140,6 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
         raise UserError(f"--nproc {nproc}: must be >= 1")
     rank, world = torchrun_layout(nproc, plane) if under_torchrun() else (0, 1)
     cfg, run_dir = resolve_config(config, resume, list(sets))
-    if rank == 0 and (line := eval_notice(cfg)):
-        print(f"omniscale train: {line}", flush=True)
     check_trackers(cfg)  # metrics.wandb without the package: one line before anything starts
     if rank == 0:
         ensure_data(cfg)
@@ -223,13 +220,13 @@ def _finish(cfg, run_dir: Path, start: int, plane, plane_token) -> dict:
 
 
 def _final_eval(cfg, run_dir: Path) -> dict:
-    """The last step's held-out results: the ranks' (``held_out``, RUN_DIR/eval.json), or on
-    layouts they cannot evaluate, the last checkpoint's evaluated here (``evaluate_run``)."""
+    """The last step's held-out results: the ranks' (``held_out``, RUN_DIR/eval.json), or when
+    they wrote none for that step (a finished run resumed with evaluation newly on), the last
+    checkpoint's evaluated here (``evaluate_run``)."""
     from omniscale.tools.train import evaluate
-    from omniscale.tools.train.held_out import evaluates_in_ranks
 
     done = run_dir / "eval.json"
-    if evaluates_in_ranks(cfg) and done.exists():
+    if done.exists():
         found = json.loads(done.read_text())
         if found.get("step") == cfg.steps:
             evaluate.report(cfg, evaluate.load_spec(cfg.data.eval_spec), found["eval"],

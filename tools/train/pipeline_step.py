@@ -37,7 +37,7 @@ from omniscale.tools.train.step import (
 )
 
 
-def _chunks(micro_batches: list, size: int) -> list[list]:
+def schedule_runs(micro_batches: list, size: int) -> list[list]:
     """Runs of ``size`` micro-batches; empty slots and the last run's tail become
     placeholders (all labels ignored)."""
     mbs = [mb if mb.num_tokens else placeholder(mb) for mb in micro_batches]
@@ -63,7 +63,7 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepR
     ctx.clock.start()
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
-    chunks = _chunks(batch.micro_batches, runner.n_microbatches)
+    chunks = schedule_runs(batch.micro_batches, runner.n_microbatches)
     counts = global_counts(ctx, batch, [mb for chunk in chunks for mb in chunk])
     n_groups = len(ctx.sources) + 1
     sums = StepSums.zeros(n_groups, ctx.device)
