@@ -143,6 +143,31 @@ def test_a_run_starts_from_the_checkpoint_s_weights(demo, qwen3_moe, towers, tmp
               sets=_sets(demo, tmp_path / "s", small, steps=1))
 
 
+def test_pipeline_stages_start_from_the_checkpoint_s_layers(demo, qwen3_moe, tmp_path):
+    """Two stages (the lm task): each fills only the layers it holds, by their names in the
+    whole model (stage 0 the embeddings and layer 0, stage 1 layer 1 and the head), from the
+    safetensors and from ``model import-hf``'s DCP checkpoint alike."""
+    ckpt, init, vocab = CheckpointDir(qwen3_moe), tmp_path / "init", None
+    for name in ("hf", "dcp"):
+        if name == "dcp":  # the vocabulary the first run grew to
+            assert main(["model", "import-hf", str(qwen3_moe), "--out", str(init),
+                         "--vocab-size", str(vocab)]) == 0
+        train("configs/demo_lm.yaml", nproc=2, progress=False, sets=_sets(
+            demo, tmp_path / name, qwen3_moe if name == "hf" else init, steps=1, **{
+                "data.spec": demo / "lm.yaml", "parallel.pp": 2, "optim.lr": 1e-30,
+                "optim.min_lr": 0.0}))
+        model, mcfg = _trained(tmp_path / name)
+        assert mcfg.vocab_size > HF_VOCAB and mcfg.n_layers == 2
+        vocab, decoder = mcfg.vocab_size, model.decoder
+        for ours, theirs in (
+                (decoder.embed_tokens.weight[:HF_VOCAB], "model.embed_tokens.weight"),
+                (decoder.layers[0].attn.q_proj.weight, "model.layers.0.self_attn.q_proj.weight"),
+                (decoder.layers[1].ffn.experts.down_proj[2],
+                 "model.layers.1.mlp.experts.2.down_proj.weight"),
+                (decoder.lm_head.weight[:HF_VOCAB], "lm_head.weight")):
+            assert torch.allclose(ours.detach(), ckpt.get(theirs), atol=1e-6), (name, theirs)
+
+
 def test_train_export_and_load_with_transformers(demo, qwen3_moe, tmp_path, capsys):
     train("configs/demo_omni.yaml", progress=False,
           sets=_sets(demo, tmp_path / "r", qwen3_moe, steps=5))

@@ -198,10 +198,6 @@ def layout(cfg: RunConfig, world: int):
     if cfg.task == "video_gen" and hf:
         raise UserError("model.init_from: the video_gen task's DiT has no Hugging Face "
                         "counterpart (omni and lm start from Qwen3 / Qwen3-MoE)")
-    if cfg.parallel.pp > 1 and cfg.model.init_from.backbone:
-        # a stage holds some layers only; filling stages by name is not done (nor tested)
-        raise UserError("model.init_from.backbone with parallel.pp > 1: not supported yet "
-                        "(start from it at pp=1, checkpoint, and resume with pp)")
     mcfg = None if cfg.task == "video_gen" else model_config(cfg, spec.media, spec.tokenizer)
     return spec, mcfg, parallel_dims(cfg, world, mcfg), optim_groups.check(cfg, spec, mcfg)
 
