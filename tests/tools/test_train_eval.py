@@ -1,9 +1,10 @@
 """Evaluation during training (``eval.every``, ``tools.train.held_out``): on 2 processes each
 data rank scores its slice of the held-out set on the sharded model (FSDP with sequence and
-expert parallelism; tensor parallelism, where both ranks are one data rank), and the results
-equal one process's evaluation of the same checkpoint on the whole unsharded model
-(``evaluate.evaluate_run``, the independent path); they are logged in the metrics rows and are
-the run's final evaluation; evaluating does not change what the run trains."""
+expert parallelism here; tensor parallelism in test_train_layouts.py, pipeline stages in
+test_train_pp.py), and the results equal one process's evaluation of the same checkpoint on
+the whole unsharded model (``evaluate.evaluate_run``, the independent path); they are logged
+in the metrics rows and are the run's final evaluation; evaluating does not change what the
+run trains."""
 
 from __future__ import annotations
 
@@ -24,14 +25,11 @@ def _sets(demo, out, **extra) -> list[str]:
                                    "eval.max_samples": 6, **extra})
 
 
-LAYOUTS = {"sp2-ep2": {"parallel.sp": 2, "parallel.ep": 2}, "tp2": {"parallel.tp": 2}}
-
-
-@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_two_ranks_evaluate_what_one_process_does(demo, tmp_path, layout):
+def test_two_ranks_evaluate_what_one_process_does(demo, tmp_path):
     run = tmp_path / "run"
     result = train("configs/demo_omni.yaml", nproc=2, progress=False, sets=_sets(
-        demo, run, steps=4, checkpoint_every=4, **{"eval.every": 2}, **layout))
+        demo, run, steps=4, checkpoint_every=4, **{"eval.every": 2, "parallel.sp": 2,
+                                                   "parallel.ep": 2}))
     rows = read_metrics(run / "metrics.jsonl")
     assert ["eval" in r for r in rows] == [False, True, False, True]
     final = result["eval"]

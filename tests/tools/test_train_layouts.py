@@ -8,13 +8,15 @@ gradient (``debug.dump_grads_at_step``). The aux router loss is off where the pa
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
 
 import yaml
 
-from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.config import RunConfig, load_config
+from omniscale.tools.train.evaluate import evaluate_run
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 from tests.tools.train_runs import assert_same_gradients
@@ -85,13 +87,20 @@ def test_tensor_parallel_trains_what_one_process_does_and_resumes_without(demo, 
     """4 processes: tp 2 × dp_shard 2. The plane plans for the 2 data ranks, each TP pair loads
     the same plan; the encoders stay replicated over the pair (FSDP over all 4), each copy
     passing half the gradient. Its checkpoint resumes in one process without TP, and the next
-    step is the one a single process trains."""
+    step is the one a single process trains. The ranks' held-out evaluation of the last step
+    (each TP pair its data rank's slice, the head's logits gathered over the vocabulary) is
+    one process's evaluation of the checkpoint (``evaluate_run``)."""
     extra, one, g_one = every_source_one  # 4 steps of one process (tests/tools/conftest.py)
-    four, g_four = _run(demo, tmp_path / "tp", 4, **extra, **{"parallel.tp": 2})
+    four, g_four = _run(demo, tmp_path / "tp", 4, **extra, **{
+        "parallel.tp": 2, "eval.enabled": True, "eval.max_samples": 6})
     assert_same_gradients(g_one, g_four, trained=("vision.", "audio.", "decoder."))
     _same_rows(one[:3], four)
-    result = train(None, resume=str(tmp_path / "tp"), sets=["steps=4", "parallel.tp=1"],
-                   progress=False)
+    evaluated = json.loads((tmp_path / "tp" / "eval.json").read_text())
+    cfg, _ = load_config(tmp_path / "tp" / "config.yaml")
+    assert evaluated["step"] == 3 and all(r["tokens"] > 0 for r in evaluated["eval"].values())
+    assert evaluate_run(cfg, tmp_path / "tp", verbose=False) == evaluated["eval"]
+    result = train(None, resume=str(tmp_path / "tp"),
+                   sets=["steps=4", "parallel.tp=1", "eval.enabled=false"], progress=False)
     assert result["start_step"] == 3
     resumed = read_metrics(tmp_path / "tp" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
