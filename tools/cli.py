@@ -146,6 +146,12 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# tools/bench/all.py's BENCHES, in order: a copy, since --help must work where tools/bench is
+# absent (tests/tools/test_bench_all.py checks it)
+BENCH_NAMES = ("balance", "linear_ce_memory", "hf_load_memory", "kernels", "model", "attention",
+               "commit", "loader", "ray_loader", "remote", "plane", "e2e", "gpu_check")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniscale", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -329,8 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_all.add_argument("--quick", action="store_true",
                            help="each bench's quick mode (or smaller sizes where it has none)")
     bench_all.add_argument("--only", metavar="NAME,...",
-                           help="run only these (balance, linear_ce_memory, kernels, model, "
-                                "loader, plane, gpu_check)")
+                           help=f"run only these ({', '.join(BENCH_NAMES)})")
     bench_all.add_argument("--out", default="bench-results.json", metavar="FILE",
                            help="collected JSON (default bench-results.json); the Markdown "
                                 "table goes beside it as .md")

@@ -34,6 +34,12 @@ def test_every_bench_script_is_registered():
     assert scripts == {b.script for b in BENCHES.values()}
 
 
+def test_the_cli_names_every_bench_in_order():
+    from omniscale.tools import cli
+
+    assert cli.BENCH_NAMES == tuple(BENCHES)
+
+
 def test_headlines_from_the_committed_bench_json():
     """docs/bench holds each bench's JSON as it writes it: the mapping must find its numbers."""
     raw = json.loads((DOCS / "linear_ce_memory.json").read_text())
@@ -43,6 +49,13 @@ def test_headlines_from_the_committed_bench_json():
     assert peak["baseline"] == raw["variants"]["unfused"]["peak_bytes"]
     assert peak["ratio"] == pytest.approx(raw["peak_ratio"], abs=1e-4)
     assert peak["target"] == "<= 0.25" and peak["met"] is True
+    raw = json.loads((DOCS / "hf_load_memory.json").read_text())
+    hf = by_metric(headline_rows("hf_load_memory", raw))
+    shard = hf["peak RSS growth per rank: sharded vs transformers from_pretrained"]
+    assert shard["value"] == raw["median_peak_growth_bytes"]["sharded"]
+    assert shard["baseline"] == raw["median_peak_growth_bytes"]["transformers"]
+    assert shard["ratio"] == pytest.approx(raw["median_peak_growth_bytes"]["sharded"]
+                                           / raw["median_peak_growth_bytes"]["transformers"])
 
     balance = headline_rows("balance", json.loads((DOCS / "balance.json").read_text()))
     assert len(balance) == 9 and all(r["target"] and r["met"] in (True, False) for r in balance)

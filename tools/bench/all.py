@@ -104,6 +104,19 @@ BENCHES: dict[str, Bench] = {
             Metric("RSS above inputs: fused vs unfused", value="variants.fused.loss_peak_bytes",
                    baseline="variants.unfused.loss_peak_bytes", ratio="loss_peak_ratio"),
             Metric("fused and unfused losses agree", value="losses_agree"))),
+    "hf_load_memory": Bench(
+        "hf_load_memory.py", quick_args=("--quick",), quick_is_own_flag=True,
+        metrics=(
+            Metric("peak RSS growth per rank loading a HF Qwen3-MoE: sharded vs from_hf then "
+                   "fully_shard", value="median_peak_growth_bytes.sharded",
+                   baseline="median_peak_growth_bytes.whole_then_shard",
+                   ratio="sharded_over.whole_then_shard"),
+            Metric("peak RSS growth per rank: sharded vs transformers from_pretrained",
+                   value="median_peak_growth_bytes.sharded",
+                   baseline="median_peak_growth_bytes.transformers",
+                   ratio="sharded_over.transformers"),
+            Metric("sharded load: peak bytes beyond the rank's shards",
+                   value="sharded_beyond_shards_bytes"))),
     "kernels": Bench(
         "kernels.py", quick_args=("--warmup", "1", "--reps", "3"), metrics=KERNEL_ROWS),
     "model": Bench(
