@@ -41,15 +41,12 @@ def evaluates_in_ranks(cfg) -> bool:
 
 class HeldOut:
     """The run's held-out evaluation inside the ranks (every rank makes one, calls
-    :meth:`evaluate` at the same steps). ``rank``, ``world``: this process's data rank and the
-    number of data ranks; ``group``: the data ranks of this TP slice (None: the world);
-    ``pipeline``: this rank's ``PipelineRunner`` under PP, ``tp_rank`` its TP rank."""
+    :meth:`evaluate` at the same steps). ``ctx``: the run's ``step.StepContext`` -- the data
+    rank and count, the pipeline runner and TP rank, and ``sum_group``, where the counts add up
+    (the data ranks of this TP slice; the world under PP, each figure from one rank)."""
 
-    def __init__(self, cfg, run_dir: Path, vocab_size: int | None, rank: int, world: int,
-                 group=None, pipeline=None, tp_rank: int = 0) -> None:
-        self.cfg, self.run_dir, self.vocab_size = cfg, Path(run_dir), vocab_size
-        self.rank, self.world, self.group = rank, world, group
-        self.pipeline, self.tp_rank = pipeline, tp_rank
+    def __init__(self, cfg, run_dir: Path, vocab_size: int | None, ctx) -> None:
+        self.cfg, self.run_dir, self.vocab_size, self.ctx = cfg, Path(run_dir), vocab_size, ctx
         self.sets: dict[str, tuple[list, int]] | None = None  # source -> (micro-batches, samples)
         self.spec = load_spec(cfg.data.eval_spec)
 
@@ -101,7 +98,7 @@ class HeldOut:
         from omniscale.loaders.collate import collate
         from omniscale.tools.train.step import placeholder
 
-        rank, world = self.rank, self.world
+        rank, world = self.ctx.rank, self.ctx.world
         # one token, no media, its label ignored: scores nothing, runs every encoder's dummy
         pad = placeholder(collate([], self.spec.media))
         mine = [(i, mb if mb.num_tokens else pad) for i, mb in enumerate(mbs)
@@ -110,8 +107,8 @@ class HeldOut:
         mine += [(None, pad)] * (-(-len(mbs) // world) - len(mine))
         if self.cfg.task == "video_gen":
             return self._velocity(model, mine, samples)
-        if self.pipeline is not None:
-            return self._accuracy(samples, *self._stages([mb for _, mb in mine]), group=None)
+        if self.ctx.pipeline is not None:
+            return self._accuracy(samples, *self._stages([mb for _, mb in mine]))
         from omniscale.tools.train import evaluate  # it imports the loop, which imports this
 
         correct = total = 0
@@ -122,16 +119,16 @@ class HeldOut:
                 if i is not None:
                     correct, total = correct + c, total + n
                     targets.update(t)
-        return self._accuracy(samples, correct, total, targets, group=self.group)
+        return self._accuracy(samples, correct, total, targets)
 
     def _stages(self, mbs: list) -> tuple[int, int, Counter]:
         """PP: the slice forward through the schedule; the last stage's counts (TP rank 0's:
         every other rank's are zero, so the world's sum counts each once)."""
         from omniscale.tools.train.pipeline_step import schedule_runs
 
-        runner = self.pipeline
+        runner = self.ctx.pipeline
         counts = [0, 0, Counter()]
-        scores = runner.is_last and self.tp_rank == 0
+        scores = runner.is_last and self.ctx.tp_rank == 0
 
         def score(hidden_TD, labels_T):
             mask = labels_T != IGNORE_INDEX
@@ -146,11 +143,11 @@ class HeldOut:
             runner.evaluate(run, score)
         return tuple(counts)
 
-    def _accuracy(self, samples: int, correct: int, total: int, targets: Counter,
-                  group) -> dict:
-        """The counts summed over ``group`` (None: the world), as one source's row."""
+    def _accuracy(self, samples: int, correct: int, total: int, targets: Counter) -> dict:
+        """The counts summed over the context's ``sum_group``, as one source's row."""
         from omniscale.tools.train import evaluate
 
+        group = self.ctx.sum_group
         parts: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, (correct, total, targets), group=group)
         correct, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
@@ -179,7 +176,7 @@ class HeldOut:
         # on the model's device: NCCL reduces CUDA tensors only
         both = torch.tensor([*sums, n], dtype=torch.float64,
                             device=next(model.parameters()).device)
-        dist.all_reduce(both, group=self.group)
+        dist.all_reduce(both, group=self.ctx.sum_group)
         *sums, n = both.tolist()
         return {"samples": samples, **velocity_result(sums, n)}
 

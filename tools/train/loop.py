@@ -176,8 +176,7 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
                           writer=rank == 0, devices=world,
                           encoder_copies=dims.tp // dims.encoder_tp, tp_rank=dims.tp_rank(rank),
                           pipeline=meshes.pipeline, clock=ComputeClock(device.type))
-        held_out = HeldOut(cfg, run_dir, mcfg.vocab_size if mcfg is not None else None,
-                           data_rank, dims.dp_sp, ctx.group, meshes.pipeline, ctx.tp_rank) \
+        held_out = HeldOut(cfg, run_dir, mcfg.vocab_size if mcfg is not None else None, ctx) \
             if evaluates_in_ranks(cfg) else None
         _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn, held_out)
         dist.barrier()  # nobody stops the plane while another rank still talks to it
