@@ -28,15 +28,15 @@ def demo(pipeline_demo):
     return spec_of(pipeline_demo / "all.yaml")
 
 
-def check_full_path(spec, state_dir, make_loader, after_step=None, steps: int = STEPS
-                    ) -> set[str]:
-    """Two ranks through ``make_loader(url, rank)`` for ``steps`` steps; every micro-batch and
-    encoder item equal to per-sample decoding; every step committed by both; the audit
-    exactly-once. ``after_step(step, loaders)`` runs after each step's commits (to break
-    something)."""
+def check_full_path(spec, state_dir, make_loader, after_step=None, steps: int = STEPS,
+                    config=CONFIG) -> set[str]:
+    """Two ranks through ``make_loader(url, rank)`` for ``steps`` steps of a plane with
+    ``config``; every micro-batch and encoder item equal to per-sample decoding; every step
+    committed by both; the audit exactly-once. ``after_step(step, loaders)`` runs after each
+    step's commits (to break something)."""
     seen: set[str] = set()
     decoder = demo_decoder(spec)
-    with start_embedded(spec.path, state_dir, CONFIG) as plane, \
+    with start_embedded(spec.path, state_dir, config) as plane, \
             PlaneClient(plane.url) as client:
         loaders = [make_loader(plane.url, r) for r in range(2)]
         try:

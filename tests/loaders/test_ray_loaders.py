@@ -10,6 +10,7 @@ import math
 import re
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -18,7 +19,7 @@ from omniscale.dataplane.errors import UserError
 from omniscale.loaders.ray_cluster import size_pools
 from omniscale.loaders.ray_loaders import RayRankLoader, measure_costs
 from omniscale.loaders.worker import decoder_spec
-from tests.loaders.pipeline_fixtures import loader_args, spec_of
+from tests.loaders.pipeline_fixtures import CONFIG, loader_args, spec_of
 from tests.loaders.ray_fixtures import two_node_cluster
 from tests.loaders.test_pipeline import check_full_path
 
@@ -75,9 +76,11 @@ def test_measured_costs_are_mean_seconds_per_sample(demo, monkeypatch):
 def test_default_pools_fit_the_cluster_spread_over_its_nodes_and_survive_deaths(
         cluster, demo, tmp_path):
     """Two ranks feeding from the job's pools (rank 0 plans them within the cluster's 2 CPUs:
-    at least one actor per source, fractional CPUs; rank 1 finds them by name). After step 1 the
-    image and video actors are killed (their samples in flight included): the batches are
-    still exactly per-sample decoding."""
+    at least one actor per source, fractional CPUs; rank 1 finds them by name). After step 0
+    every image and video actor is killed: the batches are still exactly per-sample decoding.
+    The plane plans one window of 2 steps at a time, so step 2's samples go to the pools only
+    after step 1's commit, after the kill: the loaders, which run steps ahead, cannot have
+    decoded them already."""
     loaders = []
 
     def make(url, rank):
@@ -91,12 +94,13 @@ def test_default_pools_fit_the_cluster_spread_over_its_nodes_and_survive_deaths(
         if step == 0:
             nodes.update(ray.get([a.ready.remote() for pool in running[0].pools.values()
                                   for a in pool]))
-        if step == 1:
             for source in ("image_caption", "video_caption"):
-                ray.kill(running[0].pools[source][0], no_restart=True)
+                for actor in running[0].pools[source]:
+                    ray.kill(actor, no_restart=True)
 
-    # step 2 reads through the replacements (a Ray run's steps cost seconds: no more)
-    seen = check_full_path(demo, tmp_path, make, after_step=kill_some, steps=3)
+    # a Ray run's steps cost seconds: no more than the replacements need
+    seen = check_full_path(demo, tmp_path, make, after_step=kill_some, steps=3,
+                           config=replace(CONFIG, window=2, plan_ahead=0))
     assert seen == {"text", "image", "video", "audio"}
     owner, other = loaders
     assert owner.plan == other.plan and owner.replicas == other.replicas
@@ -105,8 +109,9 @@ def test_default_pools_fit_the_cluster_spread_over_its_nodes_and_survive_deaths(
         {s.name for s in demo.sources}
     # the largest share (in steps of 0.01) at which every actor has room on a 1-CPU node
     assert 2 * math.floor(1 / cpus + 1e-9) >= actors > 2 * math.floor(1 / (cpus + 0.01) + 1e-9)
-    # each rank that met a dead actor replaced it (or found the other's replacement)
-    assert sum(loader.actor_restarts for loader in loaders) >= 2
+    # step 2 met dead actors: replaced (by the rank that met one first; the other may find
+    # that replacement by name)
+    assert sum(loader.actor_restarts for loader in loaders) >= 1
     assert len(nodes) == 2  # the pools spread over both nodes
 
 
