@@ -25,16 +25,17 @@ from omniscale.dataplane.schedule import Schedule, Segment
 from tests.dataplane.plane_steps import commit_step
 
 STEPS = 12
-# Recorded again when the demo gained its chat source and ChatML tokens (demo version 3: a
-# new tokenizer, so other token counts); this code on the version-2 demo still gave the
-# earlier digests (57cd4ed8f07b8e4b, 9d418e980a563ab1, 1714d1c8a2ee78d1, 3ea284a40197ebad,
-# c81ccb39eda20a79).
+# Recorded again when the suite's demo took a 2,048-token vocabulary (tests/demo_data.py: other
+# token counts); this code on the 8,192-token demo (the one `omniscale data demo` writes) still
+# gives the earlier digests (efe3088b58073ea5, 4c5b8c2ce469f80c, c392edc36b421b0e,
+# 40f8899238330a2c, 8bae0655b1991a98; before those, on the version-2 demo: 57cd4ed8f07b8e4b,
+# 9d418e980a563ab1, 1714d1c8a2ee78d1, 3ea284a40197ebad, c81ccb39eda20a79).
 GOLDEN = {
-    "demo-tokens-batch-dp2": "efe3088b58073ea5",
-    "demo-tokens-batch-dp3": "4c5b8c2ce469f80c",
-    "fast-samples-dp2": "c392edc36b421b0e",
-    "fast-samples-dp3": "40f8899238330a2c",
-    "fast-tokens-dp3": "8bae0655b1991a98",
+    "demo-tokens-batch-dp2": "b23472e5d9886a15",
+    "demo-tokens-batch-dp3": "5ce2d2f2da1047d1",
+    "fast-samples-dp2": "a8e5e1ca3625c5a8",
+    "fast-samples-dp3": "3758508fdaa8e6b9",
+    "fast-tokens-dp3": "360fe703d45da8c8",
 }
 
 

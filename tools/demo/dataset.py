@@ -26,7 +26,7 @@ from rich.table import Table
 from omniscale.dataplane.errors import UserError
 from omniscale.tools.demo import specs, text
 from omniscale.tools.demo.shards import SOURCE_IDS, SPLIT_IDS, ShardResult, ShardTask, write_shard
-from omniscale.tools.demo.tokenizer import train_tokenizer
+from omniscale.tools.demo.tokenizer import VOCAB_SIZE, train_tokenizer
 
 VERSION = 3  # 2: lm.yaml and video.yaml, the lm and video_gen tasks' specs; 3: chat, sft*.yaml
 SUMMARY_FILE = "demo.json"
@@ -145,7 +145,7 @@ def _run(tasks: list[ShardTask], workers: int, progress: bool) -> list[ShardResu
 
 
 def build(dest: Path, plan: Plan, seed: int = 0, workers: int = 1, progress: bool = False,
-          scale: str = "custom") -> dict:
+          scale: str = "custom", vocab_size: int = VOCAB_SIZE) -> dict:
     """Write the whole dataset of ``plan`` into the existing directory ``dest``; returns the
     summary, also written to ``dest/demo.json`` last. Output bytes depend only on (plan, seed).
     """
@@ -153,7 +153,7 @@ def build(dest: Path, plan: Plan, seed: int = 0, workers: int = 1, progress: boo
     results = _run(tasks, workers, progress)
     captions = [c for r in sorted(results, key=lambda r: (r.split, r.source, r.index))
                 for c in r.captions]
-    train_tokenizer(train_text, captions, dest / "tokenizer.json")
+    train_tokenizer(train_text, captions, dest / "tokenizer.json", vocab_size=vocab_size)
 
     sources: dict[str, dict[str, dict]] = {}
     for task, result in sorted(zip(tasks, results),
@@ -193,7 +193,7 @@ def build(dest: Path, plan: Plan, seed: int = 0, workers: int = 1, progress: boo
                              f"Demo {task} held-out set (scale {scale}, seed {seed}).")
             spec_files[task] = name
     summary = {"version": VERSION, "scale": scale, "seed": seed, "tokenizer": "tokenizer.json",
-               "specs": spec_files, "sources": sources}
+               "vocab_size": vocab_size, "specs": spec_files, "sources": sources}
     (dest / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -255,12 +255,14 @@ def _print_summary(summary: dict, out: Path, seconds: float | None) -> None:
 
 
 def generate(out: Path, scale: str = "tiny", seed: int = 0, workers: int | None = None,
-             progress: bool = True) -> dict:
+             progress: bool = True, vocab_size: int = VOCAB_SIZE) -> dict:
     """Generate the demo dataset of ``scale`` and ``seed`` into ``out``; returns its summary
     (also in ``out/demo.json``). Returns at once when ``out`` already holds that demo.
 
-    The result is byte-identical for the same (scale, seed), whatever ``workers`` is.
-    ``progress`` shows a progress bar and a summary table.
+    The result is byte-identical for the same (scale, seed, vocab_size), whatever ``workers``
+    is. ``progress`` shows a progress bar and a summary table. ``vocab_size``: the tokenizer's
+    (the test suite's demo takes a smaller one: on a CPU the LM head over the vocabulary is
+    most of a tiny model's training step).
     """
     plan = scale_plan(scale)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -269,8 +271,8 @@ def generate(out: Path, scale: str = "tiny", seed: int = 0, workers: int | None 
         raise UserError(f"demo workers {workers}: must be >= 1")
     out = Path(out)
     existing = _complete_demo(out)
-    if existing and (existing.get("version"), existing.get("scale"), existing.get("seed")) == \
-            (VERSION, scale, seed):
+    if existing and (existing.get("version"), existing.get("scale"), existing.get("seed"),
+                     existing.get("vocab_size", VOCAB_SIZE)) == (VERSION, scale, seed, vocab_size):
         if progress:
             _print_summary(existing, out, None)
         return existing
@@ -279,7 +281,7 @@ def generate(out: Path, scale: str = "tiny", seed: int = 0, workers: int | None 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     t0 = time.perf_counter()
     try:
-        summary = build(tmp, plan, seed, workers, progress, scale)
+        summary = build(tmp, plan, seed, workers, progress, scale, vocab_size)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
