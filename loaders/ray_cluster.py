@@ -12,6 +12,7 @@ may ask it for, and asked for through Ray's resource requests (:func:`request_ro
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -51,7 +52,7 @@ def connect(address: str, namespace: str) -> None:
     if ray.is_initialized():
         return
     reachable(address)
-    _token_auth_if_at_hand()
+    _token_auth_if_at_hand(address)
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False,
                  logging_level=logging.WARNING)
@@ -62,11 +63,14 @@ def connect(address: str, namespace: str) -> None:
                         ) from None
 
 
-def _token_auth_if_at_hand() -> None:
-    """Ray enables token auth on the clusters it starts, and uses a token it finds (its
-    variables, ``~/.ray/auth_token``) when it finds the cluster itself (``auto``) -- but not
-    given an address: a sibling rank's instance (torchrun) or a `ray start` head would refuse
-    us. Do as Ray does for ``auto`` (its own function; ``RAY_AUTH_MODE``, when set, rules)."""
+def _token_auth_if_at_hand(address: str) -> None:
+    """Token auth as the cluster at ``address`` has it (``RAY_AUTH_MODE``, when set, rules).
+    Ray guesses: on for ``auto`` whenever a token is at hand (its variables,
+    ``~/.ray/auth_token``), off for an explicit address. Each guess is wrong for some cluster:
+    one with token auth refuses a rank without the token (a sibling rank's instance, a `ray
+    start` head), and on one without it a rank that turned token auth on has its actors
+    cancelled before they start -- silently. So ask: one call to the cluster's GCS without a
+    token, refused only where token auth is on."""
     if "RAY_AUTH_MODE" in os.environ:
         return
     try:
@@ -75,7 +79,51 @@ def _token_auth_if_at_hand() -> None:
         )
     except ImportError:  # a Ray without token auth
         return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    gcs = _gcs_address(address)
+    if gcs is None or _wants_token(gcs):
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _gcs_address(address: str) -> str | None:
+    """``HOST:PORT`` of the GCS behind ``address`` (``auto``: the cluster running here), or
+    None where it cannot be told (a Ray Client ``ray://`` address)."""
+    if address.startswith("ray://"):
+        return None
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(address)
+    except Exception:  # noqa: BLE001 -- ray.init will say what is wrong with it
+        return None
+
+
+def _wants_token(gcs: str) -> bool:
+    """Whether the GCS at ``gcs`` refuses a call without a token (an unreachable or otherwise
+    failing one: True, leaving the choice to Ray's own rule)."""
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    with _native_stderr_muted():  # the GCS client logs its refusal there: not the user's news
+        try:
+            GcsClient(address=gcs).internal_kv_get(b"omniscale-auth-probe", None, timeout=5)
+        except AuthenticationError:
+            return True
+        except Exception:  # noqa: BLE001
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _native_stderr_muted():
+    """File descriptor 2 on /dev/null for the block (native code writes there directly)."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def reachable(address: str, timeout: float = 5.0, what: str = "data.ray_address") -> None:

@@ -81,10 +81,9 @@ def test_plane_actor_and_two_trainers_on_three_nodes_lose_one_and_train_alike(de
             [sys.executable, "-m", "omniscale", "train", CONFIG, "--nproc", "2", "--no-progress",
              "--plane", url, "--ray-address", cluster.address, *args],
             capture_output=True, text=True, timeout=360,
-            # the ranks' token auth as the cluster's: its nodes inherited this process's
-            # RAY_AUTH_MODE ("token" once an earlier Ray test here started a local instance);
-            # unset, it runs without, and a token left in ~/.ray must not switch it on in the
-            # ranks (their actors would be cancelled before they start: README, Ray section)
+            # the ranks' token auth as the cluster's, said outright: its nodes inherited this
+            # process's RAY_AUTH_MODE ("token" once an earlier Ray test here started a local
+            # instance). Unset, the ranks would ask the cluster (tests/loaders/test_ray_auth.py)
             env={**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")})
         done.set()
         watcher.join()
