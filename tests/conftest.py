@@ -17,9 +17,20 @@ if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
 
 
 @pytest.fixture(scope="session")
-def demo_root(tmp_path_factory):
-    """The tiny demo, indexed, shared by the whole run: read it, never write into it (copy it
-    with ``tests.demo_data.copy_demo`` first)."""
+def demo_root(tmp_path_factory, worker_id):
+    """The tiny demo, indexed, shared by the whole run -- by every xdist worker too (built
+    once, under a file lock, in the directory the workers' temporary directories share): read
+    it, never write into it (copy it with ``tests.demo_data.copy_demo`` first)."""
+    from filelock import FileLock
+
     from tests.demo_data import build
 
-    return build(tmp_path_factory.mktemp("demo") / "demo")
+    if worker_id == "master":  # no xdist
+        return build(tmp_path_factory.mktemp("demo") / "demo")
+    shared = tmp_path_factory.getbasetemp().parent
+    root, built = shared / "demo" / "demo", shared / "demo.built"
+    with FileLock(str(shared / "demo.lock")):
+        if not built.exists():  # the first worker here builds it; the others only read it
+            build(root)
+            built.touch()
+    return root
