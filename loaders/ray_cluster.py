@@ -101,14 +101,11 @@ def _wants_token(gcs: str) -> bool:
     """Whether the GCS at ``gcs`` refuses a call without a token (an unreachable or otherwise
     failing one: True, leaving the choice to Ray's own rule)."""
     from ray._raylet import GcsClient
-    from ray.exceptions import AuthenticationError
 
     with _native_stderr_muted():  # the GCS client logs its refusal there: not the user's news
         try:
             GcsClient(address=gcs).internal_kv_get(b"omniscale-auth-probe", None, timeout=5)
-        except AuthenticationError:
-            return True
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 -- AuthenticationError, or Ray's own rule decides
             return True
     return False
 

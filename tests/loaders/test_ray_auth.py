@@ -8,10 +8,12 @@ actors cancelled before they started)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -64,9 +66,12 @@ def test_a_rank_takes_the_cluster_s_token_auth_mode(mode, tmp_path):
            if not k.startswith("RAY_AUTH") and k not in ("RAY_ADDRESS",)}
     env["HOME"] = str(home)
     port = _free_port()
+    # a temp dir of its own (short: Ray's socket paths): `ray start` leaves the head's address
+    # in TEMP_DIR/ray_current_cluster, where a later ray.init() of any test would find it
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     started = subprocess.run(
         [RAY, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-         "--disable-usage-stats"], env={**env, "RAY_AUTH_MODE": mode},
+         "--disable-usage-stats", f"--temp-dir={temp}"], env={**env, "RAY_AUTH_MODE": mode},
         capture_output=True, text=True, timeout=120)
     try:
         assert started.returncode == 0, started.stderr[-2000:]
@@ -74,6 +79,7 @@ def test_a_rank_takes_the_cluster_s_token_auth_mode(mode, tmp_path):
                               capture_output=True, text=True, timeout=180)
     finally:
         _stop(port)
+        shutil.rmtree(temp, ignore_errors=True)
     assert rank.returncode == 0, rank.stdout[-1000:] + rank.stderr[-3000:]
     want = "token" if mode == "token" else "None"
     assert rank.stdout.split()[-2:] == [want, "ran"], rank.stdout

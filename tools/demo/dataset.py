@@ -147,7 +147,8 @@ def _run(tasks: list[ShardTask], workers: int, progress: bool) -> list[ShardResu
 def build(dest: Path, plan: Plan, seed: int = 0, workers: int = 1, progress: bool = False,
           scale: str = "custom", vocab_size: int = VOCAB_SIZE) -> dict:
     """Write the whole dataset of ``plan`` into the existing directory ``dest``; returns the
-    summary, also written to ``dest/demo.json`` last. Output bytes depend only on (plan, seed).
+    summary, also written to ``dest/demo.json`` last. Output bytes depend only on (plan, seed,
+    vocab_size).
     """
     tasks, train_text = plan_tasks(dest, plan, seed)
     results = _run(tasks, workers, progress)
