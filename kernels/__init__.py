@@ -4,6 +4,11 @@
 ``kernels.describe(device)`` lists the backend chosen for every op.
 """
 
+if __name__ == "kernels":  # the bare name: see hand_over_top_level
+    from omniscale import hand_over_top_level
+
+    hand_over_top_level(__name__)
+
 import omniscale.kernels.triton_registry  # noqa: E402,F401  (registers Triton + compiled; imports no Triton)
 from omniscale.kernels.registry import backend_of, describe, get, register
 

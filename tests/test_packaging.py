@@ -83,3 +83,42 @@ def test_unpacked_wheel_imports_without_the_checkout(wheel, tmp_path):
     assert Path(where).is_relative_to(tmp_path / "site")
     assert kernel_module.startswith("omniscale.kernels.")
     assert bare == "[]"
+
+
+def _bare_import_from_the_root(name: str, pythonpath: str = "") -> str:
+    """Where ``import name`` lands when run from the checkout's root (root first on sys.path,
+    as under ``python -m`` or pytest)."""
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else dict(os.environ)
+    done = subprocess.run([sys.executable, "-c", f"import {name}; print({name}.__file__)"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_an_installed_package_named_like_kernels_is_not_hidden_by_the_checkout(tmp_path):
+    """transformers >= 5.25 imports Hugging Face's `kernels`; run from the checkout it found
+    our `kernels/` first and failed (`cannot import name 'CUDAProperties'`). A stand-in
+    installed package: the bare name must reach it, and `omniscale.kernels` stay ours."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("FROM_THE_HUB = True\n")
+    landed = _bare_import_from_the_root("kernels", pythonpath=str(site))
+    assert Path(landed).is_relative_to(site), landed
+    ours = _bare_import_from_the_root("omniscale.kernels", pythonpath=str(site))
+    assert Path(ours).is_relative_to(ROOT / "kernels"), ours
+
+
+def test_no_folder_hides_an_installed_package_of_its_name():
+    """Any installed distribution that provides one of our folder names as a top-level
+    package must still be what the bare name imports from the checkout (a folder that
+    collides needs ``omniscale.hand_over_top_level`` in its ``__init__``, as kernels/ has)."""
+    from importlib.metadata import packages_distributions
+
+    provided = packages_distributions()
+    for name in SUBPACKAGES:
+        others = [d for d in provided.get(name, []) if d.lower() != "omniscale"]
+        if others:
+            landed = Path(_bare_import_from_the_root(name))
+            assert not landed.is_relative_to(ROOT / name), (
+                f"{name}/ hides the installed {others}: import it under its bare name from "
+                f"the checkout and you get ours ({landed})")
