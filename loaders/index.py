@@ -341,7 +341,8 @@ def _write_index(shard_tables: list[tuple[str, pa.Table]], metadata: dict,
     if target.is_local:
         path = target.local_path()
         path.parent.mkdir(parents=True, exist_ok=True)  # an index_dir entry
-        tmp = path.with_name(f"_{INDEX_FILENAME}.{os.getpid()}.tmp")
+        # a hidden name: listings that copy or scan a source (data copy, shard listing) skip it
+        tmp = path.with_name(f".{INDEX_FILENAME}.{os.getpid()}.tmp")
         try:
             rows = _write_parquet(shard_tables, metadata, tmp)
             os.replace(tmp, path)

@@ -71,7 +71,8 @@ def _copy_tree(source_dir: Path, index_dir: Path, dest: Location, progress: bool
     from rich.progress import Progress
 
     files = sorted(p for p in source_dir.rglob("*") if p.is_file() and not p.name.startswith(
-        ("_index.parquet.", ".")))  # no half-written index temp files, no dot files
+        ("_index.parquet.", "__index.parquet.", ".")))  # no index temp files (an older
+    # release's too: another process may be writing one now), no dot files
     index = index_dir / "_index.parquet"
     if not index.is_file():
         raise UserError(f"{source_dir}: no index; run `omniscale data index` before copying")
