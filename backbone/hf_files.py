@@ -54,6 +54,12 @@ class CheckpointDir:
             raise UserError(f"{self.path}: no {SINGLE} or {INDEX} (only safetensors weights "
                             f"are read)")
 
+    def add(self, file: Path) -> None:
+        """Also read the tensors of the safetensors ``file`` (a part saved beside the
+        checkpoint: an exported tower's projector)."""
+        with self._opened(file) as f:
+            self.where.update(dict.fromkeys(f.keys(), file))
+
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
@@ -124,7 +130,7 @@ def write_checkpoint_dir(out: str | Path, config: dict, tensors: Iterable[tuple[
                          extra_files: Iterable[Path] = (), shard_bytes: int = SHARD_BYTES) -> Path:
     """Write ``config.json``, the tensors (in order, into shards of at most ``shard_bytes``;
     one shard is ``model.safetensors``, more are indexed) and copies of ``extra_files`` (a
-    tokenizer's) into ``out``, which must not exist yet. Returns ``out``."""
+    tokenizer's; directories whole) into ``out``, which must not exist yet. Returns ``out``."""
     from safetensors.torch import save_file
 
     with new_directory(out) as tmp:
@@ -149,8 +155,9 @@ def write_checkpoint_dir(out: str | Path, config: dict, tensors: Iterable[tuple[
         flush()
         _name_shards(tmp, shards, total)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        for file in extra_files:
-            shutil.copy2(file, tmp / Path(file).name)
+        for file in extra_files:  # a directory (a tower's checkpoint) is copied whole
+            copy = shutil.copytree if Path(file).is_dir() else shutil.copy2
+            copy(file, tmp / Path(file).name)
     return Path(out)
 
 

@@ -13,7 +13,9 @@ config, an unsupported ``model_type``, a shard missing, a tensor missing or of t
 Tensor names: transformers 5 saves Qwen2-VL's tower under ``visual.`` and Qwen2-Audio's under
 ``audio_tower.`` / ``multi_modal_projector.``; Whisper's encoder is ``model.encoder.``
 (``WhisperForConditionalGeneration``) or ``encoder.`` (``WhisperModel``). Each is also looked
-for under ``model.`` (how some conversions save them); the first that holds the tower wins.
+for under ``model.`` (how some conversions save them); the first that holds the tower wins. A
+tower saved alone (``qwen2_vl_vision``, ``qwen2_audio_encoder``, a bare ``WhisperEncoder``; what
+``vision_to_hf_dir`` / ``audio_to_hf_dir`` write) has its tensors at the top level.
 
 ``out_dim``: the LLM width. By default the checkpoint's own (Qwen2-VL's merger output, Qwen2-
 Audio's text width); another width leaves the last projection (``merger.fc2``, ``projector``)
@@ -47,6 +49,7 @@ WHISPER_DEFAULTS = dict(num_mel_bins=80, encoder_layers=4, encoder_attention_hea
 QWEN2_AUDIO_DEFAULTS = dict(WHISPER_DEFAULTS, num_mel_bins=128, encoder_layers=32,
                             encoder_attention_heads=20, encoder_ffn_dim=5120, d_model=1280)
 VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu"}
+AUDIO_PROJECTOR = "projector.safetensors"  # an exported audio tower's projection to the LLM
 
 
 @dataclass(frozen=True)
@@ -121,9 +124,9 @@ def audio_source(path: str | Path, out_dim: int | None = None
     raw, config_path = _read_config(directory)
     model_type = raw.get("model_type")
     width = None
-    if model_type == "whisper":
+    if model_type == "whisper":  # "": an encoder saved alone (WhisperEncoder, audio_to_hf_dir)
         hf, layout = {**WHISPER_DEFAULTS, **raw}, "whisper"
-        prefixes, head = ("model.encoder.", "encoder."), None
+        prefixes, head = ("model.encoder.", "encoder.", ""), None
     elif model_type == "qwen2_audio":
         hf, layout = {**QWEN2_AUDIO_DEFAULTS, **raw.get("audio_config", {})}, "qwen2_audio"
         prefixes = ("audio_tower.", "model.audio_tower.")
@@ -138,6 +141,10 @@ def audio_source(path: str | Path, out_dim: int | None = None
     if hf["activation_function"] != "gelu":
         raise UserError(f"{config_path}: activation_function {hf['activation_function']!r} is "
                         "not supported (gelu)")
+    ckpt = CheckpointDir(directory)
+    if head is None and (directory / AUDIO_PROJECTOR).is_file():  # audio_to_hf_dir's
+        ckpt.add(directory / AUDIO_PROJECTOR)
+        head, width = ("",), ckpt.shape("linear.weight")[0]
     if out_dim is None and width is None:
         raise UserError(f"{config_path}: a {model_type} checkpoint has no projector to the LLM "
                         "width: pass out_dim")
@@ -145,7 +152,6 @@ def audio_source(path: str | Path, out_dim: int | None = None
                     n_layers=hf["encoder_layers"], n_heads=hf["encoder_attention_heads"],
                     ffn_dim=hf["encoder_ffn_dim"], norm_eps=1e-5, layout=layout,
                     max_positions=hf["max_source_positions"])
-    ckpt = CheckpointDir(directory)
     specs = audio_tensors(config, ckpt.prefix(prefixes, "conv1.weight"))
     keep_head = head is not None and out_dim in (None, width)
     if keep_head:
@@ -166,6 +172,32 @@ def vision_to_hf_state(encoder: VisionEncoder, prefix: str = "visual."
     return _to_hf(encoder, vision_tensors(c, prefix))
 
 
+def vision_to_hf_dir(encoder: VisionEncoder, out: str | Path) -> Path:
+    """Our Qwen2-VL-layout encoder as a tower alone, the way transformers saves one
+    (``model_type`` ``qwen2_vl_vision``): ``Qwen2VisionTransformerPretrainedModel
+    .from_pretrained(out)`` loads it, and so does :func:`vision_from_hf`. ``out`` must not
+    exist."""
+    from omniscale.backbone.hf_files import write_checkpoint_dir
+
+    c = encoder.config
+    if c.rope_theta != 10000.0:  # transformers' vision rotary has no theta of its own
+        raise ValueError(f"vision encoder rope_theta {c.rope_theta}: Qwen2-VL's tower has "
+                         "10000 only")
+    if c.ffn_dim % c.d_model:  # transformers' config takes an integer mlp_ratio
+        raise ValueError(f"vision encoder ffn_dim {c.ffn_dim}: Qwen2-VL's tower needs a "
+                         f"multiple of d_model {c.d_model}")
+    state = vision_to_hf_state(encoder, prefix="")
+    config = {"model_type": "qwen2_vl_vision",
+              "architectures": ["Qwen2VisionTransformerPretrainedModel"],
+              "depth": c.n_layers, "embed_dim": c.d_model,
+              "hidden_size": int(state["merger.mlp.2.weight"].shape[0]),
+              "hidden_act": c.mlp, "mlp_ratio": c.ffn_dim // c.d_model, "num_heads": c.n_heads,
+              "in_channels": c.in_channels, "patch_size": c.patch_size,
+              "spatial_merge_size": c.merge_size, "temporal_patch_size": c.temporal_patch_size,
+              "torch_dtype": "float32"}
+    return write_checkpoint_dir(out, config, state.items())
+
+
 def audio_to_hf_state(encoder: AudioEncoder, prefix: str | None = None
                       ) -> dict[str, torch.Tensor]:
     """Our Whisper-layout encoder's state under transformers' names: ``model.encoder.``
@@ -178,6 +210,36 @@ def audio_to_hf_state(encoder: AudioEncoder, prefix: str | None = None
         return _to_hf(encoder, audio_tensors(c, prefix or "model.encoder."))
     return _to_hf(encoder, audio_tensors(c, prefix or "audio_tower.")
                   + _projector_tensors("multi_modal_projector."))
+
+
+def audio_to_hf_dir(encoder: AudioEncoder, out: str | Path) -> Path:
+    """Our Whisper- or Qwen2-Audio-layout encoder as transformers saves the encoder alone
+    (``WhisperEncoder`` / ``Qwen2AudioEncoder``, ``model_type`` ``whisper`` /
+    ``qwen2_audio_encoder``: ``from_pretrained(out)`` loads it), and its projection to the
+    LLM width, which neither class has, beside it as ``projector.safetensors`` under
+    Qwen2-Audio's names (``linear.``). :func:`audio_from_hf` reads both back. ``out`` must
+    not exist."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from omniscale.backbone.hf_files import write_checkpoint_dir
+
+    c = encoder.config
+    if c.layout == "omniscale":
+        raise ValueError("audio encoder layout omniscale: transformers has no such layout")
+    if c.norm_eps != 1e-5:  # transformers' Whisper-family LayerNorms are fixed at 1e-5
+        raise ValueError(f"audio encoder norm_eps {c.norm_eps}: Whisper's is 1e-5")
+    config = {"model_type": "whisper" if c.layout == "whisper" else "qwen2_audio_encoder",
+              "num_mel_bins": c.n_mels, "encoder_layers": c.n_layers,
+              "encoder_attention_heads": c.n_heads, "encoder_ffn_dim": c.ffn_dim,
+              "d_model": c.d_model, "max_source_positions": c.max_positions,
+              "activation_function": "gelu", "torch_dtype": "float32"}
+    state = _to_hf(encoder, audio_tensors(c, ""))
+    with tempfile.TemporaryDirectory() as tmp:
+        head = Path(tmp) / AUDIO_PROJECTOR
+        save_file(_to_hf(encoder, _projector_tensors("")), str(head), metadata={"format": "pt"})
+        return write_checkpoint_dir(out, config, state.items(), [head])
 
 
 # ---- name maps --------------------------------------------------------------------------

@@ -17,8 +17,11 @@ reshards from any number of ranks), and writes the decoder as a Qwen3-MoE / Qwen
 (``config.json``, safetensors shards with an index when more than one, the run's
 ``tokenizer.json`` and a ``tokenizer_config.json``) that transformers' ``from_pretrained``
 loads with no custom code. The omni model's encoders are separate towers beside it:
-``vision_tower.safetensors`` / ``audio_tower.safetensors`` hold their state under our names,
-``omniscale_towers.json`` their configs.
+a vision tower in Qwen2-VL's layout is ``vision/``, a checkpoint of its own that transformers'
+``Qwen2VisionTransformerPretrainedModel`` loads; a Whisper- or Qwen2-Audio-layout encoder is
+``audio/`` (``WhisperEncoder`` / ``Qwen2AudioEncoder``, its projection to the LLM width beside it
+in ``projector.safetensors``); towers in layouts transformers lacks (our ``tiny`` presets) are
+``NAME_tower.safetensors`` under our names, their configs in ``omniscale_towers.json``.
 """
 
 from __future__ import annotations
@@ -157,19 +160,27 @@ def _tokenizer_config(tmp: Path, eos: str, pad: str) -> Path:
 
 
 def _towers(model, tmp: Path) -> list[Path]:
-    """The encoders' state (our names) and configs, as files beside the decoder."""
+    """The encoders beside the decoder: a tower in a layout transformers has (Qwen2-VL's
+    vision tower, a Whisper or Qwen2-Audio encoder) as its own transformers checkpoint
+    (``vision/``, ``audio/``), any other tower's state under our names
+    (``NAME_tower.safetensors``) with its config in ``omniscale_towers.json``."""
     from safetensors.torch import save_file
 
+    from omniscale.encoders.hf import audio_to_hf_dir, vision_to_hf_dir
+
     files, configs = [], {}
-    for name in ("vision", "audio"):
+    for name, to_hf in (("vision", vision_to_hf_dir), ("audio", audio_to_hf_dir)):
         tower = getattr(model, name)
         if tower is None:
             continue
-        path = tmp / f"{name}_tower.safetensors"
-        save_file({k: v.detach().clone() for k, v in tower.state_dict().items()}, str(path),
-                  metadata={"format": "pt"})
-        files.append(path)
-        configs[name] = dataclasses.asdict(tower.config)
+        try:
+            files.append(to_hf(tower, tmp / name))
+        except ValueError:  # a layout transformers lacks: its state under our names
+            path = tmp / f"{name}_tower.safetensors"
+            save_file({k: v.detach().clone() for k, v in tower.state_dict().items()},
+                      str(path), metadata={"format": "pt"})
+            files.append(path)
+            configs[name] = dataclasses.asdict(tower.config)
     if configs:
         (tmp / TOWERS).write_text(json.dumps(configs, indent=2) + "\n")
         files.append(tmp / TOWERS)

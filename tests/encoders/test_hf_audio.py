@@ -141,6 +141,37 @@ def test_export_is_transformers_state(whisper, qwen2_audio):
         assert torch.equal(ours[name], x), name
 
 
+def test_an_encoder_written_alone_loads_in_transformers_and_back(whisper, qwen2_audio,
+                                                                  tmp_path):
+    """Each layout as transformers' encoder class saves it alone: that class loads it with no
+    custom code and gives our features; the projection to the LLM width beside it is ours;
+    read back, each is the same encoder, projector included."""
+    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    from omniscale.encoders.hf import audio_to_hf_dir
+
+    mel = _mel(seed=2)
+    for (_, path), cls, out_dim in ((whisper, WhisperEncoder, 40),
+                                    (qwen2_audio, Qwen2AudioEncoder, None)):
+        encoder, _ = audio_from_hf(path, out_dim=out_dim)
+        out = audio_to_hf_dir(encoder.eval(), tmp_path / cls.__name__)
+        loaded = cls.from_pretrained(out).eval()
+        head = load_file(out / "projector.safetensors")
+        with torch.no_grad():
+            hidden = loaded(mel).last_hidden_state.reshape(-1, 32)
+            if cls is WhisperEncoder:  # ours pools frame pairs before the projection
+                hidden = hidden.view(-1, 2, 32).mean(1)
+            theirs = torch.nn.functional.linear(hidden, head["linear.weight"],
+                                                head["linear.bias"])
+            ours = encoder(*_packed(mel))
+        assert theirs.std() > 0.5 and ours.shape == theirs.shape
+        assert (ours - theirs).abs().max().item() <= TOL, cls.__name__
+        again, _ = audio_from_hf(out)  # the width from the projector beside it
+        for (name, a), b in zip(encoder.state_dict().items(), again.state_dict().values()):
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("layout", ["whisper", "qwen2_audio"])
 def test_any_clip_length_gives_geometry_tokens_and_packs_exactly(layout):
     torch.manual_seed(0)

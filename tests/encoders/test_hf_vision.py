@@ -97,6 +97,30 @@ def test_export_is_transformers_state(saved):
         assert torch.equal(ours[name], x), name
 
 
+def test_a_tower_written_alone_loads_in_transformers_and_back(saved, tmp_path):
+    """The tower as its own checkpoint directory: transformers' tower class loads it with no
+    custom code and gives our embeddings; read back, it is the same encoder."""
+    from omniscale.encoders.hf import vision_to_hf_dir
+
+    model, path = saved
+    encoder, _ = vision_from_hf(path)
+    out = vision_to_hf_dir(encoder, tmp_path / "vision")
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
+
+    tower = Qwen2VisionTransformerPretrainedModel.from_pretrained(out).eval()
+    x = _patches(1)
+    with torch.no_grad():
+        ours = encoder.eval()(x, GRIDS)
+        theirs = tower(x, grid_thw=GRIDS).pooler_output
+    assert theirs.std() > 0.5
+    assert (ours - theirs).abs().max().item() <= TOL
+    again, _ = vision_from_hf(out)
+    for (name, a), b in zip(encoder.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_default_layout_cannot_be_exported():
     from omniscale.encoders.vision import VisionConfig
 

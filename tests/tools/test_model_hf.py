@@ -101,6 +101,41 @@ def test_a_run_starts_from_the_checkpoint_s_weights(demo, qwen3_moe, towers, tmp
                          (model.audio.blocks[1].up.weight, whisper.model.encoder.layers[1].fc1)):
         assert torch.allclose(ours, theirs.weight, atol=1e-6)
     assert model.audio.projector.weight.shape == (64, 32)  # Whisper has none: a new one
+    # handed back: each tower a checkpoint transformers loads on its own -- the Qwen2-VL
+    # tower, the Whisper encoder (its new projector beside it)
+    out = tmp_path / "exported"
+    assert main(["model", "export-hf", str(tmp_path / "r"), "--out", str(out)]) == 0
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
+
+    tower = Qwen2VisionTransformerPretrainedModel.from_pretrained(out / "vision")
+    want = vl.model.visual.state_dict()
+    assert tower.state_dict().keys() == want.keys()
+    for name, value in tower.state_dict().items():
+        assert torch.allclose(value, want[name], atol=1e-6), name
+    from safetensors.torch import load_file
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    encoder = WhisperEncoder.from_pretrained(out / "audio")
+    want = whisper.model.encoder.state_dict()
+    assert encoder.state_dict().keys() == want.keys()
+    for name, value in encoder.state_dict().items():
+        assert torch.allclose(value, want[name], atol=1e-6), name
+    head = load_file(out / "audio" / "projector.safetensors")
+    assert torch.equal(head["linear.weight"], model.audio.projector.weight.detach())
+    assert not any(out.glob("*_tower.safetensors")) and not (out / "omniscale_towers.json").exists()
+    # ... and a new run starts from the towers handed back, the projector included
+    train("configs/demo_omni.yaml", progress=False,
+          sets=_sets(demo, tmp_path / "again", qwen3_moe, steps=1,
+                     **{"optim.lr": 1e-30, "optim.min_lr": 0.0,
+                        "model.init_from.vision": out / "vision",
+                        "model.init_from.audio": out / "audio"}))
+    again, _ = _trained(tmp_path / "again")
+    for tower in ("vision", "audio"):
+        started = getattr(again, tower).state_dict()
+        for name, value in getattr(model, tower).state_dict().items():
+            assert torch.allclose(started[name], value, atol=1e-6), (tower, name)
     ckpt = CheckpointDir(qwen3_moe)
     table = ckpt.get("model.embed_tokens.weight")
     assert mcfg.vocab_size > HF_VOCAB and mcfg.d_model == 64 and mcfg.moe.num_experts == 4
