@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,6 +95,9 @@ class StepLoader:
             self.shard_prefetcher = Prefetcher(remote, cache)
         self.client = PlaneClient(plane_url, token=token)
         self._report_client = PlaneClient(plane_url, token=token)  # used by the assembly thread
+        self._commit_client = PlaneClient(plane_url, token=token)  # used by the commit thread
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"omniscale-commit-{rank}")
+        self._commits: deque[Future] = deque()  # sent, not yet known to be acknowledged
         self._local = TimedDecoder(self.spec, decode_timeout)  # replacements, on that thread
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.assembler = StepAssembler(self.rank, geometry, policy, self._report,
@@ -145,10 +149,33 @@ class StepLoader:
                 return batch
         raise StopIteration(f"step {step}: the mixture ended before it")
 
-    def commit(self, step: int) -> dict:
+    _MAX_COMMITS_IN_FLIGHT = 8
+
+    def commit(self, step: int) -> Future:
         """Tell the plane this rank trained ``step``, with the fingerprint of the plan it
-        trained (so a plan re-planned since is refused rather than silently committed)."""
-        return self.client.commit(step, self.rank, plan_fp=self._fps.pop(step, None))
+        trained (so a plan re-planned since is refused rather than silently committed).
+
+        Sent in the background, in step order: the plane makes a commit durable (an fsync)
+        before it answers, milliseconds the trainer's next step need not wait on. A refused
+        commit is raised by the next ``commit``, by :meth:`wait_commits` (call it before a
+        checkpoint: a checkpoint means every step before it is committed) or by ``close``.
+        Returns the commit's future (the plane's reply)."""
+        self._raise_failed_commit()
+        while len(self._commits) >= self._MAX_COMMITS_IN_FLIGHT:  # a plane slower than steps
+            self._commits.popleft().result()
+        future = self._committer.submit(self._commit_client.commit, step, self.rank,
+                                        plan_fp=self._fps.pop(step, None))
+        self._commits.append(future)
+        return future
+
+    def wait_commits(self) -> None:
+        """Block until every commit sent is acknowledged; raise the first refused one."""
+        while self._commits:
+            self._commits.popleft().result()
+
+    def _raise_failed_commit(self) -> None:
+        while self._commits and self._commits[0].done():
+            self._commits.popleft().result()
 
     @property
     def corrupt_reasons(self):
@@ -161,7 +188,16 @@ class StepLoader:
             refs = [r for r in table_to_refs(table) if r.source in self.shard_prefetcher.sources]
             self.shard_prefetcher.submit(refs)
 
-    def close(self) -> None:
+    def close(self, raise_commit_errors: bool = True) -> None:
+        """Stop the threads and workers; commits already sent are waited for first (a refused
+        one is raised after the rest is closed, unless ``raise_commit_errors`` is false)."""
+        failed = None
+        try:
+            self.wait_commits()
+        except Exception as e:  # noqa: BLE001 -- raised once the loader is closed
+            failed = e
+        self._commits.clear()
+        self._committer.shutdown(wait=True)
         self._stop.set()
         self.plans.close()
         if self.shard_prefetcher is not None:
@@ -174,12 +210,15 @@ class StepLoader:
         self._local.close()
         self.client.close()
         self._report_client.close()
+        self._commit_client.close()
+        if failed is not None and raise_commit_errors:
+            raise failed
 
     def __enter__(self) -> "StepLoader":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(raise_commit_errors=exc_type is None)  # never mask the error in flight
 
     # -- the assembly thread ----------------------------------------------------------------
     def _report(self, step: int, source: str, shard: str, key: str, reason: str, epoch: int

@@ -62,6 +62,8 @@ def check_full_path(spec, state_dir, make_loader, after_step=None, steps: int = 
                     loader.commit(step)
                 if after_step is not None:
                     after_step(step, loaders)
+            for loader in loaders:
+                loader.wait_commits()  # commits are sent in the background
             assert client.status()["next_step"] == steps
         finally:
             for loader in loaders:
@@ -93,3 +95,33 @@ def test_in_process_decoding_and_steps_in_order(demo, tmp_path):
                 assert_same_batch(got, want)
             with pytest.raises(ValueError, match="this loader is at step 3"):
                 loader.step(1)
+
+
+@pytest.mark.timeout(60)
+def test_commits_go_in_the_background_and_a_refused_one_is_raised(demo, tmp_path):
+    """``commit`` returns before the plane answers; commits arrive in step order; a refused
+    one is raised by the next ``commit``, by ``wait_commits`` and by ``close`` -- not lost."""
+    from omniscale.dataplane.client import PlaneError
+
+    with start_embedded(demo.path, tmp_path, CONFIG) as plane, PlaneClient(plane.url) as c:
+        loader = RankLoader(plane.url, 0, **loader_args(demo), num_workers=0)
+        other = RankLoader(plane.url, 1, **loader_args(demo), num_workers=0)
+        with loader, other:
+            for step in range(3):
+                for ld in (loader, other):
+                    assert next(ld).step == step
+                    ld.commit(step)
+            loader.wait_commits(), other.wait_commits()
+            assert c.status()["next_step"] == 3  # every commit, in order
+            refused = loader.commit(10_000)  # far past anything planned
+            assert isinstance(refused.exception(), PlaneError)  # waits for the answer
+            with pytest.raises(PlaneError, match="10000"):
+                loader.commit(3)  # the refusal surfaces here, before this one is sent
+            assert next(loader).step == 3
+            loader.commit(10_001)
+            with pytest.raises(PlaneError, match="10001"):
+                loader.wait_commits()
+            loader.commit(10_002)
+            with pytest.raises(PlaneError, match="10002"):
+                loader.close()
+        assert c.status()["next_step"] == 3  # step 3 was never committed by rank 1

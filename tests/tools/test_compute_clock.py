@@ -87,4 +87,6 @@ def test_compute_clock_measures_each_ranks_work_not_its_waiting():
     wall = [r["wall"] for r in ranks]
     assert wall[0] / wall[1] < 1.3  # the wall clock hides it: rank 1 waits for rank 0
     measured = ranks[0]["compute"] / ranks[1]["compute"]
-    assert abs(measured / true_ratio - 1) <= 0.2, (measured, true_ratio, ranks)
+    # within 30% of the truth (a full CI run beside it once stretched a rank's clock by 22%);
+    # the wall clock's ratio, below 1.3, stays well outside
+    assert abs(measured / true_ratio - 1) <= 0.3, (measured, true_ratio, ranks)

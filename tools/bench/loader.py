@@ -144,12 +144,24 @@ def run_baseline(spec_path: Path, samples: int, workers: int, weights: dict[str,
 
     spec = load_spec(spec_path)
     dataset = _MixedWebDataset(spec, weights, pack)
+    collect_before_fork()
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
                                          collate_fn=lambda x: x, prefetch_factor=4)
     it = iter(loader)
     out = time_batches(it, samples)
     del it
     return out
+
+
+def collect_before_fork() -> None:
+    """Free this process's garbage before a baseline forks its workers: our run before it
+    leaves its embedded plane's Flight server to the collector, and a forked worker that
+    collects it blocks forever on a gRPC lock whose thread it lacks (seen: a webdataset
+    worker hung in ``~FlightServerBase``). Our loader does the same before it forks
+    (``loaders.pipeline._forked``)."""
+    import gc
+
+    gc.collect()
 
 
 def time_batches(it, samples: int) -> dict:

@@ -140,8 +140,9 @@ def energon_loader(spec_path: Path, workers: int, weights: dict[str, float], pac
 
 def run_energon(spec_path: Path, samples: int, workers: int, weights: dict[str, float],
                 pack: int) -> dict:
-    from omniscale.tools.bench.loader import time_batches
+    from omniscale.tools.bench.loader import collect_before_fork, time_batches
 
+    collect_before_fork()
     with warnings.catch_warnings():  # its loader always asks for pinned memory; none on CPU
         warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true")
         it = iter(energon_loader(spec_path, workers, weights, pack))

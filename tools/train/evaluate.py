@@ -16,6 +16,7 @@ decoders as training produce the batches.
 from __future__ import annotations
 
 import shutil
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def _batches(cfg: RunConfig, eval_spec: Path, source: str, out_dir: Path):
                 if samples >= cfg.eval.max_samples:
                     break
         finally:
-            loader.close()
+            loader.close(raise_commit_errors=sys.exc_info()[0] is None)
     return batches, samples
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -179,10 +180,11 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
         held_out = HeldOut(cfg, run_dir, mcfg.vocab_size if mcfg is not None else None, ctx) \
             if evaluates_in_ranks(cfg) else None
         _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn, held_out)
+        loader.wait_commits()
         dist.barrier()  # nobody stops the plane while another rank still talks to it
     finally:
-        if loader is not None:
-            loader.close()
+        if loader is not None:  # a refused commit is raised unless an error is in flight
+            loader.close(raise_commit_errors=sys.exc_info()[0] is None)
         if plane is not None:
             plane.stop()
 
@@ -388,6 +390,7 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
                      pools=getattr(loader, "pool_stats", None))
                 records = []
             if save:
+                loader.wait_commits()  # a checkpoint at ``done``: every step before committed
                 checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
                 pending = checkpoint.save(run_dir, done, model, optimizer, client, rank,
                                           cfg.checkpoint.keep_last, async_group,
