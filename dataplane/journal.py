@@ -36,6 +36,9 @@ SNAPSHOT_VERSION = 2
 _HEAD, _TAIL = b'{"c":"', b'}'  # a line: {"c":"xxxxxxxx","r":<record>}
 
 
+WAL_NAME = "wal.jsonl"  # the log, in the state dir
+
+
 class JournalError(UserError):
     """The state dir cannot be trusted as it is: a corrupt log record, a log shorter than a
     snapshot says it was, a spec copy that does not match its hash."""
@@ -80,7 +83,7 @@ class Journal:
         self.readonly = readonly
         self.snapshots = self.dir / "snapshots"
         self.specs = self.dir / "specs"
-        self.wal = self.dir / "wal.jsonl"
+        self.wal = self.dir / WAL_NAME
         # Group commit: records are written under `_write_lock`; `sync_to` fsyncs under
         # `_sync_lock`, and one fsync makes every record written before it durable, so
         # concurrent writers waiting for durability share fsyncs instead of queueing one each.
@@ -88,7 +91,7 @@ class Journal:
         self.fsyncs = 0
         if readonly:
             if not self.wal.is_file():
-                raise JournalError(f"{self.dir}: no wal.jsonl (is this a plane state dir?)")
+                raise JournalError(f"{self.dir}: no {WAL_NAME} (is this a plane state dir?)")
             self.end = self._scan()
         else:
             self._create()

@@ -14,7 +14,8 @@ Placement: a plane bound to loopback is pinned to the caller's node (its URL is 
 there). Bound to another address (with a token, and TLS unless ``insecure``), it may run on any
 node; bound to all interfaces (``0.0.0.0``), it advertises its node's IP (which its TLS
 certificate must then name). Its state dir, and its certificate and key files, must then be
-storage that node can reach. Ray is imported lazily: it takes seconds to import.
+storage that node can reach: a plane restarted where its state dir holds no log refuses to
+start fresh (that would repeat the run's data). Ray is imported lazily: it takes seconds to import.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from omniscale.dataplane.auth import check_bind, is_loopback
 from omniscale.dataplane.errors import UserError
+from omniscale.dataplane.journal import WAL_NAME
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import PlaneServer
 
@@ -48,6 +50,7 @@ class PlaneActor:
         endpoint = Path(state_dir) / ENDPOINT
         if _restarted():  # by Ray, after its process died: from the state dir, on the same
             restore_step = None  # port (rolling back again would lose committed steps)
+            _check_state_survived(state_dir)
             if port == 0 and endpoint.is_file():
                 port = json.loads(endpoint.read_text())["port"]
         self.plane = DataPlane(spec, state_dir, PlaneConfig(**config),
@@ -127,6 +130,30 @@ def start_on_ray(spec: str | Path | None, state_dir: str | Path, config: PlaneCo
         ray.kill(actor)
         raise
     return actor, url
+
+
+def _check_state_survived(state_dir: str) -> None:
+    """A plane restarted by Ray must find the job's log in its state dir. It is not there when
+    Ray restarted it on a node that cannot reach the first one's state dir (a local disk):
+    starting fresh would serve step 0 again, repeating every sample trained. (A first process
+    that died before it wrote its start record is refused too; nothing was served, so running
+    the job again is safe.)"""
+    wal = Path(state_dir) / WAL_NAME
+    if not wal.is_file() or wal.stat().st_size == 0:
+        raise UserError(f"{state_dir}: the plane actor was restarted by Ray on node "
+                        f"{_node_ip()}, but its state dir there holds no plane state; a "
+                        "fresh start would repeat the run's data, so it refuses. Put the state "
+                        "dir on storage every node reaches, or bind the plane to 127.0.0.1 "
+                        "(pinned to the node it started on)")
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except (ImportError, RuntimeError):
+        return "?"
 
 
 def _namespace() -> str | None:

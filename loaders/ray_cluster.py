@@ -17,7 +17,9 @@ import hashlib
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +63,12 @@ def connect(address: str, namespace: str) -> None:
                         f"({str(e).splitlines()[0]}; a cluster with token auth needs its "
                         "token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
                         ) from None
+    # A rank is stopped with SIGTERM when a peer fails (by torch's launcher or torchrun);
+    # Ray's handler then prints a native stack dump beside the one line that says why. The
+    # default action ends the rank as quietly as one that never joined Ray (the cluster
+    # drops a driver's actors when it goes).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _token_auth_if_at_hand(address: str) -> None:
@@ -228,7 +236,9 @@ def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT
     larger nodes); otherwise each must start within ``timeout`` seconds of the one before
     (a cluster short of CPUs, or an autoscaler that never comes, stalls; a busy one that
     starts worker processes one at a time does not). On a refusal or a stall every actor is
-    killed and one line says what was asked and what the cluster offers."""
+    killed and one line says what was asked and what the cluster offers. An actor that dies
+    before it answers is passed over (the pools replace it as they replace any death); one
+    whose ``__init__`` raised raises that error."""
     import ray
 
     largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]),
@@ -242,7 +252,13 @@ def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT
         if not done:
             _refuse(actors, plan, len(actors) - len(pending), f"none more started within "
                     f"{timeout:g} s", autoscaling)
-        ray.get(done)  # an actor that failed to start raises its own error here
+        try:
+            ray.get(done)
+        except ray.exceptions.RayActorError as e:
+            if getattr(e, "actor_init_failed", True):
+                raise  # its own error, from its __init__ (every new one would fail alike)
+            # Died before it answered, its node lost (an autoscaler's node taken back) or its
+            # process killed: the pools meet it as a death, like any other, and replace it.
 
 
 def _refuse(actors: list, plan: PoolPlan, placed: int, why: str,

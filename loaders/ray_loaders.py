@@ -17,6 +17,7 @@ the death.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -38,12 +39,14 @@ from omniscale.loaders.prefetch import END
 from omniscale.loaders.ray_cluster import (
     PLACEMENT_TIMEOUT_S,
     PoolPlan,
+    cluster_cpus,
     node_cpus,
     plan_pools,
     replan,
     request_room,
     wait_placed,
 )
+from omniscale.loaders.ray_pools import PoolDirectory, room_on
 from omniscale.loaders.remote_io import add_stats
 from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
 
@@ -98,31 +101,6 @@ def measure_costs(spec: DecoderSpec, n: int = PROBE_SAMPLES,
     return costs
 
 
-@ray.remote(num_cpus=0)
-class PoolDirectory:
-    """The job's pool plan under a name in the job's namespace: the loader that plans writes
-    it, every other loader of the job reads it and uses the same actors."""
-
-    def __init__(self, plan: PoolPlan) -> None:
-        self._plan = plan
-        self._generations: dict[tuple[str, int], int] = {}
-
-    def plan(self) -> PoolPlan:
-        return self._plan
-
-    def set_plan(self, plan: PoolPlan) -> None:
-        self._plan = plan
-
-    def next_generation(self, source: str, slot: int, seen: int) -> int:
-        """The generation of the actor in ``slot`` of ``source``'s pool after the one of
-        generation ``seen`` died: the first loader to report the death gets a new one (and
-        starts it), the others the same (and find it by name). Calls run one at a time."""
-        now = self._generations.get((source, slot), 0)
-        if now == seen:
-            now = self._generations[(source, slot)] = seen + 1
-        return now
-
-
 class RayRankLoader(StepLoader):
     """A rank's loader whose decoding runs on the job's per-source Ray actor pools (connect
     to the job's cluster first: ``loaders.ray_cluster.connect``).
@@ -136,7 +114,9 @@ class RayRankLoader(StepLoader):
     takes the actors by name. Actors spread over the cluster's nodes; actors that cannot be
     placed end the loader with one line (``placement_timeout``). An actor that dies is
     replaced and its in-flight samples are decoded again (counted in :attr:`actor_restarts`;
-    ``max_actor_restarts`` deaths on one sample end the loader). Every ``resize_every``
+    ``max_actor_restarts`` deaths on one sample end the loader) -- or, when the nodes left
+    have no room for it and no autoscaler can add one, its pool goes on without it (counted
+    in :attr:`actors_retired`; :class:`loaders.ray_pools.PoolLayout`). Every ``resize_every``
     steps (0: never) the pools follow the schedule: the planner shares the same actors out
     anew for the mixture the plane draws now, ahead of training, and every loader applies the
     new plan (``_follow_schedule``). On a cluster with an autoscaler, ``autoscale_cpus`` is
@@ -158,20 +138,21 @@ class RayRankLoader(StepLoader):
         self.max_actor_restarts = max_actor_restarts
         self.max_replicas, self.resize_every = max_replicas, resize_every
         self.autoscale_cpus = autoscale_cpus
-        self.actor_restarts = self.resizes = 0
+        self.actor_restarts = self.actors_retired = self.resizes = 0
         self.costs: dict[str, float] = {}
         self.pools_name = pools_name or "omniscale-pools-" + hashlib.sha256(
             self.url.encode()).hexdigest()[:12]
-        self.pools: dict[str, list] = {}
+        self.pools: dict[str, list] = {}  # each source's actors, in slot order
+        self._names: dict[str, list[str]] = {}  # ... and their names
+        self._handles: dict[str, object] = {}  # every actor of the layout, by name
         self._directory = None  # set when this loader planned the pools (it owns them)
-        self._plans = None  # the job's PoolDirectory (its plan, read by every loader)
-        self._generation: dict[tuple[str, int], int] = {}  # pool slots replaced so far
+        self._plans = None  # the job's PoolDirectory (its layout, read by every loader)
+        self._reserved = 0.0  # CPUs others held when the pools were planned
+        self._deaths = {"replaced": 0, "retired": 0}  # the job's, as last read
         try:
-            self.plan = self._job_plan(max_replicas, actor_cpus, shares)
-            self.pools = {name: [self._actor(name, i) for i in range(n)]
-                          for name, n in self.plan.replicas.items()}
-            wait_placed([a for pool in self.pools.values() for a in pool], self.plan,
-                        placement_timeout, self.autoscaling)
+            self._job_plan(max_replicas, actor_cpus, shares)
+            new = self._sync(*ray.get(self._plans.layout.remote()))
+            wait_placed(new, self.plan, placement_timeout, self.autoscaling)
         except BaseException:
             self.close()  # the plan prefetcher and any actor started
             raise
@@ -181,10 +162,14 @@ class RayRankLoader(StepLoader):
         return self.autoscale_cpus is not None
 
     def _nodes(self) -> list[float]:
-        """The CPUs per node the pools are planned within: the cluster's, or, with an
-        autoscaler, as many as the job may ask it for when that is more -- counted as nodes
-        of one CPU, so that actors sized for them fit whatever nodes the autoscaler adds."""
-        nodes = node_cpus()
+        """The CPUs per node the pools are planned within: the cluster's, less what others
+        held when the pools were planned (taken from the largest nodes: Ray tells free CPUs
+        per cluster, not per node), or, with an autoscaler, as many as the job may ask it for
+        when that is more -- counted as nodes of one CPU, so that actors sized for them fit
+        whatever nodes the autoscaler adds."""
+        nodes, reserved = sorted(node_cpus(), reverse=True), self._reserved
+        for i, cpus in enumerate(nodes):
+            nodes[i], reserved = max(0.0, cpus - reserved), max(0.0, reserved - cpus)
         cap = self.autoscale_cpus
         if self.autoscaling and cap > sum(nodes):
             return [1.0] * int(cap) + ([cap % 1] if cap % 1 else [])
@@ -194,12 +179,19 @@ class RayRankLoader(StepLoader):
     def replicas(self) -> dict[str, int]:
         return {name: len(pool) for name, pool in self.pools.items()}
 
+    @property
+    def actor_names(self) -> dict[str, list[str]]:
+        """The names of each source's actors, as of the last layout this loader took."""
+        return {source: list(names) for source, names in self._names.items()}
+
     def _job_plan(self, max_replicas: int, actor_cpus: float | None,
-                  shares: dict[str, float] | None) -> PoolPlan:
-        """The job's pool plan: planned here on data rank 0 (named for the others), read
-        from its directory on every other rank (waiting, boundedly, for rank 0)."""
+                  shares: dict[str, float] | None) -> None:
+        """The job's pool layout: planned here on data rank 0 (named for the others), found
+        by name on every other rank (waiting, boundedly, for rank 0): ``self._plans``."""
         name = f"{self.pools_name}/plan"
         if self.rank == 0:
+            # before any actor of ours starts: what the cluster's CPUs hold already
+            self._reserved = max(0.0, cluster_cpus() - ray.available_resources().get("CPU", 0))
             self.costs = measure_costs(self.spec)
             if shares is None:
                 shares = self._shares_now()
@@ -210,17 +202,19 @@ class RayRankLoader(StepLoader):
                 # on this node: it lives as long as the planner does, not a decoding node
                 here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                       soft=False)
-                self._directory = PoolDirectory.options(name=name,
-                                                        scheduling_strategy=here).remote(plan)
+                self._directory = PoolDirectory.options(
+                    name=name, scheduling_strategy=here).remote(
+                        plan, self.pools_name, self._reserved)
                 self._plans = self._directory
-                return plan
+                return
             except ValueError:  # another process of data rank 0 (a TP peer) planned first
                 pass
         deadline = time.monotonic() + DIRECTORY_WAIT_S
         while True:
             try:
                 self._plans = ray.get_actor(name)
-                return ray.get(self._plans.plan.remote())
+                self._reserved = ray.get(self._plans.reserved.remote())
+                return
             except ValueError:
                 if time.monotonic() > deadline:
                     raise UserError(f"rank {self.rank}: no Ray decoding pools planned by data "
@@ -228,18 +222,31 @@ class RayRankLoader(StepLoader):
                                     "not found)") from None
                 time.sleep(0.2)  # rank 0 measures and plans first: seconds
 
-    def _actor(self, source: str, index: int):
-        """The pool's ``index``-th actor of ``source``: the one running under its name, or a
-        new one (after a death, the first rank to notice starts it, the others find it)."""
-        generation = self._generation.get((source, index), 0)
+    def _handle(self, source: str, name: str):
+        """The actor named ``name`` of ``source``'s pool: the one running under that name,
+        or a new one (the first loader to need it starts it, the others find it)."""
         return SourceDecoder.options(
-            name=f"{self.pools_name}/{source}/{index}" + (f".{generation}" if generation else ""),
-            get_if_exists=True,
-            num_cpus=self.plan.actor_cpus, scheduling_strategy="SPREAD").remote(
+            name=name, get_if_exists=True, num_cpus=self.plan.actor_cpus,
+            scheduling_strategy="SPREAD").remote(
             dataclasses.replace(self.spec, sources={source: self.spec.sources[source]},
                                 indexes={source: (self.spec.indexes or
                                                   self.spec.sources)[source]}),
             self.decode_timeout)
+
+    def _sync(self, plan: PoolPlan, names: dict[str, list[str]]) -> list:
+        """Take the directory's layout: the pools become its actors (handles to actors it
+        no longer names dropped); returns the actors new to this loader."""
+        self.plan, new = plan, []
+        for name in set(self._handles) - {n for pool in names.values() for n in pool}:
+            del self._handles[name]
+        for source, pool in names.items():
+            for name in pool:
+                if name not in self._handles:
+                    self._handles[name] = self._handle(source, name)
+                    new.append(self._handles[name])
+        self._names = {source: list(pool) for source, pool in names.items()}
+        self.pools = {source: [self._handles[n] for n in pool] for source, pool in names.items()}
+        return new
 
     def _shares_now(self) -> dict[str, float]:
         """The mixture weights the plane is drawing with now (ahead of training by up to a
@@ -247,15 +254,21 @@ class RayRankLoader(StepLoader):
         return {m["source"]: m["weight"] for m in self.client.status()["mixture"]}
 
     def pool_stats(self) -> dict:
-        """Actors and samples in flight per source, pool resizes and actor restarts so far
-        (the trainer's metrics)."""
+        """Actors and samples in flight per source, pool resizes, and the job's dead actors
+        replaced and not replaced so far, whichever rank met them (the trainer's metrics)."""
+        # once the pools are closed: the counts as they were last read
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            self._deaths = ray.get(self._plans.deaths.remote())
+        deaths = self._deaths
         return {"actors": self.replicas, "in_flight": dict(self._in_flight),
-                "resizes": self.resizes, "actor_restarts": self.actor_restarts}
+                "resizes": self.resizes, "actor_restarts": deaths["replaced"],
+                "actors_retired": deaths["retired"]}
 
     def _follow_schedule(self, step: int) -> None:
         """Every ``resize_every`` steps: the planner shares the pools out anew for the
-        mixture the plane is drawing now (``ray_cluster.replan``) and names the new plan;
-        the other ranks read it; each applies it before submitting the step."""
+        mixture the plane is drawing now (``ray_cluster.replan``), names the new layout and
+        kills the actors it retires (their samples in flight go to their pools' other
+        actors); every loader takes the layout before submitting the step."""
         if not self.resize_every or step % self.resize_every:
             return
         if self._directory is not None:
@@ -264,31 +277,43 @@ class RayRankLoader(StepLoader):
             if plan != self.plan:
                 if self.autoscaling:
                     request_room(plan)
-                ray.get(self._directory.set_plan.remote(plan))
+                self._kill(ray.get(self._directory.set_plan.remote(plan)))
+            self._take_layout()
+            self._check_health()  # takes the layout again only if it reports a death
         else:
-            plan = ray.get(self._plans.plan.remote())
-        self._apply(plan)
+            self._take_layout()
 
-    def _apply(self, plan: PoolPlan) -> None:
-        """Make the pools ``plan``'s: actors beyond a pool's new size retired (killed by the
-        planner, dropped by the others; their samples in flight go to the pool's other
-        actors), new ones started (by name, so every rank gets the same ones)."""
-        if plan == self.plan:
+    def _check_health(self) -> None:
+        """The planner pings every actor once a window: one that died (its node lost) is
+        reported now, so it is replaced before a sample goes to it -- also in a pool whose
+        source the mixture draws rarely, where no sample might meet the death for long. An
+        actor that does not answer within a second is starting or busy: alive."""
+        pings = {self._handles[n].ready.remote(): (source, n)
+                 for source, names in self._names.items() for n in names}
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=1.0)
+        for ping in answered:
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError as e:
+                self._report_death(*pings[ping], e)
+
+    def _take_layout(self) -> None:
+        """The directory's layout taken (:meth:`_sync`), and its new actors waited for."""
+        plan, names = ray.get(self._plans.layout.remote())
+        if (plan, names) == (self.plan, self._names):
             return
-        for source, pool in self.pools.items():
-            for actor in pool[plan.replicas[source]:] if self._directory is not None else ():
-                ray.kill(actor)
-            del pool[plan.replicas[source]:]
-        self.plan = plan
-        grown = []
-        for source, pool in self.pools.items():
-            while len(pool) < plan.replicas[source]:
-                pool.append(self._actor(source, len(pool)))
-                grown.append(pool[-1])
-        self.resizes += 1
-        if grown:
-            wait_placed(grown, PoolPlan({"grown": len(grown)}, plan.actor_cpus),
+        if plan != self.plan:
+            self.resizes += 1
+        new = self._sync(plan, names)
+        # one that died starting (its node lost too) is met, and handled, as a death
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            wait_placed(new, PoolPlan({"new": len(new)}, plan.actor_cpus),
                         self.placement_timeout, self.autoscaling)
+
+    def _kill(self, names: list[str]) -> None:
+        for name in names:
+            with contextlib.suppress(ValueError):  # never started: nothing to kill
+                ray.kill(self._handles.get(name) or ray.get_actor(name))
 
     def _submit(self, work: list[tuple[SampleRef, DecodeNeed | None]]) -> list["_Flight"]:
         """A step's samples sent to their sources' pools, dealt round-robin over each pool's
@@ -304,12 +329,14 @@ class RayRankLoader(StepLoader):
         flights = []
         for (source, slot), items in groups.items():
             actor = self.pools[source][slot]
-            flights.append(_Flight(source, items, slot, actor, actor.decode_all.remote(items)))
+            flights.append(_Flight(source, items, slot, self._names[source][slot], actor,
+                                   actor.decode_all.remote(items)))
         return flights
 
     def _result(self, flight: "_Flight") -> list[Decoded]:
-        """A flight's decodes; if its actor died, the actor replaced (once, by whichever
-        flight notices first) and the samples decoded again on the new one."""
+        """A flight's decodes; if its actor died, the death reported to the directory (which
+        decides once, for the loader that reports first: a new actor in its slot, or the pool
+        goes on without it) and the samples decoded again in the pool as it is now."""
         for _ in range(self.max_actor_restarts + 1):
             try:
                 out = ray.get(flight.future)  # each actor bounds each decode by its timeout
@@ -317,18 +344,14 @@ class RayRankLoader(StepLoader):
                 return out
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
                 # the actor died, or its results were lost with their node's object store
-                self._apply(ray.get(self._plans.plan.remote()))  # retired by a resize?
-                pool = self.pools[flight.source]
-                if flight.slot >= len(pool):  # yes: its pool's other actors take the samples
-                    flight.slot %= len(pool)
-                elif pool[flight.slot] is flight.actor and not _alive(flight.actor):
-                    self.actor_restarts += 1
-                    warnings.warn(f"rank {self.rank}: a decoding actor of source "
-                                  f"{flight.source!r} died ({type(e).__name__}); replaced "
-                                  f"(restart {self.actor_restarts})", RuntimeWarning,
-                                  stacklevel=2)
-                    pool[flight.slot] = self._replacement(flight.source, flight.slot)
-                flight.actor = pool[flight.slot]
+                self._take_layout()  # a resize may have retired it, a peer reported it
+                if flight.name in self._names[flight.source] and not _alive(flight.actor):
+                    self._report_death(flight.source, flight.name, e)
+                names = self._names[flight.source]
+                if flight.name not in names:  # the pool's other actors take the samples
+                    flight.slot %= len(names)
+                    flight.name = names[flight.slot]
+                flight.actor = self._handles[flight.name]
                 flight.future = flight.actor.decode_all.remote(flight.work)
         keys = ", ".join(f"{ref.source}/{ref.key}" for ref, _ in flight.work[:3])
         raise RuntimeError(f"rank {self.rank}: decoding actors of source {flight.source!r} "
@@ -336,23 +359,25 @@ class RayRankLoader(StepLoader):
                            f"{' …' if len(flight.work) > 3 else ''}; giving up (a sample may "
                            "kill its decoder every time)")
 
-    def _replacement(self, source: str, slot: int):
-        """A started actor in a dead one's place, under a name of the next generation (a dead
-        actor's name is not free again for long after its node is lost); the directory
-        hands every loader the same generation."""
-        for _ in range(self.max_actor_restarts + 1):
-            seen = self._generation.get((source, slot), 0)
-            self._generation[(source, slot)] = ray.get(
-                self._plans.next_generation.remote(source, slot, seen))
-            actor = self._actor(source, slot)
-            try:
-                wait_placed([actor], PoolPlan({source: 1}, self.plan.actor_cpus),
-                            self.placement_timeout, self.autoscaling)
-                return actor
-            except ray.exceptions.RayActorError:
-                continue  # that generation died too (its node lost as well): the next
-        raise UserError(f"rank {self.rank}: no decoding actor of source {source!r} could be "
-                        f"started again in {self.max_actor_restarts + 1} tries")
+    def _report_death(self, source: str, name: str, error: Exception) -> None:
+        """Tell the directory the actor ``name`` of ``source``'s pool died, with the room the
+        nodes have now, and take the layout it decides."""
+        room = room_on(self._nodes(), self.plan.actor_cpus)
+        loss = ray.get(self._plans.lost.remote(source, name, room, self.autoscaling))
+        if loss.handled:
+            self._kill(loss.retired)
+            if loss.started:
+                self.actor_restarts += 1
+                what = f"replaced (restart {self.actor_restarts})"
+            else:
+                self.actors_retired += 1
+                what = "not replaced: the nodes left have no room for it"
+            if loss.retired:
+                what += f"; to make room, {', '.join(loss.retired)} retired"
+            warnings.warn(f"rank {self.rank}: a decoding actor of source {source!r} "
+                          f"died ({type(error).__name__}); {what}", RuntimeWarning,
+                          stacklevel=3)
+        self._take_layout()
 
     def _decoded_steps(self):
         pending: deque = deque()  # (step, table, flights), oldest first
@@ -380,14 +405,19 @@ class RayRankLoader(StepLoader):
                 add_stats(io, getattr(outs, "io", {}))  # a DecodedList's reader counters
             yield step, table, DecodedStep(decoded, io=io)
 
-    def close(self) -> None:
-        super().close()
-        if self._directory is not None:  # the planner owns the pools
-            for actor in [a for pool in self.pools.values() for a in pool] + [self._directory]:
-                ray.kill(actor)
-            self._directory = None
-            if self.autoscaling:
-                request_room(None)
+    def close(self, raise_commit_errors: bool = True) -> None:
+        try:
+            super().close(raise_commit_errors)
+        finally:
+            if self._directory is not None:  # the planner owns the pools
+                with contextlib.suppress(Exception):  # the cluster may be gone already
+                    self.pool_stats()  # the job's death counts, read while they can be
+                for actor in [a for pool in self.pools.values() for a in pool] + \
+                        [self._directory]:
+                    ray.kill(actor)
+                self._directory = None
+                if self.autoscaling:
+                    request_room(None)
 
 
 def _alive(actor) -> bool:
@@ -406,5 +436,6 @@ class _Flight:
     source: str
     work: list[tuple[SampleRef, DecodeNeed | None]]
     slot: int  # the actor's index in its source's pool
+    name: str  # ... and its name
     actor: object
     future: object

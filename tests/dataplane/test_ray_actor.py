@@ -90,6 +90,33 @@ def test_a_plane_actor_that_dies_comes_back_from_its_state_dir(cluster, demo, tm
         (0, 0, [])
 
 
+def test_a_plane_actor_restarted_without_its_state_refuses_to_start_fresh(cluster, demo,
+                                                                          tmp_path):
+    """Ray restarts a plane on a node whose disk lacks its state dir (played here by moving
+    the dir aside before the process is killed): it must not start fresh, which would serve
+    step 0 again, but fail and say why."""
+    actor, url = start_on_ray(demo / "mix.yaml", tmp_path / "actor", CONFIG)
+    try:
+        with PlaneClient(url, timeout=10) as client:
+            assert commit_step(client, 0)["committed"]
+        pid = ray.get(actor.pid.remote())
+        (tmp_path / "actor").rename(tmp_path / "elsewhere")
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(20):  # a call that meets the dying process: unavailable, not dead
+            try:
+                url = ray.get(actor.url.remote(), timeout=TIMEOUT)
+            except ray.exceptions.ActorUnavailableError:
+                continue
+            except ray.exceptions.RayActorError as e:
+                assert "holds no plane state" in str(e), e
+                break
+            pytest.fail(f"the restarted plane serves again, from nothing, at {url}")
+        else:
+            pytest.fail("the plane actor stayed unavailable")
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
 def test_start_errors_are_one_line(cluster, demo, tmp_path):
     with pytest.raises(UserError, match=r"plane actor failed to start: .*nope\.yaml: file not "
                                         r"found$"):

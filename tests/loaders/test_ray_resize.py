@@ -46,9 +46,10 @@ def demo(pipeline_demo):
 def test_pools_follow_the_schedule_and_survive_a_lost_node(cluster, demo, tmp_path):
     """Images for steps 0-3, then clips, on two ranks; the worker node (and every decoding
     actor on it) is removed after step 1. The pools are shared out anew for the clips on both
-    ranks alike, the lost actors start again on the node left, their samples are decoded
-    again, and the batches stay exactly per-sample decoding throughout. (One run for both
-    cases: a Ray run costs seconds to start. The cluster keeps one node after it.)"""
+    ranks alike, the lost actors start again on the node left (or are retired by the
+    resize), their samples are decoded again, and the batches stay exactly per-sample
+    decoding throughout. (One run for both cases: a Ray run costs seconds to start. The
+    cluster keeps one node after it.)"""
     loaders, first, on_worker = [], {}, []
 
     def make(url, rank):
@@ -61,9 +62,10 @@ def test_pools_follow_the_schedule_and_survive_a_lost_node(cluster, demo, tmp_pa
     def lose_node(step, running):
         if step == 1:
             worker = next(iter(cluster.worker_nodes))
+            names = [n for pool in running[0].actor_names.values() for n in pool]
             actors = [a for pool in running[0].pools.values() for a in pool]
             nodes = ray.get([a.ready.remote() for a in actors])
-            on_worker.extend(n for n in nodes if n == worker.node_id)
+            on_worker.extend(name for name, n in zip(names, nodes) if n == worker.node_id)
             cluster.remove_node(worker)
 
     check_full_path(demo, tmp_path, make, after_step=lose_node)
@@ -75,4 +77,10 @@ def test_pools_follow_the_schedule_and_survive_a_lost_node(cluster, demo, tmp_pa
         assert loader.pool_stats()["actors"] == loader.replicas
     assert loaders[0].resizes >= 1 and loaders[1].resizes >= 1
     assert on_worker  # the pools were spread: some actors were on the lost node
-    assert sum(loader.actor_restarts for loader in loaders) >= len(on_worker)
+    # each lost actor was replaced (the node left has room for all: 2 CPUs) -- met by a
+    # sample, or by the planner's ping once a window (text's, drawn at 1%, may meet no
+    # sample) -- or retired by the resize for the clips: none is left in the job's pools
+    assert sum(loader.actor_restarts for loader in loaders) >= 1
+    assert sum(loader.actors_retired for loader in loaders) == 0
+    planner = loaders[0]
+    assert not set(on_worker) & {n for pool in planner.actor_names.values() for n in pool}

@@ -104,4 +104,8 @@ def test_plane_actor_and_two_trainers_on_three_nodes_lose_one_and_train_alike(de
     assert [(r["loss"], r["mix_samples"]) for r in rows] == \
         [(r["loss"], r["mix_samples"]) for r in want]
     pools = rows[-1]["data_pools"]
-    assert pools["actor_restarts"] >= 1  # actors on the lost node were replaced
+    # the lost node's actors were replaced, or, where the node left (its one CPU; the head's
+    # is the plane's) had no room, their pools went on without them (counted for the job,
+    # whichever rank met the death)
+    assert pools["actor_restarts"] + pools["actors_retired"] >= 1, (pools, trained.stderr[-3000:])
+    assert sum(pools["actors"].values()) * 0.25 <= 1.0

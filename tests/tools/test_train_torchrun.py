@@ -97,3 +97,21 @@ def test_several_nodes_without_an_external_plane_is_one_line(monkeypatch):
     assert torchrun_layout(1, "grpc+tcp://node0:8815") == (3, 4)
     with pytest.raises(UserError, match="--nproc 2: under torchrun"):
         torchrun_layout(2, "grpc+tcp://node0:8815")
+
+
+@pytest.mark.timeout(240)
+def test_unplaceable_actors_end_the_run_with_one_line(mix, tmp_path):
+    """The README's command asking 64 CPUs per decoding actor: rank 0 refuses at once (no node
+    has 64), the launcher stops rank 1, and what the user sees is the one line that says why
+    -- no traceback, no stack dump from Ray's signal handler in the rank that was stopped."""
+    args = [a for k, v in {**_sets(mix, tmp_path / "run"), "data.loader": "ray",
+                           "data.ray_actor_cpus": 64}.items() for a in ("--set", f"{k}={v}")]
+    done = subprocess.run([sys.executable, "-m", "omniscale", "train", "configs/demo_omni.yaml",
+                           "--nproc", "2", "--no-progress", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=200)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [line for line in errors if line.startswith("omniscale: error: ")], \
+        done.stderr[-3000:]
+    assert len(errors) == 1 and "64 CPU each" in errors[0] and "no node has 64 CPUs" in errors[0]
+    assert "Traceback" not in done.stderr and "SIGTERM" not in done.stderr, done.stderr[-3000:]
