@@ -241,11 +241,7 @@ def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT
     whose ``__init__`` raised raises that error."""
     import ray
 
-    largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]),
-                  default=0.0)
-    if plan.actor_cpus > largest and not autoscaling:
-        _refuse(actors, plan, 0, f"no node has {plan.actor_cpus:g} CPUs (the largest has "
-                f"{largest:g})")
+    check_fits(plan, autoscaling, actors)
     pending = [a.ready.remote() for a in actors]
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
@@ -259,6 +255,19 @@ def wait_placed(actors: list, plan: PoolPlan, timeout: float = PLACEMENT_TIMEOUT
                 raise  # its own error, from its __init__ (every new one would fail alike)
             # Died before it answered, its node lost (an autoscaler's node taken back) or its
             # process killed: the pools meet it as a death, like any other, and replace it.
+
+
+def check_fits(plan: PoolPlan, autoscaling: bool = False, actors: list = ()) -> None:
+    """Refuse, with the line :func:`wait_placed` gives, a plan whose actors are larger than
+    any node (unless ``autoscaling``): checked before a pool is named or started, so that no
+    rank meets actors another rank's refusal killed."""
+    import ray
+
+    largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]),
+                  default=0.0)
+    if plan.actor_cpus > largest and not autoscaling:
+        _refuse(list(actors), plan, 0, f"no node has {plan.actor_cpus:g} CPUs (the largest "
+                f"has {largest:g})")
 
 
 def _refuse(actors: list, plan: PoolPlan, placed: int, why: str,

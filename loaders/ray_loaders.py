@@ -39,6 +39,7 @@ from omniscale.loaders.prefetch import END
 from omniscale.loaders.ray_cluster import (
     PLACEMENT_TIMEOUT_S,
     PoolPlan,
+    check_fits,
     cluster_cpus,
     node_cpus,
     plan_pools,
@@ -196,6 +197,7 @@ class RayRankLoader(StepLoader):
             if shares is None:
                 shares = self._shares_now()
             plan = plan_pools(self.costs, shares, self._nodes(), max_replicas, actor_cpus)
+            check_fits(plan, self.autoscaling)  # before the others find a plan to follow
             if self.autoscaling:
                 request_room(plan)
             try:
@@ -225,13 +227,19 @@ class RayRankLoader(StepLoader):
     def _handle(self, source: str, name: str):
         """The actor named ``name`` of ``source``'s pool: the one running under that name,
         or a new one (the first loader to need it starts it, the others find it)."""
-        return SourceDecoder.options(
-            name=name, get_if_exists=True, num_cpus=self.plan.actor_cpus,
-            scheduling_strategy="SPREAD").remote(
-            dataclasses.replace(self.spec, sources={source: self.spec.sources[source]},
-                                indexes={source: (self.spec.indexes or
-                                                  self.spec.sources)[source]}),
-            self.decode_timeout)
+        spec = dataclasses.replace(self.spec, sources={source: self.spec.sources[source]},
+                                   indexes={source: (self.spec.indexes or
+                                                     self.spec.sources)[source]})
+        for attempt in range(3):
+            try:
+                return SourceDecoder.options(
+                    name=name, get_if_exists=True, num_cpus=self.plan.actor_cpus,
+                    scheduling_strategy="SPREAD").remote(spec, self.decode_timeout)
+            except ValueError:
+                # Ray found the name taken, then the actor gone when it looked it up (killed
+                # or dead in between): the name is free again, so start it anew
+                if attempt == 2:
+                    raise
 
     def _sync(self, plan: PoolPlan, names: dict[str, list[str]]) -> list:
         """Take the directory's layout: the pools become its actors (handles to actors it

@@ -115,15 +115,21 @@ def test_default_pools_fit_the_cluster_spread_over_its_nodes_and_survive_deaths(
 
 @pytest.mark.timeout(120)
 def test_actors_the_cluster_cannot_place_end_with_one_line(cluster, demo, tmp_path):
-    """Two CPUs per actor on nodes of one CPU each: refused at once, with one line."""
+    """Two CPUs per actor on nodes of one CPU each: refused at once, with one line -- before
+    the pools are named or any actor started, so that no other rank takes up the plan or
+    meets its actors killed (a rank that did ended the job with Ray's traceback instead)."""
     from omniscale.dataplane.embedded import start_embedded
     from tests.loaders.pipeline_fixtures import CONFIG
 
     with start_embedded(demo.path, tmp_path, CONFIG) as plane:
         started = time.monotonic()
         with pytest.raises(UserError) as e:
-            RayRankLoader(plane.url, 0, **loader_args(demo), actor_cpus=2.0)
+            RayRankLoader(plane.url, 0, **loader_args(demo), actor_cpus=2.0,
+                          pools_name="refused")
         assert time.monotonic() - started < 30
+    # the GCS's table holds dead actors too
+    assert [a["Name"] for a in ray._private.state.actors().values()
+            if a["Name"].startswith("refused")] == []
     text = str(e.value)
     assert "\n" not in text and "2 CPU each" in text and "the cluster has 2 CPUs" in text, text
     assert "no node has 2 CPUs" in text and "data.ray_actor_cpus" in text
