@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +86,8 @@ class IndexReport:
 def index_paths(paths: "list[str | Path | Location]", tokenizer: str | Path | None = None,
                 workers: int | None = None, force: bool = False, progress: bool = True,
                 index_dir: "str | Path | None" = None, storage_options: dict | None = None,
-                ray: "bool | str | None" = None) -> list[IndexReport]:
+                ray: "bool | str | None" = None, special_tokens: dict | None = None
+                ) -> list[IndexReport]:
     """Index every source named by ``paths``: mixing specs (all their sources), directories
     or URLs.
 
@@ -98,6 +99,8 @@ def index_paths(paths: "list[str | Path | Location]", tokenizer: str | Path | No
     ``index_dir/NAME/``; a spec must name the same ``index_dir`` (the plane reads it there).
     ``ray``: run the per-shard work as a Ray Data pipeline -- True for a local Ray instance
     (or the one ``RAY_ADDRESS`` names), or an address (``auto``, ``ray://head:10001``).
+    ``special_tokens``: roles whose token is named over a spec's or an index's (a run's
+    ``model.special_tokens``).
     """
     reports = []
     with ExitStack() as stack:
@@ -110,13 +113,13 @@ def index_paths(paths: "list[str | Path | Location]", tokenizer: str | Path | No
             runner = RayRunner(stack, None if ray is True else ray)
         for path in paths:
             reports += _index_path(path, tokenizer, runner, force, progress, index_dir,
-                                   storage_options)
+                                   storage_options, special_tokens or {})
     return reports
 
 
 def _index_path(where: "str | Path | Location", tokenizer: str | Path | None, runner,
                 force: bool, progress: bool, index_dir: "str | Path | None",
-                storage_options: dict | None) -> list[IndexReport]:
+                storage_options: dict | None, special_tokens: dict) -> list[IndexReport]:
     if isinstance(where, Location):
         loc = where
     elif is_url(where):
@@ -124,7 +127,8 @@ def _index_path(where: "str | Path | Location", tokenizer: str | Path | None, ru
     else:
         path = Path(where)
         if path.is_file() and path.suffix in SPEC_SUFFIXES:
-            return _index_spec(path, tokenizer, runner, force, progress, index_dir)
+            return _index_spec(path, tokenizer, runner, force, progress, index_dir,
+                               special_tokens)
         loc = Location.of(path)
     with remote_errors(loc, "read the source"):
         is_dir = loc.is_dir()
@@ -142,7 +146,7 @@ def _index_path(where: "str | Path | Location", tokenizer: str | Path | None, ru
     meta = read_index_metadata(index_at)
     geometry = MediaGeometry.from_dict(meta["geometry"]) if meta.get("geometry") else \
         MediaGeometry()
-    special = SpecialTokens(**meta.get("special_tokens", {}))
+    special = replace(SpecialTokens(**meta.get("special_tokens", {})), **special_tokens)
     chat = ChatFormat.from_dict(meta["chat"]) if meta.get("chat") else None
     return [index_source(loc, infer_format(loc), tokenizer or find_tokenizer(loc.url),
                          geometry, force=force, progress=progress, pool=runner,
@@ -155,7 +159,8 @@ def _index_dir(index_dir: "str | Path", storage_options: dict | None) -> Locatio
 
 
 def _index_spec(path: Path, tokenizer: str | Path | None, runner, force: bool,
-                progress: bool, index_dir: "str | Path | None") -> list[IndexReport]:
+                progress: bool, index_dir: "str | Path | None", special_tokens: dict
+                ) -> list[IndexReport]:
     from omniscale.dataplane.spec import load_spec
 
     spec = load_spec(path)
@@ -170,7 +175,7 @@ def _index_spec(path: Path, tokenizer: str | Path | None, runner, force: bool,
                             "reads the indexes where it says)")
     return [index_source(source.location, source.format, tokenizer or spec.tokenizer,
                          spec.media, force=force, progress=progress, name=source.name,
-                         pool=runner, special=spec.special_tokens,
+                         pool=runner, special=replace(spec.special_tokens, **special_tokens),
                          chat=_chat_of(path, i, source, spec.tokenizer),
                          index_at=source.index)
             for i, source in enumerate(spec.sources)]
@@ -285,11 +290,16 @@ def _same(old: dict | None, new: dict) -> bool:
     return old is not None and all(old.get(k) == v for k, v in new.items())
 
 
+OPTIONAL_SETTINGS = ("special_tokens", "chat")  # recorded only when not the defaults
+
+
 def _reusable(index_at: Location, settings: dict, force: bool
               ) -> tuple[dict, dict[str, pa.Table]]:
     """The old index's metadata and rows per shard, when they were made the same way."""
     meta = read_index_metadata(index_at)
-    if force or any(meta.get(k) != v for k, v in settings.items()):
+    # the optional settings too: an index made with other special tokens or a chat template
+    # is stale for a run with the defaults, which ``settings`` leaves out
+    if force or any(meta.get(k) != settings.get(k) for k in {*settings, *OPTIONAL_SETTINGS}):
         return {}, {}
     try:
         table = read_index(index_at)

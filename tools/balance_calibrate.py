@@ -173,8 +173,7 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
     """Measure and fit (module docstring); returns the JSON document. ``nproc``: the ranks
     the run puts on this machine; on CPU every measurement gets the threads one of them gets
     (``tools.train.loop``), so the fit prices what a rank does."""
-    from omniscale.dataplane.spec import load_spec
-    from omniscale.tools.train.config import load_config
+    from omniscale.tools.train.config import load_config, run_spec
     from omniscale.tools.train.launch import ensure_data
     from omniscale.tools.train.loop import device_of
 
@@ -182,7 +181,7 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
     if cfg.task == "video_gen":
         raise UserError("balance calibrate: the video_gen task has no packed backbone to time")
     ensure_data(cfg)
-    spec = load_spec(cfg.data.spec)
+    spec = run_spec(cfg, cfg.data.spec)
     device = device_of(cfg, 0)
     for flag, value in (("--nproc", nproc), ("--repeats", repeats), ("--held-out", held_out)):
         if value < 1:

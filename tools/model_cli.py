@@ -110,10 +110,10 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     ``out`` (which must not exist)."""
     from omniscale.backbone.hf import config_to_hf, hf_tensors
     from omniscale.backbone.hf_files import write_checkpoint_dir
-    from omniscale.dataplane.spec import load_spec
     from omniscale.loaders.decode_text import load_tokenizer
     from omniscale.tools.train import checkpoint
     from omniscale.tools.train.build import build_model, model_config
+    from omniscale.tools.train.config import run_spec
     from omniscale.tools.train.launch import resolve_config
     from omniscale.tools.train.loop import quiet_torch_notices
 
@@ -122,7 +122,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     if cfg.task == "video_gen":
         raise UserError(f"{run_dir}: a video_gen run's DiT has no Hugging Face counterpart")
     found = _checkpoint(run_dir, step)
-    spec = load_spec(cfg.data.spec)
+    spec = run_spec(cfg, cfg.data.spec)
     mcfg = model_config(cfg, spec.media, spec.tokenizer)
     model = build_model(mcfg, cfg.seed, torch.device("cpu"))
     checkpoint.load(found, model, None)

@@ -8,6 +8,7 @@ model.overrides.n_layers=4``); an unknown key is an error there too, never silen
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal
 
@@ -46,6 +47,22 @@ class InitFromSection(_Strict):
         return self
 
 
+class SpecialTokensSection(_Strict):
+    """The tokenizer's tokens for these roles, named over the mixing spec's
+    ``special_tokens:`` (a role left unset keeps the spec's; the spec's defaults are
+    ``<pad> <eos> <image> <video> <audio>``). Texts mark media with these names."""
+
+    pad: str | None = Field(None, min_length=1)
+    eos: str | None = Field(None, min_length=1)
+    image: str | None = Field(None, min_length=1)
+    video: str | None = Field(None, min_length=1)
+    audio: str | None = Field(None, min_length=1)
+
+    def named(self) -> dict[str, str]:
+        """The roles this run names, {role: token}."""
+        return self.model_dump(exclude_none=True)
+
+
 class ModelSection(_Strict):
     preset: Literal["tiny", "small", "1b", "30b_a3b"] = "tiny"  # unused with init_from.backbone
     overrides: dict = Field(default_factory=dict)  # ModelConfig fields (moe: a dict of MoEConfig)
@@ -54,6 +71,7 @@ class ModelSection(_Strict):
     encoder_overrides: dict = Field(default_factory=dict)  # {"vision": {...}, "audio": {...}}
     dit: str = "tiny"  # backbone.dit.DiTConfig preset of the video_gen task
     init_from: InitFromSection = Field(default_factory=InitFromSection)
+    special_tokens: SpecialTokensSection = Field(default_factory=SpecialTokensSection)
 
 
 class DataSection(_Strict):
@@ -384,3 +402,19 @@ def load_config(path: str | Path | None, sets: list[str] = (), name: str | None 
             msg, got = msg.removeprefix("Value error, "), ""
         more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
         raise UserError(f"{label}: {_where(err)}: {msg}{got}{more}") from None
+
+
+def run_spec(cfg: RunConfig, path):
+    """The mixing spec at ``path`` as this run reads it: ``model.special_tokens`` named over
+    the spec's own (the launcher indexes with them too: ``launch.ensure_data``)."""
+    from omniscale.dataplane.spec import load_spec
+
+    spec = load_spec(path)
+    named = cfg.model.special_tokens.named()
+    if not named:
+        return spec
+    tokens = dataclasses.replace(spec.special_tokens, **named)
+    if len(set(tokens.names())) < len(tokens.names()):
+        raise UserError(f"model.special_tokens: each role needs a token of its own, got "
+                        f"{dataclasses.asdict(tokens)} (over {path}'s)")
+    return dataclasses.replace(spec, special_tokens=tokens)

@@ -26,13 +26,12 @@ import yaml
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.location import is_url
 from omniscale.dataplane.plane import PlaneConfig
-from omniscale.dataplane.spec import load_spec
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.build import build_model, model_config
-from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.config import RunConfig, run_spec
 from omniscale.tools.train.loop import cache_config
 
 TEXT_TEMPLATES = ("text",)  # the lm task's held-out sources (templates without media)
@@ -119,7 +118,7 @@ def report(cfg: RunConfig, spec, results: dict, step: int) -> None:
 
 def _batches(cfg: RunConfig, eval_spec: Path, source: str, out_dir: Path):
     """Up to ``eval.max_samples`` held-out samples of one source, as training micro-batches."""
-    one = load_spec(_one_source_spec(eval_spec, source, out_dir / f"{source}.yaml"))
+    one = run_spec(cfg, _one_source_spec(eval_spec, source, out_dir / f"{source}.yaml"))
     state = out_dir / f"plane-{source}"
     shutil.rmtree(state, ignore_errors=True)
     config = PlaneConfig(dp=1, micro_batch_tokens=cfg.data.micro_batch_tokens,
@@ -153,7 +152,7 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
     if found is None:
         return {}
     eval_spec = Path(cfg.data.eval_spec)
-    spec = load_spec(eval_spec)
+    spec = run_spec(cfg, eval_spec)
     out_dir = run_dir / "eval"
     out_dir.mkdir(exist_ok=True)
     results = {}

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from omniscale.dataplane.spec import load_spec
 from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.tools.train.config import run_spec
 
 
 def evaluates_in_ranks(cfg) -> bool:
@@ -48,7 +48,7 @@ class HeldOut:
     def __init__(self, cfg, run_dir: Path, vocab_size: int | None, ctx) -> None:
         self.cfg, self.run_dir, self.vocab_size, self.ctx = cfg, Path(run_dir), vocab_size, ctx
         self.sets: dict[str, tuple[list, int]] | None = None  # source -> (micro-batches, samples)
-        self.spec = load_spec(cfg.data.eval_spec)
+        self.spec = run_spec(cfg, cfg.data.eval_spec)
 
     def due(self, done: int) -> bool:
         every = self.cfg.eval.every

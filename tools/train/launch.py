@@ -79,7 +79,8 @@ def ensure_data(cfg: RunConfig) -> None:
                             f"(or --set eval.enabled=false)")
         specs.append(Path(cfg.data.eval_spec))
     # Incremental (only changed shards, or an index of an older version): cheap when current.
-    reports = index_paths(specs, progress=False)
+    reports = index_paths(specs, progress=False,
+                          special_tokens=cfg.model.special_tokens.named())
     bad = [line for r in reports for line in r.errors]
     if bad:
         print(f"omniscale train: {len(bad)} corrupt member(s) skipped by the index; first: "
@@ -229,7 +230,7 @@ def _final_eval(cfg, run_dir: Path) -> dict:
     if done.exists():
         found = json.loads(done.read_text())
         if found.get("step") == cfg.steps:
-            evaluate.report(cfg, evaluate.load_spec(cfg.data.eval_spec), found["eval"],
+            evaluate.report(cfg, evaluate.run_spec(cfg, cfg.data.eval_spec), found["eval"],
                             found["step"])
             return found["eval"]
     return evaluate.evaluate_run(cfg, run_dir)

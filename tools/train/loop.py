@@ -22,7 +22,6 @@ import torch.distributed as dist
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import PlaneConfig
-from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.tools.train import checkpoint, optim_groups
 from omniscale.tools.train.build import (
@@ -33,7 +32,7 @@ from omniscale.tools.train.build import (
     model_config,
 )
 from omniscale.tools.train.compute_clock import ComputeClock
-from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.config import RunConfig, run_spec
 from omniscale.tools.train.guard import report_suspects, seeded
 from omniscale.tools.train.held_out import HeldOut, evaluates_in_ranks, flat
 from omniscale.tools.train.metrics import MetricsWriter, Progress
@@ -194,7 +193,7 @@ def layout(cfg: RunConfig, world: int):
     processes (the model config is None for video_gen); a one-line UserError when the layout
     or ``optim.groups`` cannot work. The launcher checks it before it spawns anything, every
     rank again before the plane starts."""
-    spec = load_spec(cfg.data.spec)
+    spec = run_spec(cfg, cfg.data.spec)
     hf = cfg.model.init_from.backbone or cfg.model.init_from.vision or cfg.model.init_from.audio
     if cfg.task == "video_gen" and hf:
         raise UserError("model.init_from: the video_gen task's DiT has no Hugging Face "
