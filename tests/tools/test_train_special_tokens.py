@@ -89,3 +89,4 @@ def test_names_changed_between_runs_index_again_and_clash_in_one_line(demo, tmp_
         assert (report.shards_total, report.shards_indexed) == (2, indexed), names
     with pytest.raises(UserError, match="each role needs a token of its own"):
         _train(spec, tmp_path / "clash", {"pad": "<eos>"})
+    assert "special_tokens" not in read_index_metadata(tmp_path / "demo" / "text")  # untouched

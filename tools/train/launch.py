@@ -22,7 +22,7 @@ import yaml
 
 from omniscale.dataplane.errors import UserError
 from omniscale.tools.train import checkpoint
-from omniscale.tools.train.config import RunConfig, load_config
+from omniscale.tools.train.config import RunConfig, load_config, run_spec
 from omniscale.tools.train.fork_server import adopt_environment, launch_environment, start_method
 from omniscale.tools.train.loop import RankJob, layout, mesh_dims, train_rank
 from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
@@ -78,6 +78,8 @@ def ensure_data(cfg: RunConfig) -> None:
             raise UserError(f"data.eval_spec: {cfg.data.eval_spec}: no such file "
                             f"(or --set eval.enabled=false)")
         specs.append(Path(cfg.data.eval_spec))
+    for path in specs:  # the run's special tokens: a clash is one line before any index
+        run_spec(cfg, path)
     # Incremental (only changed shards, or an index of an older version): cheap when current.
     reports = index_paths(specs, progress=False,
                           special_tokens=cfg.model.special_tokens.named())
