@@ -284,7 +284,7 @@ def _build(m: _SpecModel, file: str, root: Path, check_paths: bool) -> MixSpec:
         raise SpecError(f"{file}: {e}") from None
     special = SpecialTokens(**(m.special_tokens.model_dump(exclude_none=True)
                                if m.special_tokens is not None else {}))
-    if len(set(special.names())) < len(special.names()):
+    if not special.distinct():
         raise SpecError(f"{file}: special_tokens: each role needs a token of its own, got "
                         f"{special.names()}")
     return MixSpec(path=Path(file), root=root, seed=m.seed, tokenizer=tokenizer,

@@ -45,6 +45,11 @@ class SpecialTokens:
     def names(self) -> list[str]:
         return [self.pad, self.eos, self.image, self.video, self.audio]
 
+    def distinct(self) -> bool:
+        """Whether every role has a token of its own (a spec or a run naming two alike is
+        refused)."""
+        return len(set(self.names())) == len(self.names())
+
 
 DEFAULT_SPECIAL_TOKENS = SpecialTokens()
 SPECIAL_TOKENS = DEFAULT_SPECIAL_TOKENS.names()  # the demo tokenizer's special tokens

@@ -414,7 +414,7 @@ def run_spec(cfg: RunConfig, path):
     if not named:
         return spec
     tokens = dataclasses.replace(spec.special_tokens, **named)
-    if len(set(tokens.names())) < len(tokens.names()):
+    if not tokens.distinct():
         raise UserError(f"model.special_tokens: each role needs a token of its own, got "
                         f"{dataclasses.asdict(tokens)} (over {path}'s)")
     return dataclasses.replace(spec, special_tokens=tokens)
