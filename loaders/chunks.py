@@ -4,7 +4,7 @@ The plan names every sample a step needs before any is decoded, so a worker can 
 decode: given all the samples of a micro-batch it packs the micro-batch itself
 (``loaders.collate``) and builds the encoder items the plan's ``encode`` rows ask of those
 samples. The trainer side then only views the finished tensors out of the worker's buffer
-(``loaders.worker.pack``): no per-sample hand-over, no copy into a batch.
+(``loaders.transfer.pack``): no per-sample hand-over, no copy into a batch.
 
 A chunk is the samples of one micro-batch (or of several, when a sample's rows name more than
 one), or a share of the samples this rank only encodes media of. Each distinct sample is in

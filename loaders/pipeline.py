@@ -44,14 +44,8 @@ from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.prefetch import END, PlanPrefetcher
 from omniscale.loaders.token_ids import check_tokenizer
-from omniscale.loaders.worker import (
-    RefDataset,
-    TimedDecoder,
-    decoder_spec,
-    identity,
-    transfer_bytes,
-    unpack,
-)
+from omniscale.loaders.transfer import ShmRing, fork_workers, transfer_bytes, unpack
+from omniscale.loaders.worker import RefDataset, TimedDecoder, decoder_spec, identity
 
 if TYPE_CHECKING:
     from omniscale.loaders.remote_cache import CacheConfig
@@ -286,6 +280,7 @@ class RankLoader(StepLoader):
         self.max_worker_restarts = int(max_worker_restarts)
         self.worker_restarts = 0
         self._it = None  # the current DataLoader iterator (the assembly thread's)
+        self._ring: ShmRing | None = None  # its workers' slots (``loaders.transfer``)
 
     def worker_pids(self) -> list[int]:
         """The pids of the current DataLoader's worker processes (empty before the first
@@ -329,7 +324,7 @@ class RankLoader(StepLoader):
                             f"step {step}, {in_a_row} times in a row; giving up (a sample of "
                             f"this step or the next may kill its decoder every time)") from e
                     replay = [head, *steps]  # every plan the dead DataLoader pulled, in order
-                    _shutdown(it)
+                    self._shutdown(it)
                     self.worker_restarts += 1
                     warnings.warn(f"rank {self.rank}: DataLoader worker (pid {pids}) died; "
                                   f"new workers decode again from step {step} (restart "
@@ -340,7 +335,7 @@ class RankLoader(StepLoader):
                 yield step, table, decoded
         finally:
             self._it = None
-            _shutdown(it)
+            self._shutdown(it)
 
     def _chunks(self, table) -> list:
         """A plan's work items (``loaders.chunks.plan_chunks``: a micro-batch each, built in
@@ -352,8 +347,11 @@ class RankLoader(StepLoader):
     def _start(self, sampler: "_PlanItems"):
         """A DataLoader over ``sampler``, iterating: forks the workers, which start on the
         first items at once."""
+        # Workers hand items over through slots mapped once (``loaders.transfer``).
+        self._ring = ShmRing(self.num_workers) if self.num_workers and fork_workers() else None
         loader = torch.utils.data.DataLoader(
-            RefDataset(self.spec, self.decode_timeout, self.geometry), batch_size=None,
+            RefDataset(self.spec, self.decode_timeout, self.geometry, self._ring),
+            batch_size=None,
             sampler=sampler,
             num_workers=self.num_workers, collate_fn=identity, pin_memory=False,
             timeout=self._POLL_S if self.num_workers else 0,
@@ -366,6 +364,13 @@ class RankLoader(StepLoader):
             it._worker_pids_set = False
         self._it = it
         return it
+
+    def _shutdown(self, it) -> None:
+        """Stop ``it``'s workers, then unmap the ring they handed items over in."""
+        _shutdown(it)
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
     def _next_item(self, it):
         """The next decoded item, waiting ``_POLL_S`` at a time; None once the loader is

@@ -23,9 +23,6 @@ misses (``remote_io.READ_STATS``) -- comes back with it: ``decode_all`` returns 
 
 from __future__ import annotations
 
-import io
-import math
-import pickle
 import queue
 import threading
 import time
@@ -45,6 +42,7 @@ from omniscale.loaders.remote_cache import CacheConfig
 from omniscale.loaders.remote_io import RemoteSettings, add_stats, stats_delta
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.token_ids import TokenIds
+from omniscale.loaders.transfer import ShmRing, pack
 
 
 @dataclass
@@ -267,9 +265,10 @@ class RefDataset(torch.utils.data.Dataset):
     its decoder, built lazily in the worker process (after the fork) so no open file crosses
     processes."""
 
-    def __init__(self, spec: DecoderSpec, timeout: float | None, geometry: MediaGeometry
-                 ) -> None:
+    def __init__(self, spec: DecoderSpec, timeout: float | None, geometry: MediaGeometry,
+                 ring: ShmRing | None = None) -> None:
         self.spec, self.timeout, self.geometry = spec, timeout, geometry
+        self.ring = ring  # the workers' slots to hand items over in (``loaders.transfer``)
         self._decoder: TimedDecoder | None = None
 
     def __getitem__(self, item: tuple[object, object]) -> tuple[object, object]:
@@ -288,99 +287,8 @@ class RefDataset(torch.utils.data.Dataset):
         out = decode_chunk(chunk, decode_all, self.geometry)
         out.io = io  # the reader's counters for this chunk (``DecodedList.io``)
         # Packed only to leave a worker process (num_workers=0 decodes in the trainer's).
-        return tag, pack(out) if torch.utils.data.get_worker_info() else out
-
-
-# What crosses from a worker process to the trainer: one shared-memory buffer per work item.
-# The DataLoader hands every tensor over as a shared-memory segment of its own plus a file
-# descriptor, fetched by the trainer over a connection to the worker (a handful of system
-# calls on both sides, many tensors per micro-batch); an item costs one. The buffer is
-# allocated in shared memory and filled once (a tensor the pickler meets outside shared memory
-# would be copied into it again). The rest of the object travels inside the buffer too,
-# pickled: the message itself (the buffer's descriptor) stays small whatever the item, so a
-# worker killed while sending cannot leave a half-written payload in the result pipe that the
-# other workers still write to. The trainer views every tensor out of the buffer.
-_ALIGN = 64  # every tensor starts at a cache line within the buffer (as torch allocates)
-
-
-@dataclass
-class Packed:
-    """An object in one uint8 buffer: its tensors, then the rest of it pickled (from byte
-    ``described_at``), each tensor standing there as (dtype, shape, offset)."""
-
-    buffer: torch.Tensor
-    described_at: int
-
-
-class _TensorsOut(pickle.Pickler):
-    """Pickles an object with every tensor replaced by its place in the buffer to be."""
-
-    def __init__(self, file) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[tuple[torch.Tensor, int]] = []
-        self.size = 0
-        # storage -> (storage offset, buffer offset, bytes) of a contiguous tensor placed: a
-        # contiguous view into it (an encoder item's rows of a packed micro-batch) is not
-        # copied again but points into the same bytes.
-        self.placed: dict[int, tuple[int, int, int]] = {}
-
-    def persistent_id(self, obj):
-        if not isinstance(obj, torch.Tensor):
-            return None
-        nbytes = obj.numel() * obj.element_size()
-        ptr = obj.untyped_storage().data_ptr() if obj.is_contiguous() else None
-        if ptr in self.placed:
-            offset, at, size = self.placed[ptr]
-            start = at + (obj.storage_offset() - offset) * obj.element_size()
-            if at <= start and start + nbytes <= at + size:
-                return obj.dtype, tuple(obj.shape), start
-        at = self.size
-        self.tensors.append((obj, at))
-        if ptr is not None and nbytes:
-            self.placed[ptr] = (obj.storage_offset(), at, nbytes)
-        self.size += nbytes
-        self.size += -self.size % _ALIGN
-        return obj.dtype, tuple(obj.shape), at
-
-
-class _TensorsIn(pickle.Unpickler):
-    def __init__(self, file, buffer: torch.Tensor) -> None:
-        super().__init__(file)
-        self.buffer = buffer
-
-    def persistent_load(self, pid):
-        dtype, shape, at = pid
-        n = math.prod(shape) * dtype.itemsize
-        return self.buffer[at:at + n].view(dtype).view(shape)
-
-
-def pack(obj) -> Packed:
-    """``obj`` (any picklable object holding CPU tensors) in one shared-memory buffer."""
-    described = io.BytesIO()
-    pickler = _TensorsOut(described)
-    pickler.dump(obj)
-    at, tail = pickler.size, described.getbuffer()
-    buffer = torch.empty(at + len(tail), dtype=torch.uint8).share_memory_()
-    for t, start in pickler.tensors:
-        if t.numel():
-            buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(
-                t.shape).copy_(t)
-    buffer[at:] = torch.frombuffer(tail, dtype=torch.uint8)
-    return Packed(buffer, at)
-
-
-def transfer_bytes(packed) -> int:
-    """Bytes a worker handed over in ``packed`` (0 for an object that never left its process)."""
-    return packed.buffer.numel() if isinstance(packed, Packed) else 0
-
-
-def unpack(packed):
-    """Undo :func:`pack`: the object, every tensor a view into the buffer (an object that
-    never left its process comes back as it is)."""
-    if not isinstance(packed, Packed):
-        return packed
-    described = packed.buffer[packed.described_at:].numpy().tobytes()
-    return _TensorsIn(io.BytesIO(described), packed.buffer).load()
+        worker = torch.utils.data.get_worker_info()
+        return tag, out if worker is None else pack(out, self.ring, worker.id)
 
 
 def identity(x):

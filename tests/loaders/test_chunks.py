@@ -11,7 +11,8 @@ from omniscale.loaders.chunks import decode_chunk, plan_chunks
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.sequence import DecodedSample, MediaItem
-from omniscale.loaders.worker import Decoded, pack, unpack
+from omniscale.loaders.transfer import pack, unpack
+from omniscale.loaders.worker import Decoded
 from tests.loaders.pipeline_fixtures import assert_same_batch
 from tests.loaders.test_decode_work import _row, _table
 

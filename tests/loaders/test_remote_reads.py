@@ -20,14 +20,8 @@ from omniscale.loaders.chunks import ChunkWork
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.readers import RawSample, SampleReader
 from omniscale.loaders.remote_io import RemoteSettings, classify, coalesce, scrub
-from omniscale.loaders.worker import (
-    DecodedList,
-    RefDataset,
-    TimedDecoder,
-    decoder_spec,
-    pack,
-    unpack,
-)
+from omniscale.loaders.transfer import pack, unpack
+from omniscale.loaders.worker import DecodedList, RefDataset, TimedDecoder, decoder_spec
 from tests.loaders.decode_fixtures import refs_of
 from tests.s3_fixtures import (  # noqa: F401 -- fixtures
     new_bucket,
