@@ -326,6 +326,14 @@ class PlaneClient:
             body["plan_fp"] = str(plan_fp)
         return self._action("commit", body)
 
+    def commit_many(self, steps: list[int], rank: int, plan_fps: list[str | None]) -> dict:
+        """``rank``'s commits of ``steps`` in order, in one request and one fsync
+        (``DataPlane.commit_many``): {next_step, committed: [bool per step]}. The first refusal
+        is raised; the steps before it stand."""
+        return self._action("commit_many", {
+            "rank": int(rank), "steps": [int(s) for s in steps],
+            "plan_fps": [None if f is None else str(f) for f in plan_fps]})
+
     def report_corrupt(self, step: int, rank: int, source: str, shard: str, key: str,
                        reason: str, epoch: int = 0):
         """Report a planned sample that does not decode; returns the replacement SampleRef the

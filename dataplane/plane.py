@@ -229,6 +229,24 @@ class DataPlane(PlaneState):
         self.journal.sync_to(self.journal.written)
         return reply
 
+    def commit_many(self, rank: int, steps: list[int], plan_fps: list[str | None]) -> dict:
+        """One rank's commits of several steps, in order, made durable together (one fsync):
+        what a loader whose trainer outpaced the commit round trip has queued. Each is exactly
+        a :meth:`commit`; the first refusal is raised, the commits before it standing (durable,
+        and repeated harmlessly when sent again with their plan_fp). Replies with the next step
+        to train and, per step, whether it is now committed (every rank's share in)."""
+        if len(steps) != len(plan_fps) or not steps:
+            raise RequestError(f"commit_many: {len(steps)} steps and {len(plan_fps)} plan_fps "
+                               "(one each, at least one)", Reason.INVALID)
+        replies = []
+        try:
+            for step, plan_fp in zip(steps, plan_fps):
+                replies.append(self._commit(step, rank, plan_fp))
+        finally:
+            self.journal.sync_to(self.journal.written)
+        return {"next_step": self.next_step,
+                "committed": [bool(r.get("committed")) for r in replies]}
+
     def _commit(self, step: int, rank: int | None, plan_fp: str | None) -> dict:
         with self.lock:
             repeated = self._repeated_commit(step, rank, plan_fp)

@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 ACTIONS = {
     "plan": "a rank's plan as an Arrow IPC stream (what do_get serves): {step, rank}",
     "commit": "mark a step (or one rank's share of it) as trained: {step, rank?, plan_fp?}",
+    "commit_many": "one rank's commits of several steps, in order, durable together: {rank, "
+                   "steps: [int], plan_fps: [str]}",
     "status": "mixture, progress, balance and clients: {}",
     "snapshot": "write a snapshot now: {step?}",
     "reload": "apply a new mixing spec at the next window boundary: {spec}",
@@ -272,6 +274,19 @@ class PlaneServer(flight.FlightServerBase):
                     raise flight.FlightServerError(f"plan_fp: expected a string, got {plan_fp!r}")
                 args.append(plan_fp)
             reply = _call(self.service.commit, *args)
+        elif kind == "commit_many":
+            steps, prints = body.get("steps"), body.get("plan_fps")
+            if not isinstance(steps, list) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in steps) \
+                    or not isinstance(prints, list) \
+                    or not all(v is None or isinstance(v, str) for v in prints):
+                raise flight.FlightServerError("commit_many: 'steps' must be a list of ints and "
+                                               "'plan_fps' a list of strings")
+            commit_many = getattr(self.service, "commit_many", None)
+            if commit_many is None:
+                raise flight.FlightServerError("commit_many: this plane commits one step at a "
+                                               "time (use commit)")
+            reply = _call(commit_many, _int(body, "rank"), steps, prints)
         elif kind == "status":
             reply = _call(self.service.status)
         elif kind == "snapshot":
