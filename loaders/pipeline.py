@@ -92,6 +92,9 @@ class StepLoader:
         self._commit_client = PlaneClient(plane_url, token=token)  # used by the commit thread
         self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"omniscale-commit-{rank}")
         self._commits: deque[Future] = deque()  # sent, not yet known to be acknowledged
+        self._unsent: deque[tuple[int, str | None, Future]] = deque()  # for the committer
+        self._unsent_lock = threading.Lock()
+        self._sending = False  # the committer is draining ``_unsent``
         self._local = TimedDecoder(self.spec, decode_timeout)  # replacements, on that thread
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.assembler = StepAssembler(self.rank, geometry, policy, self._report,
@@ -150,17 +153,51 @@ class StepLoader:
         trained (so a plan re-planned since is refused rather than silently committed).
 
         Sent in the background, in step order: the plane makes a commit durable (an fsync)
-        before it answers, milliseconds the trainer's next step need not wait on. A refused
-        commit is raised by the next ``commit``, by :meth:`wait_commits` (call it before a
-        checkpoint: a checkpoint means every step before it is committed) or by ``close``.
-        Returns the commit's future (the plane's reply)."""
+        before it answers, milliseconds the trainer's next step need not wait on. Commits
+        that queue up while one is in flight go together in the next request
+        (``commit_many``: one round trip, one fsync). A refused commit is raised by the next
+        ``commit``, by :meth:`wait_commits` (call it before a checkpoint: a checkpoint means
+        every step before it is committed) or by ``close``. Returns the commit's future (the
+        plane's reply: ``committed``, ``next_step``)."""
         self._raise_failed_commit()
         while len(self._commits) >= self._MAX_COMMITS_IN_FLIGHT:  # a plane slower than steps
             self._commits.popleft().result()
-        future = self._committer.submit(self._commit_client.commit, step, self.rank,
-                                        plan_fp=self._fps.pop(step, None))
+        future: Future = Future()
+        with self._unsent_lock:
+            self._unsent.append((step, self._fps.pop(step, None), future))
+            start, self._sending = not self._sending, True
+        if start:
+            self._committer.submit(self._send_commits)
+        future.add_done_callback(self.plans.committed)  # the plane may plan further now
         self._commits.append(future)
         return future
+
+    def _send_commits(self) -> None:
+        """On the commit thread: send what :meth:`commit` queued, all of it per request,
+        until nothing is left."""
+        while True:
+            with self._unsent_lock:
+                batch = list(self._unsent)
+                self._unsent.clear()
+                if not batch:
+                    self._sending = False
+                    return
+            steps, prints, futures = zip(*batch)
+            try:
+                if len(batch) == 1:
+                    replies = [self._commit_client.commit(steps[0], self.rank,
+                                                          plan_fp=prints[0])]
+                else:
+                    got = self._commit_client.commit_many(list(steps), self.rank,
+                                                          list(prints))
+                    replies = [{"step": s, "committed": c, "next_step": got["next_step"]}
+                               for s, c in zip(steps, got["committed"])]
+            except BaseException as e:  # noqa: BLE001 -- raised by the trainer's next commit
+                for future in futures:
+                    future.set_exception(e)
+                continue
+            for future, reply in zip(futures, replies):
+                future.set_result(reply)
 
     def wait_commits(self) -> None:
         """Block until every commit sent is acknowledged; raise the first refused one."""
@@ -253,7 +290,7 @@ class RankLoader(StepLoader):
     The DataLoader's sampler is fed from the plan queue: each plan becomes work items of a
     micro-batch each (``loaders.chunks``: the worker decodes its samples and packs it; one
     dummy item for an empty plan), so workers run ahead across step boundaries and hand a
-    micro-batch over in one piece (:func:`loaders.worker.pack`). Results come back in order;
+    micro-batch over in one piece (:func:`loaders.transfer.pack`). Results come back in order;
     a step is complete after its item count.
 
     A worker that dies (``kill -9``, the OOM killer) is replaced: the whole DataLoader is,

@@ -4,7 +4,9 @@ A plan fetch is a network round trip to the plane; doing it on the trainer's cri
 would add that latency to every step. The thread fetches steps in order into a bounded queue.
 The plane refuses steps too far past the last commit (it has not planned them yet): that is
 back-pressure, not an error, so the thread waits and asks again, with backoff, until the
-trainer commits. The end of the mixture ends the queue; any other refusal is handed on.
+trainer commits: it asks at once when its loader says a commit was acknowledged
+(:meth:`PlanPrefetcher.committed`), so a one-rank job does not sleep past its own commit. The
+end of the mixture ends the queue; any other refusal is handed on.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class PlanPrefetcher:
         self.next_step = start_step
         self.on_plan = on_plan  # called with each plan table as it arrives (cache prefetch)
         self.stop = stop or threading.Event()
+        self._commit_seen = threading.Event()  # a commit acknowledged since the last refusal
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"omniscale-plans-{rank}")
@@ -48,6 +51,11 @@ class PlanPrefetcher:
             if isinstance(item, BaseException):
                 raise item
             return item
+
+    def committed(self, *_) -> None:
+        """A commit of this rank was acknowledged: a step refused as too far ahead may be
+        planned now (a future's done-callback, hence the ignored argument)."""
+        self._commit_seen.set()
 
     def poll(self):
         """The next plan if one is ready, else None (never blocks)."""
@@ -74,6 +82,7 @@ class PlanPrefetcher:
         delay = 0.01
         try:
             while not self.stop.is_set():
+                self._commit_seen.clear()  # set by a commit acknowledged from here on
                 try:
                     table = client.get_plan(self.next_step, self.rank)
                 except PlaneError as e:
@@ -81,8 +90,8 @@ class PlanPrefetcher:
                         self._put(END)
                         return
                     if e.reason == Reason.TOO_FAR_AHEAD:  # wait for the trainer's commits
-                        self.stop.wait(delay)
-                        delay = min(delay * 2, 0.5)
+                        if not self._commit_seen.wait(delay):  # other ranks' commits: backoff
+                            delay = min(delay * 2, 0.5)
                         continue
                     self._put(e)
                     return
@@ -99,4 +108,5 @@ class PlanPrefetcher:
 
     def close(self) -> None:
         self.stop.set()
+        self._commit_seen.set()
         self._thread.join(timeout=5)

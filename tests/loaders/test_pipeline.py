@@ -119,6 +119,47 @@ def test_in_process_decoding_and_steps_in_order(demo, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_commits_queued_behind_one_in_flight_go_together(demo, tmp_path):
+    """While a commit is in flight, the trainer's next commits queue and go in one request
+    (``commit_many``), in step order; each future gets its step's reply. The plane's reply to
+    the first is held (events, not durations), so the queue is exact."""
+    import threading
+
+    with start_embedded(demo.path, tmp_path, CONFIG) as plane, PlaneClient(plane.url) as c:
+        loader = RankLoader(plane.url, 0, **loader_args(demo), num_workers=0)
+        other = RankLoader(plane.url, 1, **loader_args(demo), num_workers=0)
+        sent, held, release = [], threading.Event(), threading.Event()
+        single, many = loader._commit_client.commit, loader._commit_client.commit_many
+
+        def commit(step, rank, plan_fp=None):
+            sent.append([step])
+            held.set()
+            assert release.wait(30)
+            return single(step, rank, plan_fp=plan_fp)
+
+        def commit_many(steps, rank, plan_fps):
+            sent.append(list(steps))
+            return many(steps, rank, plan_fps)
+        loader._commit_client.commit, loader._commit_client.commit_many = commit, commit_many
+        with loader, other:
+            futures = []
+            for step in range(4):
+                for ld in (other, loader):
+                    assert next(ld).step == step
+                futures.append(loader.commit(step))
+                if step == 0:
+                    assert held.wait(30)  # step 0 is in flight; 1..3 queue behind it
+                other.commit(step)
+            other.wait_commits()
+            release.set()
+            loader.wait_commits()
+            assert sent == [[0], [1, 2, 3]]
+            assert [f.result()["committed"] for f in futures] == [True] * 4
+            assert futures[-1].result()["next_step"] == 4
+            assert c.status()["next_step"] == 4
+
+
+@pytest.mark.timeout(60)
 def test_commits_go_in_the_background_and_a_refused_one_is_raised(demo, tmp_path):
     """``commit`` returns before the plane answers; commits arrive in step order; a refused
     one is raised by the next ``commit``, by ``wait_commits`` and by ``close`` -- not lost."""
