@@ -90,7 +90,8 @@ def table_to_refs(table: pa.Table) -> list[SampleRef]:
     Raises ValueError when a column is missing, so a peer speaking another schema version fails
     loudly rather than with shifted fields.
     """
-    missing = [n for n in _NAMES if n not in table.column_names]
+    have = set(table.column_names)  # a list built afresh on every access: once, not per name
+    missing = [n for n in _NAMES if n not in have]
     if missing:
         raise ValueError(f"not a SampleRef table: missing column(s) {', '.join(missing)}")
     cols = [table.column(n).to_pylist() for n in _NAMES]
