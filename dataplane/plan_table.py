@@ -62,25 +62,92 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
     each sample's first window item id (WindowSamples.item_offsets_N1[:-1]).
 
     A rank's rows are its LLM placements in placement order, then the encoder items it
-    encodes in item order. Built once per step with array operations: every row of the step
-    in that order (a stable sort by rank), then each rank's table is a zero-copy slice.
-    ``side``: more metadata for every rank (what the best baseline would predict).
+    encodes in item order. ``side``: more metadata for every rank (what the best baseline
+    would predict). :func:`window_rank_tables` for one step.
     """
+    tables = window_rank_tables([plan], refs, first_item_N, [step], [dp], [side])
+    return [tables[(step, r)] for r in range(dp)]
+
+
+def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_N: np.ndarray,
+                       steps: list[int], dps: list[int], sides: list[dict | None]
+                       ) -> dict[tuple[int, int], pa.Table]:
+    """:func:`rank_tables` of several steps of one window, by (step, rank), built at once:
+    every row of every step, in (step, rank) order (a stable sort), in one table whose slices
+    are the ranks' tables. The tens of Arrow calls a table costs whatever its size were most
+    of a step's plan on small steps; here they are paid once per window."""
+    first_item_N = np.asarray(first_item_N, np.int64)
+    # The steps' samples, once each, as a ref table the rows take from.
+    used_U = np.unique(np.concatenate([np.asarray(p.sample_P, np.int64) for p in plans]
+                                      + [np.asarray(p.item_sample_M, np.int64) for p in plans]))
+    step_refs = [refs[i] for i in used_U.tolist()]
+    ref_table = refs_to_table(step_refs)
+    counts_U = tuple(np.array([len(getattr(r, name)) for r in step_refs], np.int64)
+                     for name in ("image_patches", "video_patches", "audio_frames"))
+    parts = [_step_rows(plan, used_U, counts_U, first_item_N) for plan in plans]
+    rows = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    llm_X = rows["llm"]
+    enc_X = ~llm_X
+    step_X = np.repeat(np.arange(len(plans)), [len(part["llm"]) for part in parts])
+    order = np.lexsort((rows["rank"], step_X))  # stable: each rank's rows in step order
+
+    def ints(name, mask):
+        return pa.array(rows[name][order], type=pa.int32(), mask=mask[order])
+
+    encode_ranks = pa.ListArray.from_arrays(
+        pa.array(np.concatenate([[0], np.cumsum(rows["count"])]).astype(np.int32)),
+        pa.array(np.concatenate([part["encode_ranks"] for part in parts]), type=pa.int32()),
+        type=pa.list_(pa.int32()), mask=pa.array(enc_X))
+    kinds = np.array(list(ENCODER_KINDS) + [None], object)  # -1: an LLM row, no kind
+    extra = {
+        "role": pa.array(np.where(llm_X, "llm", "encode").astype(object)[order],
+                         type=pa.string()),
+        "step": pa.array(np.asarray(steps, np.int64)[step_X][order], type=pa.int64()),
+        "rank": pa.array(rows["rank"][order], type=pa.int32()),
+        "micro_batch": ints("micro_batch", enc_X),
+        "sp_size": ints("sp_size", enc_X),
+        "sp_index": ints("sp_index", enc_X),
+        "sp_first_rank": ints("sp_first_rank", enc_X),
+        "encode_ranks": encode_ranks.take(pa.array(order)),
+        "item_kind": pa.array(kinds[rows["kind"]][order], type=pa.string()),
+        "item_index": ints("item_index", llm_X),
+        "consume_rank": ints("consume_rank", llm_X),
+        "consume_span": ints("consume_span", llm_X),
+    }
+    taken = ref_table.take(pa.array(rows["pos"][order]))
+    columns = taken.columns + [extra[name] for name, _ in PLAN_FIELDS]
+    table = pa.Table.from_arrays(columns, schema=PLAN_SCHEMA).combine_chunks()
+    width = max(dps)
+    counts = np.bincount(step_X * width + rows["rank"], minlength=len(plans) * width)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    out = {}
+    for j, (plan, step, dp, side) in enumerate(zip(plans, steps, dps, sides)):
+        cost_R = plan.rank_cost_R
+        step_max = float(cost_R.max()) if len(cost_R) else 0.0
+        for r in range(dp):
+            meta = {"step": step, "rank": r, "dp": dp,
+                    "num_micro_batches": plan.num_micro_batches,
+                    "predicted_cost": float(cost_R[r]) if len(cost_R) else 0.0,
+                    "step_max_cost": step_max, "lower_bound": plan.lower_bound,
+                    "imbalance": plan.imbalance, "reshard": plan.reshard, **(side or {})}
+            at = j * width + r
+            out[(step, r)] = table.slice(int(starts[at]), int(counts[at])) \
+                .replace_schema_metadata({METADATA_KEY: json.dumps(meta)})
+    return out
+
+
+def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N: np.ndarray
+               ) -> dict[str, np.ndarray]:
+    """One step's rows as arrays, in its natural order (LLM placements, then encoder items):
+    ``pos`` (the sample's position in ``used_U``), ``llm``, the plan columns, ``kind`` (-1 on
+    LLM rows), and ``count``/``encode_ranks`` (each LLM row's list of encoding ranks, flat)."""
     sample_P = np.asarray(plan.sample_P, np.int64)
     rank_P = np.asarray(plan.rank_P, np.int64)
     item_M = np.asarray(plan.item_M, np.int64)
     item_sample_M = np.asarray(plan.item_sample_M, np.int64)
     encode_M = np.asarray(plan.encode_rank_M, np.int64)
     P, M = len(sample_P), len(item_M)
-    first_item_N = np.asarray(first_item_N, np.int64)
-
-    # The step's samples, once each, as a ref table the rows take from.
-    used_U = np.unique(np.concatenate([sample_P, item_sample_M]))
-    step_refs = [refs[i] for i in used_U.tolist()]
-    ref_table = refs_to_table(step_refs)
-    img_U = np.array([len(r.image_patches) for r in step_refs], np.int64)
-    vid_U = np.array([len(r.video_patches) for r in step_refs], np.int64)
-    aud_U = np.array([len(r.audio_frames) for r in step_refs], np.int64)
+    img_U, vid_U, aud_U = counts_U
     pos_P, pos_M = np.searchsorted(used_U, sample_P), np.searchsorted(used_U, item_sample_M)
 
     # LLM rows: the SP group's first rank, and the rank encoding each of the sample's items.
@@ -112,54 +179,22 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
     # the item's index among the sample's items of its kind
     index_M = j_M - np.where(kind_M == image, 0, np.where(kind_M == video, img_M,
                                                           img_M + vid_M))
-
-    llm_X = np.concatenate([np.ones(P, bool), np.zeros(M, bool)])
-    enc_X = ~llm_X
-    rank_X = np.concatenate([rank_P, encode_M])
-    order = np.argsort(rank_X, kind="stable")
-    counts_R = np.bincount(rank_X, minlength=dp)[:dp] if len(rank_X) else np.zeros(dp, np.int64)
-    starts_R = np.concatenate([[0], np.cumsum(counts_R)[:-1]]).astype(np.int64)
-
-    def ints(values, mask):
-        return pa.array(np.asarray(values, np.int64), type=pa.int32(), mask=mask)
-
     zeros_M, zeros_P = np.zeros(M, np.int64), np.zeros(P, np.int64)
-    offsets = np.concatenate([[0], ends_P, np.full(M, ends_P[-1] if P else 0)])
-    extra = {
-        "role": pa.array(np.where(llm_X, "llm", "encode").astype(object), type=pa.string()),
-        "step": pa.array(np.full(P + M, step, np.int64), type=pa.int64()),
-        "rank": ints(rank_X, None),
-        "micro_batch": ints(np.concatenate([plan.micro_batch_P, zeros_M]), enc_X),
-        "sp_size": ints(np.concatenate([plan.sp_size_P, zeros_M]), enc_X),
-        "sp_index": ints(np.concatenate([plan.sp_index_P, zeros_M]), enc_X),
-        "sp_first_rank": ints(np.concatenate([sp_first_P, zeros_M]), enc_X),
-        "encode_ranks": pa.ListArray.from_arrays(
-            pa.array(offsets.astype(np.int32)), pa.array(encode_ranks, type=pa.int32()),
-            type=pa.list_(pa.int32()), mask=pa.array(enc_X)),
-        "item_kind": pa.array(np.concatenate([np.full(P, None, object),
-                                              np.array(ENCODER_KINDS, object)[kind_M]]),
-                              type=pa.string()),
-        "item_index": ints(np.concatenate([zeros_P, index_M]), llm_X),
-        "consume_rank": ints(np.concatenate([zeros_P, plan.consume_rank_M]), llm_X),
-        "consume_span": ints(np.concatenate([zeros_P, span_M]), llm_X),
+    return {
+        "pos": np.concatenate([pos_P, pos_M]),
+        "llm": np.concatenate([np.ones(P, bool), np.zeros(M, bool)]),
+        "rank": np.concatenate([rank_P, encode_M]),
+        "micro_batch": np.concatenate([np.asarray(plan.micro_batch_P, np.int64), zeros_M]),
+        "sp_size": np.concatenate([np.asarray(plan.sp_size_P, np.int64), zeros_M]),
+        "sp_index": np.concatenate([np.asarray(plan.sp_index_P, np.int64), zeros_M]),
+        "sp_first_rank": np.concatenate([sp_first_P, zeros_M]),
+        "count": np.concatenate([count_P, zeros_M]),
+        "encode_ranks": encode_ranks,
+        "kind": np.concatenate([np.full(P, -1, np.int64), kind_M]),
+        "item_index": np.concatenate([zeros_P, index_M]),
+        "consume_rank": np.concatenate([zeros_P, np.asarray(plan.consume_rank_M, np.int64)]),
+        "consume_span": np.concatenate([zeros_P, span_M]),
     }
-    take = pa.array(order)
-    rows = ref_table.take(pa.array(np.concatenate([pos_P, pos_M])[order]))
-    columns = rows.columns + [extra[name].take(take) for name, _ in PLAN_FIELDS]
-    table = pa.Table.from_arrays(columns, schema=PLAN_SCHEMA).combine_chunks()
-    cost_R = plan.rank_cost_R
-    shared = {"num_micro_batches": plan.num_micro_batches}
-    step_max = float(cost_R.max()) if len(cost_R) else 0.0
-    lower_bound, imbalance = plan.lower_bound, plan.imbalance
-    out = []
-    for r in range(dp):
-        meta = {"step": step, "rank": r, "dp": dp, **shared,
-                "predicted_cost": float(cost_R[r]) if len(cost_R) else 0.0,
-                "step_max_cost": step_max, "lower_bound": lower_bound,
-                "imbalance": imbalance, "reshard": plan.reshard, **(side or {})}
-        out.append(table.slice(int(starts_R[r]), int(counts_R[r]))
-                   .replace_schema_metadata({METADATA_KEY: json.dumps(meta)}))
-    return out
 
 
 def plan_metadata(table: pa.Table) -> dict:

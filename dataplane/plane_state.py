@@ -31,7 +31,7 @@ from omniscale.dataplane.catalog import Catalog
 from omniscale.dataplane.corrupt import CorruptLedger
 from omniscale.dataplane.journal import Journal
 from omniscale.dataplane.mixer import Mixer, MixtureExhausted
-from omniscale.dataplane.plan_table import fingerprint, rank_tables
+from omniscale.dataplane.plan_table import fingerprint, window_rank_tables
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.dataplane.spec import MixSpec, spec_from_text
 from omniscale.dataplane.suspect import SuspectLedger
@@ -282,16 +282,21 @@ class PlaneState:
         return window, step - window.first_step
 
     def table(self, step: int, rank: int) -> pa.Table:
+        """``rank``'s plan table of ``step``. The tables of the window's steps from ``step``
+        on that are not built yet are built with it, at once (``window_rank_tables``)."""
         window, local = self.window_of(step)
         if (step, rank) not in window.tables:
-            plan, dp = window.plans[local], window.dp_of_step[local]
-            first_item_N = window.samples.item_offsets_N1[:-1]
-            side = best_baseline(window.samples, local, self.costs_of(window.k),
-                                 self.config.planner(dp, len(window.plans))) \
-                if self.config.balance == "omniscale" else None
-            for r, table in enumerate(rank_tables(plan, window.refs, first_item_N, step, dp,
-                                                  side)):
-                window.tables[(step, r)] = table
+            todo = [j for j in range(local, len(window.plans))
+                    if (window.first_step + j, 0) not in window.tables]
+            dps = [window.dp_of_step[j] for j in todo]
+            sides = [best_baseline(window.samples, j, self.costs_of(window.k),
+                                   self.config.planner(dp, len(window.plans)))
+                     if self.config.balance == "omniscale" else None
+                     for j, dp in zip(todo, dps)]
+            window.tables.update(window_rank_tables(
+                [window.plans[j] for j in todo], window.refs,
+                window.samples.item_offsets_N1[:-1], [window.first_step + j for j in todo],
+                dps, sides))
         return window.tables[(step, rank)]
 
     def fingerprint(self, step: int, rank: int) -> str:
