@@ -393,7 +393,11 @@ class RankLoader(StepLoader):
             num_workers=self.num_workers, collate_fn=identity, pin_memory=False,
             timeout=self._POLL_S if self.num_workers else 0,
             prefetch_factor=2 if self.num_workers else None)
-        it = _forked(loader)
+        try:
+            it = _forked(loader)
+        except BaseException:
+            self._shutdown(None)  # the ring, mapped for workers that did not start
+            raise
         if getattr(it, "_worker_pids_set", False):
             # Off torch's SIGCHLD handler (set by any DataLoader iterated on the main thread):
             # it would raise this death in the main thread; _next_item notices it here.
