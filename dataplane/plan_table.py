@@ -96,7 +96,7 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
 
     encode_ranks = pa.ListArray.from_arrays(
         pa.array(np.concatenate([[0], np.cumsum(rows["count"])]).astype(np.int32)),
-        pa.array(np.concatenate([part["encode_ranks"] for part in parts]), type=pa.int32()),
+        pa.array(rows["encode_ranks"], type=pa.int32()),
         type=pa.list_(pa.int32()), mask=pa.array(enc_X))
     kinds = np.array(list(ENCODER_KINDS) + [None], object)  # -1: an LLM row, no kind
     extra = {

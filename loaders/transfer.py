@@ -25,6 +25,7 @@ to.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import math
@@ -177,10 +178,8 @@ class ShmRing:
         holds is left to the collector)."""
         _RINGS.pop(self.id, None)
         for m in self._maps:
-            try:
+            with contextlib.suppress(BufferError):  # still viewed: the collector unmaps it
                 m.close()
-            except BufferError:
-                pass
 
     def __reduce__(self):
         raise TypeError("ShmRing crosses to workers by fork only (a pickled copy would not "
