@@ -1,8 +1,10 @@
 """The plane inside the trainer's process: one thread, the same Flight server and state.
 
 Single-machine runs need no separate service: ``start_embedded`` builds the plane and serves it
-from a daemon thread on loopback; trainers talk to it through the URL exactly as they would to
-a standalone plane, so the two modes cannot drift apart.
+from a daemon thread on loopback; other processes talk to it through the URL exactly as they
+would to a standalone plane. Loaders in this very process (rank 0's) connect with
+:func:`dataplane.local.connect` and call it directly, without the wire's CPU per step
+(:mod:`dataplane.local`; its replies are checked against the wire's).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from omniscale.dataplane import local
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import PlaneServer
 
@@ -30,6 +33,7 @@ class EmbeddedPlane:
 
     def stop(self) -> None:
         """Stop serving; the state dir keeps everything a restart needs."""
+        local.unregister(self.url)
         self.server.stop()
 
     def __enter__(self) -> "EmbeddedPlane":
@@ -43,4 +47,6 @@ def start_embedded(spec: str | Path, state_dir: str | Path, config: PlaneConfig,
                    restore_step: int | None = None, port: int = 0) -> EmbeddedPlane:
     """Start (or resume, from ``state_dir``) a plane in a thread of this process."""
     plane = DataPlane(spec, state_dir, config, restore_step=restore_step)
-    return EmbeddedPlane(plane, PlaneServer(plane, "127.0.0.1", port).start())
+    embedded = EmbeddedPlane(plane, PlaneServer(plane, "127.0.0.1", port).start())
+    local.register(embedded.url, plane)
+    return embedded

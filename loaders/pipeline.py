@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data._utils import signal_handling
 
-from omniscale.dataplane.client import PlaneClient
+from omniscale.dataplane.local import connect
 from omniscale.dataplane.refs import SampleRef, table_to_refs
 from omniscale.loaders.assemble import (
     DecodedStep,
@@ -87,9 +87,10 @@ class StepLoader:
             from omniscale.loaders.remote_cache import Prefetcher
 
             self.shard_prefetcher = Prefetcher(remote, cache)
-        self.client = PlaneClient(plane_url, token=token)
-        self._report_client = PlaneClient(plane_url, token=token)  # used by the assembly thread
-        self._commit_client = PlaneClient(plane_url, token=token)  # used by the commit thread
+        # In-process when this process serves the plane (rank 0 of an embedded one).
+        self.client = connect(plane_url, token=token)
+        self._report_client = connect(plane_url, token=token)  # used by the assembly thread
+        self._commit_client = connect(plane_url, token=token)  # used by the commit thread
         self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"omniscale-commit-{rank}")
         self._commits: deque[Future] = deque()  # sent, not yet known to be acknowledged
         self._unsent: deque[tuple[int, str | None, Future]] = deque()  # for the committer

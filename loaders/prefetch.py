@@ -14,7 +14,8 @@ from __future__ import annotations
 import queue
 import threading
 
-from omniscale.dataplane.client import PlaneClient, PlaneError
+from omniscale.dataplane.client import PlaneError
+from omniscale.dataplane.local import connect
 from omniscale.dataplane.server import Reason
 
 END = "end"  # the queue's last item when the mixture is exhausted
@@ -77,8 +78,8 @@ class PlanPrefetcher:
         return False
 
     def _run(self) -> None:
-        # stream=True: the plan lane, cheap fetches
-        client = PlaneClient(self.url, token=self.token, stream=True)
+        # in-process if this process serves the plane, else stream=True: the plan lane
+        client = connect(self.url, token=self.token, stream=True)
         delay = 0.01
         try:
             while not self.stop.is_set():
