@@ -328,13 +328,18 @@ class RankLoader(StepLoader):
 
     def _decoded_steps(self):
         steps: deque = deque()  # (step, table, items), END, or an exception: sampler order
-        it = self._start(_PlanItems(self.plans, steps, self._chunks))
+        sampler = _PlanItems(self.plans, steps, self._chunks, wait=not self.num_workers)
+        it = self._start(sampler)
         first = None
         redo_step, in_a_row = None, 0  # worker deaths in a row while on one step
         try:
             while not self._stop.is_set():
-                if not steps:  # no worker processes: the sampler runs inside next()
+                if self.num_workers:
+                    _feed(it, sampler)
+                elif not steps:  # no worker processes: the sampler runs inside next()
                     first = next(it, None)
+                if not steps:  # closing
+                    return
                 head = steps.popleft()
                 if head is END:
                     return
@@ -347,6 +352,8 @@ class RankLoader(StepLoader):
                         if first is not None:
                             got, first = first, None
                         else:
+                            if self.num_workers:
+                                _feed(it, sampler)
                             got = self._next_item(it)
                             if got is None:  # closing
                                 return
@@ -368,7 +375,9 @@ class RankLoader(StepLoader):
                                   f"new workers decode again from step {step} (restart "
                                   f"{self.worker_restarts})", RuntimeWarning, stacklevel=2)
                     steps = deque()
-                    it = self._start(_PlanItems(self.plans, steps, self._chunks, replay))
+                    sampler = _PlanItems(self.plans, steps, self._chunks, replay,
+                                         wait=not self.num_workers)
+                    it = self._start(sampler)
                     continue
                 yield step, table, decoded
         finally:
@@ -487,6 +496,19 @@ def _forked(loader: torch.utils.data.DataLoader):
             gc.unfreeze()
 
 
+def _feed(it, sampler: "_PlanItems") -> None:
+    """Hand the DataLoader's workers the items that are ready, up to torch's limit; wait for
+    a plan first only when the loader holds nothing sent and not yet returned (so no commit
+    the plane waits for is held here). Uses the iterator's own bookkeeping, which
+    ``_try_put_index`` keeps."""
+    if it._rcvd_idx >= it._send_idx:
+        sampler.wait()
+    # torch's own bound: items sent and not yet returned (received out of order included)
+    limit = it._prefetch_factor * it._num_workers
+    while it._send_idx - it._rcvd_idx < limit and sampler.ready():
+        it._try_put_index()
+
+
 def _shutdown(it) -> None:
     """Stop a DataLoader iterator's workers now (not whenever it is garbage-collected)."""
     stop = getattr(it, "_shutdown_workers", None)
@@ -498,33 +520,64 @@ class _PlanItems:
     """The sampler: work items ``((step, i), chunk)`` of each plan (``chunks``: the loader's
     cut of a plan), recording each step's item count in ``steps`` before its first item
     leaves (the consumer reads counts from there). ``replay``: entries of ``steps`` a
-    replaced DataLoader had pulled, sent again first."""
+    replaced DataLoader had pulled, sent again first.
 
-    def __init__(self, plans: PlanPrefetcher, steps: deque, chunks, replay: list | None = None
-                 ) -> None:
+    ``wait=False`` (worker processes): with no plan ready it raises StopIteration at once and
+    is asked again later -- torch asks for indices while it hands an item over (and for
+    ``prefetch_factor * workers`` of them before its iterator exists), and the plane plans a
+    step only so far past the last commit: waiting there for a plan that needs the commit of
+    the very item in hand would hang. The loader waits for plans itself (:meth:`wait`),
+    only when it holds nothing. ``wait=True`` (no workers): one index per item, waited for."""
+
+    def __init__(self, plans: PlanPrefetcher, steps: deque, chunks, replay: list | None = None,
+                 wait: bool = True) -> None:
         self.plans, self.steps, self.chunks = plans, steps, chunks
-        self.replay = list(replay or ())
+        self.replay = deque(replay or ())
+        self.blocking = wait
+        self.pending: deque = deque()  # items of plans pulled, not handed out yet
+        self.ended = False  # END or an error recorded in ``steps``: nothing more
 
     def __iter__(self):
-        for entry in self.replay:
-            self.steps.append(entry)
-            if entry is END or isinstance(entry, BaseException):
-                return
-            step, table, _ = entry
-            yield from _items(step, self.chunks(table))
-        while True:
+        return self
+
+    def __next__(self):
+        while not self.pending:
+            if self.ended or not self._pull(self.blocking):
+                raise StopIteration
+        return self.pending.popleft()
+
+    def ready(self) -> bool:
+        """An item can be handed out now (pulls a plan that is ready without waiting)."""
+        return bool(self.pending) or (not self.ended and self._pull(False)
+                                      and bool(self.pending))
+
+    def wait(self) -> None:
+        """Wait until an item can be handed out or nothing more will come."""
+        while not self.pending and not self.ended:
+            self._pull(True)
+
+    def _pull(self, block: bool) -> bool:
+        """The next plan's items into ``pending``; False when none is ready (not blocking)."""
+        if self.replay:
+            entry = self.replay.popleft()
+        else:
             try:
-                got = self.plans.get()
+                got = self.plans.get() if block else self.plans.poll()
             except BaseException as e:  # noqa: BLE001 -- the consumer raises it in order
-                self.steps.append(e)
-                return
-            if got is END:
-                self.steps.append(END)
-                return
-            step, table = got
-            chunks = self.chunks(table)
-            self.steps.append((step, table, len(chunks)))
-            yield from _items(step, chunks)
+                got = e
+            if got is None:
+                return False
+            entry = got if got is END or isinstance(got, BaseException) else (
+                got[0], got[1], None)
+        if entry is END or isinstance(entry, BaseException):
+            self.steps.append(entry)
+            self.ended = True
+            return True
+        step, table, _ = entry
+        chunks = self.chunks(table)
+        self.steps.append((step, table, len(chunks)))
+        self.pending.extend(_items(step, chunks))
+        return True
 
 
 def _items(step: int, work: list):

@@ -4,6 +4,8 @@ commit with the plan fingerprint, data-wait timing, end of data)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,6 +103,18 @@ def test_full_path_matches_per_sample_decoding(demo, tmp_path):
         return RankLoader(url, rank, **loader_args(demo), num_workers=2, prefetch_steps=2)
     seen = check_full_path(demo, tmp_path, make)
     assert seen == {"text", "image", "video", "audio"}
+
+
+@pytest.mark.timeout(120)
+def test_workers_do_not_wait_past_what_the_plane_plans(demo, tmp_path):
+    """A plane that plans only the step not yet committed (window 1, nothing ahead) while
+    the DataLoader asks for 2 items per worker: the loader must hand out what is planned and
+    wait for plans only when it holds nothing (it used to wait inside torch's index request,
+    for a plan that needed the commit of the item in hand, and hung)."""
+    def make(url, rank):
+        return RankLoader(url, rank, **loader_args(demo), num_workers=2, prefetch_steps=2)
+    check_full_path(demo, tmp_path, make, steps=4,
+                    config=dataclasses.replace(CONFIG, window=1, plan_ahead=0))
 
 
 @pytest.mark.timeout(60)
