@@ -328,7 +328,7 @@ class RankLoader(StepLoader):
 
     def _decoded_steps(self):
         steps: deque = deque()  # (step, table, items), END, or an exception: sampler order
-        sampler = _PlanItems(self.plans, steps, self._chunks, wait=not self.num_workers)
+        sampler = _PlanItems(self.plans, steps, self._chunks, blocking=not self.num_workers)
         it = self._start(sampler)
         first = None
         redo_step, in_a_row = None, 0  # worker deaths in a row while on one step
@@ -376,7 +376,7 @@ class RankLoader(StepLoader):
                                   f"{self.worker_restarts})", RuntimeWarning, stacklevel=2)
                     steps = deque()
                     sampler = _PlanItems(self.plans, steps, self._chunks, replay,
-                                         wait=not self.num_workers)
+                                         blocking=not self.num_workers)
                     it = self._start(sampler)
                     continue
                 yield step, table, decoded
@@ -522,18 +522,18 @@ class _PlanItems:
     leaves (the consumer reads counts from there). ``replay``: entries of ``steps`` a
     replaced DataLoader had pulled, sent again first.
 
-    ``wait=False`` (worker processes): with no plan ready it raises StopIteration at once and
+    ``blocking=False`` (worker processes): with no plan ready it raises StopIteration at once and
     is asked again later -- torch asks for indices while it hands an item over (and for
     ``prefetch_factor * workers`` of them before its iterator exists), and the plane plans a
     step only so far past the last commit: waiting there for a plan that needs the commit of
     the very item in hand would hang. The loader waits for plans itself (:meth:`wait`),
-    only when it holds nothing. ``wait=True`` (no workers): one index per item, waited for."""
+    only when it holds nothing. ``blocking=True`` (no workers): one index per item, waited for."""
 
     def __init__(self, plans: PlanPrefetcher, steps: deque, chunks, replay: list | None = None,
-                 wait: bool = True) -> None:
+                 blocking: bool = True) -> None:
         self.plans, self.steps, self.chunks = plans, steps, chunks
         self.replay = deque(replay or ())
-        self.blocking = wait
+        self.blocking = blocking
         self.pending: deque = deque()  # items of plans pulled, not handed out yet
         self.ended = False  # END or an error recorded in ``steps``: nothing more
 
@@ -567,13 +567,12 @@ class _PlanItems:
                 got = e
             if got is None:
                 return False
-            entry = got if got is END or isinstance(got, BaseException) else (
-                got[0], got[1], None)
+            entry = got  # (step, table), END or an error
         if entry is END or isinstance(entry, BaseException):
             self.steps.append(entry)
             self.ended = True
             return True
-        step, table, _ = entry
+        step, table = entry[0], entry[1]  # a replayed entry also carries its old count
         chunks = self.chunks(table)
         self.steps.append((step, table, len(chunks)))
         self.pending.extend(_items(step, chunks))
