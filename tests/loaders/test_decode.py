@@ -101,6 +101,37 @@ def test_decord_width_bug_falls_back_to_pyav():
     assert _decord_frames(video_bytes(10, 5, 48, 32), g, 32, 48) is None
 
 
+def test_pyav_fallback_frames_are_each_frames_own_reformat():
+    """The fallback's shared scaler (one per thread, across clips of different sizes) gives
+    the pixels PyAV's per-frame ``reformat`` gives."""
+    import av
+
+    from omniscale.loaders.geometry import video_frame_indices
+
+    g = MediaGeometry(patch_size=8, max_pixels=64 * 64, min_pixels=16 * 16,
+                      video_max_pixels=64 * 64)
+    rng = np.random.default_rng(0)
+    for width, height, out_w, out_h in [(48, 32, 48, 32), (96, 64, 72, 48), (64, 32, 32, 16)]:
+        buf = io.BytesIO()  # textured frames: a flat clip scales alike under any filter
+        with av.open(buf, "w", format="mp4") as container:
+            stream = container.add_stream("mpeg4", rate=5)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for _ in range(10):
+                pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+                for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        data = buf.getvalue()
+        with av.open(io.BytesIO(data)) as container:
+            frames = [f.reformat(width=out_w, height=out_h, format="rgb24",
+                                 interpolation="BICUBIC").to_ndarray()
+                      for f in container.decode(video=0)]
+        wanted = video_frame_indices(len(frames), 5.0, g)
+        got = _pyav_frames(data, g, out_h, out_w)
+        assert np.array_equal(got, np.stack([frames[i] for i in wanted])), (width, out_w)
+
+
 def test_clips_decode_at_target_size_within_tolerance_of_a_full_size_decode(demo_root):
     """decord scales while decoding (FFmpeg's bicubic scaler); the oracle decodes every frame
     at full size with PyAV and resizes it with PIL, as the decoder did before: the same grid,
