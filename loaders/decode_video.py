@@ -21,7 +21,6 @@ full-size decode resized by PIL.
 from __future__ import annotations
 
 import io
-import threading
 
 import numpy as np
 
@@ -75,6 +74,7 @@ def _pyav_frames(data: bytes, g: MediaGeometry, height: int, width: int) -> np.n
     """Sampled RGB frames [T, height, width, 3] uint8 decoded with PyAV, counting frames as
     the index did (the stream's frame count, else its packets)."""
     import av
+    from av.video.reformatter import VideoReformatter
 
     try:
         with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
@@ -87,7 +87,11 @@ def _pyav_frames(data: bytes, g: MediaGeometry, height: int, width: int) -> np.n
         wanted = video_frame_indices(n, fps, g)
         picked: dict[int, np.ndarray] = {}
         last = None
-        scaler = _scaler()
+        # One scaler for the clip's frames: ``VideoFrame.reformat`` builds FFmpeg's scaler
+        # context afresh for every frame (0.8 ms a frame against 0.15, the same pixels). Not
+        # kept past the clip: freed in a forked child, its slice threads' condition variables
+        # hang ``pthread_cond_destroy`` (tests/loaders/test_decode.py).
+        scaler = VideoReformatter()
         with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
             stream = container.streams.video[0]
             stream.thread_type = "NONE"
@@ -112,17 +116,3 @@ def _pyav_frames(data: bytes, g: MediaGeometry, height: int, width: int) -> np.n
     if tail is None:
         raise Corrupt("video has no decodable frames at the sampled positions")
     return np.stack([picked.get(i, tail) for i in wanted])
-
-
-_THREAD = threading.local()
-
-
-def _scaler():
-    """This thread's PyAV reformatter: it keeps FFmpeg's scaler context between frames of the
-    same size, which ``VideoFrame.reformat`` builds afresh for every new frame (measured: 0.8
-    ms a frame against 0.15; the same pixels)."""
-    from av.video.reformatter import VideoReformatter
-
-    if not hasattr(_THREAD, "scaler"):
-        _THREAD.scaler = VideoReformatter()
-    return _THREAD.scaler

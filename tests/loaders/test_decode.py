@@ -102,8 +102,8 @@ def test_decord_width_bug_falls_back_to_pyav():
 
 
 def test_pyav_fallback_frames_are_each_frames_own_reformat():
-    """The fallback's shared scaler (one per thread, across clips of different sizes) gives
-    the pixels PyAV's per-frame ``reformat`` gives."""
+    """The fallback's scaler, shared by a clip's frames, gives the pixels PyAV's per-frame
+    ``reformat`` gives (clips of different sizes in turn)."""
     import av
 
     from omniscale.loaders.geometry import video_frame_indices
@@ -130,6 +130,41 @@ def test_pyav_fallback_frames_are_each_frames_own_reformat():
         wanted = video_frame_indices(len(frames), 5.0, g)
         got = _pyav_frames(data, g, out_h, out_w)
         assert np.array_equal(got, np.stack([frames[i] for i in wanted])), (width, out_w)
+
+
+def test_a_fork_after_a_fallback_decode_in_another_thread_does_not_hang():
+    """A worker's decode thread leaves no FFmpeg scaler behind: a scaler kept past the decode
+    (its slice threads waiting on a condition) was freed in the forked child, where
+    ``pthread_cond_destroy`` waits forever for waiters that were not forked (seen: the suite's
+    forks hung)."""
+    import gc
+    import multiprocessing
+    import threading
+
+    g = MediaGeometry(patch_size=8, max_pixels=64 * 64, min_pixels=16 * 16,
+                      video_max_pixels=64 * 64)
+    decoded, forked = threading.Event(), threading.Event()
+
+    def decode_then_stay():  # a loader's decode thread lives on between items
+        _pyav_frames(video_bytes(10, 5, 48, 32), g, 32, 48)
+        decoded.set()
+        forked.wait()
+
+    decoder = threading.Thread(target=decode_then_stay)
+    decoder.start()
+    try:
+        decoded.wait()
+        gc.collect()
+        gc.freeze()
+        child = multiprocessing.get_context("fork").Process(target=int)
+        child.start()
+        child.join(timeout=30)
+        if child.exitcode is None:
+            child.kill()
+    finally:
+        forked.set()
+        decoder.join()
+    assert child.exitcode == 0
 
 
 def test_clips_decode_at_target_size_within_tolerance_of_a_full_size_decode(demo_root):
