@@ -27,8 +27,7 @@ import pyarrow as pa
 
 from omniscale.dataplane import wire
 from omniscale.dataplane.client import PlaneClient, PlaneError
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.server import Reason, RequestError
+from omniscale.dataplane.server import Reason, refusal
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +75,10 @@ class LocalPlaneClient:
                              Reason.UNREACHABLE)
         try:
             return getattr(plane, fn_name)(*args)
-        except RequestError as e:
-            raise PlaneError(f"plane at {self.url}: {what}: {_one_line(e)}", e.reason) from None
-        except (UserError, ValueError) as e:
-            raise PlaneError(f"plane at {self.url}: {what}: {_one_line(e)}",
-                             Reason.REFUSED) from None
         except Exception as e:  # noqa: BLE001 -- as the server: a bug is logged, then refused
+            reason = refusal(e)
+            if reason is not None:
+                raise PlaneError(f"plane at {self.url}: {what}: {_one_line(e)}", reason) from None
             log.exception("plane: internal error in %s", fn_name)
             raise PlaneError(f"plane at {self.url}: {what}: internal error: "
                              f"{type(e).__name__}: {_one_line(e)}", Reason.INTERNAL) from None

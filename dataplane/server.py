@@ -375,17 +375,27 @@ def _int(body: dict, field: str) -> int:
     return value
 
 
+def refusal(e: Exception) -> Reason | None:
+    """The reason a handler's exception refuses its request with; None for a bug. The server
+    and the in-process client (``dataplane.local``) answer alike through this."""
+    if isinstance(e, RequestError):
+        return e.reason
+    if isinstance(e, (UserError, ValueError)):
+        return Reason.REFUSED
+    return None
+
+
 def _call(fn, *args):
     """Run a handler; refusals become one-line Flight errors carrying their Reason (as
     ``extra_info``), bugs are logged with traceback."""
     try:
         return fn(*args)
-    except (RequestError, UserError, ValueError) as e:
-        reason = e.reason if isinstance(e, RequestError) else Reason.REFUSED
-        raise flight.FlightServerError(str(e), extra_info=reason.encode()) from None
     except flight.FlightError:
         raise
     except Exception as e:  # noqa: BLE001 -- the server must keep serving other requests
+        reason = refusal(e)
+        if reason is not None:
+            raise flight.FlightServerError(str(e), extra_info=reason.encode()) from None
         log.exception("plane: internal error in %s", getattr(fn, "__name__", fn))
         raise flight.FlightInternalError(f"internal error: {type(e).__name__}: {e}",
                                          extra_info=Reason.INTERNAL.encode()) from None
