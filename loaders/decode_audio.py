@@ -61,7 +61,7 @@ def decode_audio(data: bytes, g: MediaGeometry) -> torch.Tensor:
         import soxr
 
         wave_N = soxr.resample(wave_N, rate, g.audio_sample_rate, quality="HQ")
-    wave_N = torch.from_numpy(np.ascontiguousarray(wave_N, dtype=np.float32))
+    wave_N = torch.from_numpy(wave_N)  # float32 either way: soxr keeps its input's dtype
     n = audio_samples(n_in, rate, g)
     with torch.no_grad():
         # Resampling a truncated read can leave a sample more or fewer than the formula says.

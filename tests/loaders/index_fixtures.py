@@ -44,15 +44,20 @@ def image_bytes(width: int, height: int, fmt: str = "JPEG") -> bytes:
     return buf.getvalue()
 
 
-def video_bytes(frames: int, fps: int, width: int, height: int, fmt: str = "mp4") -> bytes:
+def video_bytes(frames: int, fps: int, width: int, height: int, fmt: str = "mp4",
+                textured: bool = False) -> bytes:
+    """A clip of flat grey frames, or of random pixels (``textured``: a flat clip scales
+    alike under any filter)."""
     import av
 
+    rng = np.random.default_rng(width * 1000 + height)
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as container:
         stream = container.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
-            pixels = np.full((height, width, 3), (i * 20) % 255, np.uint8)
+            pixels = (rng.integers(0, 256, (height, width, 3), dtype=np.uint8) if textured
+                      else np.full((height, width, 3), (i * 20) % 255, np.uint8))
             for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():

@@ -110,19 +110,8 @@ def test_pyav_fallback_frames_are_each_frames_own_reformat():
 
     g = MediaGeometry(patch_size=8, max_pixels=64 * 64, min_pixels=16 * 16,
                       video_max_pixels=64 * 64)
-    rng = np.random.default_rng(0)
     for width, height, out_w, out_h in [(48, 32, 48, 32), (96, 64, 72, 48), (64, 32, 32, 16)]:
-        buf = io.BytesIO()  # textured frames: a flat clip scales alike under any filter
-        with av.open(buf, "w", format="mp4") as container:
-            stream = container.add_stream("mpeg4", rate=5)
-            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-            for _ in range(10):
-                pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-                for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                    container.mux(packet)
-            for packet in stream.encode():
-                container.mux(packet)
-        data = buf.getvalue()
+        data = video_bytes(10, 5, width, height, textured=True)
         with av.open(io.BytesIO(data)) as container:
             frames = [f.reformat(width=out_w, height=out_h, format="rgb24",
                                  interpolation="BICUBIC").to_ndarray()
