@@ -54,8 +54,15 @@ def test_calibrate_times_the_runs_model_and_the_plane_reads_it(demo, tmp_path):
                        repeats=1, held_out=4, progress=lambda line: None)
     llm = result["llm"]
     # how well the timed steps fit is a property of a quiet machine (the benchmarks' concern);
-    # the suite runs on two busy workers, so only that the fit is reported is checked here
-    assert result["unit"] == "seconds" and llm["alpha"] > 0 and llm["r2"] <= 1
+    # the suite runs on two busy workers, so only that a usable fit is reported is checked
+    # here: no negative or non-finite coefficient, a positive time for a full micro-batch.
+    # Any one coefficient may be 0: a busy worker's noise can hand α's share to γ and δ (a
+    # full suite run here once fitted α = 0).
+    coefficients = [llm[k] for k in ("alpha", "beta", "gamma", "per_micro_batch")]
+    assert result["unit"] == "seconds" and llm["r2"] <= 1
+    assert all(np.isfinite(c) and c >= 0 for c in coefficients), llm
+    alpha, beta, gamma, delta = coefficients
+    assert alpha * 1024 + beta * 1024 ** 2 + gamma + delta > 0, llm
     assert set(result["encoders"]) == {"image", "video", "audio"}
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(result))
