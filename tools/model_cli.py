@@ -32,8 +32,6 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
-
 from omniscale.dataplane.errors import UserError
 
 TOWERS = "omniscale_towers.json"
@@ -108,6 +106,8 @@ def with_special_tokens(path: Path) -> int:
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
     """The run's checkpoint (the latest, or ``step``'s) as a Hugging Face checkpoint at
     ``out`` (which must not exist)."""
+    import torch  # here, not at the top: every `omniscale` command builds this parser
+
     from omniscale.backbone.hf import config_to_hf, hf_tensors
     from omniscale.backbone.hf_files import write_checkpoint_dir
     from omniscale.loaders.decode_text import load_tokenizer
