@@ -18,19 +18,10 @@ if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
 
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory, worker_id):
-    """The tiny demo, indexed, shared by the whole run -- by every xdist worker too (built
-    once, under a file lock, in the directory the workers' temporary directories share): read
-    it, never write into it (copy it with ``tests.demo_data.copy_demo`` first)."""
-    from filelock import FileLock
-
+    """The tiny demo, indexed, shared by the whole run -- by every xdist worker too
+    (``tests.run_once``): read it, never write into it (copy it with
+    ``tests.demo_data.copy_demo`` first)."""
     from tests.demo_data import build
+    from tests.run_once import once_per_run
 
-    if worker_id == "master":  # no xdist
-        return build(tmp_path_factory.mktemp("demo") / "demo")
-    shared = tmp_path_factory.getbasetemp().parent
-    root, built = shared / "demo" / "demo", shared / "demo.built"
-    with FileLock(str(shared / "demo.lock")):
-        if not built.exists():  # the first worker here builds it; the others only read it
-            build(root)
-            built.touch()
-    return root
+    return once_per_run(tmp_path_factory, worker_id, "demo", lambda d: build(d / "demo"))
