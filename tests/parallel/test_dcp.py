@@ -13,6 +13,10 @@ import pytest
 from tests.parallel.dist_models import global_tokens, shard, step_loss
 from tests.parallel.multiproc import run_ranks
 
+# One worker runs the module (`--dist loadgroup`): its module fixture, a multi-rank run, is
+# built once instead of on each worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("dcp")
+
 
 def _train(rank, world, dp_shard, tp, path, save_after, load, seed):
     """Steps with AdamW on a (dp_shard × tp) mesh; returns the global loss of each step run.

@@ -26,6 +26,10 @@ from tests.parallel.dist_models import (
 )
 from tests.parallel.multiproc import run_ranks
 
+# One worker runs the module (`--dist loadgroup`): its module fixture, a multi-rank run, is
+# built once instead of on each worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("fsdp")
+
 OMNI_KINDS = ["image", "audio", "video", "image"]  # rank 1 of 2 has no audio: dummy path
 
 

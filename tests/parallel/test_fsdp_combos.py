@@ -39,6 +39,10 @@ from tests.parallel.dist_models import (
 )
 from tests.parallel.multiproc import run_ranks
 
+# One worker runs the module (`--dist loadgroup`): its module fixture, a multi-rank run, is
+# built once instead of on each worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("fsdp_combos")
+
 KINDS = ["image", "audio", "video", "image", "audio", "image"]  # 35, 37, 13, 28, 39, 28 tokens
 EP_SHARDS = [[0, 1], [2], [3, 4], [5]]  # samples per data-parallel rank
 # (sample, sp_size) per rank in batch order; SP pairs are ranks (0, 1) and (2, 3). Sample 1's

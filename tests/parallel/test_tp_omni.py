@@ -29,6 +29,10 @@ from tests.parallel.dist_models import (
 )
 from tests.parallel.multiproc import run_ranks
 
+# One worker runs the module (`--dist loadgroup`): its module fixture, a multi-rank run, is
+# built once instead of on each worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("tp_omni")
+
 KINDS = ["image", "audio", "video"]
 TIED = dataclasses.replace(CONFIG, tie_embeddings=True)
 VOCAB = 375  # over the demo tokenizer's ids; odd, so TP rank 0 holds 188 rows and rank 1 187
