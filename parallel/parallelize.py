@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -82,6 +83,13 @@ def compile_blocks(model: nn.Module) -> None:
     for encoder in encoders(model):
         for block in encoder_blocks(encoder):
             block.compile(dynamic=True)
+
+
+def compute_device(device_type: str) -> torch.device:
+    """This process's compute device of the type (the current GPU: the trainer sets it)."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 def _needs_fsdp(dims: ParallelDims, settings: Settings) -> bool:
@@ -147,8 +155,11 @@ def parallelize_lm(model: nn.Module, dims: ParallelDims, settings: Settings,
         raise ValueError(f"pp_microbatches={settings.pp_microbatches}: 1F1B needs at least "
                          f"pp={dims.pp} micro-batches per schedule run")
     mesh = dims.build_mesh(device_type)
+    # the stages exchange activations in the compute dtype, which FSDP applies only later
     runner = apply_pp(model.decoder, mesh["pp"], settings.pp_schedule,
-                      settings.pp_microbatches, microbatch_tokens=microbatch_tokens)
+                      settings.pp_microbatches, microbatch_tokens=microbatch_tokens,
+                      activation_dtype=torch.bfloat16 if settings.mixed_precision == "bf16"
+                      else None, device=compute_device(device_type))
     model.decoder = runner.module  # frees the other stages' layers
     meshes = _apply(runner.module, dims, settings, device_type, mesh, None)
     meshes.pipeline = runner

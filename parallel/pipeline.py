@@ -87,7 +87,8 @@ class DecoderStage(nn.Module):
             self.load_LE = load_LE if self.load_LE is None else self.load_LE + load_LE
         if self.norm is not None:
             x_TD = self.norm(x_TD)
-        return x_TD[None], router_loss_1
+        # fp32 between stages: under mixed precision FSDP casts the received sum to bf16
+        return x_TD[None], router_loss_1.float()
 
     def loss(self, hidden_TD: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy, exactly `MoEDecoder.loss` (last stage only)."""
@@ -287,7 +288,9 @@ def stage_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 def apply_pp(model: MoEDecoder, pp_mesh, schedule: str, n_microbatches: int,
-             loss_fn: Callable | None = None, *, microbatch_tokens: int) -> PipelineRunner:
+             loss_fn: Callable | None = None, *, microbatch_tokens: int,
+             activation_dtype: torch.dtype | None = None,
+             device: torch.device | None = None) -> PipelineRunner:
     """This rank's pipeline stage of `model` over the 1-D `pp_mesh`, and the runner of its
     schedule ("gpipe" or "1f1b"; 1F1B needs n_microbatches ≥ stages). The stage shares the
     model's modules; drop the full model afterwards to free the other stages' layers.
@@ -295,7 +298,11 @@ def apply_pp(model: MoEDecoder, pp_mesh, schedule: str, n_microbatches: int,
 
     `microbatch_tokens` (the packer's token budget) fixes the shapes the stages exchange, so
     the stage is built with explicit input/output shapes: the pipelining API's runtime shape
-    inference would otherwise run one extra no-grad forward on zeros (and count its routing)."""
+    inference would otherwise run one extra no-grad forward on zeros (and count its routing).
+    `activation_dtype`: what the stages send each other -- the compute dtype (bf16 under FSDP's
+    mixed precision, applied after this: the parameters are still fp32 here), default the
+    parameters' dtype. `device`: the stage's device (default the parameters', which a model
+    built on the meta device does not have yet)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"apply_pp: schedule must be one of {sorted(SCHEDULES)}, "
                          f"got {schedule!r}")
@@ -306,11 +313,12 @@ def apply_pp(model: MoEDecoder, pp_mesh, schedule: str, n_microbatches: int,
     lo, hi = stage_layers(len(model.layers), n_stages)[rank]
     module = DecoderStage(model, lo, hi, first=rank == 0, last=rank == n_stages - 1)
     param = next(model.parameters())
-    hidden = (torch.empty(1, microbatch_tokens, model.config.d_model, dtype=param.dtype,
+    dtype, device = activation_dtype or param.dtype, device or param.device
+    hidden = (torch.empty(1, microbatch_tokens, model.config.d_model, dtype=dtype,
                           device="meta"), torch.empty(1, dtype=torch.float32, device="meta"))
     inputs = torch.empty(1, microbatch_tokens, dtype=torch.long, device="meta") \
         if rank == 0 else hidden
-    stage = PipelineStage(module, rank, n_stages, param.device, input_args=inputs,
+    stage = PipelineStage(module, rank, n_stages, device, input_args=inputs,
                           output_args=hidden, group=pp_mesh.get_group())
     return PipelineRunner(module, stage, schedule, n_microbatches, loss_fn or default_loss,
                           microbatch_tokens)

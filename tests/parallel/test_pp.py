@@ -137,3 +137,26 @@ def test_padding_never_exceeds_the_token_budget():
     with pytest.raises(ValueError, match="micro-batch 0 holds 32 tokens, over "
                                          "microbatch_tokens=16"):
         stack_microbatches([_microbatch(1, [10, 22])], 16)
+
+
+def _pipelined_bf16(rank, world):
+    """`parallelize_lm` with pp=2 under bf16 mixed precision (the CUDA default): the stages
+    exchange bf16 activations, which their receive buffers and dtype checks must expect."""
+    from omniscale.backbone.omni import OmniModel
+    from omniscale.parallel.mesh import ParallelDims
+    from omniscale.parallel.parallelize import Settings, parallelize_lm
+
+    torch.manual_seed(0)
+    model = OmniModel(ModelConfig.preset("tiny", n_layers=3))
+    meshes = parallelize_lm(model, ParallelDims(pp=world, dp_shard=1, world_size=world),
+                            Settings(mixed_precision="bf16", pp_schedule="gpipe",
+                                     pp_microbatches=N_MICRO), "cpu", microbatch_tokens=TOKENS)
+    loss = meshes.pipeline.step(_steps()[0])
+    return None if loss is None else float(loss)
+
+
+def test_pp_runs_in_bf16_mixed_precision():
+    reference = float(_reference()[0]["loss"])
+    first, last = run_ranks(_pipelined_bf16, 2)
+    assert first is None
+    assert last == pytest.approx(reference, rel=2e-2)  # bf16 compute, fp32 reference
