@@ -61,13 +61,15 @@ class EPDispatcher:
         R, L = self.ep, self.local
         # recv_RL[j, l]: copies rank j sends here for local expert l.
         recv_RL = exchange_counts(counts_E.view(R, L), self.group)
-        send_R, recv_R = counts_E.view(R, L).sum(1).tolist(), recv_RL.sum(1).tolist()
+        # The layer's one host sync: the all-to-all's split sizes (both directions at once).
+        send_R, recv_R = torch.stack([counts_E.view(R, L).sum(1), recv_RL.sum(1)]).tolist()
         x_MD = all_to_all_single(x_PD, recv_R, send_R, self.group)
 
         # Received rows are grouped by source rank, then expert; the experts want them grouped
         # by expert. A stable sort on the expert id keeps each group in source-rank order.
+        # (output_size given: repeat_interleave would otherwise read its total back.)
         expert_M = torch.arange(L, device=x_MD.device).repeat(R).repeat_interleave(
-            recv_RL.reshape(-1).to(x_MD.device))
+            recv_RL.reshape(-1).to(x_MD.device), output_size=x_MD.shape[0])
         by_expert_M = torch.argsort(expert_M, stable=True)
         if x_MD.shape[0]:
             y_MD = experts(x_MD[by_expert_M], recv_RL.sum(0))[torch.argsort(by_expert_M)]

@@ -25,9 +25,10 @@ def clip_grad_norm(model: torch.nn.Module, clip: float, pp_group=None) -> torch.
     by_mesh: dict = {}
     for p in params:
         key = (getattr(p.grad, "device_mesh", None), ep_mesh_of.get(id(p)))
-        by_mesh.setdefault(key, []).append(p.grad)
+        by_mesh.setdefault(key, []).append(p)
     squares = []
-    for (_, ep_mesh), grads in by_mesh.items():
+    for (_, ep_mesh), mesh_params in by_mesh.items():
+        grads = [p.grad for p in mesh_params]
         # float64: CPU float32 norms lose ~5e-4 relative on a 1M-element gradient, more than
         # the ranks' sums differ, so 1 and N processes would log different norms of one
         # gradient (a transient float64 copy of one local gradient at a time)
@@ -45,7 +46,9 @@ def clip_grad_norm(model: torch.nn.Module, clip: float, pp_group=None) -> torch.
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, clip, total.float(), foreach=False)
+    # One fused (foreach) scaling per mesh: a foreach kernel takes tensors of one mesh only.
+    for mesh_params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(mesh_params, clip, total.float(), foreach=None)
     return total
 
 
