@@ -1,7 +1,8 @@
 """Grouped-query attention over packed sequences (varlen): each sequence attends only to its
 own tokens, delimited by `cu_seqlens`. Optional RMSNorm on q and k per head (Qwen3), rotary
 positions (1-D, or multimodal M-RoPE when the caller passes 3-axis positions) and the
-attention itself through the kernel registry (flash-attn, flex or the SDPA reference).
+attention itself through the kernel registry (on CUDA torch's varlen flash kernel, flex
+attention or flash-attn; on CPU row-blocked products or the SDPA reference).
 
 The attention core (q, k, v after rotary -> output heads) is the `core` attribute so that
 sequence parallelism (parallel/sequence.py) can wrap it with its all-to-alls without touching

@@ -4,8 +4,10 @@ w.r.t. those logits from a per-chunk step (a Triton kernel on GPU, in place; pur
 and the gradients w.r.t. hidden and weight are accumulated chunk by chunk already in the
 forward pass. The backward only scales them by the incoming gradient.
 
-Peak extra memory: one chunk of logits plus dW (fp32) and dH, instead of logits, their
-log-softmax and their gradient at full [T, V] size (3 × 5 GB at T=8192, V=151,936 in fp32).
+Peak extra memory: one chunk of logits (fp32) plus dW (fp32) and dH, instead of logits,
+their log-softmax and their gradient at full [T, V] size (3 × 5 GB at T=8192, V=151,936 in
+fp32). The matmuls run in the compute dtype (bf16 under mixed precision) with fp32
+accumulation: see _ChunkedLinearCE.
 
 ``chunked_linear_cross_entropy`` (this module) is the CPU implementation of the algorithm (the
 registry's CPU default: with cache-sized chunks it is also faster than the reference, whose
@@ -55,39 +57,84 @@ def torch_chunk_step(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: flo
     return loss_C
 
 
+def mm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+            scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """out = a @ b, with `out` in the accumulation dtype (fp32) and a, b in the compute dtype
+    (bf16 under mixed precision): the matmul runs in the compute dtype, accumulating in fp32.
+    CUDA: one GEMM writes fp32 directly (`out_dtype`, cuBLAS bf16 × bf16 → fp32). Elsewhere
+    torch has no such kernel: the compute-dtype product (into `scratch`, if given) is rounded
+    once."""
+    if a.dtype == out.dtype:
+        return torch.mm(a, b, out=out)
+    if out.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    return out.copy_(torch.mm(a, b, out=scratch))
+
+
+def addmm_wide_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """acc += a @ b, acc in fp32, a and b in the compute dtype (see mm_wide). CUDA: the
+    fp32 accumulator is the GEMM's C (beta = 1), so the sum over chunks never leaves fp32 and
+    costs no pass of its own; elsewhere each chunk's product is rounded to the compute dtype
+    once, then added in fp32 (the error does not grow with the number of chunks)."""
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    if acc.device.type == "cuda":
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    return acc.add_(torch.mm(a, b, out=scratch))
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
+    """Precision: the three matmuls (logits, dH, dW) run in the compute dtype — bf16 under
+    mixed precision, where the fp32 path ran at a tenth of the speed (fp32 GEMMs with TF32
+    off: about a sixth of a `1b` step) — with fp32 accumulation where it matters: the logits
+    land in fp32 (the softmax / logsumexp step needs them there, and rounding them to bf16
+    first would move the loss by up to |z|·2⁻⁹ per logit), and dW, a sum over every chunk, is
+    accumulated in fp32 and cast once at the end (a bf16 accumulator would drop the low bits
+    of each chunk's addend once the sum has grown). dH needs no accumulator: one GEMM per
+    chunk, over V, fp32-accumulated inside it. The gradient of the logits is rounded to the
+    compute dtype for its two matmuls, as autograd through a bf16 lm_head would."""
+
     @staticmethod
     def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, reduction, step, chunk):
         ctx.dtypes = hidden_TD.dtype, weight_VD.dtype
         dtype = torch.promote_types(hidden_TD.dtype, weight_VD.dtype)  # as a matmul would need
         hidden_TD, weight_VD = hidden_TD.to(dtype), weight_VD.to(dtype)
         T, V = hidden_TD.shape[0], weight_VD.shape[0]
-        n_valid = int((labels_T != ignore_index).sum())
-        # "mean" over no valid token is nan, as F.cross_entropy.
+        # "mean" over no valid token is nan, as F.cross_entropy. Counting them reads a value
+        # back from the device: only "mean" needs it (the trainer sums).
+        n_valid = int((labels_T != ignore_index).sum()) if reduction != "sum" else None
         scale = 1.0 if reduction == "sum" else (1.0 / n_valid if n_valid else float("nan"))
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         acc = torch.promote_types(dtype, torch.float32)  # the step's dtype: fp32 or fp64
-        wide = dtype == acc  # the step works on the matmul's output itself
-        loss = torch.zeros((), dtype=acc, device=hidden_TD.device)
+        device = hidden_TD.device
+        loss = torch.zeros((), dtype=acc, device=device)
         d_hidden = torch.empty_like(hidden_TD) if ctx.needs_input_grad[0] else None
-        d_weight = (torch.zeros(V, hidden_TD.shape[1], dtype=acc,
-                                device=weight_VD.device) if ctx.needs_input_grad[1] else None)
-        # One logits buffer for every chunk: a fresh [C, V] block per chunk costs page faults
-        # on CPU (the allocator does not cache) and allocator traffic elsewhere.
-        buffer_CV = hidden_TD.new_empty(min(chunk, T), V)
+        d_weight = (torch.zeros(V, hidden_TD.shape[1], dtype=acc, device=weight_VD.device)
+                    if ctx.needs_input_grad[1] else None)
+        # One logits buffer for every chunk (and, where a narrow product must go through the
+        # compute dtype, one scratch per product): a fresh [C, V] block per chunk costs page
+        # faults on CPU (the allocator does not cache) and allocator traffic elsewhere.
+        rows = min(chunk, T)
+        buffer_CV = hidden_TD.new_empty(rows, V, dtype=acc)
+        narrow = dtype != acc and device.type != "cuda"
+        scratch_CV = hidden_TD.new_empty(rows, V) if narrow else None
+        scratch_VD = (weight_VD.new_empty(weight_VD.shape)
+                      if narrow and d_weight is not None else None)
         for start in range(0, T, chunk):
             h_CD = hidden_TD[start:start + chunk]
-            logits_CV = torch.mm(h_CD, weight_VD.T, out=buffer_CV[:h_CD.shape[0]])
-            logits_CV = logits_CV if wide else logits_CV.float()
+            n = h_CD.shape[0]
+            logits_CV = mm_wide(h_CD, weight_VD.T, buffer_CV[:n],
+                                None if scratch_CV is None else scratch_CV[:n])
             loss_C = step(logits_CV, labels_T[start:start + chunk], scale, ignore_index)
             loss += loss_C.sum()
             if not want_grad:
                 continue
-            grad_CV = logits_CV if wide else logits_CV.to(weight_VD.dtype)
+            grad_CV = logits_CV.to(dtype)  # no copy in fp32/fp64
             if d_hidden is not None:
                 torch.mm(grad_CV, weight_VD, out=d_hidden[start:start + chunk])
-            if d_weight is not None:  # accumulated in fp32 from the fp32 gradient
-                d_weight.addmm_(logits_CV.T, h_CD.to(acc))
+            if d_weight is not None:
+                addmm_wide_(d_weight, grad_CV.T, h_CD, scratch_VD)
             del logits_CV, grad_CV
         ctx.save_for_backward(d_hidden, d_weight)
         return loss * scale

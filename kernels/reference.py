@@ -52,8 +52,10 @@ def rotary_tables(position_ids_T: torch.Tensor, head_dim: int, theta: float = 10
         if mrope_sections is None or sum(mrope_sections) != head_dim // 2:
             raise ValueError(f"mrope_sections {mrope_sections} must sum to head_dim/2 = "
                              f"{head_dim // 2}")
+        # output_size: repeat_interleave would read the total back from the device
         axis = torch.repeat_interleave(torch.arange(3, device=inv_freq.device),
-                                       torch.tensor(mrope_sections, device=inv_freq.device))
+                                       torch.tensor(mrope_sections, device=inv_freq.device),
+                                       output_size=head_dim // 2)
         pos = mrope_position_3T.float()[axis]  # [K/2, T]: each frequency's own axis
         freqs = pos.T * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -135,13 +137,21 @@ def linear_cross_entropy(hidden_TD: torch.Tensor, weight_VD: torch.Tensor,
     return F.cross_entropy(logits_TV, labels_T, ignore_index=ignore_index, reduction=reduction)
 
 
+def expert_counts(expert_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed copies per expert, [E] int64. A scatter-add, not ``bincount``: on CUDA bincount
+    reads its input's maximum back to the host to size its output (a sync per layer)."""
+    flat = expert_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
 def moe_permute(x_TD: torch.Tensor, expert_TK: torch.Tensor, num_experts: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens grouped by expert: (x_sorted [T*k, D], order [T*k] (index into the flattened
     T*k routing choices), counts [E]). A stable sort keeps each expert's tokens in order."""
     flat = expert_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(expert_TK, num_experts)
     topk = expert_TK.shape[1]
     # index_select, not x[idx]: its backward is an index_add (~2x faster on CPU than the
     # accumulating index_put that indexing's backward runs)

@@ -1,10 +1,10 @@
 """One registry for every fused op: ``kernels.get("rms_norm", device)`` picks the implementation.
 
 Each op has a torch reference (kernels/reference.py, the CPU path and the test oracle) and may
-have fast implementations (Triton, flash-attn, flex attention) that share its signature. The
-choice depends on the device, on what is installed, on a config override (``prefer``) and on
-``OMNISCALE_KERNELS=reference``, which forces every op to its reference (for debugging a
-numerical difference). Each choice is logged once.
+have fast implementations (Triton; for attention torch's varlen flash kernel, flash-attn, flex
+attention) that share its signature. The choice depends on the device, on what is installed,
+on a config override (``prefer``) and on ``OMNISCALE_KERNELS=reference``, which forces every op
+to its reference (for debugging a numerical difference). Each choice is logged once.
 
 Implementations are named by import path so that importing the registry imports no Triton.
 """
@@ -35,6 +35,16 @@ def _triton_ok(device_type: str) -> bool:
 
 def _flash_ok(device_type: str) -> bool:
     return device_type == "cuda" and _has("flash_attn")
+
+
+def _varlen_ok(device_type: str) -> bool:
+    # torch's own flash kernel (torch >= 2.10), Ampere or newer; an unknown GPU (none here,
+    # e.g. describing the CUDA choice on a CPU machine) counts as capable.
+    if device_type != "cuda" or not _has("torch.nn.attention.varlen"):
+        return False
+    import torch
+
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 0)
 
 
 def _flex_ok(device_type: str) -> bool:
@@ -111,14 +121,20 @@ def _any(device_type: str) -> bool:
     return True
 
 
-# Attention backends, fastest first: flash-attn on CUDA when installed, else flex attention on
-# CUDA; on CPU "blocked" (row-blocked matrix products, kernels/blocked_attention.py; SDPA for
-# long sequences), with flex (forward only) and the SDPA reference selectable by prefer=.
+# Attention backends, first choice first. CUDA: "varlen", torch's own flash kernel
+# (kernels/varlen.py: no mask, no compile, whatever the packed length; it hands fp32 and odd
+# head dims to flex); flash-attn ("flash") when installed, chosen by prefer= (or on its own
+# where torch's kernel is missing): it runs the same FlashAttention-2 algorithm, so it buys
+# nothing by default over the kernel that ships with, and is tested against, the installed
+# torch, and its adapter casts fp32 to bf16; else flex attention (compiled, kernels/flex.py).
+# CPU: "blocked" (row-blocked matrix products, kernels/blocked_attention.py; SDPA for long
+# sequences), with flex (forward only) and the SDPA reference selectable by prefer=.
 register("varlen_attention", "blocked", "omniscale.kernels.blocked_attention:varlen_attention",
          _any, auto=_cpu)
 register("varlen_attention", "flex", "omniscale.kernels.flex:varlen_attention", _flex_ok,
          auto=_cuda)
 register("varlen_attention", "flash", "omniscale.kernels.flash:varlen_attention", _flash_ok)
+register("varlen_attention", "varlen", "omniscale.kernels.varlen:varlen_attention", _varlen_ok)
 
 
 def describe(device: str = "cpu", prefer: str | None = None) -> dict[str, str]:

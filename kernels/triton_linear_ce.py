@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from omniscale.kernels import reference
+from omniscale.kernels.dtensor import dtensor_safe
 from omniscale.kernels.fused import linear_cross_entropy_chunked
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.kernels.triton_launch import block, jit, warps
@@ -61,6 +63,8 @@ def triton_chunk_step(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: fl
     return loss_C
 
 
+# DTensors (a vocabulary-split head goes through parallel/tensor.py's own loss): op by op
+@dtensor_safe(fallback=reference.linear_cross_entropy)
 def linear_cross_entropy(hidden_TD: torch.Tensor, weight_VD: torch.Tensor,
                          labels_T: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                          reduction: str = "sum") -> torch.Tensor:

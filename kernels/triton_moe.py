@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omniscale.kernels import reference
+from omniscale.kernels.dtensor import dtensor_safe
 from omniscale.kernels.triton_launch import block, jit
 
 BLOCK_D = 1024
@@ -144,16 +146,19 @@ class _Unpermute(torch.autograd.Function):
         return dy, None, dw
 
 
+# DTensors: op by op (kernels/dtensor.py)
+@dtensor_safe(fallback=reference.moe_permute)
 def moe_permute(x_TD: torch.Tensor, expert_TK: torch.Tensor, num_experts: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens grouped by expert: (x_sorted [T*k, D], order [T*k], counts [E]); a stable sort
     keeps each expert's tokens in order, as the reference."""
     flat = expert_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = reference.expert_counts(expert_TK, num_experts)  # no host sync (bincount syncs)
     return _Permute.apply(x_TD, order, expert_TK.shape[1]), order, counts
 
 
+@dtensor_safe(fallback=reference.moe_unpermute)
 def moe_unpermute(y_PD: torch.Tensor, order_P: torch.Tensor, weight_TK: torch.Tensor
                   ) -> torch.Tensor:
     """Inverse of moe_permute, combining each token's k expert outputs by routing weight."""

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omniscale.kernels import eager
+from omniscale.kernels.dtensor import dtensor_safe, rowwise
 from omniscale.kernels.triton_launch import block, jit, warps
 
 ROWS = 4  # rows per program: amortises loading the weight; the backward's dw partials shrink
@@ -128,11 +130,14 @@ class _AddRMSNorm(torch.autograd.Function):
         return dx, dx, dw, None
 
 
+# A head-sharded DTensor (TP's q/k norms) runs on its local heads: kernels/dtensor.py.
+@dtensor_safe(fallback=eager.rms_norm, local=rowwise(n_rows=1))
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / rms(x) * weight, statistics in fp32, returned in x's dtype (as the reference)."""
     return _RMSNorm.apply(x_TD, weight_D, eps)
 
 
+@dtensor_safe(fallback=eager.add_rms_norm, local=rowwise(n_rows=2))
 def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor, weight_D: torch.Tensor,
                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass over memory each way. Mixed dtypes

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from omniscale.kernels import reference
+from omniscale.kernels.dtensor import dtensor_safe
 from omniscale.kernels.triton_launch import block, jit, warps
 
 
@@ -72,6 +73,7 @@ class _Rotary(torch.autograd.Function):
         return _apply(dy, cos, sin, backward=True), None, None
 
 
+@dtensor_safe(fallback=reference.rotary)  # DTensors: op by op (kernels/dtensor.py)
 def rotary(x_THK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
     """Rotary embedding with per-token cos/sin tables, computed in fp32, returned in x's dtype.
     Tables are constants here; a table that needs a gradient takes the reference path."""

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omniscale.kernels import reference
+from omniscale.kernels.dtensor import dtensor_safe
 from omniscale.kernels.triton_launch import jit
 
 BLOCK = 1024
@@ -62,6 +64,7 @@ class _SwiGLU(torch.autograd.Function):
         return dg, du
 
 
+@dtensor_safe(fallback=reference.swiglu)  # DTensors: op by op (kernels/dtensor.py)
 def swiglu(gate_TF: torch.Tensor, up_TF: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up in fp32, returned in gate's dtype (the reference rounds silu first)."""
     if gate_TF.shape != up_TF.shape or gate_TF.dtype != up_TF.dtype:

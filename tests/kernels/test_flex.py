@@ -1,7 +1,9 @@
 """The attention backends registered beside the reference: flex (tested against the SDPA
-reference here, forward on CPU) and flash (CUDA only: its selection and the adapter's own
-handling of dtypes and of tokens outside every sequence are tested here, against flash-attn
-itself only on a GPU, by tools/bench/gpu_check.sh through the `gpu` marker)."""
+reference here, forward on CPU; its block mask built once per micro-batch and its compiles
+once per length bucket) and flash (CUDA only: its selection and the adapter's own handling of
+dtypes and of tokens outside every sequence are tested here, against flash-attn itself only
+on a GPU, by tools/bench/gpu_check.sh through the `gpu` marker). torch's varlen kernel, the
+CUDA default: tests/kernels/test_varlen.py."""
 
 from __future__ import annotations
 
@@ -51,9 +53,72 @@ def test_selection():
     assert kernels.backend_of("varlen_attention", "cpu") == "blocked"
     assert kernels.backend_of("varlen_attention", "cpu", prefer="flex") == "flex"
     assert kernels.backend_of("varlen_attention", "cpu", prefer="flash") == "reference"
+    assert kernels.backend_of("varlen_attention", "cpu", prefer="varlen") == "reference"
     assert kernels.backend_of("varlen_attention", "cpu", prefer="reference") == "reference"
-    assert kernels.backend_of("varlen_attention", "cuda") in ("flash", "flex")
+    # torch 2.11 ships varlen_attn: the CUDA default (this machine's GPU, if any, is Ampere+)
+    assert kernels.backend_of("varlen_attention", "cuda") == "varlen"
     assert kernels.backend_of("varlen_attention", "cuda", prefer="flex") == "flex"
+
+
+def test_buckets_are_few_and_pad_at_most_a_quarter():
+    assert [flex.bucket(t) for t in (0, 1, 128, 129, 300, 384, 385, 1000, 1025, 5000)] == \
+        [128, 128, 128, 256, 384, 384, 512, 1024, 1280, 5120]
+    padded = [flex.bucket(t) for t in range(1, 20000)]
+    assert all(p % 128 == 0 and p >= t for t, p in zip(range(1, 20000), padded))
+    assert all(p - t <= max(127, t // 4) for t, p in zip(range(1, 20000), padded))
+    assert len(set(p for p in padded if 8192 < p <= 16384)) == 4  # 4 shapes per doubling
+
+
+def test_block_mask_built_once_per_micro_batch(monkeypatch):
+    """The decoder hands one cu_seqlens tensor to every layer: the mask is built for the
+    first layer only; a new micro-batch (a new tensor, even with equal contents) and an
+    in-place change of the tensor build it again, and the result follows the new bounds."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    builds = []
+    create = flex_module.create_block_mask
+
+    def counting(*args, **kwargs):
+        builds.append(args[3])  # the (padded) query length
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "create_block_mask", counting)
+    q, k, v, cu = qkv([5, 130, 1, 64])
+    with torch.no_grad():
+        ref = reference.varlen_attention(q, k, v, cu, 130)
+        for _layer in range(4):
+            torch.testing.assert_close(flex.varlen_attention(q, k, v, cu, 130), ref,
+                                       atol=2e-6, rtol=1e-5)
+        assert builds == [256]
+        flex.varlen_attention(q, k, v, cu.clone(), 130)  # the next micro-batch
+        assert len(builds) == 2
+        cu[2] = 100  # same tensor, other bounds
+        out = flex.varlen_attention(q, k, v, cu, 130)
+        assert len(builds) == 3
+        torch.testing.assert_close(out, reference.varlen_attention(q, k, v, cu, 130),
+                                   atol=2e-6, rtol=1e-5)
+
+
+def test_compiled_flex_compiles_once_per_length_bucket():
+    """Packed lengths 300 and 330 share the 384 bucket: one compile (the old exact-length
+    compile made one per micro-batch); 600 is another bucket. The compiles are counted by
+    dynamo's CompileCounter backend (eager: CPU inductor would take ~45 s here); what is
+    compiled and what dynamo guards on are the same as on CUDA."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    attend = flex.compiled_flex(counter)
+    try:
+        for lengths, compiles in (([100, 200], 1), ([50, 250, 30], 1), ([500, 100], 2)):
+            q, k, v, cu = qkv(lengths)
+            with torch.no_grad():
+                out = flex.packed_flex(q, k, v, cu, True, attend)
+            torch.testing.assert_close(out, reference.varlen_attention(q, k, v, cu, 500),
+                                       atol=2e-6, rtol=1e-5)
+            assert counter.frame_count == compiles, (lengths, counter.frame_count)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_flex_refuses_cpu_backward_clearly():
@@ -64,7 +129,7 @@ def test_flex_refuses_cpu_backward_clearly():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["flex", "flash"])
+@pytest.mark.parametrize("backend", ["varlen", "flex", "flash"])
 def test_gpu_backend_matches_reference_with_grads(backend):
     if kernels.backend_of("varlen_attention", "cuda", prefer=backend) != backend:
         pytest.skip(f"{backend} not available")
