@@ -24,6 +24,7 @@ from torch import nn
 
 from omniscale.backbone.config import ModelConfig, kernel
 from omniscale.backbone.ffn import FeedForward
+from omniscale.kernels.reference import expert_counts
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -150,7 +151,7 @@ class MoE(nn.Module):
         if self.router_kind == "sigmoid" or self.norm_topk_prob:
             weight_TK = weight_TK / weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
 
-        load_E = torch.bincount(expert_TK.reshape(-1), minlength=self.num_experts)
+        load_E = expert_counts(expert_TK, self.num_experts)
         T = x_TD.shape[0]
         frac_E = load_E.float() / max(T * self.top_k, 1)
         probs_TE = scores_TE if self.router_kind == "softmax" else \

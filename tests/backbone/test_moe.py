@@ -331,3 +331,14 @@ def test_dispatcher_is_swappable():
     y, _ = moe(x)
     assert calls == [(5, 2)]
     torch.testing.assert_close(y, expected)
+
+
+def test_expert_counts_equal_bincount():
+    """The routed-copy count without bincount (which syncs on CUDA) counts what it does."""
+    from omniscale.kernels.reference import expert_counts
+
+    g = torch.Generator().manual_seed(0)
+    for tokens, experts in ((0, 4), (7, 8), (300, 16)):
+        expert_TK = torch.randint(0, experts, (tokens, 2), generator=g)
+        torch.testing.assert_close(expert_counts(expert_TK, experts),
+                                   torch.bincount(expert_TK.reshape(-1), minlength=experts))
