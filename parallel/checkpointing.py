@@ -6,6 +6,28 @@ the cheap ones (norms, rotary, SwiGLU, routing softmax) — most of full AC's me
 small fraction of its recompute, and collectives are never issued twice (torchtitan's op-level
 selective AC). Both are exact: gradients equal those without checkpointing.
 
+What selective AC sees is the dispatcher's ops, so an op is kept only if it is one op there:
+- attention: every backend the registry can choose is one op (SDPA's fused kernels; the
+  `varlen_attn` custom op; flash-attn's custom ops; flex attention's HOP when it runs eagerly),
+  except the CPU "blocked" backend, an autograd.Function of batched matmuls: its score and
+  output products (`baddbmm`, `bmm`) are kept and only its softmax is recomputed, from the
+  kept scores (which take the place of the probabilities it would keep without AC). Flex
+  attention compiled (kernels/flex.py on CUDA) is inductor's kernels, which no dispatch mode
+  sees as one op: it still re-runs in the recompute.
+- the Triton kernels (norms, rotary, SwiGLU, MoE permutes) are autograd.Functions whose
+  launches no dispatch mode sees: they re-run whole, which is what selective AC wants for
+  memory-bound ops. Allocation ops (`empty_like`) are never kept, since a kernel writes into
+  their outputs behind the version counter's back.
+- collectives are kept only in functional form (`_c10d_functional`, which returns its
+  result): that is why parallel/comm.py's all-to-alls (expert dispatch, Ulysses, encoder TP)
+  go through functional collectives; DTensor's are functional already.
+- every matmul is kept (torchtitan keeps every other `mm` to save memory; nothing measured
+  here says to trade that recompute for memory).
+
+Ops are named ("namespace::name", any functional overload) rather than looked up when `apply_ac`
+runs, as some register only when their library is imported (kernels/flash.py imports flash_attn
+at its first call).
+
 Blocks are wrapped in place with `checkpoint_wrapper` (non-reentrant), which leaves state-dict
 keys unchanged. Apply after `apply_tp`/`apply_ep` and before `apply_fsdp`, so each FSDP unit is
 the wrapped block.
@@ -13,7 +35,7 @@ the wrapped block.
 
 from __future__ import annotations
 
-from functools import partial
+import functools
 
 import torch
 from torch import nn
@@ -27,6 +49,30 @@ from omniscale.encoders.block import EncoderBlock
 from omniscale.encoders.vision import VisionEncoder
 
 MODES = ("full", "selective")
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
+ATTENTION = (
+    # SDPA's fused kernels (the reference backend, and long runs of the blocked one)
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    # torch.nn.attention.varlen.varlen_attn: one custom op over flash (or cuDNN) forward;
+    # the aten ops under it, for a backend calling them directly
+    "torch_attn::_varlen_attn",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+    "aten::_cudnn_attention_forward",
+    # flash-attn 2's custom ops (kernels/flash.py)
+    "flash_attn::_flash_attn_varlen_forward",
+    "flash_attn::_flash_attn_forward",
+    # flex attention run eagerly (compiled, it is no longer this op: module docstring)
+    "higher_order::flex_attention",
+)
+COLLECTIVES = ("_c10d_functional::all_reduce", "_c10d_functional::reduce_scatter_tensor",
+               "_c10d_functional::all_gather_into_tensor",
+               "_c10d_functional::all_to_all_single")
+SAVED = frozenset(MATMULS + ATTENTION + COLLECTIVES)
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -60,28 +106,25 @@ def encoder_blocks(encoder: nn.Module) -> list[nn.Module]:
     return [b for b in encoder.blocks if isinstance(unwrap(b), EncoderBlock)]
 
 
-def _saved_ops() -> set:
-    """Ops whose outputs selective AC keeps (those missing from this build are skipped)."""
-    names = [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "_grouped_mm"),
-             ("aten", "_scaled_dot_product_flash_attention"),
-             ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
-             ("aten", "_scaled_dot_product_efficient_attention"),
-             ("aten", "_scaled_dot_product_cudnn_attention"),
-             ("_c10d_functional", "all_reduce"), ("_c10d_functional", "reduce_scatter_tensor"),
-             ("_c10d_functional", "all_gather_into_tensor"),
-             ("_c10d_functional", "all_to_all_single")]
-    ops = set()
-    for namespace, name in names:
-        packet = getattr(getattr(torch.ops, namespace), name, None)
-        if packet is not None:
-            ops.add(packet.default)
-    return ops
+def op_name(op) -> str:
+    """"namespace::name" of a dispatcher op (any overload) or a higher-order op."""
+    name = op.name()
+    return name if "::" in name else f"{op.namespace}::{name}"
 
 
-def _selective_context(saved: frozenset):
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-    return create_selective_checkpoint_contexts(policy)
+@functools.lru_cache(maxsize=None)  # the policy asks once per op call; ops are few
+def selective_saves(op) -> bool:
+    """Whether selective AC keeps the output of `op` (an OpOverload or a HOP). Never an
+    overload that writes into a tensor it is given (`mm.out`, as compiled code calls it): its
+    caller reads that tensor, not the output a kept op hands back in the recompute."""
+    if isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable:
+        return False
+    return op_name(op) in SAVED
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if selective_saves(op) else \
+        CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
@@ -91,7 +134,7 @@ def apply_ac(model: nn.Module, mode: str = "full") -> nn.Module:
                          f"{', '.join(MODES)}")
     kwargs = {"preserve_rng_state": False}  # blocks draw no random numbers
     if mode == "selective":
-        kwargs["context_fn"] = partial(_selective_context, frozenset(_saved_ops()))
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy)
     for parent in _containers(model):
         for key, child in _children(parent):
             if isinstance(child, (Block, EncoderBlock, DiTBlock)):

@@ -3,14 +3,20 @@
 The `apply_*` logic (expert.py, sequence.py, reshard.py) calls these and never touches
 `torch.distributed` collectives itself (picotron's split of logic and communication).
 
-Every all-to-all goes through `all_to_all_single` (gloo has no list form of all-to-all).
-`copy_to_group` is Megatron's "f" (identity forward, gradient all-reduced): the input of a
-computation split over a tensor-parallel group, whose ranks each contribute part of its
-gradient. `all_reduce_` is the plain in-place reduction of statistics (no gradient).
-Its backward is the reverse all-to-all of the gradients: rows rank i sent to rank j come back
+Every all-to-all goes through `all_to_all_single` (gloo has no list form of all-to-all). Its
+backward is the reverse all-to-all of the gradients: rows rank i sent to rank j come back
 from j as the gradient of those rows. A backward collective runs only when autograd reaches
 the op, so every rank must put the op's output into its loss (a `0 * out.sum()` term where a
 rank's output is otherwise unused or empty), or the ranks that do reach it wait forever.
+It is issued as a functional collective (`_c10d_functional.all_to_all_single`, which returns
+its result, then `wait_tensor`; gloo and NCCL run both): selective activation checkpointing
+keeps such an op's output, so an all-to-all inside a checkpointed block (the expert dispatch,
+Ulysses, encoder TP) runs once, where `dist.all_to_all_single` (which fills a tensor allocated
+beforehand) would be issued again by the recompute (parallel/checkpointing.py).
+
+`copy_to_group` is Megatron's "f" (identity forward, gradient all-reduced): the input of a
+computation split over a tensor-parallel group, whose ranks each contribute part of its
+gradient. `all_reduce_` is the plain in-place reduction of statistics (no gradient).
 
 `group` is a process group or a 1-D DeviceMesh; None means the default (world) group.
 
@@ -45,11 +51,15 @@ def group_rank(group: Group) -> int:
 
 def _exchange(x_N: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
               pg: dist.ProcessGroup) -> torch.Tensor:
-    rows = sum(out_splits) if out_splits is not None else x_N.shape[0]
-    out_M = x_N.new_empty((rows, *x_N.shape[1:]))
-    dist.all_to_all_single(out_M, x_N.contiguous(), output_split_sizes=out_splits,
-                           input_split_sizes=in_splits, group=pg)
-    return out_M
+    if in_splits is None:
+        R = dist.get_world_size(pg)
+        if x_N.shape[0] % R:
+            raise ValueError(f"all_to_all_single: {x_N.shape[0]} rows do not split equally "
+                             f"over {R} ranks; give the split lists")
+        in_splits = out_splits = [x_N.shape[0] // R] * R
+    out_M = torch.ops._c10d_functional.all_to_all_single(x_N.contiguous(), out_splits,
+                                                         in_splits, pg.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out_M)
 
 
 class _AllToAllSingle(torch.autograd.Function):

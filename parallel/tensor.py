@@ -8,16 +8,16 @@ shared expert gate/up column-wise and down row-wise. Only head and feature dimen
 split, so a packed varlen micro-batch keeps its whole token dimension and `cu_seqlens` on every
 TP rank. The per-head q/k RMSNorms (Qwen3) run on this rank's heads only, so their shared weight
 becomes a replicated DTensor over a head-sharded input, whose gradient DTensor all-reduces
-(torchtitan's `SequenceParallel(sequence_dim=heads)` trick); on GPU this needs an rms_norm
-kernel that accepts DTensors (the torch reference does).
+(torchtitan's `SequenceParallel(sequence_dim=heads)` trick); the Triton RMSNorm runs on the
+local heads (`kernels/dtensor.py`).
 
 Embeddings and LM head: both weights are split over the vocabulary (`Shard(0)`). The lookup is
 row-wise (each rank embeds the ids in its vocabulary range, one all-reduce). The model's loss
 reads the LM head's weight directly (a fused linear cross-entropy, never a `lm_head(x)` call),
 so `apply_tp` gives the decoder a vocabulary-parallel `loss` (and `logits`), which a pipeline's
-last stage uses too: each rank scores its [T, V/tp] logits and the softmax's maximum,
-normaliser and target logit are all-reduced — the full [T, V] logits never exist. Tied
-embeddings share the one split weight.
+last stage uses too: chunk by chunk of tokens, each rank scores its [C, V/tp] logits and the
+softmax's maximum, normaliser and target logit are all-reduced — neither the full [T, V] logits
+nor a rank's [T, V/tp] ever exist. Tied embeddings share the one split weight.
 
 Encoders (only with `encoder_tp_mesh`): their blocks fuse projections — `qkv` rows are
 [q | k | v] and `gate_up` rows [gate | up] — so a contiguous `Shard(0)` of the weight (the
@@ -35,7 +35,7 @@ convolutions and projectors. These see identical inputs and output gradients on 
 without communication.
 
 Shape suffixes: T tokens, D width, V vocabulary, v this rank's vocabulary rows, R weight rows,
-C weight columns (+1 for the bias).
+C weight columns (+1 for the bias; in the loss, tokens of a chunk).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from omniscale.backbone.decoder import MoEDecoder
+from omniscale.kernels.fused import addmm_wide_, default_chunk, mm_wide
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
 from omniscale.parallel.comm import all_reduce_, all_to_all_single, copy_to_group
@@ -168,45 +169,87 @@ def _vocab_shard(weight_VD: DTensor) -> tuple[torch.Tensor, int]:
     return weight_VD.to_local(), mesh.get_local_rank() * -(-V // tp)
 
 
-def vocab_parallel_loss(weight_VD: DTensor, hidden_TD: torch.Tensor, labels_T: torch.Tensor
-                        ) -> torch.Tensor:
-    """Summed next-token cross-entropy of `hidden_TD @ weight_VD.T` (labels shifted,
+def vocab_parallel_loss(weight_VD: DTensor, hidden_TD: torch.Tensor, labels_T: torch.Tensor,
+                        chunk: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of `hidden_TD @ weight_VD.T` (labels already shifted,
     IGNORE_INDEX ignored) for an LM weight split over the vocabulary by `apply_tp`; the same
-    value on every TP rank. Used by the decoder's `loss` and by a pipeline's last stage."""
+    value on every TP rank. Used by the decoder's `loss` and by a pipeline's last stage.
+
+    Computed `chunk` tokens at a time (default: kernels/fused.py's, for the largest rank's
+    share of the vocabulary), so no [T, V/tp] tensor exists. The head computes in its
+    weight's dtype and the softmax in fp32, as `MoEDecoder.loss` does."""
     weight_vD, lo = _vocab_shard(weight_VD)
-    hidden_TD = copy_to_group(hidden_TD, weight_VD.device_mesh)  # each rank: part of its grad
-    logits_Tv = hidden_TD.float() @ weight_vD.float().T
-    return _VocabParallelCrossEntropy.apply(logits_Tv, labels_T.to(logits_Tv.device), lo,
-                                            weight_VD.device_mesh.get_group())
+    mesh = weight_VD.device_mesh
+    # Every TP rank must cut the same chunks (their all-reduces pair up), and the last rank's
+    # slice of an uneven vocabulary is shorter: the chunk follows the largest slice.
+    chunk = chunk or default_chunk(hidden_TD.device, -(-weight_VD.shape[0] // mesh.size()))
+    hidden_TD = copy_to_group(hidden_TD.to(weight_vD.dtype), mesh)  # each rank: part of its grad
+    # under no_grad (evaluation) the forward skips the gradients it would otherwise accumulate
+    return _VocabParallelCrossEntropy.apply(hidden_TD, weight_vD,
+                                            labels_T.to(hidden_TD.device), lo,
+                                            mesh.get_group(), chunk, torch.is_grad_enabled())
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Σ_t cross-entropy of logits split over the vocabulary (Megatron's vocab-parallel CE):
-    log Σ_V exp(z) − z[label], from all-reduced per-token maximum, normaliser and target logit.
-    Labels outside this rank's range (or ignored) contribute no target logit here."""
+    """Σ_t cross-entropy of `hidden_TD @ weight_vD.T`, this rank's vocabulary rows of the
+    logits (Megatron's vocab-parallel CE): log Σ_V exp(z) − z[label], from the per-token
+    maximum, normaliser and target logit all-reduced over the TP group. Labels outside this
+    rank's range (or ignored) contribute no target logit here.
+
+    In chunks of C tokens, as kernels/fused.py: a chunk's [C, v] logits become, in place, their
+    softmax and then d loss / d logits = softmax − one-hot(label), from which the gradients
+    w.r.t. hidden and this rank's weight rows are accumulated in the forward already; backward
+    only scales them (no communication: `copy_to_group` sums the hidden gradient). Peak: one
+    chunk's logits, plus dW (fp32) and dH, instead of [T, v] logits, exponentials and softmax."""
 
     @staticmethod
-    def forward(ctx, logits_Tv, labels_T, lo, pg):
-        v = logits_Tv.shape[1]
-        max_T = all_reduce_(logits_Tv.amax(-1), "max", pg)
-        exp_Tv = (logits_Tv - max_T[:, None]).exp()
-        sum_T = all_reduce_(exp_Tv.sum(-1), "sum", pg)
-        valid_T = labels_T != IGNORE_INDEX
-        local_T = labels_T - lo
-        here_T = valid_T & (local_T >= 0) & (local_T < v)
-        index_T1 = local_T.clamp(0, v - 1)[:, None]
-        target_T = torch.where(here_T, logits_Tv.gather(1, index_T1)[:, 0] - max_T, 0.0)
-        target_T = all_reduce_(target_T, "sum", pg)
-        loss_T = torch.where(valid_T, sum_T.log() - target_T, 0.0)
-        ctx.save_for_backward(exp_Tv / sum_T[:, None], index_T1, here_T, valid_T)
-        return loss_T.sum()
+    def forward(ctx, hidden_TD, weight_vD, labels_T, lo, pg, chunk, grad_enabled):
+        ctx.dtypes = hidden_TD.dtype, weight_vD.dtype
+        T, v = hidden_TD.shape[0], weight_vD.shape[0]
+        acc = torch.promote_types(weight_vD.dtype, torch.float32)  # softmax: fp32 (or fp64)
+        loss = torch.zeros((), dtype=acc, device=hidden_TD.device)
+        d_hidden = torch.empty_like(hidden_TD) \
+            if grad_enabled and ctx.needs_input_grad[0] else None
+        d_weight = torch.zeros(v, hidden_TD.shape[1], dtype=acc, device=weight_vD.device) \
+            if grad_enabled and ctx.needs_input_grad[1] else None
+        want_grad = d_hidden is not None or d_weight is not None
+        for start in range(0, T, chunk):
+            rows = slice(start, start + chunk)
+            h_CD, labels_C = hidden_TD[rows], labels_T[rows]
+            # in the compute dtype (bf16 under mixed precision), written in fp32
+            logits_Cv = mm_wide(h_CD, weight_vD.T, hidden_TD.new_empty(h_CD.shape[0], v,
+                                                                         dtype=acc))
+            max_C = all_reduce_(logits_Cv.amax(-1), "max", pg)
+            valid_C = labels_C != IGNORE_INDEX
+            local_C = labels_C - lo
+            here_C = valid_C & (local_C >= 0) & (local_C < v)
+            index_C1 = local_C.clamp(0, v - 1)[:, None]
+            target_C = torch.where(here_C, logits_Cv.gather(1, index_C1)[:, 0] - max_C, 0.0)
+            exp_Cv = logits_Cv.sub_(max_C[:, None]).exp_()
+            # the normaliser and the target logit in one all-reduce
+            sum_C, target_C = all_reduce_(torch.stack([exp_Cv.sum(-1), target_C]), "sum", pg)
+            loss += torch.where(valid_C, sum_C.log() - target_C, 0.0).sum()
+            if want_grad:
+                grad_Cv = exp_Cv.div_(sum_C[:, None])
+                grad_Cv.scatter_add_(1, index_C1, -here_C[:, None].to(acc))
+                grad_Cv.mul_(valid_C[:, None])
+                grad_Cv = grad_Cv.to(weight_vD.dtype)  # both matmuls in the compute dtype
+                if d_hidden is not None:
+                    torch.mm(grad_Cv, weight_vD, out=d_hidden[rows])
+                if d_weight is not None:  # accumulated in fp32 across chunks
+                    addmm_wide_(d_weight, grad_Cv.T, h_CD)
+                del grad_Cv
+            del logits_Cv, exp_Cv  # before the next chunk's logits are allocated
+        ctx.save_for_backward(d_hidden, d_weight)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
-        # d/dz: softmax − one-hot(label), on valid tokens only; no communication needed.
-        softmax_Tv, index_T1, here_T, valid_T = ctx.saved_tensors
-        grad_Tv = softmax_Tv.scatter_add(1, index_T1, -here_T[:, None].to(softmax_Tv.dtype))
-        return grad_Tv * (valid_T[:, None] * grad), None, None, None
+        d_hidden, d_weight = ctx.saved_tensors
+        dh = None if d_hidden is None else (d_hidden * grad.to(d_hidden.dtype)
+                                            ).to(ctx.dtypes[0])
+        dw = None if d_weight is None else (d_weight * grad).to(ctx.dtypes[1])
+        return dh, dw, None, None, None, None, None
 
 
 # ---- encoder blocks ------------------------------------------------------------------------
