@@ -56,18 +56,26 @@ class MoEDecoder(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) matrices, unit norms, zero expert biases."""
+        """Every weight and buffer at its initial value (``reset_module``, module by module)."""
+        for module in self.modules():
+            self.reset_module(module)
+
+    @torch.no_grad()
+    def reset_module(self, module: nn.Module) -> None:
+        """The initial value of ``module``'s own parameters and buffers (not its children's),
+        for a module of this decoder: Normal(0, init_std) matrices, unit norms, zero expert
+        biases. The trainer calls it one tensor at a time on full-size stand-ins, to
+        initialise a model built on the meta device shard by shard, alike in every layout
+        (``parallel.load.init_parameters``)."""
         std = self.config.init_std
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, (nn.Linear, nn.Embedding)):
-                    nn.init.normal_(module.weight, std=std)
-                elif isinstance(module, Experts):
-                    module.reset_parameters(std)
-                elif isinstance(module, RMSNorm):
-                    module.reset_parameters()
-                elif isinstance(module, MoE):
-                    module.expert_bias_E.zero_()
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, Experts):
+            module.reset_parameters(std)
+        elif isinstance(module, RMSNorm):
+            module.reset_parameters()
+        elif isinstance(module, MoE):
+            module.expert_bias_E.zero_()
 
     @property
     def lm_weight_VD(self) -> torch.Tensor:
@@ -134,8 +142,10 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without waiting for the device: on CUDA pinned, then copied
     asynchronously (a pageable copy waits for the stream first)."""
     if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+        return tensor.to(device, non_blocking=True)
+    if not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def grouped_loss(loss_sum, hidden_TD: torch.Tensor, labels_T: torch.Tensor,

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from omniscale.encoders.block import EncoderBlock, cu_seqlens, rope_1d
+from omniscale.encoders.block import EncoderBlock, cu_seqlens, reset_module, rope_1d
 from omniscale.encoders.projector import MLPProjector
 
 LAYOUTS = ("omniscale", "whisper", "qwen2_audio")
@@ -89,9 +89,9 @@ class AudioConfig:
                              f"{geometry.n_mels}: they must match")
 
 
-def _conv_out(lengths_A: torch.Tensor, stride: int) -> torch.Tensor:
+def _conv_out(length: int, stride: int) -> int:
     """Output length of a kernel-3, padding-1 convolution."""
-    return (lengths_A - 1) // stride + 1
+    return (length - 1) // stride + 1
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -161,15 +161,20 @@ class AudioEncoder(nn.Module):
         device = mel_RB.device
         x_ABR = pad_sequence(list(mel_RB.to(self.conv1.weight.dtype).split(lengths)),
                              batch_first=True).transpose(1, 2)
-        len1_A = _conv_out(torch.tensor(lengths, device=device), self.conv1.stride[0])
+        # Every length is known on the host: the device computes none it must read back.
+        len1 = [_conv_out(n, self.conv1.stride[0]) for n in lengths]
+        rows = [_conv_out(n, 2) for n in len1]
+        len1_A = torch.tensor(len1, device="cpu").to(device, non_blocking=True)
         h_ADR = F.gelu(self.conv1(x_ABR))
         keep1 = torch.arange(h_ADR.shape[2], device=device)[None, :] < len1_A[:, None]
         h_ADR = F.gelu(self.conv2(h_ADR * keep1[:, None, :]))
-        len2_A = _conv_out(len1_A, 2)
-        keep2 = torch.arange(h_ADR.shape[2], device=device)[None, :] < len2_A[:, None]
-        x_ND = h_ADR.transpose(1, 2)[keep2]  # row-major: clip by clip, in time order
+        # each clip's frames, clip by clip in time order (a gather: a boolean mask would
+        # count its rows on the device)
+        width = h_ADR.shape[2]
+        keep_N = torch.tensor([a * width + t for a, n in enumerate(rows) for t in range(n)],
+                              dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+        x_ND = h_ADR.transpose(1, 2).reshape(-1, h_ADR.shape[1]).index_select(0, keep_N)
 
-        rows = len2_A.tolist()
         pos_N = torch.cat([torch.arange(n, device=device) for n in rows])
         cu_S1, max_len = cu_seqlens(rows, device)
         if self.config.whisper:
@@ -189,6 +194,16 @@ class AudioEncoder(nn.Module):
         if self.config.layout == "whisper":
             x_ND = self.norm(x_ND)
         return x_ND, rows
+
+    @torch.no_grad()
+    def reset_module(self, module: nn.Module) -> None:
+        """The initial value of ``module``'s own parameters and buffers, for a module of this
+        encoder (``MoEDecoder.reset_module``: the trainer's use): the Whisper position table
+        is sinusoidal, the layers take PyTorch's defaults (``block.reset_module``)."""
+        if module is self and self.config.whisper:
+            self.pos_embed.copy_(sinusoids(self.config.max_positions, self.config.d_model))
+        else:
+            reset_module(module)
 
     @staticmethod
     def output_lengths(frames_A: torch.Tensor) -> torch.Tensor:

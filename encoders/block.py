@@ -23,6 +23,8 @@ S attention windows (cu_seqlens has S+1 entries).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -42,6 +44,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return kernels.get("rms_norm", x_TD.device)(x_TD, self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+@torch.no_grad()
+def reset_module(module: nn.Module) -> None:
+    """The initial value of an encoder module's own parameters (not its children's): the
+    layer's own ``reset_parameters`` -- PyTorch's defaults for ``nn.Linear``, ``nn.Conv1d``
+    and ``nn.LayerNorm``, ones for RMSNorm. The encoders' ``reset_module`` (the trainer
+    initialises a model built on the meta device with it, one tensor at a time)."""
+    reset = getattr(module, "reset_parameters", None)
+    if reset is not None:
+        reset()
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
@@ -141,6 +157,5 @@ def rope_1d(pos_T: torch.Tensor, head_dim: int, theta: float = 10000.0
 
 def cu_seqlens(lengths: list[int], device: torch.device | str) -> tuple[torch.Tensor, int]:
     """(cu_seqlens [S+1] int32, max length) of windows of the given lengths."""
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-    return cu.to(device), max(lengths, default=0)
+    cu = [0, *itertools.accumulate(lengths)]
+    return torch.tensor(cu, dtype=torch.int32, device=device), max(lengths, default=0)

@@ -33,7 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from omniscale.encoders.block import EncoderBlock, check_layout, cu_seqlens, rope_nd
+from omniscale.encoders.block import (
+    EncoderBlock,
+    check_layout,
+    cu_seqlens,
+    reset_module,
+    rope_nd,
+)
 from omniscale.encoders.projector import PatchMerger
 
 Grid = tuple[int, int, int]
@@ -114,6 +120,11 @@ class VisionEncoder(nn.Module):
             x_PD = block(x_PD, cos_PK.to(x_PD.dtype), sin_PK.to(x_PD.dtype), cu_S1, max_len)
         return self.merger(x_PD)
 
+    def reset_module(self, module: nn.Module) -> None:
+        """The initial value of ``module``'s own parameters (``block.reset_module``), for a
+        module of this encoder (``MoEDecoder.reset_module``: the trainer's use)."""
+        reset_module(module)
+
     def output_lengths(self, grid_thw_V3: torch.Tensor) -> torch.Tensor:
         """Embeddings per item: ``loaders.geometry.vision_tokens`` of its grid."""
         return grid_thw_V3.prod(dim=1) // self.config.merge_size ** 2
@@ -147,9 +158,10 @@ class VisionEncoder(nn.Module):
         for t, h, w in grids:
             shape = (h // m, m, w // m, m)
             # (h/m, m, w/m, m) -> (h/m, w/m, m, m): the merge-window patch order.
-            r = torch.arange(h).view(h // m, m, 1, 1).expand(shape).permute(0, 2, 1, 3)
-            q = torch.arange(w).view(1, 1, w // m, m).expand(shape).permute(0, 2, 1, 3)
+            r = torch.arange(h, device=device).view(h // m, m, 1, 1).expand(shape)
+            q = torch.arange(w, device=device).view(1, 1, w // m, m).expand(shape)
+            r, q = r.permute(0, 2, 1, 3), q.permute(0, 2, 1, 3)
             rows.append(r.reshape(-1).repeat(t))
             cols.append(q.reshape(-1).repeat(t))
             windows += [h * w] * t
-        return torch.cat(rows).to(device), torch.cat(cols).to(device), windows
+        return torch.cat(rows), torch.cat(cols), windows

@@ -64,6 +64,11 @@ class DecoderStage(nn.Module):
         self.lm_head = model.lm_head if last else None
         self.load_LE: torch.Tensor | None = None  # expert loads summed over the step
 
+    def reset_module(self, module: nn.Module) -> None:
+        """The decoder's initial values (`MoEDecoder.reset_module`): a stage cut from a model
+        built on the meta device is initialised as the whole decoder would be."""
+        MoEDecoder.reset_module(self, module)
+
     def forward(self, x: torch.Tensor, router_loss_1: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                 mrope: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,19 +75,22 @@ def _config_of(run_dir):
     return cfg, spec.media, spec.tokenizer
 
 
-def test_a_decoder_the_checkpoint_gives_is_never_built_whole(demo):
-    """With ``init_from`` giving the decoder, it is built on the meta device (memory comes per
-    shard after parallelization, ``build.init_weights``); the towers are built for real."""
-    from omniscale.tools.train.build import decoder_from_checkpoint
+def test_a_decoder_the_checkpoint_gives_is_never_initialised(demo):
+    """Every model is built on the meta device (memory comes per shard after parallelization,
+    ``build.init_model``); with ``init_from`` giving the decoder, its parameters stay NaN until
+    the checkpoint fills them, while the towers get their initial values."""
+    from omniscale.tools.train.build import decoder_from_checkpoint, init_model
     from omniscale.tools.train.config import load_config
 
     cfg, _ = load_config("configs/demo_omni.yaml", [f"data.spec={demo / 'mix.yaml'}",
                                                     "model.init_from.run=runs/x"])
     spec = load_spec(cfg.data.spec)
     assert decoder_from_checkpoint(cfg)
-    model = build_model(model_config(cfg, spec.media, spec.tokenizer), 0, torch.device("cpu"),
-                        decoder_loaded=True)
-    assert all(p.is_meta for p in model.decoder.parameters())
-    assert not any(p.is_meta for p in [*model.vision.parameters(), *model.audio.parameters()])
-    cfg.parallel.pp = 2  # stages are cut from a built model
+    model = build_model(model_config(cfg, spec.media, spec.tokenizer), 0, torch.device("meta"))
+    assert all(p.is_meta for p in model.parameters())
+    init_model(model, 0, torch.device("cpu"), loaded=("decoder",))
+    assert all(bool(p.isnan().all()) for p in model.decoder.parameters())
+    towers = [*model.vision.parameters(), *model.audio.parameters()]
+    assert not any(bool(p.isnan().any()) for p in towers)
+    cfg.parallel.pp = 2  # a stage is initialised, then loaded over
     assert not decoder_from_checkpoint(cfg)

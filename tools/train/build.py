@@ -1,8 +1,15 @@
 """What a rank builds from the run config: the model, the optimizer, the learning-rate curve.
 
-The model is built identically on every rank (same seed, before any sharding), so FSDP starts
-from the same weights everywhere; its media geometry is checked against the spec's ``media:``
-section and its vocabulary is sized to the spec's tokenizer.
+The model is built on the meta device (shapes, no memory), parallelized, and only then given
+memory for this rank's shards and their values (torchtitan's order), so no rank ever holds it
+whole: :func:`init_weights` computes each tensor's initial value on the host, one tensor at
+a time, by its module's own rule from a generator seeded by (run seed, tensor name), keeps
+this rank's slice, then loads what ``model.init_from`` names. The values do not depend on the
+layout: one process and N processes (FSDP, TP, EP) start from the same weights, and
+:func:`build_model` on a real device gives those same weights to tools that want a whole
+model. Pipeline parallelism still cuts its stages from a materialised model (its stages take
+their device from the model's parameters). The media geometry is checked against the spec's
+``media:`` section and the vocabulary is sized to the spec's tokenizer.
 """
 
 from __future__ import annotations
@@ -82,19 +89,32 @@ def _hf_backbone(path: str) -> ModelConfig:
     return config_from_hf(read_config(path), Path(path) / CONFIG)
 
 
-def init_weights(model: OmniModel, cfg: RunConfig, device: torch.device | None = None) -> None:
-    """The weights ``model.init_from`` names, loaded into the built (and parallelized) model:
-    each rank reads the tensors one at a time and keeps its own shards (a decoder built on the
-    meta device gets memory for them first, on ``device``)."""
+def init_weights(model: OmniModel, cfg: RunConfig, device: torch.device | None = None,
+                 resume: bool = False) -> None:
+    """The built (and parallelized) model's starting weights. A model built on the meta
+    device gets memory for this rank's shards on ``device`` and their initial values
+    (:func:`init_model`, seeded by ``cfg.seed``); then the weights ``model.init_from`` names
+    are loaded, each rank reading the tensors one at a time and keeping its own shards.
+    Weights a checkpoint gives are not initialised first: the decoder's when ``init_from``
+    gives it (``decoder_from_checkpoint``), every one when ``resume`` (the caller loads the
+    run's checkpoint next; ``init_from`` is not read)."""
     from omniscale.backbone.hf_files import IMPORTED
     from omniscale.parallel.load import fill_parameters
 
-    if not isinstance(model, OmniModel):  # the video task's DiT: nothing to start from
+    if not isinstance(model, OmniModel):  # the video task's DiT: built for real, by itself
         return
-    empty = _materialize(model.decoder, device or torch.device("cpu"))
+    loaded = ("decoder", "vision", "audio") if resume else \
+        ("decoder",) if decoder_from_checkpoint(cfg) else ()
+    if any(p.is_meta for p in model.parameters()):
+        init_model(model, cfg.seed, device or torch.device("cpu"), loaded,
+                   offload=cfg.parallel.cpu_offload)
+    else:
+        loaded = ()  # built for real (pipeline parallelism): already initialised
+    if resume:
+        return
     if cfg.model.init_from.run:
         _from_run(model, Path(cfg.model.init_from.run))
-        if empty:
+        if loaded:
             _check_filled(model.decoder)
         return
     backbone = cfg.model.init_from.backbone
@@ -118,7 +138,7 @@ def init_weights(model: OmniModel, cfg: RunConfig, device: torch.device | None =
         ckpt = CheckpointDir(backbone)
         fill_parameters(model.decoder, lambda name, shape, first: read_parameter(
             ckpt, name, shape, first))
-    if empty:
+    if loaded:
         _check_filled(model.decoder)
     for kind in ("vision", "audio"):
         path = getattr(cfg.model.init_from, kind)
@@ -129,20 +149,37 @@ def init_weights(model: OmniModel, cfg: RunConfig, device: torch.device | None =
             fill_parameters(getattr(model, kind), read, buffers=True)
 
 
-def _materialize(decoder: torch.nn.Module, device: torch.device) -> bool:
-    """A decoder built on the meta device (``build_model``), now parallelized: memory for this
-    rank's shards, NaN until filled (so a weight no checkpoint gave cannot pass unnoticed), its
-    buffers at their initial values (the experts' selection biases: zero). False when it was
-    built for real."""
-    if not any(p.is_meta for p in decoder.parameters()):
-        return False
-    decoder.to_empty(device=device)
-    with torch.no_grad():
-        for p in decoder.parameters():
-            (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
-        for b in decoder.buffers():
-            (b.to_local() if hasattr(b, "to_local") else b).zero_()
-    return True
+def init_model(model: OmniModel, seed: int, device: torch.device,
+               loaded: tuple[str, ...] = (), offload: bool = False) -> None:
+    """A model built on the meta device (:func:`build_model`), parallelized or not, given
+    memory for this rank's shards on ``device`` and their initial values: each tensor is
+    computed whole on the host by the rule of the part it belongs to (the ``reset_module`` of
+    the decoder or an encoder) from a generator seeded by ``seed`` and its name, and this
+    rank keeps its slice (``parallel.load.init_parameters``). The values are the same in
+    every layout, one process included; a rank's memory peaks at one whole tensor beyond its
+    shards. The caller's RNG state is kept.
+
+    ``loaded``: the parts (``decoder``, ``vision``, ``audio``) whose parameters a checkpoint
+    gives next -- NaN until it does, so a weight it lacks cannot pass unnoticed (their buffers
+    still get initial values).
+    ``offload``: FSDP2's CPU offload -- parameters in host memory, buffers on ``device``."""
+    from omniscale.parallel.load import init_parameters
+
+    host = torch.device("cpu")
+    model.to_empty(device=host if offload else device)
+    with torch.random.fork_rng(devices=[]):
+        for name, part in model.named_children():  # a part without a rule: AttributeError
+            init_parameters(part, part.reset_module, seed, prefix=f"{name}.",
+                            parameters=name not in loaded)
+            if name in loaded:
+                with torch.no_grad():
+                    for p in part.parameters():
+                        (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
+    if offload:
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
 
 
 def _check_filled(decoder: torch.nn.Module) -> None:
@@ -175,30 +212,23 @@ def _from_run(model: OmniModel, path: Path) -> None:
                         f"model ({reason})") from None
 
 
-def build_model(config: ModelConfig, seed: int, device: torch.device,
-                decoder_loaded: bool = False) -> OmniModel:
-    """The model, seeded by ``seed``. ``decoder_loaded``: ``init_from`` gives every decoder
-    weight (``decoder_from_checkpoint``), so the decoder is built on the meta device -- no rank
-    ever holds it whole; :func:`init_weights` gives its shards memory after parallelization
-    and fills them. The towers are built for real either way: they are small, and a checkpoint
-    may lack some of their weights (a new projector)."""
-    torch.manual_seed(seed)
-    if not decoder_loaded:
-        return OmniModel(config).to(device)
+def build_model(config: ModelConfig, seed: int, device: torch.device) -> OmniModel:
+    """The model of ``config``. On the meta device, what the trainer builds: shapes only, no
+    memory and no values -- parallelize it, then :func:`init_weights` (or :func:`init_model`)
+    gives each rank its shards. On any other device, the whole model there, initialised as
+    :func:`init_model` initialises every layout of it (seeded by ``seed``): one process's
+    starting weights, for tools, evaluation and tests."""
     with torch.device("meta"):
         model = OmniModel(config)
-    torch.manual_seed(seed)
-    for name in ("vision", "audio"):
-        tower = getattr(model, name)
-        if tower is not None:
-            setattr(model, name, type(tower)(tower.config, config.d_model).to(device))
+    if device.type != "meta":
+        init_model(model, seed, device)
     return model
 
 
 def decoder_from_checkpoint(cfg: RunConfig) -> bool:
     """Whether ``model.init_from`` gives every decoder weight (an earlier run, or a Hugging
-    Face backbone), so the decoder need not be initialised (``build_model``). Not under
-    pipeline parallelism: its stages are cut from a built model."""
+    Face backbone), so the decoder need not be initialised (``init_weights``). Not under
+    pipeline parallelism: a stage is initialised, then loaded over."""
     init = cfg.model.init_from
     return bool(init.run or init.backbone) and cfg.parallel.pp == 1
 

@@ -27,7 +27,6 @@ from omniscale.tools.train import checkpoint, optim_groups
 from omniscale.tools.train.build import (
     build_model,
     build_optimizer,
-    decoder_from_checkpoint,
     init_weights,
     model_config,
 )
@@ -151,8 +150,9 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
 
             model, step_fn = build_video_model(cfg, spec, device), video_gen_step
         else:
-            model = build_model(mcfg, cfg.seed, device,
-                                decoder_loaded=decoder_from_checkpoint(cfg) and not job.resume_from)
+            # on the meta device: init_weights gives each rank memory for its own shards
+            # only, after parallelization (pipeline stages are cut from the meta model too)
+            model = build_model(mcfg, cfg.seed, torch.device("meta"))
             step_fn = train_step
         optim_groups.freeze(model, groups)  # before FSDP builds its units (parallel.fsdp)
         from omniscale.parallel.fsdp import MixedUnitError
@@ -163,8 +163,7 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
             raise optim_groups.unit_error(groups, model, e) from None
         if meshes.pipeline is not None:
             step_fn = pipeline_step
-        if not job.resume_from:
-            init_weights(model, cfg, device)
+        init_weights(model, cfg, device, resume=bool(job.resume_from))
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer, verified=True)
