@@ -126,23 +126,27 @@ class OmniModel(nn.Module):
         through the decoder on every rank, in the same order whether or not the rank had media
         (FSDP issues collectives in that order). The loss is the caller's
         (``decoder.loss``, or a trainer's split of it)."""
+        # The loader pins its batches: each copy below overlaps the device's work (a blocking
+        # copy would wait for the device first).
         embeds_TD = self.decoder.embed_tokens(batch.input_ids_T.to(
-            self.decoder.embed_tokens.weight.device))
+            self.decoder.embed_tokens.weight.device, non_blocking=True))
         embeds_TD = scatter_media(embeds_TD, batch.media_token_start_M, items,
                                   batch.media_sample_M, batch.cu_seqlens_S1)
         if zero is not None:
             embeds_TD = embeds_TD + zero.to(embeds_TD.dtype)
         device = embeds_TD.device
-        return self.decoder(embeds_TD, batch.position_ids_T.to(device),
-                            batch.cu_seqlens_S1.to(device), batch.max_seqlen,
-                            mrope_3T=batch.mrope_3T.to(device))
+        return self.decoder(embeds_TD, batch.position_ids_T.to(device, non_blocking=True),
+                            batch.cu_seqlens_S1.to(device, non_blocking=True),
+                            batch.max_seqlen,
+                            mrope_3T=batch.mrope_3T.to(device, non_blocking=True))
 
     def forward_with_media(self, batch, items: list[torch.Tensor],
                            zero: torch.Tensor | None = None) -> dict:
         """``decode`` and the loss: ``loss_sum`` (next-token cross-entropy summed over text
         targets), ``n_tokens`` and ``aux``."""
         hidden_TD, aux = self.decode(batch, items, zero)
-        loss_sum, n_tokens = self.decoder.loss(hidden_TD, batch.labels_T.to(hidden_TD.device))
+        loss_sum, n_tokens = self.decoder.loss(
+            hidden_TD, batch.labels_T.to(hidden_TD.device, non_blocking=True))
         return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
 
     def forward(self, batch) -> dict:
@@ -175,9 +179,9 @@ def scatter_media(embeds_TD: torch.Tensor, token_start_M: torch.Tensor,
         lo, hi = max(start, first), min(start + block_ND.shape[0], end)
         if hi <= lo:
             continue
-        positions.append(torch.arange(lo, hi))
+        positions.append(torch.arange(lo, hi, device=embeds_TD.device))
         rows.append(block_ND[lo - start:hi - start])
     if not rows:
         return embeds_TD
-    pos_N = torch.cat(positions).to(embeds_TD.device)
+    pos_N = torch.cat(positions)
     return embeds_TD.index_copy(0, pos_N, torch.cat(rows).to(embeds_TD.dtype))

@@ -53,8 +53,8 @@ def vision_patches(rows_RQ: torch.Tensor, grid_thw_V3: torch.Tensor, rows_V: tor
     ``temporal`` times."""
     device = rows_RQ.device
     total = int(grid_thw_V3.prod(dim=1).sum())  # read where the grids are (no device sync)
-    patches_V = grid_thw_V3.to(device).prod(dim=1)
-    rows_V = rows_V.to(device)
+    patches_V = grid_thw_V3.to(device, non_blocking=True).prod(dim=1)
+    rows_V = rows_V.to(device, non_blocking=True)
     frames_V = rows_V // patches_V.clamp(min=1)
     # row of frame f of patch j of item v: its first row + j * frames + f (f = 0 for images)
     first_V = torch.cumsum(rows_V, 0) - rows_V

@@ -24,6 +24,7 @@ Shape suffixes: N embedding rows (all items), D LLM width, R ranks.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from omniscale.backbone.decoder import host_to_device
 from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.parallel.comm import Group, all_to_all_single, group_size
 
@@ -151,13 +153,17 @@ def reshard(embeddings_by_item: Mapping[ItemKey, torch.Tensor], plan: ReshardPla
         if block.dim() != 2 or block.shape[1] != dim:
             raise ValueError(f"reshard: item {item} has shape {tuple(block.shape)}, "
                              f"expected [num_tokens, {dim}]")
-    rows_sent = torch.tensor([b.shape[0] for b in blocks], dtype=torch.int64)
+    # Collectives take tensors on the step's device (NCCL refuses host tensors); reading the
+    # received counts back is the exchange's one host sync (the embeddings' split sizes).
+    sent = [b.shape[0] for b in blocks]
+    rows_sent = host_to_device(torch.tensor(sent, dtype=torch.int64, device="cpu"),
+                               torch.device(device))
     with torch.no_grad():
         rows_recv = all_to_all_single(rows_sent, plan.recv_counts, plan.send_counts, group)
     rows_recv = rows_recv.tolist()
 
     def per_rank(rows: list[int], counts: list[int]) -> list[int]:
-        ends = torch.tensor(counts).cumsum(0).tolist()
+        ends = list(itertools.accumulate(counts))
         return [sum(rows[end - n:end]) for end, n in zip(ends, counts)]
 
     send_ND = torch.cat(blocks) if blocks else torch.zeros(0, dim, dtype=dtype, device=device)
@@ -166,6 +172,6 @@ def reshard(embeddings_by_item: Mapping[ItemKey, torch.Tensor], plan: ReshardPla
         # backward all-to-all would not run here while the other ranks wait for it.
         send_ND = send_ND.detach().requires_grad_()
     recv_ND = all_to_all_single(send_ND, per_rank(rows_recv, plan.recv_counts),
-                                per_rank(rows_sent.tolist(), plan.send_counts), group)
+                                per_rank(sent, plan.send_counts), group)
     items = dict(zip(plan.recv_items, recv_ND.split(rows_recv)))
     return Resharded(items, 0.0 * recv_ND.sum())

@@ -93,12 +93,14 @@ class SPLayout:
                                            batch.seq_sp_index_S.tolist())):
             a, b = bounds[s], bounds[s + 1]
             if k == 1:
-                local.append(torch.arange(a, b))
+                local.append(torch.arange(a, b, device="cpu"))
                 cu.append(cu[-1] + b - a)
             else:
                 split.append((a, b, k, groups.group(k, index)))
-        local_T = torch.cat(local) if local else torch.zeros(0, dtype=torch.int64)
-        return cls(local_T, torch.tensor(cu, dtype=torch.int32),
+        # host tensors (the batch's bounds are read on the host), copied once per layer
+        local_T = torch.cat(local) if local else torch.zeros(0, dtype=torch.int64,
+                                                              device="cpu")
+        return cls(local_T, torch.tensor(cu, dtype=torch.int32, device="cpu"),
                    max((y - x for x, y in zip(cu, cu[1:])), default=0), split)
 
 

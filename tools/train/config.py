@@ -318,6 +318,13 @@ class DebugSection(_Strict):
     kill_in_save: int | None = Field(None, ge=1)
     hang: HangSection | None = None
     slow_rank: SlowRankSection | None = None
+    # tools.train.step_audit: inside each step's compute, a tensor created without naming its
+    # device is a meta tensor (unusable) and a collective refuses a tensor off the step's
+    # device -- a CPU run finds what would stop a GPU run at step 0
+    audit_devices: bool = False
+    # count the operations that would make the host wait for a GPU (item, tolist, nonzero,
+    # bincount, ...): `host_syncs` and `host_syncs_per_micro_batch` in each metrics row
+    count_host_syncs: bool = False
 
 
 class RunConfig(_Strict):
@@ -326,10 +333,14 @@ class RunConfig(_Strict):
     steps: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     # metrics stay on the device and are reduced and written once per log_every steps (one
-    # row per step all the same; a checkpoint logs first)
-    log_every: int = Field(1, ge=1)
+    # row per step all the same; a checkpoint logs first). Default: every step on CPU, every
+    # 10th on a GPU (reading the metrics waits for the device: once per interval)
+    log_every: int | None = Field(None, ge=1)
     output_dir: str = "runs/demo_omni"
-    deterministic: bool = True  # torch.use_deterministic_algorithms: bit-exact resume on CPU
+    # torch.use_deterministic_algorithms: bit-exact resume. Default: on for CPU runs, off on
+    # GPUs (there it slows kernels, fills new tensors with NaN and warns on every cuBLAS call
+    # unless CUBLAS_WORKSPACE_CONFIG is set)
+    deterministic: bool | None = None
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     optim: OptimSection = Field(default_factory=OptimSection)
@@ -345,6 +356,14 @@ class RunConfig(_Strict):
     @property
     def decay_steps(self) -> int:
         return self.optim.decay_steps or self.steps
+
+    def on_device(self, device_type: str) -> "RunConfig":
+        """This config with the defaults that depend on the device filled in
+        (``deterministic``, ``log_every``)."""
+        gpu = device_type != "cpu"
+        return self.model_copy(update={
+            "deterministic": (not gpu) if self.deterministic is None else self.deterministic,
+            "log_every": (10 if gpu else 1) if self.log_every is None else self.log_every})
 
 
 def apply_set(raw: dict, assignment: str) -> None:

@@ -39,6 +39,7 @@ from omniscale.tools.train.pipeline_step import pipeline_step
 from omniscale.tools.train.profiler import step_profiler
 from omniscale.tools.train.records import flush
 from omniscale.tools.train.step import StepContext, train_step
+from omniscale.tools.train.step_audit import StepAudit
 from omniscale.tools.train.torchrun import shared_ray
 from omniscale.tools.train.watchdog import StepWatchdog, injected_hang
 
@@ -81,13 +82,33 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
 
 
 def device_of(cfg: RunConfig, rank: int) -> torch.device:
+    """This process's device: its node-local GPU (``LOCAL_RANK`` under torchrun: global ranks
+    count across nodes; the spawning launcher's ranks are local already), or the CPU."""
     kind = cfg.parallel.device
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
+
+
+def init_process_group(device: torch.device, job: "RankJob", rank: int, world: int,
+                       timeout_s: float) -> None:
+    """The job's process group: gloo on CPU; on GPUs NCCL for device tensors *and* gloo for
+    host ones (object collectives, the host-side counts), bound to this rank's device
+    (``device_id``: NCCL connects eagerly and barriers know their GPU)."""
+    gpu = device.type == "cuda"
+    dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", init_method=job.store,
+                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if gpu else None)
+
+
+def barrier(device: torch.device) -> None:
+    """A barrier of the world on this rank's device (NCCL would otherwise guess the GPU)."""
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _share_url(url: str | None, rank: int, run_dir: Path) -> str:
@@ -115,12 +136,11 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
     cfg = RunConfig.model_validate(job.raw_config)
     run_dir = Path(job.run_dir)
     device = device_of(cfg, rank)
+    cfg = cfg.on_device(device.type)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=job.store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.watchdog.collective_timeout_s))
+    init_process_group(device, job, rank, world, cfg.watchdog.collective_timeout_s)
     try:
         with shared_ray(cfg, job, rank) as job:
             _train_rank(rank, world, job, cfg, run_dir, device)
@@ -174,12 +194,14 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
                           if dims.tp * dims.pp > 1 else None,
                           writer=rank == 0, devices=world,
                           encoder_copies=dims.tp // dims.encoder_tp, tp_rank=dims.tp_rank(rank),
-                          pipeline=meshes.pipeline, clock=ComputeClock(device.type))
+                          pipeline=meshes.pipeline, clock=ComputeClock(device.type),
+                          audit=StepAudit(device, cfg.debug.audit_devices,
+                                          cfg.debug.count_host_syncs))
         held_out = HeldOut(cfg, run_dir, mcfg.vocab_size if mcfg is not None else None, ctx) \
             if evaluates_in_ranks(cfg) else None
         _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn, held_out)
         loader.wait_commits()
-        dist.barrier()  # nobody stops the plane while another rank still talks to it
+        barrier(device)  # nobody stops the plane while another rank still talks to it
     finally:
         if loader is not None:  # a refused commit is raised unless an error is in flight
             loader.close(raise_commit_errors=sys.exc_info()[0] is None)

@@ -35,7 +35,8 @@ import torch
 from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.loaders.collate import PackedBatch, media_items
-from omniscale.parallel.reshard import ItemKey, local_reshard_plan, reshard
+from omniscale.parallel.reshard import ItemKey, Resharded, local_reshard_plan, reshard
+from omniscale.tools.train.step_audit import HOST
 
 
 def item_key(ref, kind_id: int, index: int) -> ItemKey:
@@ -100,18 +101,22 @@ def encode_and_reshard(model, batch, rank: int, world: int, group=None,
     ``copies``: how many processes encode these same items (TP peers with the encoders
     replicated over them): each passes 1/copies of the gradient, so the encoders' gradients
     sum to one copy's."""
-    plan = local_reshard_plan(batch.plan, rank, world)
-    inputs = _step_inputs(batch, set(plan.recv_items))
     device = model.decoder.embed_tokens.weight.device
     vision, audio = model.vision, model.audio
+    if vision is None and audio is None:  # a text model (every rank's): nothing to exchange
+        return StepMedia(model.config.d_model, [], Resharded({}, torch.zeros((), device=device)),
+                         {}, 0, copies)
+    plan = local_reshard_plan(batch.plan, rank, world)
+    inputs = _step_inputs(batch, set(plan.recv_items))
     row_width = vision.config.in_channels * vision.config.patch_size ** 2 if vision else 0
     n_mels = audio.config.n_mels if audio is not None else 0
+    # the items' host tensors and their shapes on the host (the encoders read shapes there)
     outputs = model.encode_items(
         _cat(inputs.pixel_rows, (0, row_width), torch.uint8),
-        torch.tensor(inputs.grids, dtype=torch.int64).reshape(-1, 3),
-        torch.tensor([p.shape[0] for p in inputs.pixel_rows], dtype=torch.int64),
+        torch.tensor(inputs.grids, dtype=torch.int64, device=HOST).reshape(-1, 3),
+        torch.tensor([p.shape[0] for p in inputs.pixel_rows], dtype=torch.int64, device=HOST),
         _cat(inputs.mels, (0, n_mels), torch.float16),
-        torch.tensor(inputs.frames, dtype=torch.int64))
+        torch.tensor(inputs.frames, dtype=torch.int64, device=HOST))
     # The backward phases run encoder backward from these outputs; the step uses detached
     # leaves standing for them.
     encoder_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -174,6 +179,8 @@ class StepMedia:
 
     def backward(self) -> None:
         """Phases 2-4 (phase 1 is the caller's per-micro-batch backward)."""
+        if not self._resharded.zero.requires_grad:  # nothing was exchanged (a text model)
+            return
         outs, grads = [self._resharded.zero], [torch.ones_like(self._resharded.zero)]
         for key, leaf in self._received.items():
             if leaf.grad is not None:
@@ -192,4 +199,4 @@ class StepMedia:
 
 def _cat(tensors: list[torch.Tensor], empty_shape: tuple[int, int], dtype: torch.dtype
          ) -> torch.Tensor:
-    return torch.cat(tensors) if tensors else torch.zeros(empty_shape, dtype=dtype)
+    return torch.cat(tensors) if tensors else torch.zeros(empty_shape, dtype=dtype, device=HOST)

@@ -80,6 +80,7 @@ class StepRecord:
     lengths: list[int] | None = None  # sequence lengths, for the cost refit
     io: dict = dataclasses.field(default_factory=dict)  # the loader's reads (StepBatch.io)
     update_skipped: str | None = None  # why the guard did not apply the step (guard.py)
+    host_syncs: dict | None = None  # this rank's, by op (``debug.count_host_syncs``)
 
 
 def step_record(step: int, batch, **fields) -> StepRecord:
@@ -155,6 +156,10 @@ def flush(ctx, records: list[StepRecord]) -> list[dict]:
         row["grad_norm"] = norms[i]
         if record.update_skipped is not None:
             row["update_skipped"] = record.update_skipped
+        if record.host_syncs is not None:  # rank 0's (step_audit.py)
+            row["host_syncs"] = record.host_syncs
+            row["host_syncs_per_micro_batch"] = (sum(record.host_syncs.values())
+                                                 / max(record.micro_batches, 1))
         io = _data_io([o[i][2] for o in objects], sum(row.get("mix_samples", {}).values()))
         if io:
             row["data_io"] = io

@@ -32,6 +32,7 @@ from omniscale.tools.train.guard import guarded_update, poisoned
 from omniscale.tools.train.media_step import encode_and_reshard
 from omniscale.tools.train.metrics import CostFit, CostRefit
 from omniscale.tools.train.records import StepRecord, StepSums, step_record
+from omniscale.tools.train.step_audit import HOST, StepAudit
 from omniscale.tools.train.stragglers import StragglerTracker
 from omniscale.tools.train.watchdog import injected_slowness
 
@@ -60,6 +61,8 @@ class StepContext:
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
     guard: object = None  # guard.UpdateGuard (None: every step applied, no verdict to wait for)
     stragglers: StragglerTracker = dataclasses.field(default_factory=StragglerTracker)
+    # debug.audit_devices / count_host_syncs (step_audit.py); off by default
+    audit: StepAudit = dataclasses.field(default_factory=lambda: StepAudit("cpu"))
 
     @property
     def sum_group(self):
@@ -72,14 +75,14 @@ def placeholder(empty):
     """A one-token stand-in for an empty (padded) micro-batch slot: every rank must run the
     same forward/backward passes for FSDP's collectives to line up, and a zero-length batch
     takes other code paths; its label is ignored, so it adds nothing to the loss."""
-    one = torch.zeros(1, dtype=torch.int64)
+    host = dict(dtype=torch.int64, device=HOST)  # a host batch, as the loader's are
+    one = torch.zeros(1, **host)
     return dataclasses.replace(
-        empty, input_ids_T=one, labels_T=torch.full((1,), IGNORE_INDEX, dtype=torch.int64),
-        position_ids_T=one, mrope_3T=torch.zeros(3, 1, dtype=torch.int64),
-        cu_seqlens_S1=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1,
-        seq_len_full_S=torch.ones(1, dtype=torch.int64),
-        seq_sp_size_S=torch.ones(1, dtype=torch.int64),
-        seq_sp_index_S=torch.zeros(1, dtype=torch.int64), seq_refs=None)
+        empty, input_ids_T=one, labels_T=torch.full((1,), IGNORE_INDEX, **host),
+        position_ids_T=one, mrope_3T=torch.zeros(3, 1, **host),
+        cu_seqlens_S1=torch.tensor([0, 1], dtype=torch.int32, device=HOST), max_seqlen=1,
+        seq_len_full_S=torch.ones(1, **host), seq_sp_size_S=torch.ones(1, **host),
+        seq_sp_index_S=torch.zeros(1, **host), seq_refs=None)
 
 
 def dump_gradients(ctx: StepContext, step: int, model: torch.nn.Module,
@@ -98,7 +101,7 @@ def source_groups(mb, sources: list[str]) -> torch.Tensor:
     index = {name: i for i, name in enumerate(sources)}
     refs = mb.seq_refs or [None] * (mb.cu_seqlens_S1.numel() - 1)
     return torch.tensor([index.get(r.source, len(sources)) if r is not None else 0
-                         for r in refs], dtype=torch.int64)
+                         for r in refs], dtype=torch.int64, device=HOST)
 
 
 def _flops(mbs, alpha: float, beta: float) -> float:
@@ -146,8 +149,10 @@ def global_counts(ctx: StepContext, batch, micro_batches, media_moved: int = 0
     # slices of samples split over an SP group, counted where slice 0 is
     split_local = sum(int(((mb.seq_sp_size_S > 1) & (mb.seq_sp_index_S == 0)).sum())
                       for mb in batch.micro_batches if mb.seq_refs is not None)
-    counts = torch.tensor([n_local, tokens_local, flops, media_moved, split_local],
-                          dtype=torch.float64, device=ctx.device)
+    # made on the host and copied without waiting (torch.tensor(..., device=cuda) would wait)
+    counts = host_to_device(torch.tensor([n_local, tokens_local, flops, media_moved,
+                                          split_local], dtype=torch.float64, device=HOST),
+                            ctx.device)
     dist.all_reduce(counts, group=ctx.group)
     return StepCounts(counts)
 
@@ -159,7 +164,7 @@ def source_losses(model, mb, hidden_TD: torch.Tensor, groups_S: torch.Tensor,
     lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).cpu()
     group_T = torch.repeat_interleave(groups_S.cpu(), lengths_S)  # on the host: no sync
     return grouped_loss(lambda h, y: model.decoder.loss(h, y)[0], hidden_TD,
-                        mb.labels_T.to(hidden_TD.device), group_T, n_groups)
+                        mb.labels_T.to(hidden_TD.device, non_blocking=True), group_T, n_groups)
 
 
 def _backbone(ctx: StepContext, step: int, model, prepared, batch, counts: StepCounts
@@ -168,18 +173,21 @@ def _backbone(ctx: StepContext, step: int, model, prepared, batch, counts: StepC
     turn comes after every micro-batch, ``StepMedia.backward``)."""
     n_groups = len(ctx.sources) + 1
     sums = StepSums.zeros(n_groups, ctx.device)
-    mix = torch.zeros(2, n_groups, dtype=torch.float64)  # samples, tokens: known on the host
+    mix = torch.zeros(2, n_groups, dtype=torch.float64, device=HOST)  # known on the host
     for (mb, items), routed in zip(prepared, batch.micro_batches):
         groups_S = source_groups(mb, ctx.sources)
-        with sp_batch(model, mb):  # split sequences' attention over their SP group
+        # split sequences' attention over their SP group, in backward too: activation
+        # checkpointing recomputes the attention there
+        with sp_batch(model, mb):
             hidden_TD, aux = model.decode(mb, items)
-        loss_G, n_G = source_losses(model, mb, hidden_TD, groups_S, n_groups)
-        loss_G = poisoned(ctx, step, loss_G)
-        # The router losses are per-token means over the micro-batch: weighted by its share
-        # of the global batch's tokens (a placeholder's: 0), they add up to the global mean.
-        router_share = routed.num_tokens / counts.routed
-        loss = loss_G.sum() / counts.loss_divisor + aux["router_loss"] * router_share
-        loss.backward()
+            loss_G, n_G = source_losses(model, mb, hidden_TD, groups_S, n_groups)
+            loss_G = poisoned(ctx, step, loss_G)
+            # The router losses are per-token means over the micro-batch: weighted by its
+            # share of the global batch's tokens (a placeholder's: 0), they add up to the
+            # global mean.
+            router_share = routed.num_tokens / counts.routed
+            loss = loss_G.sum() / counts.loss_divisor + aux["router_loss"] * router_share
+            loss.backward()
         sums.loss_G += loss_G.detach().double()
         sums.n_G += n_G.detach().double()
         if mb.seq_refs is not None:
@@ -215,21 +223,26 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepReco
     injected_slowness(cfg, step, ctx.rank)  # inside the clock: it counts as compute
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
-    media = encode_and_reshard(model, batch, ctx.rank, ctx.world, group=ctx.group,
-                               copies=ctx.encoder_copies)
-    prepared = [media.items_for(mb) for mb in batch.micro_batches]
-    prepared = [(mb if mb.num_tokens else placeholder(mb), items) for mb, items in prepared]
-    counts = global_counts(ctx, batch, [mb for mb, _ in prepared], media.moved)
-    sums = _backbone(ctx, step, model, prepared, batch, counts)
-    media.backward()
+    with ctx.audit.compute(model):
+        media = encode_and_reshard(model, batch, ctx.rank, ctx.world, group=ctx.group,
+                                   copies=ctx.encoder_copies)
+        prepared = [media.items_for(mb) for mb in batch.micro_batches]
+        prepared = [(mb if mb.num_tokens else placeholder(mb), items) for mb, items in prepared]
+        counts = global_counts(ctx, batch, [mb for mb, _ in prepared], media.moved)
+        sums = _backbone(ctx, step, model, prepared, batch, counts)
+        media.backward()
     if step == cfg.debug.dump_grads_at_step:
         dump_gradients(ctx, step, model)
-    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+    with ctx.audit.compute(model):
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
     skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
     if skipped is None:
         update_bias(ctx, model, sums.load_LE)
-    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
-                       skipped)
+    record = omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
+                         skipped)
+    if ctx.audit.count_syncs:
+        record.host_syncs = ctx.audit.take()
+    return record
 
 
 def sequence_lengths(batch) -> list[int]:

@@ -1,0 +1,265 @@
+"""A step's device discipline and host syncs, checked on any machine (``debug.audit_devices``,
+``debug.count_host_syncs``).
+
+DESIGN.md: every tensor a step creates names its device, every tensor handed to a collective
+lives on the step's compute device, and host syncs are counted and budgeted. A CPU run with
+gloo hides both mistakes (gloo takes CPU tensors; a "sync" costs nothing when host and device
+are one), so a GPU run would be the first to find them -- at step 0, on NCCL. This module
+makes a CPU run find them instead:
+
+- ``audit_devices``: inside the step's compute (``StepAudit.compute``) the default device is
+  ``meta``, so a tensor created without naming its device cannot be used as data (its values
+  do not exist); and every collective (the ``c10d`` ops, which pass through dispatch) checks
+  that each tensor it is handed is on the step's device, naming the op and the tensor's
+  device in one line.
+- ``count_host_syncs``: a count of the operations that make the host wait for a CUDA device:
+  reading a value (``item``, ``tolist``, ``int()``, a blocking copy to the host) and the ops
+  whose output size depends on values (``nonzero``, ``bincount``, ``unique``,
+  ``repeat_interleave`` without ``output_size``, ``masked_select``, boolean indexing). On a CPU
+  every tensor is a host tensor, so the count follows which tensors *would* live on the
+  device: the model's parameters and buffers, whatever ``.to(device)`` returns (a copy here,
+  as it is on a GPU), everything a collective touches, and every result of an op with such an
+  input. Host bookkeeping (the loader's tensors, sequence lengths) is not counted: it costs
+  nothing on a GPU either. A tensor a factory makes directly on the device
+  (``torch.zeros(..., device=device)``) is followed from its first collective or device op.
+
+The counts are per step; ``host_syncs_per_micro_batch`` in the metrics row divides by the
+step's micro-batches. Optimizer steps run outside (``StepAudit.compute`` covers encode,
+reshard, micro-batches, backward and clipping): torch's AdamW keeps its step counter on the
+host on purpose.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+HOST = torch.device("cpu")  # where a step keeps its bookkeeping (named, as every device is)
+
+# aten ops whose output size or value the host must read from the device
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default, aten.nonzero.default, aten.nonzero_static.default,
+    aten.bincount.default, aten._unique.default, aten._unique2.default,
+    aten.unique_dim.default, aten.unique_consecutive.default, aten.masked_select.default,
+    aten.is_nonzero.default, aten.equal.default,
+}
+_MARK = "_omniscale_on_device"
+_COLLECTIVES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+# Factories: a tensor they make with a ``device`` object of the step's kind is a device
+# tensor; one made with ``device=HOST`` or ``device="cpu"`` (or none) is host bookkeeping.
+_FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+              torch.as_tensor, torch.rand, torch.randn, torch.randint, torch.linspace}
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    flat, _ = tree_flatten((args, kwargs or {}))
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    # a DTensor (an FSDP gradient, a TP activation) lives on its mesh's device
+    return getattr(t, _MARK, False) or isinstance(t, DTensor)
+
+
+def _mark(tensors) -> None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            try:
+                setattr(t, _MARK, True)
+            except (AttributeError, RuntimeError):  # a tensor type without a __dict__
+                pass
+
+
+# Kernels the registry picks only for a host (kernels/registry.py): the CPU attention reads
+# the sequence bounds there, where the CUDA kernels take them on the device. A read inside
+# them is no sync on any device.
+HOST_KERNELS = {("omniscale.kernels.reference", "by_runs"),
+                ("omniscale.kernels.blocked_attention", "varlen_attention")}
+
+
+def _site(depth: int = 2) -> str | None:
+    """``module:line`` of the innermost frame of the project's own code (None: inside a
+    host-only kernel)."""
+    frame, site = sys._getframe(depth), None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if (module, frame.f_code.co_name) in HOST_KERNELS:
+            return None
+        if site is None and module.startswith("omniscale.") and module != __name__:
+            site = f"{module.removeprefix('omniscale.')}:{frame.f_lineno}"
+        frame = frame.f_back
+    return site or "torch"
+
+
+def _is_sync(func, args, kwargs) -> bool:
+    if func in _DATA_DEPENDENT:
+        return True
+    if func is aten.repeat_interleave.Tensor or func is aten.repeat_interleave.self_Tensor:
+        return (kwargs or {}).get("output_size") is None
+    if func is aten.index.Tensor:  # a boolean mask is a nonzero first
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    return False
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, audit: StepAudit) -> None:
+        super().__init__()
+        self.audit = audit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        a = self.audit
+        inputs = _tensors(args, kwargs)
+        collective = func.namespace in _COLLECTIVES
+        if collective and a.check_devices:
+            for t in inputs:
+                if t.device.type != a.device.type:
+                    raise RuntimeError(
+                        f"{func}: a {t.device.type} tensor {tuple(t.shape)} handed to a "
+                        f"collective; the step's device is {a.device} (NCCL takes device "
+                        f"tensors only: create it with device=...)")
+        tracked = collective or any(_on_device(t) for t in inputs)
+        if a.count_syncs and tracked and _is_sync(func, args, kwargs):
+            a.count(str(func.overloadpacket.__name__))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except (RuntimeError, NotImplementedError) as e:
+            if a.check_devices and any(t.is_meta for t in inputs):
+                raise RuntimeError(f"{func} at {_site(1)}: a tensor created without naming its "
+                                   f"device reached it (debug.audit_devices: {e})") from None
+            raise
+        if tracked and a.count_syncs:
+            _mark(inputs if collective else ())
+            _mark(_tensors(out, None))
+        return out
+
+
+class _Functions(TorchFunctionMode):
+    """What dispatch does not see: reads to the host, and moves onto the device."""
+
+    _READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    def __init__(self, audit: StepAudit) -> None:
+        super().__init__()
+        self.audit = audit
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        a = self.audit
+        if func in self._READS and args and isinstance(args[0], torch.Tensor):
+            if a.check_devices and args[0].is_meta:
+                raise RuntimeError(f"{func.__name__}() at {_site(1)}: a tensor created without "
+                                   f"naming its device (debug.audit_devices)")
+            if _on_device(args[0]):
+                a.count(func.__name__)
+        elif func in _FACTORIES and isinstance(kwargs.get("device"), torch.device) \
+                and kwargs["device"] is not HOST and kwargs["device"].type == a.device.type:
+            out = func(*args, **kwargs)
+            _mark([out])
+            return out
+        elif func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
+            target = _to_device(args[1:], kwargs)
+            blocking = not kwargs.get("non_blocking", False)
+            if _is_host(target):  # to the host: a device tensor's copy waits for the device
+                if _on_device(args[0]) and blocking:
+                    a.count("to(host)")
+            elif target is not None and target.type == a.device.type \
+                    and not _on_device(args[0]):
+                # a host tensor moved to the device: a copy there, so here too (the host
+                # tensor stays a host tensor). Blocking, it waits for the device first.
+                if blocking:
+                    a.count("to(device)")
+                out = func(*args, **kwargs)
+                out = out.clone() if out is args[0] else out
+                _mark([out])
+                return out
+        return func(*args, **kwargs)
+
+
+def _to_device(args, kwargs) -> torch.device | str | None:
+    device = kwargs.get("device")
+    if device is None and args and isinstance(args[0], (str, torch.device)):
+        device = args[0]
+    return device if device is None or device is HOST or device == "cpu" \
+        else torch.device(device)
+
+
+def _is_host(device) -> bool:
+    """Named as the host: ``HOST`` or the string "cpu" (a device variable that is a CPU is
+    the step's device, whatever it is on this machine)."""
+    return device is HOST or device == "cpu" and isinstance(device, str)
+
+
+@contextlib.contextmanager
+def _dtensor_exits_marked():
+    """A DTensor's ``to_local()`` / ``full_tensor()`` are plain tensors on its device; they
+    leave the DTensor through no op the modes see (its collectives run below them)."""
+    originals = {name: getattr(DTensor, name) for name in ("to_local", "full_tensor")}
+
+    def marked(method):
+        def call(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            _mark([out])
+            return out
+        return call
+    try:
+        for name, method in originals.items():
+            setattr(DTensor, name, marked(method))
+        yield
+    finally:
+        for name, method in originals.items():
+            setattr(DTensor, name, method)
+
+
+class StepAudit:
+    """The checks a run asked for (``debug.audit_devices``, ``debug.count_host_syncs``); off:
+    ``compute`` is a no-op."""
+
+    def __init__(self, device: torch.device, check_devices: bool = False,
+                 count_syncs: bool = False) -> None:
+        self.device = torch.device(device)
+        self.check_devices, self.count_syncs = check_devices, count_syncs
+        self.syncs: collections.Counter = collections.Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return self.check_devices or self.count_syncs
+
+    def count(self, what: str) -> None:
+        """One sync of kind ``what``, keyed by where the project's code asked for it (the
+        first frame of ours: ``"tolist parallel.reshard:161"``), unless it happened inside a
+        kernel that runs only on a host."""
+        site = _site()
+        if site is not None:
+            self.syncs[f"{what} {site}"] += 1
+
+    def take(self) -> dict[str, int]:
+        """The syncs counted since the last call (by op), and starts a new count."""
+        syncs, self.syncs = dict(self.syncs), collections.Counter()
+        return syncs
+
+    @contextlib.contextmanager
+    def compute(self, model: torch.nn.Module | None = None):
+        """The step's compute under the asked checks; ``model``: its parameters and buffers
+        are device tensors."""
+        if not self.enabled:
+            yield
+            return
+        if model is not None and self.count_syncs:
+            _mark(model.parameters())
+            _mark(model.buffers())
+        with contextlib.ExitStack() as stack:
+            if self.count_syncs:
+                stack.enter_context(_dtensor_exits_marked())
+            if self.check_devices:
+                stack.enter_context(torch.device("meta"))
+            stack.enter_context(_Functions(self))
+            stack.enter_context(_Dispatch(self))
+            yield
