@@ -59,3 +59,26 @@ def test_clipping_over_two_meshes_matches_torch_on_the_whole_model():
         for name, p in reference.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-9,
                                        msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _adam_steps(rank, world, foreach):
+    """Two AdamW steps of the omni model FSDP-sharded over its two meshes."""
+    from omniscale.parallel import ParallelDims, apply_fsdp
+
+    dims = ParallelDims(world_size=world)
+    model = apply_fsdp(_model(), dims.build_mesh("cpu"),
+                       encoder_mesh=dims.build_encoder_mesh("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    for _ in range(2):
+        _fill_grads(model)
+        optimizer.step()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_foreach_adamw_over_two_meshes_equals_the_per_tensor_loop():
+    """What the trainer's optimizer does on GPUs (foreach) against what it does on CPU."""
+    loop, fused = run_ranks(_adam_steps, 2, False)[0], run_ranks(_adam_steps, 2, True)[0]
+    assert loop.keys() == fused.keys()
+    for name, p in loop.items():
+        torch.testing.assert_close(fused[name], p, rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")

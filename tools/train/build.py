@@ -241,7 +241,9 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
 
     o = cfg.optim
     groups, scales = param_groups(model, Groups(tuple(o.groups)), o.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, foreach=False)
+    # foreach=None: one fused kernel per tensor group on GPUs (DTensors of several meshes
+    # included: tests/parallel/test_grads.py), the per-tensor loop on CPU
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, foreach=None)
     optimizer.lr_scales = scales
     return optimizer
 
