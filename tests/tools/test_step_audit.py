@@ -83,9 +83,12 @@ def _run(demo, tmp_path, task, spec, **extra):
             "steps": 2, "checkpoint_every": 10, "output_dir": tmp_path / task,
             "eval.enabled": False, "optim.warmup_steps": 1, "data.global_batch_tokens": 8192,
             "data.micro_batch_tokens": 4096, "model.overrides.moe.grouped_mm": "grouped",
+            "checkpoint.final": False,
             "debug.audit_devices": True, "debug.count_host_syncs": True, **extra}
     train(f"configs/demo_{task}.yaml", nproc=2, sets=[f"{k}={v}" for k, v in sets.items()],
           progress=False)
+    # checkpoint.final off and no step a multiple of checkpoint_every: no checkpoint written
+    assert not list((tmp_path / task).glob("checkpoints/step-*"))
     return read_metrics(tmp_path / task / "metrics.jsonl")
 
 

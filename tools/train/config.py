@@ -279,6 +279,9 @@ class CheckpointSection(_Strict):
     # write the files in the background (torch DCP async_save): training goes on once the
     # state is copied to host memory; the checkpoint is complete (meta.json) when written
     async_save: bool = False
+    # a checkpoint after the last step too (off: only every checkpoint_every steps -- a
+    # benchmark or smoke run that need not write a model-sized checkpoint at its end)
+    final: bool = True
 
 
 class PoisonSection(_Strict):

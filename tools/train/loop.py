@@ -400,7 +400,8 @@ def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_f
             if held_out is not None and held_out.due(done):
                 with watchdog.paused(step) if watchdog else contextlib.nullcontext():
                     held = held_out.evaluate(model, done)
-            save = done % cfg.checkpoint_every == 0 or done == cfg.steps
+            save = done % cfg.checkpoint_every == 0 or (done == cfg.steps
+                                                         and cfg.checkpoint.final)
             if save or done % cfg.log_every == 0 or held:  # every step it covers is logged
                 rows = flush(ctx, records)
                 if held:
