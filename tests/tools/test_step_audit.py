@@ -77,13 +77,14 @@ def test_host_syncs_are_counted_on_device_tensors_only():
 
 
 def _run(demo, tmp_path, task, spec, **extra):
-    """Two steps on two ranks with both audits on. The experts run grouped (torch._grouped_mm,
-    what CUDA's bf16 picks; the CPU's fp32 default loops over experts on the host)."""
+    """Two steps on two ranks with both audits on, as a GPU runs them: the experts grouped
+    (torch._grouped_mm, what CUDA's bf16 picks; the CPU's fp32 default loops over experts on
+    the host) and selective activation checkpointing (a recompute must not sync again)."""
     sets = {"data.spec": spec, "data.eval_spec": demo / "eval.yaml", "data.workers": 0,
             "steps": 2, "checkpoint_every": 10, "output_dir": tmp_path / task,
             "eval.enabled": False, "optim.warmup_steps": 1, "data.global_batch_tokens": 8192,
             "data.micro_batch_tokens": 4096, "model.overrides.moe.grouped_mm": "grouped",
-            "checkpoint.final": False,
+            "checkpoint.final": False, "parallel.activation_checkpoint": "selective",
             "debug.audit_devices": True, "debug.count_host_syncs": True, **extra}
     train(f"configs/demo_{task}.yaml", nproc=2, sets=[f"{k}={v}" for k, v in sets.items()],
           progress=False)
