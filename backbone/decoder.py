@@ -19,6 +19,7 @@ from omniscale.backbone.ffn import FeedForward
 from omniscale.backbone.moe import Experts, MoE
 from omniscale.backbone.norm import RMSNorm
 from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.kernels.transfer import host_to_device
 
 
 class Block(nn.Module):
@@ -136,16 +137,6 @@ class MoEDecoder(nn.Module):
         moes = [layer.ffn for layer in self.layers if layer.is_moe]
         for moe, load_E in zip(moes, load_LE, strict=True):
             moe.update_bias(load_E)
-
-
-def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without waiting for the device: on CUDA pinned, then copied
-    asynchronously (a pageable copy waits for the stream first)."""
-    if device.type != "cuda":
-        return tensor.to(device, non_blocking=True)
-    if not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
 
 
 def grouped_loss(loss_sum, hidden_TD: torch.Tensor, labels_T: torch.Tensor,

@@ -34,6 +34,7 @@ from omniscale.backbone.decoder import MoEDecoder
 from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
 from omniscale.encoders.vision import VisionConfig, VisionEncoder
+from omniscale.kernels.transfer import host_to_device
 from omniscale.loaders.pixels import vision_patches
 
 AUDIO = ENCODER_KINDS.index("audio")  # media_kind_M id of an audio clip
@@ -107,11 +108,11 @@ class OmniModel(nn.Module):
                 out[name] = (encoder(*encoder.dummy_inputs(device)), [])
                 continue
             if name == "vision":
-                inputs = vision_patches(pixel_rows_RQ.to(device, non_blocking=True),
+                inputs = vision_patches(host_to_device(pixel_rows_RQ, device),
                                         vision_grid_thw_V3, vision_rows_V,
                                         encoder.config.temporal_patch_size)
             else:
-                inputs = audio_mel_RB.to(device, non_blocking=True).to(torch.float32)
+                inputs = host_to_device(audio_mel_RB, device).to(torch.float32)
             out_ND = encoder(inputs, counts)
             out[name] = (out_ND, encoder.output_lengths(counts).tolist())
         return out
@@ -126,19 +127,18 @@ class OmniModel(nn.Module):
         through the decoder on every rank, in the same order whether or not the rank had media
         (FSDP issues collectives in that order). The loss is the caller's
         (``decoder.loss``, or a trainer's split of it)."""
-        # The loader pins its batches: each copy below overlaps the device's work (a blocking
-        # copy would wait for the device first).
-        embeds_TD = self.decoder.embed_tokens(batch.input_ids_T.to(
-            self.decoder.embed_tokens.weight.device, non_blocking=True))
+        # Copies from the host that overlap the device's work (a blocking copy would wait for
+        # it first; the loader pins its batches already).
+        embeds_TD = self.decoder.embed_tokens(host_to_device(
+            batch.input_ids_T, self.decoder.embed_tokens.weight.device))
         embeds_TD = scatter_media(embeds_TD, batch.media_token_start_M, items,
                                   batch.media_sample_M, batch.cu_seqlens_S1)
         if zero is not None:
             embeds_TD = embeds_TD + zero.to(embeds_TD.dtype)
         device = embeds_TD.device
-        return self.decoder(embeds_TD, batch.position_ids_T.to(device, non_blocking=True),
-                            batch.cu_seqlens_S1.to(device, non_blocking=True),
-                            batch.max_seqlen,
-                            mrope_3T=batch.mrope_3T.to(device, non_blocking=True))
+        return self.decoder(embeds_TD, host_to_device(batch.position_ids_T, device),
+                            host_to_device(batch.cu_seqlens_S1, device), batch.max_seqlen,
+                            mrope_3T=host_to_device(batch.mrope_3T, device))
 
     def forward_with_media(self, batch, items: list[torch.Tensor],
                            zero: torch.Tensor | None = None) -> dict:
@@ -146,7 +146,7 @@ class OmniModel(nn.Module):
         targets), ``n_tokens`` and ``aux``."""
         hidden_TD, aux = self.decode(batch, items, zero)
         loss_sum, n_tokens = self.decoder.loss(
-            hidden_TD, batch.labels_T.to(hidden_TD.device, non_blocking=True))
+            hidden_TD, host_to_device(batch.labels_T, hidden_TD.device))
         return {"loss_sum": loss_sum, "n_tokens": n_tokens, "aux": aux}
 
     def forward(self, batch) -> dict:

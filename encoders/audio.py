@@ -48,6 +48,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from omniscale.encoders.block import EncoderBlock, cu_seqlens, reset_module, rope_1d
 from omniscale.encoders.projector import MLPProjector
+from omniscale.kernels.transfer import to_device
 
 LAYOUTS = ("omniscale", "whisper", "qwen2_audio")
 
@@ -164,15 +165,15 @@ class AudioEncoder(nn.Module):
         # Every length is known on the host: the device computes none it must read back.
         len1 = [_conv_out(n, self.conv1.stride[0]) for n in lengths]
         rows = [_conv_out(n, 2) for n in len1]
-        len1_A = torch.tensor(len1, device="cpu").to(device, non_blocking=True)
+        len1_A = to_device(len1, device)
         h_ADR = F.gelu(self.conv1(x_ABR))
         keep1 = torch.arange(h_ADR.shape[2], device=device)[None, :] < len1_A[:, None]
         h_ADR = F.gelu(self.conv2(h_ADR * keep1[:, None, :]))
         # each clip's frames, clip by clip in time order (a gather: a boolean mask would
         # count its rows on the device)
         width = h_ADR.shape[2]
-        keep_N = torch.tensor([a * width + t for a, n in enumerate(rows) for t in range(n)],
-                              dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+        keep_N = to_device([a * width + t for a, n in enumerate(rows) for t in range(n)],
+                           device, torch.int64)
         x_ND = h_ADR.transpose(1, 2).reshape(-1, h_ADR.shape[1]).index_select(0, keep_N)
 
         pos_N = torch.cat([torch.arange(n, device=device) for n in rows])

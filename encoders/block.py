@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from omniscale import kernels
 from omniscale.kernels.reference import rotary_tables
+from omniscale.kernels.transfer import to_device
 
 NORMS = ("rms", "layer")
 MLPS = ("swiglu", "gelu", "quick_gelu")
@@ -158,4 +159,4 @@ def rope_1d(pos_T: torch.Tensor, head_dim: int, theta: float = 10000.0
 def cu_seqlens(lengths: list[int], device: torch.device | str) -> tuple[torch.Tensor, int]:
     """(cu_seqlens [S+1] int32, max length) of windows of the given lengths."""
     cu = [0, *itertools.accumulate(lengths)]
-    return torch.tensor(cu, dtype=torch.int32, device=device), max(lengths, default=0)
+    return to_device(cu, device, torch.int32), max(lengths, default=0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from omniscale.kernels.transfer import to_device
+
 IGNORE_INDEX = -100  # the label the loss skips (media, the last token, padding); torch's default
 
 
@@ -52,10 +54,9 @@ def rotary_tables(position_ids_T: torch.Tensor, head_dim: int, theta: float = 10
         if mrope_sections is None or sum(mrope_sections) != head_dim // 2:
             raise ValueError(f"mrope_sections {mrope_sections} must sum to head_dim/2 = "
                              f"{head_dim // 2}")
-        # output_size: repeat_interleave would read the total back from the device
-        axis = torch.repeat_interleave(torch.arange(3, device=inv_freq.device),
-                                       torch.tensor(mrope_sections, device=inv_freq.device),
-                                       output_size=head_dim // 2)
+        # each frequency's axis, made on the host and copied without waiting for the device
+        axis = to_device([a for a, n in enumerate(mrope_sections) for _ in range(n)],
+                         inv_freq.device)
         pos = mrope_position_3T.float()[axis]  # [K/2, T]: each frequency's own axis
         freqs = pos.T * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from omniscale.kernels.transfer import host_to_device, to_device
 from omniscale.loaders.geometry import MediaGeometry
 
 # CLIP's statistics, which Qwen2-VL's vision tower was trained with.
@@ -53,8 +54,8 @@ def vision_patches(rows_RQ: torch.Tensor, grid_thw_V3: torch.Tensor, rows_V: tor
     ``temporal`` times."""
     device = rows_RQ.device
     total = int(grid_thw_V3.prod(dim=1).sum())  # read where the grids are (no device sync)
-    patches_V = grid_thw_V3.to(device, non_blocking=True).prod(dim=1)
-    rows_V = rows_V.to(device, non_blocking=True)
+    patches_V = host_to_device(grid_thw_V3, device).prod(dim=1)
+    rows_V = host_to_device(rows_V, device)
     frames_V = rows_V // patches_V.clamp(min=1)
     # row of frame f of patch j of item v: its first row + j * frames + f (f = 0 for images)
     first_V = torch.cumsum(rows_V, 0) - rows_V
@@ -68,8 +69,10 @@ def vision_patches(rows_RQ: torch.Tensor, grid_thw_V3: torch.Tensor, rows_V: tor
     channels = 3
     x = rows_RQ[src_PF].view(total, temporal, channels, rows_RQ.shape[1] // channels)
     x = x.transpose(1, 2)  # P, C, frame, patch * patch
-    mean = torch.tensor(IMAGE_MEAN, dtype=torch.float32, device=device).view(1, channels, 1, 1)
-    std = torch.tensor(IMAGE_STD, dtype=torch.float32, device=device).view(1, channels, 1, 1)
+    # host constants copied without waiting for the device (torch.tensor(..., device=cuda)
+    # would wait: a blocking copy)
+    mean, std = to_device([IMAGE_MEAN, IMAGE_STD], device, torch.float32).view(
+        2, 1, channels, 1, 1)
     patches = (x.to(torch.float32) / 255.0 - mean) / std
     return patches.reshape(total, temporal * rows_RQ.shape[1])
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from omniscale.backbone.decoder import host_to_device
 from omniscale.balancer.types import ENCODER_KINDS
+from omniscale.kernels.transfer import to_device
 from omniscale.parallel.comm import Group, all_to_all_single, group_size
 
 ItemKey = tuple[str, str, str, int, int]  # (source, shard, key, kind id, index within kind)
@@ -156,8 +156,7 @@ def reshard(embeddings_by_item: Mapping[ItemKey, torch.Tensor], plan: ReshardPla
     # Collectives take tensors on the step's device (NCCL refuses host tensors); reading the
     # received counts back is the exchange's one host sync (the embeddings' split sizes).
     sent = [b.shape[0] for b in blocks]
-    rows_sent = host_to_device(torch.tensor(sent, dtype=torch.int64, device="cpu"),
-                               torch.device(device))
+    rows_sent = to_device(sent, device, torch.int64)
     with torch.no_grad():
         rows_recv = all_to_all_single(rows_sent, plan.recv_counts, plan.send_counts, group)
     rows_recv = rows_recv.tolist()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from omniscale.backbone.attention import Attention
+from omniscale.kernels.transfer import host_to_device
 from omniscale.parallel.comm import Group, all_to_all_single, group_rank, group_size, process_group
 
 
@@ -86,7 +87,7 @@ class SPLayout:
     split: list[tuple[int, int, int, dist.ProcessGroup]]  # (start, end, k, group)
 
     @classmethod
-    def of(cls, batch, groups: SPGroups) -> "SPLayout":
+    def of(cls, batch, groups: SPGroups, device: torch.device) -> "SPLayout":
         bounds = batch.cu_seqlens_S1.tolist()
         local, cu, split = [], [0], []
         for s, (k, index) in enumerate(zip(batch.seq_sp_size_S.tolist(),
@@ -97,10 +98,12 @@ class SPLayout:
                 cu.append(cu[-1] + b - a)
             else:
                 split.append((a, b, k, groups.group(k, index)))
-        # host tensors (the batch's bounds are read on the host), copied once per layer
+        # made on the host (the batch's bounds are read there), copied to the device once per
+        # micro-batch without waiting for it
         local_T = torch.cat(local) if local else torch.zeros(0, dtype=torch.int64,
                                                               device="cpu")
-        return cls(local_T, torch.tensor(cu, dtype=torch.int32, device="cpu"),
+        local_cu_S1 = torch.tensor(cu, dtype=torch.int32, device="cpu")
+        return cls(host_to_device(local_T, device), host_to_device(local_cu_S1, device),
                    max((y - x for x, y in zip(cu, cu[1:])), default=0), split)
 
 
@@ -122,9 +125,9 @@ class UlyssesCore:
             return self.inner(q_THK, k_TGK, v_TGK, cu_seqlens_S1, max_seqlen)
         o_THK = q_THK.new_zeros(q_THK.shape)
         if layout.local_T.numel():
-            idx_T = layout.local_T.to(q_THK.device)
+            idx_T = layout.local_T
             o_local = self.inner(q_THK[idx_T], k_TGK[idx_T], v_TGK[idx_T],
-                                 layout.local_cu_S1.to(q_THK.device), layout.local_max)
+                                 layout.local_cu_S1, layout.local_max)
             o_THK = o_THK.index_copy(0, idx_T, o_local)
         for a, b, k, group in layout.split:
             o_seq = self._ulysses(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], k, group)
@@ -145,7 +148,8 @@ class UlyssesCore:
         send = torch.cat(chunks, dim=2).transpose(0, 1).reshape(k * T, -1, K)
         recv = all_to_all_single(send, group=group)
         q, kk, v = recv.split([H // k, G // k, G // k], dim=1)
-        cu_S1 = torch.tensor([0, k * T], dtype=torch.int32, device=q.device)
+        # [0, k·T] made on the device (torch.tensor(..., device=cuda) would wait for it)
+        cu_S1 = torch.arange(2, dtype=torch.int32, device=q.device) * (k * T)
         o_seq = self.inner(q.contiguous(), kk.contiguous(), v.contiguous(), cu_S1, k * T)
         back = all_to_all_single(o_seq.contiguous(), group=group)  # [k (head chunk), T, H/k, K]
         return back.view(k, T, H // k, K).transpose(0, 1).reshape(T, H, K)
@@ -176,7 +180,8 @@ def sp_batch(model: nn.Module, batch):
     A no-op for a model without `apply_sp`."""
     cores = [m.core for m in model.modules()
              if isinstance(m, Attention) and isinstance(m.core, UlyssesCore)]
-    layout = SPLayout.of(batch, cores[0].groups) if cores else None
+    device = next(model.parameters()).device
+    layout = SPLayout.of(batch, cores[0].groups, device) if cores else None
     for core in cores:
         core.layout = layout
     try:

@@ -118,3 +118,15 @@ def test_lm_step_with_expert_parallelism_keeps_the_sync_budget(demo, tmp_path):
         outside, dispatch = _split(row)
         assert outside <= SYNC_BUDGET, row["host_syncs"]
         assert 0 < dispatch <= moe_layers, row["host_syncs"]  # one per MoE layer at most
+
+
+def test_sequence_parallel_step_keeps_the_sync_budget(demo, tmp_path):
+    """Samples split over an SP pair (Ulysses): the layout reaches the device once per
+    micro-batch, without waiting (per layer, blocking, before)."""
+    rows = _run(demo, tmp_path, "omni", demo / "mix.yaml", **{
+        "parallel.sp": 2, "data.micro_batch_tokens": 256, "data.global_batch_tokens": 4096,
+        "data.window": 1})
+    assert sum(r["sp_split_samples"] for r in rows) > 0  # samples were split over the pair
+    for row in rows:
+        assert _split(row)[0] <= SYNC_BUDGET, row["host_syncs"]
+        assert not [site for site in row["host_syncs"] if "parallel.sequence:" in site]

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from omniscale.backbone.decoder import grouped_loss, host_to_device
+from omniscale.backbone.decoder import grouped_loss
 from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.kernels.transfer import host_to_device, to_device
 from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at
@@ -150,9 +151,8 @@ def global_counts(ctx: StepContext, batch, micro_batches, media_moved: int = 0
     split_local = sum(int(((mb.seq_sp_size_S > 1) & (mb.seq_sp_index_S == 0)).sum())
                       for mb in batch.micro_batches if mb.seq_refs is not None)
     # made on the host and copied without waiting (torch.tensor(..., device=cuda) would wait)
-    counts = host_to_device(torch.tensor([n_local, tokens_local, flops, media_moved,
-                                          split_local], dtype=torch.float64, device=HOST),
-                            ctx.device)
+    counts = to_device([n_local, tokens_local, flops, media_moved, split_local], ctx.device,
+                       torch.float64)
     dist.all_reduce(counts, group=ctx.group)
     return StepCounts(counts)
 
@@ -164,7 +164,7 @@ def source_losses(model, mb, hidden_TD: torch.Tensor, groups_S: torch.Tensor,
     lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).cpu()
     group_T = torch.repeat_interleave(groups_S.cpu(), lengths_S)  # on the host: no sync
     return grouped_loss(lambda h, y: model.decoder.loss(h, y)[0], hidden_TD,
-                        mb.labels_T.to(hidden_TD.device, non_blocking=True), group_T, n_groups)
+                        host_to_device(mb.labels_T, hidden_TD.device), group_T, n_groups)
 
 
 def _backbone(ctx: StepContext, step: int, model, prepared, batch, counts: StepCounts

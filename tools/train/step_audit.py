@@ -161,6 +161,9 @@ class _Functions(TorchFunctionMode):
                 a.count(func.__name__)
         elif func in _FACTORIES and isinstance(kwargs.get("device"), torch.device) \
                 and kwargs["device"] is not HOST and kwargs["device"].type == a.device.type:
+            if func in (torch.tensor, torch.as_tensor) and args \
+                    and not isinstance(args[0], torch.Tensor):
+                a.count("tensor(device)")  # host data copied with a wait for the device
             out = func(*args, **kwargs)
             _mark([out])
             return out
