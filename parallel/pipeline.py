@@ -43,6 +43,7 @@ from omniscale import kernels
 from omniscale.backbone.attention import rope_tables
 from omniscale.backbone.decoder import MoEDecoder, grouped_loss
 from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.kernels.transfer import host_to_device
 from omniscale.parallel.tensor import vocab_parallel_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -193,8 +194,11 @@ class PipelineRunner:
         the last stage, None elsewhere."""
         ids_MT, labels_MT, kwargs = self._inputs(microbatches)
         device = self.stage.device
-        self._n_tokens = (labels_MT != IGNORE_INDEX).sum() if n_tokens is None else \
-            torch.as_tensor(n_tokens)
+        if n_tokens is None:
+            n_tokens = (labels_MT != IGNORE_INDEX).sum()
+        elif not torch.is_tensor(n_tokens):
+            n_tokens = torch.tensor(n_tokens, device=device)
+        self._n_tokens = n_tokens
         self._router_divisor = router_divisor or self.n_microbatches
         self._num_groups = num_groups if groups is not None else 0
         target = labels_MT
@@ -202,7 +206,7 @@ class PipelineRunner:
             # padding rows (beyond each micro-batch's own sequences) fall in no group
             group_MT = torch.stack([_token_groups(mb, g, self.microbatch_tokens, num_groups)
                                     for mb, g in zip(microbatches, groups, strict=True)])
-            target = torch.stack([labels_MT, group_MT.to(device)], dim=1)
+            target = torch.stack([labels_MT, host_to_device(group_MT, device)], dim=1)
         self.module.load_LE = None
         self.router_sum = torch.zeros((), dtype=torch.float32, device=device)
         self.loss_G = torch.zeros(self._num_groups, dtype=torch.float32, device=device)
@@ -220,8 +224,10 @@ class PipelineRunner:
                              f"{len(microbatches)} micro-batches")
         ids_MT, labels_MT, kwargs = stack_microbatches(microbatches, self.microbatch_tokens)
         device = self.stage.device
-        kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        return ids_MT.to(device), labels_MT.to(device), kwargs
+        # copies that do not wait for the device (the stages' previous chunk may still run)
+        kwargs = {k: host_to_device(v, device) if torch.is_tensor(v) else v
+                  for k, v in kwargs.items()}
+        return host_to_device(ids_MT, device), host_to_device(labels_MT, device), kwargs
 
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence,

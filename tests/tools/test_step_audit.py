@@ -130,3 +130,12 @@ def test_sequence_parallel_step_keeps_the_sync_budget(demo, tmp_path):
     for row in rows:
         assert _split(row)[0] <= SYNC_BUDGET, row["host_syncs"]
         assert not [site for site in row["host_syncs"] if "parallel.sequence:" in site]
+
+
+def test_pipeline_step_copies_its_micro_batches_without_waiting(demo, tmp_path):
+    """Two pipeline stages (lm): each schedule run's stacked micro-batches reach the stage's
+    device without a blocking copy (one per tensor per run, before)."""
+    rows = _run(demo, tmp_path, "lm", demo / "lm.yaml", **{"parallel.pp": 2})
+    for row in rows:
+        assert _split(row)[0] <= SYNC_BUDGET, row["host_syncs"]
+        assert not [site for site in row["host_syncs"] if site.startswith("to(device)")]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from omniscale.kernels.transfer import host_to_device
 from omniscale.parallel.grads import clip_grad_norm
 from omniscale.tools.train.guard import guarded_update
 from omniscale.tools.train.records import StepRecord, StepSums
@@ -35,6 +36,7 @@ from omniscale.tools.train.step import (
     source_groups,
     update_bias,
 )
+from omniscale.tools.train.step_audit import HOST
 
 
 def schedule_runs(micro_batches: list, size: int) -> list[list]:
@@ -72,6 +74,42 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepR
     scores = runner.is_last and ctx.tp_rank == 0
     counts_mix = runner.is_first and ctx.tp_rank == 0
     router_divisor = ctx.world * len(chunks) * runner.n_microbatches
+    with ctx.audit.compute(model):
+        _run_chunks(ctx, model, runner, chunks, counts, sums, scores, router_divisor)
+    if counts_mix:  # on the host, one copy a step
+        mix = torch.zeros(2, n_groups, dtype=torch.float64, device=HOST)  # samples, tokens
+        for mb in batch.micro_batches:
+            if mb.seq_refs is None:
+                continue
+            groups_S = source_groups(mb, ctx.sources)
+            lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
+            mix[0] += torch.bincount(groups_S, minlength=n_groups)
+            mix[1] += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
+        samples_G, tokens_G = host_to_device(mix, ctx.device)
+        sums.samples_G += samples_G
+        sums.tokens_G += tokens_G
+    pp_group = runner.stage.group
+    if step == cfg.debug.dump_grads_at_step:
+        dump_gradients(ctx, step, model, pp_group)
+    with ctx.audit.compute(model):
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, pp_group)
+    # the loss is the last stage's (zeros elsewhere): the guard's world sum is the step's
+    skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
+    config = model.config
+    if config.moe is not None and sums.load_LE is None:  # no MoE layer here, or a TP copy
+        sums.load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts,
+                                   dtype=torch.float64, device=ctx.device)
+    if skipped is None:
+        update_bias(ctx, model, sums.load_LE, _moe_rows(config, runner))
+    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
+                       skipped)
+
+
+def _run_chunks(ctx: StepContext, model, runner, chunks, counts, sums, scores: bool,
+                router_divisor: int) -> None:
+    """Each chunk through the schedule: the stage's forward and backward passes, its
+    loads, and (last stage) its loss per source group."""
+    n_groups = len(ctx.sources) + 1
     for chunk in chunks:
         runner.step(chunk, n_tokens=counts.loss_divisor, router_divisor=router_divisor,
                     groups=[source_groups(mb, ctx.sources) for mb in chunk],
@@ -83,29 +121,6 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepR
             sums.loss_G += runner.loss_G.double()
             sums.n_G += runner.n_G.double()
             sums.router += runner.router_sum.double() / router_divisor
-    if counts_mix:
-        for mb in batch.micro_batches:
-            if mb.seq_refs is None:
-                continue
-            groups_S = source_groups(mb, ctx.sources)
-            lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
-            sums.samples_G += torch.bincount(groups_S, minlength=n_groups).to(ctx.device)
-            sums.tokens_G += torch.bincount(groups_S, weights=lengths_S,
-                                            minlength=n_groups).to(ctx.device)
-    pp_group = runner.stage.group
-    if step == cfg.debug.dump_grads_at_step:
-        dump_gradients(ctx, step, model, pp_group)
-    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, pp_group)
-    # the loss is the last stage's (zeros elsewhere): the guard's world sum is the step's
-    skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
-    config = model.config
-    if config.moe is not None and sums.load_LE is None:  # no MoE layer here, or a TP copy
-        sums.load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts,
-                                   dtype=torch.float64, device=ctx.device)
-    if skipped is None:
-        update_bias(ctx, model, sums.load_LE, _moe_rows(config, runner))
-    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
-                       skipped)
 
 
 def _moe_rows(config, runner) -> slice:

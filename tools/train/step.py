@@ -238,11 +238,8 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepReco
     skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
     if skipped is None:
         update_bias(ctx, model, sums.load_LE)
-    record = omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
-                         skipped)
-    if ctx.audit.count_syncs:
-        record.host_syncs = ctx.audit.take()
-    return record
+    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
+                       skipped)
 
 
 def sequence_lengths(batch) -> list[int]:
@@ -259,7 +256,8 @@ def omni_record(ctx: StepContext, step: int, batch, lr: float, grad_norm: torch.
     return step_record(step, batch, lr=lr, grad_norm=grad_norm, counts=counts.values,
                        sums=sums.flat(), row=partial(_omni_row, ctx, load_shape),
                        wall_s=seconds[0], compute_s=seconds[1],
-                       lengths=sequence_lengths(batch), update_skipped=update_skipped)
+                       lengths=sequence_lengths(batch), update_skipped=update_skipped,
+                       host_syncs=ctx.audit.take() if ctx.audit.count_syncs else None)
 
 
 def _omni_row(ctx: StepContext, load_shape, record: StepRecord, flat: torch.Tensor,
