@@ -53,7 +53,15 @@ def bucket(total: int) -> int:
 @functools.cache
 def compiled_flex(backend="inductor"):
     """flex_attention compiled for static shapes (one per bucket); `backend` for tests."""
-    return torch.compile(flex_attention, dynamic=False, backend=backend)
+    return compile_as_one_op(flex_attention, backend)
+
+
+def compile_as_one_op(fn, backend="inductor"):
+    """`fn` compiled for static shapes, its compiled region one op to dispatch modes
+    (`higher_order::inductor_compiled_code`): selective activation checkpointing can keep its
+    output (parallel/checkpointing.py) instead of running the kernels again in backward."""
+    options = {"wrap_inductor_compiled_regions": True} if backend == "inductor" else None
+    return torch.compile(fn, dynamic=False, backend=backend, options=options)
 
 
 def sequence_ids(cu_seqlens_S1: torch.Tensor, total: int) -> torch.Tensor:

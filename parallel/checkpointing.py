@@ -12,8 +12,8 @@ What selective AC sees is the dispatcher's ops, so an op is kept only if it is o
   except the CPU "blocked" backend, an autograd.Function of batched matmuls: its score and
   output products (`baddbmm`, `bmm`) are kept and only its softmax is recomputed, from the
   kept scores (which take the place of the probabilities it would keep without AC). Flex
-  attention compiled (kernels/flex.py on CUDA) is inductor's kernels, which no dispatch mode
-  sees as one op: it still re-runs in the recompute.
+  attention compiled (kernels/flex.py on CUDA) is compiled as one wrapped region
+  (`higher_order::inductor_compiled_code`, kernels.flex.compile_as_one_op): kept too.
 - the Triton kernels (norms, rotary, SwiGLU, MoE permutes) are autograd.Functions whose
   launches no dispatch mode sees: they re-run whole, which is what selective AC wants for
   memory-bound ops. Allocation ops (`empty_like`) are never kept, since a kernel writes into
@@ -66,8 +66,10 @@ ATTENTION = (
     # flash-attn 2's custom ops (kernels/flash.py)
     "flash_attn::_flash_attn_varlen_forward",
     "flash_attn::_flash_attn_forward",
-    # flex attention run eagerly (compiled, it is no longer this op: module docstring)
+    # flex attention run eagerly; compiled (the CUDA fallback), its region is one op
+    # (kernels.flex.compile_as_one_op)
     "higher_order::flex_attention",
+    "higher_order::inductor_compiled_code",
 )
 COLLECTIVES = ("_c10d_functional::all_reduce", "_c10d_functional::reduce_scatter_tensor",
                "_c10d_functional::all_gather_into_tensor",

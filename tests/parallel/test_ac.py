@@ -222,3 +222,17 @@ def test_selective_runs_expert_all_to_alls_once():
         assert selective["exchanges"] == plain["exchanges"]
         assert selective["loss"] == plain["loss"]
         assert_grads_close(selective["grads"], plain["grads"], rtol=0, atol=0)
+
+
+def test_policy_keeps_a_region_compiled_as_one_op():
+    """Compiled flex attention (the CUDA fallback) is inductor's kernels; kernels.flex compiles
+    it as one wrapped region, which selective AC keeps (a tiny function here: compiling flex
+    on CPU takes most of a minute)."""
+    from omniscale.kernels.flex import compile_as_one_op
+
+    region = compile_as_one_op(lambda x: (x * 2).sin() + 1)
+    x = torch.randn(4, 8)
+    region(x)  # compiled outside the mode
+    seen = seen_by_selective_ac(region, x)
+    assert [op_name(op) for op in seen] == ["higher_order::inductor_compiled_code"]
+    assert selective_saves(seen[0])
