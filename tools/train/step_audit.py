@@ -13,15 +13,19 @@ makes a CPU run find them instead:
   that each tensor it is handed is on the step's device, naming the op and the tensor's
   device in one line.
 - ``count_host_syncs``: a count of the operations that make the host wait for a CUDA device:
-  reading a value (``item``, ``tolist``, ``int()``, a blocking copy to the host) and the ops
-  whose output size depends on values (``nonzero``, ``bincount``, ``unique``,
-  ``repeat_interleave`` without ``output_size``, ``masked_select``, boolean indexing). On a CPU
-  every tensor is a host tensor, so the count follows which tensors *would* live on the
-  device: the model's parameters and buffers, whatever ``.to(device)`` returns (a copy here,
-  as it is on a GPU), everything a collective touches, and every result of an op with such an
-  input. Host bookkeeping (the loader's tensors, sequence lengths) is not counted: it costs
-  nothing on a GPU either. A tensor a factory makes directly on the device
-  (``torch.zeros(..., device=device)``) is followed from its first collective or device op.
+  reading a value (``item``, ``tolist``, ``int()``, a blocking copy to the host), a blocking
+  copy to the device (``.to(device)``, ``torch.tensor(data, device=device)``: both wait for
+  the queued kernels first; ``kernels.transfer`` copies without waiting) and the ops whose
+  output size depends on values (``nonzero``, ``bincount``, ``unique``, ``repeat_interleave``
+  without ``output_size``, ``masked_select``, boolean indexing). On a CPU every tensor is a
+  host tensor, so the count follows which tensors *would* live on the device: the model's
+  parameters and buffers, DTensors, whatever ``.to(device)`` returns (a copy here, as it is
+  on a GPU), what a factory makes with a device object (``device=device``), everything a
+  collective touches, and every result of an op with such an input. The host is named
+  ``HOST`` or ``"cpu"`` (a device *variable* that is a CPU is the step's device, whatever it
+  is on this machine). Host bookkeeping (the loader's tensors, sequence lengths) is not
+  counted: it costs nothing on a GPU either; nor is a read inside the CPU-only attention
+  kernels (``HOST_KERNELS``).
 
 The counts are per step; ``host_syncs_per_micro_batch`` in the metrics row divides by the
 step's micro-batches. Optimizer steps run outside (``StepAudit.compute`` covers encode,
