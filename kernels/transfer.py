@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+HOST = torch.device("cpu")  # where a step keeps its bookkeeping (named, as every device is)
+
 
 def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``tensor`` on ``device``: from the host queued behind the device's work, not waiting

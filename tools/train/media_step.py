@@ -34,9 +34,9 @@ import torch
 
 from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.kernels.transfer import HOST
 from omniscale.loaders.collate import PackedBatch, media_items
 from omniscale.parallel.reshard import ItemKey, Resharded, local_reshard_plan, reshard
-from omniscale.tools.train.step_audit import HOST
 
 
 def item_key(ref, kind_id: int, index: int) -> ItemKey:

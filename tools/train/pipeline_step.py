@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from omniscale.kernels.transfer import host_to_device
 from omniscale.parallel.grads import clip_grad_norm
 from omniscale.tools.train.guard import guarded_update
 from omniscale.tools.train.records import StepRecord, StepSums
@@ -30,13 +29,13 @@ from omniscale.tools.train.step import (
     StepContext,
     dump_gradients,
     global_counts,
+    mix_counts,
     omni_record,
     placeholder,
     set_lr,
     source_groups,
     update_bias,
 )
-from omniscale.tools.train.step_audit import HOST
 
 
 def schedule_runs(micro_batches: list, size: int) -> list[list]:
@@ -76,18 +75,8 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepR
     router_divisor = ctx.world * len(chunks) * runner.n_microbatches
     with ctx.audit.compute(model):
         _run_chunks(ctx, model, runner, chunks, counts, sums, scores, router_divisor)
-    if counts_mix:  # on the host, one copy a step
-        mix = torch.zeros(2, n_groups, dtype=torch.float64, device=HOST)  # samples, tokens
-        for mb in batch.micro_batches:
-            if mb.seq_refs is None:
-                continue
-            groups_S = source_groups(mb, ctx.sources)
-            lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
-            mix[0] += torch.bincount(groups_S, minlength=n_groups)
-            mix[1] += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
-        samples_G, tokens_G = host_to_device(mix, ctx.device)
-        sums.samples_G += samples_G
-        sums.tokens_G += tokens_G
+    if counts_mix:
+        sums.samples_G, sums.tokens_G = mix_counts(ctx, batch.micro_batches)
     pp_group = runner.stage.group
     if step == cfg.debug.dump_grads_at_step:
         dump_gradients(ctx, step, model, pp_group)

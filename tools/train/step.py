@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from omniscale.backbone.decoder import grouped_loss
 from omniscale.kernels.reference import IGNORE_INDEX
-from omniscale.kernels.transfer import host_to_device, to_device
+from omniscale.kernels.transfer import HOST, host_to_device, to_device
 from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at
@@ -33,7 +33,7 @@ from omniscale.tools.train.guard import guarded_update, poisoned
 from omniscale.tools.train.media_step import encode_and_reshard
 from omniscale.tools.train.metrics import CostFit, CostRefit
 from omniscale.tools.train.records import StepRecord, StepSums, step_record
-from omniscale.tools.train.step_audit import HOST, StepAudit
+from omniscale.tools.train.step_audit import StepAudit
 from omniscale.tools.train.stragglers import StragglerTracker
 from omniscale.tools.train.watchdog import injected_slowness
 
@@ -173,7 +173,6 @@ def _backbone(ctx: StepContext, step: int, model, prepared, batch, counts: StepC
     turn comes after every micro-batch, ``StepMedia.backward``)."""
     n_groups = len(ctx.sources) + 1
     sums = StepSums.zeros(n_groups, ctx.device)
-    mix = torch.zeros(2, n_groups, dtype=torch.float64, device=HOST)  # known on the host
     for (mb, items), routed in zip(prepared, batch.micro_batches):
         groups_S = source_groups(mb, ctx.sources)
         # split sequences' attention over their SP group, in backward too: activation
@@ -190,16 +189,27 @@ def _backbone(ctx: StepContext, step: int, model, prepared, batch, counts: StepC
             loss.backward()
         sums.loss_G += loss_G.detach().double()
         sums.n_G += n_G.detach().double()
-        if mb.seq_refs is not None:
-            lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
-            first_S = (mb.seq_sp_index_S == 0).double()  # a split sample counts once
-            mix[0] += torch.bincount(groups_S, weights=first_S, minlength=n_groups)
-            mix[1] += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
         sums.router += aux["router_loss"].detach().double() * router_share
         load = aux["load_LE"].detach().to(torch.float64)
         sums.load_LE = load if sums.load_LE is None else sums.load_LE + load
-    sums.samples_G, sums.tokens_G = host_to_device(mix, ctx.device)  # one copy a step
+    sums.samples_G, sums.tokens_G = mix_counts(ctx, batch.micro_batches)
     return sums
+
+
+def mix_counts(ctx: StepContext, micro_batches) -> torch.Tensor:
+    """``[2, G]`` on the device: samples and tokens of each source group, counted on the
+    host from the batch (a sample split over an SP group once) and copied in one go."""
+    n_groups = len(ctx.sources) + 1
+    mix = torch.zeros(2, n_groups, dtype=torch.float64, device=HOST)
+    for mb in micro_batches:
+        if mb.seq_refs is None:
+            continue
+        groups_S = source_groups(mb, ctx.sources)
+        lengths_S = (mb.cu_seqlens_S1[1:] - mb.cu_seqlens_S1[:-1]).double()
+        first_S = (mb.seq_sp_index_S == 0).double()  # a split sample counts once
+        mix[0] += torch.bincount(groups_S, weights=first_S, minlength=n_groups)
+        mix[1] += torch.bincount(groups_S, weights=lengths_S, minlength=n_groups)
+    return host_to_device(mix, ctx.device)
 
 
 def update_bias(ctx: StepContext, model, load_LE: torch.Tensor | None,

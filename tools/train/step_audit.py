@@ -45,8 +45,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from omniscale.kernels.transfer import HOST
+
 aten = torch.ops.aten
-HOST = torch.device("cpu")  # where a step keeps its bookkeeping (named, as every device is)
 
 # aten ops whose output size or value the host must read from the device
 _DATA_DEPENDENT = {
