@@ -18,8 +18,8 @@ from omniscale.backbone.config import ModelConfig, kernel
 from omniscale.backbone.ffn import FeedForward
 from omniscale.backbone.moe import Experts, MoE
 from omniscale.backbone.norm import RMSNorm
-from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.kernels.transfer import host_to_device
+from omniscale.layout import IGNORE_INDEX
 
 
 class Block(nn.Module):

@@ -22,7 +22,7 @@ ours (``MoEDecoder``)                        Hugging Face
 
 Experts are stored one tensor per expert on the Hub (and by ``save_pretrained``); fused
 ``mlp.experts.gate_up_proj`` / ``down_proj`` tensors are read too. Loading goes parameter by
-parameter, each read alone from its file (:mod:`backbone.hf_files`); into a parallelized model
+parameter, each read alone from its file (:mod:`encoders.hf_files`); into a parallelized model
 through ``parallel.load.fill_parameters``, where a parameter sharded by FSDP (a DTensor) keeps
 only this rank's shard, so a rank's memory peaks at about one full tensor beyond its shards. A
 tokenizer vocabulary larger than the checkpoint's grows the embedding and head; the new rows
@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from omniscale.backbone.config import ModelConfig, MoEConfig
-from omniscale.backbone.hf_files import CONFIG, CheckpointDir
-from omniscale.dataplane.errors import UserError
+from omniscale.encoders.hf_files import CONFIG, CheckpointDir
+from omniscale.errors import UserError
 
 MOE, DENSE = "Qwen3MoeForCausalLM", "Qwen3ForCausalLM"
 MODEL_TYPES = {MOE: "qwen3_moe", DENSE: "qwen3"}

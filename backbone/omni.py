@@ -31,13 +31,13 @@ import torch.nn as nn
 
 from omniscale.backbone.config import ModelConfig
 from omniscale.backbone.decoder import MoEDecoder
-from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
 from omniscale.encoders.vision import VisionConfig, VisionEncoder
+from omniscale.encoders.vision_input import vision_patches
 from omniscale.kernels.transfer import host_to_device
-from omniscale.loaders.pixels import vision_patches
+from omniscale.media import MEDIA_KINDS
 
-AUDIO = ENCODER_KINDS.index("audio")  # media_kind_M id of an audio clip
+AUDIO = MEDIA_KINDS.index("audio")  # media_kind_M id of an audio clip
 
 
 @dataclass

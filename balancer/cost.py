@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from omniscale.balancer.types import ENCODER_KINDS
+from omniscale.media import MEDIA_KINDS
 
 
 @dataclass(frozen=True)
@@ -148,14 +148,14 @@ class Costs:
 
     llm: CostModel
     encoders: tuple[CostModel, CostModel, CostModel] = field(
-        default_factory=lambda: (_ZERO, _ZERO, _ZERO))  # indexed like types.ENCODER_KINDS
+        default_factory=lambda: (_ZERO, _ZERO, _ZERO))  # indexed like types.MEDIA_KINDS
     sp_comm_per_token: float = 0.0
     reshard_per_token: float = 0.0
     micro_batch: float = 0.0
 
     def __post_init__(self) -> None:
-        if len(self.encoders) != len(ENCODER_KINDS):
-            raise ValueError(f"encoders: need one CostModel per kind {ENCODER_KINDS}, "
+        if len(self.encoders) != len(MEDIA_KINDS):
+            raise ValueError(f"encoders: need one CostModel per kind {MEDIA_KINDS}, "
                              f"got {len(self.encoders)}")
         if self.sp_comm_per_token < 0 or self.reshard_per_token < 0 or self.micro_batch < 0:
             raise ValueError("sp_comm_per_token, reshard_per_token, micro_batch: must be >= 0")
@@ -166,13 +166,13 @@ class Costs:
                         reshard_per_token: float = 0.0) -> "Costs":
         """FLOP-based defaults (see `CostModel.from_dims` for the derivation).
 
-        `encoder`: None (no encoders), or one entry per kind in ENCODER_KINDS order, each an
+        `encoder`: None (no encoders), or one entry per kind in MEDIA_KINDS order, each an
         `(active_params, n_layers, d_attn)` triple or None for a kind the model lacks. Encoders
         attend bidirectionally, so their β is twice the causal one.
         """
-        encoder = (None,) * len(ENCODER_KINDS) if encoder is None else tuple(encoder)
-        if len(encoder) != len(ENCODER_KINDS):
-            raise ValueError(f"encoder: need one entry per kind {ENCODER_KINDS}, "
+        encoder = (None,) * len(MEDIA_KINDS) if encoder is None else tuple(encoder)
+        if len(encoder) != len(MEDIA_KINDS):
+            raise ValueError(f"encoder: need one entry per kind {MEDIA_KINDS}, "
                              f"got {len(encoder)}")
         models = tuple(_ZERO if dims is None else CostModel.from_dims(*dims, causal=False)
                        for dims in encoder)
@@ -195,19 +195,19 @@ class Costs:
                              CostModel(a, b)), **collectives)
 
     def forward_only(self, kinds) -> "Costs":
-        """These costs with the encoders of ``kinds`` (names of ENCODER_KINDS) priced forward
+        """These costs with the encoders of ``kinds`` (names of MEDIA_KINDS) priced forward
         only: a frozen tower needs no backward (the trainer's ``optim.groups``). Their models,
         FLOP-based or calibrated (both time forward + backward), are scaled by
         ``FORWARD_SHARE``; for measured seconds that is the FLOPs' proportion, an estimate the
         online refit does not correct (it fits the LLM's model)."""
-        unknown = set(kinds) - set(ENCODER_KINDS)
+        unknown = set(kinds) - set(MEDIA_KINDS)
         if unknown:
             raise ValueError(f"forward_only: unknown encoder kinds {sorted(unknown)} (known: "
-                             f"{', '.join(ENCODER_KINDS)})")
+                             f"{', '.join(MEDIA_KINDS)})")
         f = FORWARD_SHARE
         return replace(self, encoders=tuple(
             CostModel(m.alpha * f, m.beta * f, m.gamma * f) if kind in kinds else m
-            for kind, m in zip(ENCODER_KINDS, self.encoders)))
+            for kind, m in zip(MEDIA_KINDS, self.encoders)))
 
     def item_cost(self, item_size_M: np.ndarray, item_kind_M: np.ndarray) -> np.ndarray:
         """Encoder cost of each item, priced by its kind's model."""

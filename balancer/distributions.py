@@ -17,7 +17,8 @@ from types import MappingProxyType
 
 import numpy as np
 
-from omniscale.balancer.types import ENCODER_KINDS, WindowSamples
+from omniscale.balancer.types import WindowSamples
+from omniscale.media import MEDIA_KINDS
 
 MAX_TOKENS = 131072
 PATCH = 14
@@ -32,7 +33,7 @@ AUDIO_FRAMES_PER_TOKEN = 4
 
 OMNI_SOURCES = ("text", "image", "multi_image", "video", "audio")
 OMNI_SHARES = (0.30, 0.55, 0.05, 0.07, 0.03)
-IMAGE, VIDEO, AUDIO = (ENCODER_KINDS.index(k) for k in ("image", "video", "audio"))
+IMAGE, VIDEO, AUDIO = (MEDIA_KINDS.index(k) for k in ("image", "video", "audio"))
 
 
 def lognormal_lengths(n: int, rng: np.random.Generator, mean: float = 7.5,
@@ -53,7 +54,7 @@ def smart_resize(h_K: np.ndarray, w_K: np.ndarray, min_pixels: int,
                  max_pixels: int) -> tuple[np.ndarray, np.ndarray]:
     """Sides rounded to multiples of FACTOR with area in [min_pixels, max_pixels], aspect kept.
 
-    The vectorised equivalent of ``loaders.geometry.smart_resize`` for the factor used here.
+    The vectorised equivalent of ``omniscale.geometry.smart_resize`` for the factor used here.
     """
     h_K = h_K.astype(np.float64)
     w_K = w_K.astype(np.float64)

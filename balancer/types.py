@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-ENCODER_KINDS = ("image", "video", "audio")
-
 
 def slice_tokens(tokens: np.ndarray | int, sp_size: np.ndarray | int) -> np.ndarray | int:
     """Tokens one rank of an SP group holds: the sequence padded to a multiple of k, split."""
@@ -33,7 +31,7 @@ class WindowSamples:
     batch_N: np.ndarray  # int32: the global batch (0..W-1) the mixer drew the sample for
     item_offsets_N1: np.ndarray  # int64 [N+1]: sample i owns items [off[i], off[i+1])
     item_size_M: np.ndarray  # int64: encoder input size (patches; mel frames for audio)
-    item_kind_M: np.ndarray  # int8: index into ENCODER_KINDS
+    item_kind_M: np.ndarray  # int8: index into MEDIA_KINDS
     item_tokens_M: np.ndarray  # int64: LLM tokens the item becomes (embeddings to reshard)
 
     @property

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from omniscale.dataplane.corrupt import ref_from_json
 from omniscale.dataplane.journal import Journal
 from omniscale.dataplane.restore import replay_log
-from omniscale.loaders.index_schema import read_index, read_shard
+from omniscale.index_schema import read_index, read_shard
 
 
 def audit_state_dir(state_dir: str | Path) -> dict:

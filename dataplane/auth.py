@@ -13,7 +13,7 @@ import os
 import socket
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 TOKEN_ENV = "OMNISCALE_PLANE_TOKEN"
 TLS_ROOT_ENV = "OMNISCALE_PLANE_TLS_ROOT"

@@ -10,7 +10,7 @@ those numbers, never stored, so the state that a snapshot must carry is the curs
 JSON-able dict. Restoring it reproduces exactly the sequence an uninterrupted run would serve.
 
 Memory is O(1) per source plus the index slice of the one shard the cursor is in: a shard's rows
-are read (one Parquet row group, :func:`loaders.index_schema.read_shard`) when the cursor enters
+are read (one Parquet row group, :func:`omniscale.index_schema.read_shard`) when the cursor enters
 it and dropped when it leaves. Rows the indexer marked corrupt (``error`` column) and quarantined
 ``(shard, key)`` pairs are skipped wherever the cursor meets them.
 """
@@ -24,15 +24,15 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location
-from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.index_schema import (
+from omniscale.errors import UserError
+from omniscale.index_schema import (
     INDEX_VERSION,
     index_path,
     read_index_metadata,
     read_shard,
 )
+from omniscale.location import Location
+from omniscale.refs import SampleRef
 
 PLANE_READS = range(2, INDEX_VERSION + 1)  # index versions the plane can plan from
 

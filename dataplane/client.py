@@ -23,9 +23,9 @@ import pyarrow.flight as flight
 
 from omniscale.dataplane import wire
 from omniscale.dataplane.auth import TLS_ROOT_ENV, read_pem
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.lane import LANE_OK, lane_frame
 from omniscale.dataplane.server import PLAN_STREAM, Reason
+from omniscale.errors import UserError
 
 log = logging.getLogger(__name__)
 

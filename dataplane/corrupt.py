@@ -31,7 +31,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from omniscale.dataplane.refs import SampleRef
+from omniscale.refs import SampleRef
 
 log = logging.getLogger(__name__)
 

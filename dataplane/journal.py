@@ -28,7 +28,7 @@ import threading
 import zlib
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ import math
 import numpy as np
 
 from omniscale.dataplane.catalog import Catalog
-from omniscale.dataplane.refs import SampleRef
 from omniscale.dataplane.schedule import Schedule
+from omniscale.refs import SampleRef
 
 ACCOUNTING = ("samples", "tokens", "target_tokens")
 _FEW = 16  # up to this many live sources, a pick runs on Python floats rather than arrays

@@ -1,6 +1,6 @@
 """A rank's share of a StepPlan as the Arrow table the plane serves (``get_plan``).
 
-One row per thing the rank must do, with the SampleRef columns (dataplane.refs.REF_SCHEMA)
+One row per thing the rank must do, with the SampleRef columns (omniscale.refs.REF_SCHEMA)
 saying which sample:
 
 - ``role = "llm"``: a sample (or its SP slice) in this rank's LLM micro-batch ``micro_batch``;
@@ -25,8 +25,9 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from omniscale.balancer.types import ENCODER_KINDS, StepPlan
-from omniscale.dataplane.refs import REF_SCHEMA, SampleRef, refs_to_table
+from omniscale.balancer.types import StepPlan
+from omniscale.media import MEDIA_KINDS
+from omniscale.refs import REF_SCHEMA, SampleRef, refs_to_table
 
 PLAN_FIELDS = [
     ("role", pa.string()),
@@ -98,7 +99,7 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
         pa.array(np.concatenate([[0], np.cumsum(rows["count"])]).astype(np.int32)),
         pa.array(rows["encode_ranks"], type=pa.int32()),
         type=pa.list_(pa.int32()), mask=pa.array(enc_X))
-    kinds = np.array(list(ENCODER_KINDS) + [None], object)  # -1: an LLM row, no kind
+    kinds = np.array(list(MEDIA_KINDS) + [None], object)  # -1: an LLM row, no kind
     extra = {
         "role": pa.array(np.where(llm_X, "llm", "encode").astype(object)[order],
                          type=pa.string()),
@@ -174,7 +175,7 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
     span_M = np.array([span_of[s] for s in item_sample_M.tolist()], np.int64)
     j_M = item_M - first_item_N[item_sample_M]
     img_M, vid_M = img_U[pos_M], vid_U[pos_M]
-    image, video, audio = (ENCODER_KINDS.index(k) for k in ("image", "video", "audio"))
+    image, video, audio = (MEDIA_KINDS.index(k) for k in ("image", "video", "audio"))
     kind_M = np.where(j_M < img_M, image, np.where(j_M < img_M + vid_M, video, audio))
     # the item's index among the sample's items of its kind
     index_M = j_M - np.where(kind_M == image, 0, np.where(kind_M == video, img_M,

@@ -22,7 +22,6 @@ from pathlib import Path
 import pyarrow as pa
 
 from omniscale.dataplane.corrupt import draw_replacement, ref_to_json, replacement_room
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.journal import Journal
 from omniscale.dataplane.plan_table import step_fingerprint
 from omniscale.dataplane.plane_config import PlaneConfig  # noqa: F401  (public here too)
@@ -31,6 +30,7 @@ from omniscale.dataplane.restore import open_state, start_for
 from omniscale.dataplane.server import Reason, RequestError
 from omniscale.dataplane.spec import SpecError, spec_from_text
 from omniscale.dataplane.status import plane_status
+from omniscale.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,9 @@ import math
 from dataclasses import dataclass
 
 from omniscale.balancer.cost import CostModel, Costs
-from omniscale.balancer.types import ENCODER_KINDS, PlannerConfig
-from omniscale.dataplane.errors import UserError
+from omniscale.balancer.types import PlannerConfig
+from omniscale.errors import UserError
+from omniscale.media import MEDIA_KINDS
 
 MAX_DP = 1 << 16
 # the planner and the baselines of balancer.baselines (dataplane.windows.plan_policy)
@@ -41,16 +42,16 @@ class PlaneConfig:
     # relative to cost_linear/quadratic
     costs: dict | None = None
     # encoder kinds priced forward only (Costs.forward_only): their tower is frozen (the
-    # trainer's optim.groups); ENCODER_KINDS names
+    # trainer's optim.groups); MEDIA_KINDS names
     frozen_encoders: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # a tuple however it came (a start record's JSON has a list), so restarts compare equal
         object.__setattr__(self, "frozen_encoders", tuple(self.frozen_encoders))
-        unknown = sorted(set(self.frozen_encoders) - set(ENCODER_KINDS))
+        unknown = sorted(set(self.frozen_encoders) - set(MEDIA_KINDS))
         if unknown:
             raise UserError(f"frozen_encoders: unknown encoder kinds {unknown} (known: "
-                            f"{', '.join(ENCODER_KINDS)})")
+                            f"{', '.join(MEDIA_KINDS)})")
         if (self.global_batch_tokens is None) == (self.global_batch_samples is None):
             raise UserError("give exactly one of --global-batch-tokens and "
                             "--global-batch-samples")
@@ -74,7 +75,7 @@ class PlaneConfig:
             costs = Costs.from_llm(linear, quadratic)
         else:
             costs = Costs(llm=CostModel(linear, quadratic, self.costs["llm"][2]),
-                          encoders=tuple(CostModel(*self.costs[kind]) for kind in ENCODER_KINDS),
+                          encoders=tuple(CostModel(*self.costs[kind]) for kind in MEDIA_KINDS),
                           **{name: float(self.costs.get(name, 0.0)) for name in SCALARS})
         return costs.forward_only(self.frozen_encoders) if self.frozen_encoders else costs
 
@@ -103,7 +104,7 @@ def _check_costs(costs: dict) -> None:
         value = costs.get(name, 0.0)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise UserError(f"--costs: {name}: expected a finite number >= 0, got {value!r}")
-    for name in ("llm", *ENCODER_KINDS):
+    for name in ("llm", *MEDIA_KINDS):
         value = costs.get(name)
         if not (isinstance(value, (list, tuple)) and len(value) == 3 and
                 all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0

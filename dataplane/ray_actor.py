@@ -28,10 +28,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from omniscale.dataplane.auth import check_bind, is_loopback
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.journal import WAL_NAME
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import PlaneServer
+from omniscale.errors import UserError
 
 ENDPOINT = "ray-endpoint.json"  # in the state dir: the port a restarted actor serves on again
 

@@ -12,10 +12,10 @@ import logging
 from collections.abc import Iterator
 from dataclasses import asdict, fields
 
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.journal import Journal, JournalError
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.dataplane.plane_state import PlaneState
+from omniscale.errors import UserError
 
 log = logging.getLogger(__name__)
 

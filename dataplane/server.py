@@ -39,7 +39,6 @@ import pyarrow.flight as flight
 
 from omniscale.dataplane import wire
 from omniscale.dataplane.auth import check_bind, is_loopback, read_pem
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.lane import (
     LANE_MAX_REQUEST,
     LANE_OK,
@@ -48,6 +47,7 @@ from omniscale.dataplane.lane import (
     PlanLane,
     lane_frame,
 )
+from omniscale.errors import UserError
 
 __all__ = ["ACTIONS", "LANE_MAX_REQUEST", "LANE_OK", "LANE_REFUSED", "PLAN_STREAM", "LaneLimits",
            "PlanLane", "PlaneServer", "PlaneService", "Reason", "RequestError", "is_loopback",

@@ -17,11 +17,11 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location, check_storage_options, is_url
 from omniscale.dataplane.schedule import KINDS, Schedule, ScheduleError, Segment
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.layout import FORMATS, TEMPLATES, SpecialTokens
+from omniscale.errors import UserError
+from omniscale.geometry import MediaGeometry
+from omniscale.layout import FORMATS, TEMPLATES, SpecialTokens
+from omniscale.location import Location, check_storage_options, is_url
 
 Accounting = Literal["samples", "tokens", "target_tokens"]
 OnExhausted = Literal["next_epoch", "stop", "drop_source"]

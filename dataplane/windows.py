@@ -24,8 +24,8 @@ from omniscale.balancer.baselines import (
 from omniscale.balancer.cost import Costs
 from omniscale.balancer.planner import plan_step, plan_window
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
-from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.geometry import MediaGeometry, audio_tokens
+from omniscale.geometry import MediaGeometry, audio_tokens
+from omniscale.refs import SampleRef
 
 
 def window_samples(batches: list[list[SampleRef]], geometry: MediaGeometry) -> WindowSamples:

@@ -1,7 +1,7 @@
 """The audio encoder: log-mel frames -> x4 subsampling -> transformer -> LLM width.
 
 Input is the decoder's mel tensor: every clip's log-mel frames concatenated in item order, plus
-each clip's frame count. Every layout emits exactly ``loaders.geometry.audio_tokens(frames)``
+each clip's frame count. Every layout emits exactly ``omniscale.geometry.audio_tokens(frames)``
 tokens per clip (``ceil(ceil(frames / 2) / 2)``), and its blocks attend within each clip
 (``cu_seqlens``), so a packed clip gets what it would get alone.
 
@@ -208,7 +208,7 @@ class AudioEncoder(nn.Module):
 
     @staticmethod
     def output_lengths(frames_A: torch.Tensor) -> torch.Tensor:
-        """Embeddings per clip: ``loaders.geometry.audio_tokens`` of its frame count (every
+        """Embeddings per clip: ``omniscale.geometry.audio_tokens`` of its frame count (every
         layout: two halvings, each keeping an odd last frame)."""
         return _conv_out(_conv_out(frames_A, 2), 2)
 

@@ -5,7 +5,7 @@ A checkpoint is a directory as ``save_pretrained`` writes it: ``config.json`` an
 ``model.safetensors``, or shards listed by ``model.safetensors.index.json``. The encoder's config
 comes from ``config.json`` (missing fields take transformers' defaults, since ``save_pretrained``
 leaves out fields equal to them), the encoder is built in the matching layout, and each of its
-tensors is read on its own (``backbone.hf_files.CheckpointDir``: never a whole file at once),
+tensors is read on its own (``encoders.hf_files.CheckpointDir``: never a whole file at once),
 shape-checked against the config before its data is read, and copied in. Anything wrong -- no
 config, an unsupported ``model_type``, a shard missing, a tensor missing or of the wrong shape
 -- is a ``UserError`` of one line naming the file and the tensor or field.
@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from omniscale.backbone.hf_files import CONFIG, CheckpointDir, read_config
-from omniscale.dataplane.errors import UserError
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
+from omniscale.encoders.hf_files import CONFIG, CheckpointDir, read_config
 from omniscale.encoders.vision import QWEN2_VL, VisionConfig, VisionEncoder
+from omniscale.errors import UserError
 
 Reader = Callable[..., "torch.Tensor | None"]  # (name, shape[, first_expert]) -> tensor
 
@@ -177,7 +177,7 @@ def vision_to_hf_dir(encoder: VisionEncoder, out: str | Path) -> Path:
     (``model_type`` ``qwen2_vl_vision``): ``Qwen2VisionTransformerPretrainedModel
     .from_pretrained(out)`` loads it, and so does :func:`vision_from_hf`. ``out`` must not
     exist."""
-    from omniscale.backbone.hf_files import write_checkpoint_dir
+    from omniscale.encoders.hf_files import write_checkpoint_dir
 
     c = encoder.config
     if c.rope_theta != 10000.0:  # transformers' vision rotary has no theta of its own
@@ -223,7 +223,7 @@ def audio_to_hf_dir(encoder: AudioEncoder, out: str | Path) -> Path:
 
     from safetensors.torch import save_file
 
-    from omniscale.backbone.hf_files import write_checkpoint_dir
+    from omniscale.encoders.hf_files import write_checkpoint_dir
 
     c = encoder.config
     if c.layout == "omniscale":

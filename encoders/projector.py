@@ -1,7 +1,7 @@
 """Projectors from encoder width into the LLM width.
 
 The vision merger is what makes an image cost ``t*h*w / merge_size**2`` LLM tokens
-(``loaders.geometry.vision_tokens``): it concatenates each merge window's ``merge_size**2``
+(``omniscale.geometry.vision_tokens``): it concatenates each merge window's ``merge_size**2``
 patches -- adjacent in the Qwen2-VL patch order -- and maps them to one LLM embedding. Audio
 needs no merging (its convolutions already subsample by 4), only a width change.
 

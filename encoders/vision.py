@@ -1,6 +1,6 @@
 """The vision encoder: one ViT for images and videos (Qwen2-VL style), packed by ``cu_seqlens``.
 
-Input is a float patch tensor (``loaders.pixels.vision_patches`` makes it on the device from
+Input is a float patch tensor (``encoders.vision_input.vision_patches`` makes it on the device from
 the loader's uint8 pixel rows): every image and clip of a batch concatenated in item order,
 one row per patch of ``3 * temporal_patch_size * patch_size**2`` normalised pixels (an image
 is its frame repeated ``temporal_patch_size`` times), patches of an item ordered
@@ -126,7 +126,7 @@ class VisionEncoder(nn.Module):
         reset_module(module)
 
     def output_lengths(self, grid_thw_V3: torch.Tensor) -> torch.Tensor:
-        """Embeddings per item: ``loaders.geometry.vision_tokens`` of its grid."""
+        """Embeddings per item: ``omniscale.geometry.vision_tokens`` of its grid."""
         return grid_thw_V3.prod(dim=1) // self.config.merge_size ** 2
 
     def dummy_inputs(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

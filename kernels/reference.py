@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from omniscale.kernels.transfer import to_device
-
-IGNORE_INDEX = -100  # the label the loss skips (media, the last token, padding); torch's default
+from omniscale.layout import IGNORE_INDEX
 
 
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

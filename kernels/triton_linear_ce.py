@@ -16,8 +16,8 @@ import triton.language as tl
 from omniscale.kernels import reference
 from omniscale.kernels.dtensor import dtensor_safe
 from omniscale.kernels.fused import linear_cross_entropy_chunked
-from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.kernels.triton_launch import block, jit, warps
+from omniscale.layout import IGNORE_INDEX
 
 BLOCK_V = 4096
 

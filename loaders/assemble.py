@@ -21,16 +21,16 @@ from typing import Callable
 import pyarrow as pa
 import torch
 
-from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.dataplane.plan_table import fingerprint, item_kinds, plan_metadata
-from omniscale.dataplane.refs import SampleRef, table_to_refs
+from omniscale.geometry import MediaGeometry
 from omniscale.loaders.collate import PackedBatch, collate
 from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.errors import CorruptSample
-from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.remote_io import add_stats
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.worker import Decoded
+from omniscale.media import MEDIA_KINDS
+from omniscale.refs import SampleRef, table_to_refs
 
 POLICIES = ("skip", "fail")
 MAX_REPLACEMENTS = 8  # per bad sample: replacements can be bad too, but not forever
@@ -145,7 +145,7 @@ def decode_work(table: pa.Table, rank: int | None = None,
 
 def _item_order(ref: SampleRef) -> list[tuple[str, int]]:
     """A sample's media items as (kind, index within the kind), in the plane's item order."""
-    return [(ENCODER_KINDS[kind], i) for kind, i in item_kinds(ref)]
+    return [(MEDIA_KINDS[kind], i) for kind, i in item_kinds(ref)]
 
 
 class StepAssembler:

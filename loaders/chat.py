@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
+from omniscale.errors import UserError
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.probe import Corrupt
 
 # ChatML (Qwen's turn format): every turn, its role, its content, an end-of-turn token.

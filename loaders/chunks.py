@@ -21,13 +21,13 @@ from typing import Callable
 
 import pyarrow as pa
 
-from omniscale.balancer.types import ENCODER_KINDS as KINDS
-from omniscale.dataplane.refs import SampleRef, table_to_refs
+from omniscale.geometry import MediaGeometry
 from omniscale.loaders.assemble import DecodedStep, EncodeItem, decode_work, sample_id
 from omniscale.loaders.collate import collate, media_items
 from omniscale.loaders.decode import DecodeNeed
-from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.worker import Decoded
+from omniscale.media import MEDIA_KINDS as KINDS
+from omniscale.refs import SampleRef, table_to_refs
 
 
 @dataclass

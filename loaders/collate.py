@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omniscale.loaders.geometry import MediaGeometry
+from omniscale.geometry import MediaGeometry
 from omniscale.loaders.pixels import row_width
 from omniscale.loaders.sequence import IGNORE_INDEX, KINDS, DecodedSample
 
@@ -40,8 +40,8 @@ class PackedBatch:
     seq_len_full_S: torch.Tensor  # int64 [S]: the whole sample's length, before SP padding
     seq_sp_size_S: torch.Tensor  # int64 [S]: ranks the sample is split over (1: not split)
     seq_sp_index_S: torch.Tensor  # int64 [S]: which slice this rank holds
-    # uint8 [R, Q]: image + video pixel rows, in media order (``loaders.pixels.vision_patches``
-    # makes the encoder's float patches of them, on the trainer's device)
+    # uint8 [R, Q]: image + video pixel rows, in media order (the model's
+    # ``encoders.vision_input.vision_patches`` makes float patches of them on its device)
     pixel_rows_RQ: torch.Tensor
     vision_grid_thw_V3: torch.Tensor  # int64 [V, 3]: each vision item's patch grid
     vision_kind_V: torch.Tensor  # int64 [V]: 0 image, 1 video

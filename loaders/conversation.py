@@ -16,7 +16,7 @@ in, and the chat-template renderer reads exactly this form. A conversation sampl
   - ``{"type": "image"}``, ``{"type": "video"}``, ``{"type": "audio"}`` -- a media item, with
     no reference: the k-th ``image`` part of the conversation (counting from 0 through every
     message in order) is the member ``KEY.k.EXT`` with an image extension
-    (``loaders.layout.IMAGE_EXTS``); videos and audio likewise, numbered per kind:
+    (``omniscale.layout.IMAGE_EXTS``); videos and audio likewise, numbered per kind:
     ``KEY.0.jpg``, ``KEY.1.png``, ``KEY.0.mp4``, ``KEY.0.wav``. The members hold the source's
     original bytes under its original extension.
 
@@ -35,8 +35,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from omniscale.media import MEDIA_KINDS
+
 ROLES = ("system", "user", "assistant")
-MEDIA_KINDS = ("image", "video", "audio")
 PART_TYPES = ("text", *MEDIA_KINDS)
 
 

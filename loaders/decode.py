@@ -21,21 +21,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.chat import ChatFormat, render_member, targets_mask, token_targets
-from omniscale.loaders.decode_audio import decode_audio
-from omniscale.loaders.decode_image import decode_image
-from omniscale.loaders.decode_text import load_tokenizer, tokenize
-from omniscale.loaders.decode_video import decode_video
-from omniscale.loaders.errors import CorruptSample
-from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
-from omniscale.loaders.layout import (
+from omniscale.geometry import MediaGeometry, audio_tokens, vision_tokens
+from omniscale.layout import (
     DEFAULT_SPECIAL_TOKENS,
     SpecialTokens,
     media_order,
     member_kind,
     split_member_name,
 )
+from omniscale.loaders.chat import ChatFormat, render_member, targets_mask, token_targets
+from omniscale.loaders.decode_audio import decode_audio
+from omniscale.loaders.decode_image import decode_image
+from omniscale.loaders.decode_text import load_tokenizer, tokenize
+from omniscale.loaders.decode_video import decode_video
+from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.probe import Corrupt, probe_audio, probe_image, probe_video
 from omniscale.loaders.readers import RawSample, SampleReader
 from omniscale.loaders.sequence import (
@@ -47,6 +46,7 @@ from omniscale.loaders.sequence import (
     build_sequence,
 )
 from omniscale.loaders.token_ids import TokenIds
+from omniscale.refs import SampleRef
 
 _DECODERS = {"image": decode_image, "video": decode_video}
 _PROBES = {"image": probe_image, "video": probe_video}

@@ -30,7 +30,7 @@ import math
 import numpy as np
 import torch
 
-from omniscale.loaders.geometry import MediaGeometry, audio_samples
+from omniscale.geometry import MediaGeometry, audio_samples
 from omniscale.loaders.probe import Corrupt, short
 
 

@@ -1,6 +1,6 @@
 """Image bytes -> uint8 pixel rows in Qwen2-VL's patch order and their ``(t, h, w)`` grid.
 
-The image is resized with ``loaders.geometry.image_resize`` (the formula the index used on the
+The image is resized with ``omniscale.geometry.image_resize`` (the formula the index used on the
 header's size), so the ``t*h*w`` patches equal the index's ``image_patches``. The rows are
 ``loaders.pixels``' layout (one frame, in merge-window order); the trainer's device normalises
 them and repeats the frame over the encoder's temporal patch.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omniscale.loaders.geometry import MediaGeometry, image_resize
+from omniscale.geometry import MediaGeometry, image_resize
 from omniscale.loaders.pixels import pixel_rows
 from omniscale.loaders.probe import IMAGE_FORMATS, Corrupt, untrusted_image
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omniscale.dataplane.errors import UserError
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
+from omniscale.errors import UserError
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.probe import Corrupt, decode_text
 
 # A text member is one sample's caption or document; anything larger is no training text and

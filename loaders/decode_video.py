@@ -24,8 +24,8 @@ import io
 
 import numpy as np
 
+from omniscale.geometry import MediaGeometry, video_frame_indices, video_resize
 from omniscale.loaders.decode_image import VisionItem
-from omniscale.loaders.geometry import MediaGeometry, video_frame_indices, video_resize
 from omniscale.loaders.pixels import pixel_rows
 from omniscale.loaders.probe import Corrupt, short, video_header
 

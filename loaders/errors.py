@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 
 class CorruptSample(UserError):

@@ -1,6 +1,6 @@
 """One sample's cost features: the index columns the planner balances on.
 
-The sequence of a sample (``loaders.layout``) is its text with every media marker expanded to
+The sequence of a sample (``omniscale.layout``) is its text with every media marker expanded to
 the item's placeholder block, unmarked media placed first, then ``<eos>``. So a sample whose
 text marks some media of a kind must mark all of them, one marker per item, in order;
 otherwise the decoder could not place them and the sample is corrupt.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens, count_markers
+from omniscale.geometry import MediaGeometry, audio_tokens, vision_tokens
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens, count_markers
 from omniscale.loaders.probe import Corrupt
 
 Grid = tuple[int, int, int]

@@ -32,11 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location, is_url
-from omniscale.loaders.chat import ChatFormat, chat_format
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.index_schema import (
+from omniscale.errors import UserError
+from omniscale.geometry import MediaGeometry
+from omniscale.index_schema import (
     INDEX_FILENAME,
     INDEX_SCHEMA,
     INDEX_VERSION,
@@ -45,7 +43,8 @@ from omniscale.loaders.index_schema import (
     read_index,
     read_index_metadata,
 )
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, FORMATS, SpecialTokens
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, FORMATS, SpecialTokens
+from omniscale.loaders.chat import ChatFormat, chat_format
 from omniscale.loaders.shard_index import ShardResult, index_shard
 from omniscale.loaders.shard_listing import (  # noqa: F401 (the indexer's API, as before)
     SHARD_SUFFIX,
@@ -57,6 +56,7 @@ from omniscale.loaders.shard_listing import (  # noqa: F401 (the indexer's API, 
     source_shards,
 )
 from omniscale.loaders.text_cost import TokenCounter, find_tokenizer, tokenizer_fingerprint
+from omniscale.location import Location, is_url
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 
@@ -345,7 +345,7 @@ def _write_index(shard_tables: list[tuple[str, pa.Table]], metadata: dict,
     object appears when its upload completes). Returns the number of rows.
 
     A row group per shard lets the data plane read just the shard it has open
-    (:func:`loaders.index_schema.read_shard`) instead of holding every source's whole index.
+    (:func:`omniscale.index_schema.read_shard`) instead of holding every source's whole index.
     """
     target = index_location(index_at)
     if target.is_local:

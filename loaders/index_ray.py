@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.loaders.shard_index import ShardResult, index_shard
 
 

@@ -32,7 +32,8 @@ import torch
 from torch.utils.data._utils import signal_handling
 
 from omniscale.dataplane.local import connect
-from omniscale.dataplane.refs import SampleRef, table_to_refs
+from omniscale.geometry import MediaGeometry
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.assemble import (
     DecodedStep,
     StepAssembler,
@@ -40,12 +41,11 @@ from omniscale.loaders.assemble import (
     decode_work,
 )
 from omniscale.loaders.chunks import plan_chunks
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.prefetch import END, PlanPrefetcher
 from omniscale.loaders.token_ids import check_tokenizer
 from omniscale.loaders.transfer import ShmRing, fork_workers, transfer_bytes, unpack
 from omniscale.loaders.worker import RefDataset, TimedDecoder, decoder_spec, identity
+from omniscale.refs import SampleRef, table_to_refs
 
 if TYPE_CHECKING:
     from omniscale.loaders.remote_cache import CacheConfig

@@ -3,7 +3,7 @@
 Each probe takes the member's bytes, or for images and audio a seekable file over the member
 (``loaders.ranged_file.MemberFile``: the parser reads only the header bytes it needs, so a
 remote shard's payloads stay where they are; a PNG is the exception, ``verify`` reads its
-chunks to check them) and returns what ``loaders.geometry`` needs: an image's pixel size, a
+chunks to check them) and returns what ``omniscale.geometry`` needs: an image's pixel size, a
 clip's frame count, frame rate and frame size, an audio clip's sample count and rate --
 already turned into a patch grid or log-mel frame count. Files are untrusted: every parser
 call is bounded and any failure becomes :class:`Corrupt` with a short reason instead of an
@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from omniscale.loaders.geometry import MediaGeometry, audio_mel_frames, image_grid, video_grid
+from omniscale.geometry import MediaGeometry, audio_mel_frames, image_grid, video_grid
 
 # Formats the image decoders accept; restricting PIL's sniffing also shrinks the parser
 # surface an untrusted file can reach.

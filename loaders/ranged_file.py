@@ -23,7 +23,7 @@ import io
 import os
 from collections.abc import Callable, Iterator
 
-from omniscale.dataplane.location import Location
+from omniscale.location import Location
 
 MIN_BLOCK = 16 << 10  # a tar header with its pax record, a JPEG's or WAV's header
 MAX_BLOCK = 8 << 20  # the widest read-ahead when a shard is read through

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 PLACEMENT_TIMEOUT_S = 60.0  # how long actors may wait for CPUs before the run gives up
 CPU_GRAIN = 0.01  # actors' fractional CPUs are multiples of this

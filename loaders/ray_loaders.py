@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.refs import SampleRef
+from omniscale.errors import UserError
+from omniscale.index_schema import INDEX_SCHEMA, read_index
 from omniscale.loaders.assemble import DecodedStep, sample_id
 from omniscale.loaders.decode import DecodeNeed
-from omniscale.loaders.index_schema import INDEX_SCHEMA, read_index
 from omniscale.loaders.pipeline import StepLoader
 from omniscale.loaders.prefetch import END
 from omniscale.loaders.ray_cluster import (
@@ -50,6 +49,7 @@ from omniscale.loaders.ray_cluster import (
 from omniscale.loaders.ray_pools import PoolDirectory, room_on
 from omniscale.loaders.remote_io import add_stats
 from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
+from omniscale.refs import SampleRef
 
 PROBE_SAMPLES = 3  # decoded per source at startup to measure its cost
 DIRECTORY_WAIT_S = 600.0  # how long a rank waits for data rank 0 to plan the pools

@@ -1,6 +1,6 @@
 """Read a sample's bytes by reference: what a stateless loader worker does with a SampleRef.
 
-A ref names its source (by name), shard, byte range and members (``dataplane.refs``), so a
+A ref names its source (by name), shard, byte range and members (``omniscale.refs``), so a
 worker needs no index: it opens the shard, reads one range and slices it. The shard's format
 follows from its suffix (``loaders.index.SHARD_SUFFIX``):
 
@@ -10,7 +10,7 @@ follows from its suffix (``loaders.index.SHARD_SUFFIX``):
 - ``.parquet``: ``offset`` is the row group and ``size`` the row within it (column ``text``);
 - ``.jsonl``: ``offset``/``size`` is the line's byte range (newline excluded).
 
-A source is a local directory or a :class:`~dataplane.location.Location` in an object store
+A source is a local directory or a :class:`~omniscale.location.Location` in an object store
 (``s3://…``). Local shards are read through open files, as always. Remote tar and JSONL
 shards are read a work item at a time (:meth:`SampleReader.read_many`): the ranges of a
 shard coalesced into few requests, all issued at once, transient failures retried
@@ -31,9 +31,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location
-from omniscale.dataplane.refs import SampleRef
+from omniscale.errors import UserError
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.probe import Corrupt, decode_text, short
 from omniscale.loaders.remote_cache import BlockCache, CacheConfig, CachedReads
@@ -45,6 +43,8 @@ from omniscale.loaders.remote_io import (
     RemoteSettings,
     scrub,
 )
+from omniscale.location import Location
+from omniscale.refs import SampleRef
 
 TAR_BLOCK = 512
 # One sample's slice is read into memory; refuse ranges no training sample needs before

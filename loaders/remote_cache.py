@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 from filelock import FileLock
 
-from omniscale.dataplane.location import Location
 from omniscale.loaders.remote_io import (
     Counters,
     FetchError,
@@ -45,6 +44,7 @@ from omniscale.loaders.remote_io import (
     past_end,
     range_error,
 )
+from omniscale.location import Location
 
 LOW_WATER = 0.9  # eviction frees down to this share of max_bytes
 STALE_TMP_S = 3600  # a temporary block file older than this was left by a dead writer

@@ -32,8 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
-from omniscale.dataplane.location import Location
 from omniscale.loaders.probe import short
+from omniscale.location import Location
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -1,6 +1,6 @@
 """One sample's LLM sequence: placeholder expansion, shifted labels, 1-D and 3-axis positions.
 
-The layout rule is ``loaders.layout``'s: a placeholder block for every media item the text
+The layout rule is ``omniscale.layout``'s: a placeholder block for every media item the text
 does not mark (in item order), the text with every marker expanded to its item's block, then
 ``<eos>``. A block is as long as its encoder's output (``geometry.vision_tokens`` /
 ``geometry.audio_tokens``) and filled with the marker's own id, so the backbone finds where to
@@ -20,11 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omniscale.balancer.types import (
-    ENCODER_KINDS as KINDS,  # kind id = position (plan_table.item_kinds)
-)
-from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.decode_text import TextTokenizer
+from omniscale.media import MEDIA_KINDS as KINDS  # kind id = position (plan_table.item_kinds)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Index rows of one shard, for each source format: the unit of work of ``omniscale data index``.
 
 :func:`index_shard` runs in a worker process. It returns the shard's rows (in shard order) as
-an Arrow table with :data:`loaders.index_schema.INDEX_SCHEMA`, plus problems that belong to no
+an Arrow table with :data:`omniscale.index_schema.INDEX_SCHEMA`, plus problems that belong to no
 sample. A corrupt member never raises: its sample's row carries the reason in ``error``
 (``member 'x.jpg': not an image (…)``), and features stay null.
 
-The shard may be local or in an object store (a :class:`dataplane.location.Location`): a tar
+The shard may be local or in an object store (a :class:`omniscale.location.Location`): a tar
 shard is then read in place with ranged reads (``loaders.ranged_file``) -- its headers, its
 text members and the header bytes of its images and audio; a video member whole (its index
 atom may sit at its end), never the whole shard.
@@ -23,24 +23,24 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location
-from omniscale.kernels.reference import IGNORE_INDEX
-from omniscale.loaders.chat import ChatFormat, render, render_member, targets_mask, token_targets
-from omniscale.loaders.features import SampleFeatures, sample_features
-from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
-from omniscale.loaders.index_schema import INDEX_SCHEMA
-from omniscale.loaders.layout import (
+from omniscale.errors import UserError
+from omniscale.geometry import MediaGeometry, audio_tokens, vision_tokens
+from omniscale.index_schema import INDEX_SCHEMA
+from omniscale.layout import (
     DEFAULT_SPECIAL_TOKENS,
+    IGNORE_INDEX,
     SpecialTokens,
     media_order,
     member_kind,
 )
+from omniscale.loaders.chat import ChatFormat, render, render_member, targets_mask, token_targets
+from omniscale.loaders.features import SampleFeatures, sample_features
 from omniscale.loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
 from omniscale.loaders.ranged_file import MemberFile, open_shard
 from omniscale.loaders.sequence import ItemSlot, LayoutError, build_sequence
 from omniscale.loaders.tar_scan import TarMember, TarSample, scan_tar_file
 from omniscale.loaders.text_cost import TokenCounter
+from omniscale.location import Location
 
 # Members are probed from memory; anything larger is no single training item.
 MAX_MEMBER_BYTES = 1 << 30

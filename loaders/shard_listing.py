@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location
-from omniscale.loaders.layout import FORMATS
+from omniscale.errors import UserError
+from omniscale.layout import FORMATS
+from omniscale.location import Location
 
 SHARD_SUFFIX = {"webdataset": ".tar", "parquet": ".parquet", "jsonl": ".jsonl"}
 

@@ -1,6 +1,6 @@
 """Scan a WebDataset tar shard into samples and byte ranges, reading headers only.
 
-A sample is the run of contiguous members sharing a key (``loaders.layout.split_member_name``).
+A sample is the run of contiguous members sharing a key (``omniscale.layout.split_member_name``).
 Its byte range starts at the first header of its first member (pax / GNU long-name headers
 included) and ends after the last member's data, padded to the 512-byte block: one contiguous
 slice of the shard that is itself a valid tar holding exactly the sample's members, so a loader
@@ -18,7 +18,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omniscale.loaders.layout import split_member_name
+from omniscale.layout import split_member_name
 
 BLOCK = tarfile.BLOCKSIZE
 

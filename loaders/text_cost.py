@@ -1,6 +1,6 @@
 """Text token counts for the index, with the dataset's own tokenizer.
 
-``text_tokens`` (see ``loaders.layout``) counts every token of the sequence that is not a media
+``text_tokens`` (see ``omniscale.layout``) counts every token of the sequence that is not a media
 placeholder, ``<eos>`` included: the text's tokens, minus the media markers (each becomes a
 placeholder block accounted with its media item), plus one.
 """
@@ -11,8 +11,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
+from omniscale.errors import UserError
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 
 TOKENIZER_FILENAME = "tokenizer.json"
 

@@ -1,7 +1,7 @@
 """Token ids by reference: the index tokenized every text once, the loaders read the ids back.
 
 ``omniscale data index`` encodes each sample's text to count its tokens and keeps the ids in
-the index's ``text_ids`` column (``loaders.index_schema``); a worker reads one shard's ids at a
+the index's ``text_ids`` column (``omniscale.index_schema``); a worker reads one shard's ids at a
 time (its row group, that column and the keys) and looks samples up by key, keeping a few
 shards (least recently used dropped), like the reader keeps open shards. Tokenizing a long
 document costs about a millisecond per kilobyte; reading its ids back costs next to nothing.
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location
-from omniscale.dataplane.refs import SampleRef
-from omniscale.loaders.index_schema import index_path, read_index_metadata, read_shard
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
+from omniscale.errors import UserError
+from omniscale.index_schema import index_path, read_index_metadata, read_shard
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.text_cost import tokenizer_fingerprint
+from omniscale.location import Location
+from omniscale.refs import SampleRef
 
 MAX_SHARDS = 16  # shards whose ids a worker keeps
 

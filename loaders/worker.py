@@ -31,18 +31,18 @@ from pathlib import Path
 
 import torch
 
-from omniscale.dataplane.location import Location
-from omniscale.dataplane.refs import SampleRef
+from omniscale.geometry import MediaGeometry
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.decode import DecodeNeed, SampleDecoder
 from omniscale.loaders.errors import CorruptSample
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.readers import SampleReader
 from omniscale.loaders.remote_cache import CacheConfig
 from omniscale.loaders.remote_io import RemoteSettings, add_stats, stats_delta
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.token_ids import TokenIds
 from omniscale.loaders.transfer import ShmRing, pack
+from omniscale.location import Location
+from omniscale.refs import SampleRef
 
 
 @dataclass

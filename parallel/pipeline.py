@@ -42,8 +42,8 @@ from torch.distributed.tensor import DTensor
 from omniscale import kernels
 from omniscale.backbone.attention import rope_tables
 from omniscale.backbone.decoder import MoEDecoder, grouped_loss
-from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.kernels.transfer import host_to_device
+from omniscale.layout import IGNORE_INDEX
 from omniscale.parallel.tensor import vocab_parallel_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

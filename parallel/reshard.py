@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from omniscale.balancer.types import ENCODER_KINDS
 from omniscale.kernels.transfer import to_device
+from omniscale.media import MEDIA_KINDS
 from omniscale.parallel.comm import Group, all_to_all_single, group_size
 
 ItemKey = tuple[str, str, str, int, int]  # (source, shard, key, kind id, index within kind)
@@ -79,7 +79,7 @@ def reshard_plan(tables: list[pa.Table], rank: int) -> ReshardPlan:
 
     mine = tables[rank].select(["role", "source", "shard", "key", "item_kind", "item_index",
                                 "consume_rank"]).to_pylist()
-    encoded = {(r["source"], r["shard"], r["key"], ENCODER_KINDS.index(r["item_kind"]),
+    encoded = {(r["source"], r["shard"], r["key"], MEDIA_KINDS.index(r["item_kind"]),
                 r["item_index"]): r["consume_rank"] for r in mine if r["role"] == "encode"}
     send = sorted((c, item) for item, e, c in pairs if e == rank)
     expected, send_pairs = {item for _, item in send}, set(send)
@@ -107,7 +107,7 @@ def local_reshard_plan(table: pa.Table, rank: int, world: int) -> ReshardPlan:
     for row in table.select(columns).to_pylist():
         if row["role"] == "encode":
             item = (row["source"], row["shard"], row["key"],
-                    ENCODER_KINDS.index(row["item_kind"]), row["item_index"])
+                    MEDIA_KINDS.index(row["item_kind"]), row["item_index"])
             first, span = row["consume_rank"], row["consume_span"] or 1
             send.update((c, item) for c in range(first, first + span))
             continue

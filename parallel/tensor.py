@@ -56,7 +56,7 @@ from torch.distributed.tensor.parallel import (
 
 from omniscale.backbone.decoder import MoEDecoder
 from omniscale.kernels.fused import addmm_wide_, default_chunk, mm_wide
-from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.layout import IGNORE_INDEX
 from omniscale.parallel.checkpointing import decoder_blocks, encoder_blocks, encoders, unwrap
 from omniscale.parallel.comm import all_reduce_, all_to_all_single, copy_to_group
 

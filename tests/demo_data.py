@@ -8,8 +8,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from omniscale.index_schema import INDEX_FILENAME
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import INDEX_FILENAME
 from omniscale.tools.demo import generate
 
 SCALE = "tiny"

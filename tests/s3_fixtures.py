@@ -10,7 +10,7 @@ have other names, so a test's parameters do not shadow the import)::
 is the same server with the fake credentials in the environment (as a real client finds
 real ones), faults and latency cleared and counters reset before and after the test.
 :func:`new_bucket` makes a bucket no other test uses, :func:`upload_tree` copies a local
-directory into a bucket prefix and returns its :class:`~dataplane.location.Location`.
+directory into a bucket prefix and returns its :class:`~omniscale.location.Location`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from omniscale.dataplane.location import Location
+from omniscale.location import Location
 from omniscale.tools.s3_server import REGION, S3Server
 
 _lock = threading.Lock()

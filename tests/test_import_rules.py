@@ -1,12 +1,13 @@
-"""DESIGN.md's import rules, checked on the source text (nothing is imported).
+"""The table of allowed imports between the project's packages (DESIGN.md's layout table),
+checked whole on the source text (nothing is imported).
 
-- model packages (`encoders/`, `backbone/`) never import torch.distributed: parallelism is
-  applied from outside by `parallel/`;
-- `balancer/` is pure array code: numpy, numba and the standard library only;
-- `dataplane/` reaches into `loaders/` only for the pure contract modules it plans from;
-- every import of the project's own code goes through the one installed name, `omniscale`
-  (`import dataplane` would load a second copy of the module from a checkout, and does not
-  exist in an installed wheel).
+Each package lists the project packages it may import and, for the packages that must stay
+light or pure, the third-party modules too. The root ``omniscale/`` holds the shared
+vocabulary (errors, sample refs, index schema, media kinds, geometry, layout, locations) and
+imports no other package of the project; every package may import it. Above the table:
+no folder cycles, and every import of the project's own code goes through the one installed
+name, ``omniscale`` (``import dataplane`` would load a second copy of a module from a checkout,
+and does not exist in an installed wheel).
 """
 
 from __future__ import annotations
@@ -20,7 +21,41 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dataplane", "loaders", "balancer", "encoders", "backbone", "parallel", "kernels",
             "tools")
-LOADERS_CONTRACT = {f"omniscale.loaders.{m}" for m in ("geometry", "layout", "index_schema")}
+VOCABULARY = "omniscale"  # the package root's own modules
+
+# package -> the project packages its modules may import (the vocabulary is always allowed).
+ALLOWED = {
+    VOCABULARY: set(),
+    "balancer": set(),
+    "kernels": set(),
+    "dataplane": {"balancer"},
+    "loaders": {"dataplane", "balancer"},
+    "encoders": {"kernels"},
+    "backbone": {"kernels", "encoders"},
+    "parallel": {"kernels", "encoders", "backbone"},
+    "tools": set(PACKAGES),
+}
+# Where a package may reach into another only through some of its modules.
+ONLY_THROUGH = {
+    # the client side of the plane, and the spec (``data index`` indexes a spec's sources)
+    ("loaders", "dataplane"): {"client", "local", "actions", "spec",
+                               # until the typed plan and the action registry land (#43)
+                               "server", "plan_table"},
+    ("loaders", "balancer"): {"types"},
+}
+# Third-party modules a package may import, for the packages held to a short list (the rest
+# may use any declared dependency); the standard library is always allowed.
+THIRD_PARTY = {
+    VOCABULARY: {"numpy", "pyarrow",
+                 "fsspec"},  # Location.filesystem opens an object store, imported when called
+    "balancer": {"numpy", "numba"},
+}
+# Never imported by these packages, whatever the table says.
+FORBIDDEN = {
+    # parallelism is applied from outside by parallel/ (torchtitan's rule)
+    "encoders": ("torch.distributed",),
+    "backbone": ("torch.distributed",),
+}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -31,45 +66,119 @@ def imported_modules(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            if node.module.count(".") < 2 and node.module.split(".")[0] == "omniscale":
+                # `from omniscale.dataplane import wire` imports omniscale.dataplane.wire
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
-def package_imports(package: str) -> dict[str, set[str]]:
-    return {str(p.relative_to(ROOT)): imported_modules(p)
-            for p in sorted((ROOT / package).rglob("*.py"))}
+def package_files(package: str) -> list[Path]:
+    if package == VOCABULARY:
+        # __main__ is the command's entry point (it starts the CLI), not vocabulary
+        return sorted(p for p in (ROOT / VOCABULARY).glob("*.py") if p.name != "__main__.py")
+    return sorted((ROOT / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("package", ["encoders", "backbone"])
-def test_model_packages_do_not_import_distributed(package):
-    offenders = {f: sorted(m for m in mods if m.startswith("torch.distributed"))
-                 for f, mods in package_imports(package).items()}
-    assert not {f: m for f, m in offenders.items() if m}
+def project_target(module: str) -> tuple[str, str] | None:
+    """``omniscale.loaders.chunks`` -> ("loaders", "chunks"); a vocabulary module ->
+    ("omniscale", name); not the project's -> None."""
+    parts = module.split(".")
+    if parts[0] != "omniscale":
+        return None
+    if len(parts) == 1 or parts[1] not in PACKAGES:
+        return VOCABULARY, parts[1] if len(parts) > 1 else ""
+    return parts[1], parts[2] if len(parts) > 2 else ""
 
 
-def test_balancer_is_pure_array_code():
-    allowed_third_party = {"numpy", "numba"}
+def violations(package: str) -> dict[str, list[str]]:
     stdlib = set(sys.stdlib_module_names)
-    bad = {}
-    for f, mods in package_imports("balancer").items():
-        wrong = sorted({m.split(".")[0] for m in mods if not m.startswith("omniscale.")}
-                       - stdlib - allowed_third_party)
-        wrong += sorted(m for m in mods if m.startswith("omniscale.")
-                        and not m.startswith("omniscale.balancer"))
+    bad: dict[str, list[str]] = {}
+    for path in package_files(package):
+        wrong = []
+        for module in sorted(imported_modules(path)):
+            target = project_target(module)
+            if target is None:
+                top = module.split(".")[0]
+                if package in THIRD_PARTY and top not in stdlib | THIRD_PARTY[package]:
+                    wrong.append(module)
+                if any(module == f or module.startswith(f + ".")
+                       for f in FORBIDDEN.get(package, ())):
+                    wrong.append(module)
+                continue
+            to, submodule = target
+            if to in (package, VOCABULARY):
+                continue
+            if to not in ALLOWED[package]:
+                wrong.append(module)
+            elif (package, to) in ONLY_THROUGH and submodule not in ONLY_THROUGH[package, to]:
+                wrong.append(module)
         if wrong:
-            bad[f] = wrong
-    assert not bad
+            bad[str(path.relative_to(ROOT))] = wrong
+    return bad
 
 
-def test_dataplane_uses_only_the_loaders_contract():
-    bad = {}
-    for f, mods in package_imports("dataplane").items():
-        # `from omniscale.loaders.x import y` also records `...x.y`; judge the module part only.
-        wrong = sorted(m for m in mods if m.startswith("omniscale.loaders")
-                       and not any(m == c or m.startswith(c + ".") for c in LOADERS_CONTRACT))
-        if wrong:
-            bad[f] = wrong
-    assert not bad
+@pytest.mark.parametrize("package", [VOCABULARY, *PACKAGES])
+def test_package_imports_only_what_the_table_allows(package):
+    assert violations(package) == {}
+
+
+def test_the_table_catches_a_forbidden_import(tmp_path, monkeypatch):
+    # the check itself must fail on a break: a backbone module reaching into the plane
+    fake = tmp_path / "backbone"
+    fake.mkdir()
+    (fake / "bad.py").write_text("from omniscale.dataplane.plane import DataPlane\n"
+                                 "import torch.distributed as dist\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert violations("backbone") == {
+        "backbone/bad.py": ["omniscale.dataplane.plane", "torch.distributed"]}
+
+
+def folder_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for package in (VOCABULARY, *PACKAGES):
+        edges = set()
+        for path in package_files(package):
+            for module in imported_modules(path):
+                target = project_target(module)
+                if target and target[0] != package:
+                    edges.add(target[0])
+        graph[package] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of the directed graph as a path that ends where it starts, or []."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in done:
+                found = visit(nxt, [*path, nxt])
+                if found:
+                    return found
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        found = visit(node, [node])
+        if found:
+            return found
+    return []
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_no_folder_cycles():
+    assert find_cycle(folder_graph()) == []
+
+
+def test_the_table_itself_has_no_cycle():
+    assert find_cycle({p: q - {p} for p, q in ALLOWED.items()}) == []
 
 
 def test_every_design_package_exists():

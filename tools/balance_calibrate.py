@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from omniscale.balancer.cost import fit, nonnegative_lstsq
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 MIN_SEQ = 16  # the shortest sequence of the grid (tokens)
 
@@ -230,7 +230,7 @@ def plane_costs(path: str | Path) -> dict:
     """``PlaneConfig`` arguments from a calibration file: ``cost_linear``, ``cost_quadratic``
     and ``costs`` (every kind's α, β, γ in seconds, a micro-batch's fixed cost). One line
     naming the file on a bad one."""
-    from omniscale.balancer.types import ENCODER_KINDS
+    from omniscale.media import MEDIA_KINDS
 
     try:
         doc = json.loads(Path(path).read_text())
@@ -238,7 +238,7 @@ def plane_costs(path: str | Path) -> dict:
         costs = {"llm": llm, "micro_batch": float(doc["llm"].get("per_micro_batch", 0.0)),
                  **{k: float(v) for k, v in doc.get("collectives", {}).items()
                     if k in ("sp_comm_per_token", "reshard_per_token")}}
-        for kind in ENCODER_KINDS:
+        for kind in MEDIA_KINDS:
             e = doc.get("encoders", {}).get(kind)
             costs[kind] = [float(e[k]) for k in ("alpha", "beta", "gamma")] if e else \
                 [0.0, 0.0, 0.0]

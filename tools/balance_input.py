@@ -17,8 +17,9 @@ import pyarrow.compute as pc
 
 from omniscale.balancer.distributions import DISTRIBUTIONS, generate
 from omniscale.balancer.stream import steps_by_count, steps_by_tokens, take
-from omniscale.balancer.types import ENCODER_KINDS, WindowSamples
-from omniscale.dataplane.errors import UserError
+from omniscale.balancer.types import WindowSamples
+from omniscale.errors import UserError
+from omniscale.media import MEDIA_KINDS
 
 PATCHES_PER_TOKEN = 4  # 2×2 spatial merge
 FRAMES_PER_TOKEN = 4  # mel frames per audio token
@@ -101,7 +102,7 @@ def _with_items(path: Path, table: pa.Table, tokens_N: np.ndarray,
         within = np.arange(len(sizes)) - np.repeat(np.cumsum(count_N) - count_N, count_N)
         at = np.repeat(before_N, count_N) + within
         size_M[at] = sizes
-        kind_M[at] = ENCODER_KINDS.index(kind)
+        kind_M[at] = MEDIA_KINDS.index(kind)
         item_tokens_M[at] = np.maximum(1, sizes // per_token)
         before_N += count_N
     return WindowSamples(tokens_N=tokens_N, source_N=np.zeros(n, np.int32),

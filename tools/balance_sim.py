@@ -33,7 +33,7 @@ from omniscale.balancer.simulate import (
 )
 from omniscale.balancer.split import largest_sp_size
 from omniscale.balancer.types import PlannerConfig, WindowSamples
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.balance_input import drawn_stream, load_lengths, step_offsets
 
 DEFAULT_STEPS = 16

@@ -1,6 +1,6 @@
 """The ``omniscale`` command line.
 
-Every subcommand turns a :class:`dataplane.errors.UserError` into one line on stderr and a
+Every subcommand turns a :class:`omniscale.errors.UserError` into one line on stderr and a
 non-zero exit; anything else is a bug and keeps its traceback.
 """
 
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 EXIT_USER_ERROR = 2
 EXIT_CORRUPT = 3  # index written, but some members were corrupt and are marked in it
@@ -26,8 +26,8 @@ def _data_demo(args: argparse.Namespace) -> int:
 
 
 def _data_index(args: argparse.Namespace) -> int:
-    from omniscale.dataplane.location import check_storage_options
     from omniscale.loaders.index import index_paths
+    from omniscale.location import check_storage_options
 
     options = None
     if args.storage_options is not None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location, check_storage_options, is_url
 from omniscale.dataplane.spec import load_spec
+from omniscale.errors import UserError
+from omniscale.location import Location, check_storage_options, is_url
 
 
 def copy_specs(specs: list[str | Path], to: str, storage_options: dict | None = None,

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from omniscale.dataplane.schedule import Schedule
 from omniscale.dataplane.spec import MixSpec, load_spec
-from omniscale.loaders.index_schema import read_index
+from omniscale.index_schema import read_index
 
 COLUMNS = ["text_tokens", "image_patches", "video_patches", "audio_frames", "llm_tokens",
            "error"]

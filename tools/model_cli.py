@@ -7,7 +7,7 @@ and tokenizer files: ``model.init_from.backbone: INIT`` then loads it on any num
 each rank reading only its own shards (the DCP planner slices the files), which is faster than
 every rank reading every tensor of the safetensors for a large model. The checkpoint's
 ``tokenizer.json`` is written with the special tokens our sequences need
-(``loaders.layout.SPECIAL_TOKENS``: pad, eos, the media markers) added where it lacks them,
+(``omniscale.layout.SPECIAL_TOKENS``: pad, eos, the media markers) added where it lacks them,
 after its own ids; the vocabulary then grows to hold them (rounded up to 64, as a run sizes
 it), the new embedding and head rows the mean of the old. Point the mixing spec's
 ``tokenizer:`` at ``INIT/tokenizer.json`` and index with it.
@@ -32,7 +32,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 TOWERS = "omniscale_towers.json"
 
@@ -41,7 +41,7 @@ def model_info(path: str | Path) -> dict:
     """Parameters, active parameters, layers, experts and the balancer's cost coefficients of
     the decoder in a Hugging Face checkpoint directory (its config only: no weights read)."""
     from omniscale.backbone.hf import config_from_hf
-    from omniscale.backbone.hf_files import CONFIG, read_config
+    from omniscale.encoders.hf_files import CONFIG, read_config
 
     hf = read_config(path)
     config = config_from_hf(hf, Path(path) / CONFIG)
@@ -65,7 +65,7 @@ def import_hf(path: str | Path, out: str | Path, vocab_size: int | None = None) 
     import shutil
 
     from omniscale.backbone.hf import from_hf
-    from omniscale.backbone.hf_files import CONFIG, IMPORTED, new_directory, read_config
+    from omniscale.encoders.hf_files import CONFIG, IMPORTED, new_directory, read_config
     from omniscale.parallel.dcp import save
 
     with new_directory(out) as tmp:
@@ -88,7 +88,7 @@ def with_special_tokens(path: Path) -> int:
     it lacks, after its own ids; returns how many ids it then has."""
     from tokenizers import AddedToken, Tokenizer
 
-    from omniscale.loaders.layout import SPECIAL_TOKENS
+    from omniscale.layout import SPECIAL_TOKENS
 
     try:
         tokenizer = Tokenizer.from_file(str(path))
@@ -109,7 +109,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None) -> 
     import torch  # here, not at the top: every `omniscale` command builds this parser
 
     from omniscale.backbone.hf import config_to_hf, hf_tensors
-    from omniscale.backbone.hf_files import write_checkpoint_dir
+    from omniscale.encoders.hf_files import write_checkpoint_dir
     from omniscale.loaders.decode_text import load_tokenizer
     from omniscale.tools.train import checkpoint
     from omniscale.tools.train.build import build_model, model_config

@@ -8,8 +8,8 @@ import signal
 import sys
 import threading
 
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane_config import POLICIES
+from omniscale.errors import UserError
 
 
 def add_commands(commands) -> None:

@@ -9,7 +9,7 @@ A reference is one of
 - a ``data:`` URL (``data:image/png;base64,...``) or inline base64 (OpenAI's ``input_audio``).
 
 Bytes are kept as they are, never re-encoded. The member's extension is the reference's own,
-lowercased, when the layout knows it for the item's kind (``loaders.layout``); an extension it
+lowercased, when the layout knows it for the item's kind (``omniscale.layout``); an extension it
 does not know (or none: a data URL, a URL without one) is told from the bytes' signature.
 """
 
@@ -25,13 +25,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from omniscale.layout import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS, member_kind
 from omniscale.loaders.importers.records import (
     MISSING_MEDIA,
     UNREADABLE_MEDIA,
     UNSUPPORTED_MEDIA,
     Skip,
 )
-from omniscale.loaders.layout import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS, member_kind
 
 KIND_EXTS = {"image": IMAGE_EXTS, "video": VIDEO_EXTS, "audio": AUDIO_EXTS}
 TAR_MEMBER = re.compile(r"^(.+?\.tar)#(.+)$")

@@ -15,10 +15,10 @@ Tool calls and tool results are not conversations this form holds: such a record
 
 from __future__ import annotations
 
-from omniscale.loaders.conversation import MEDIA_KINDS
 from omniscale.loaders.importers.form import Conversation, conversation, expect_object, type_name
 from omniscale.loaders.importers.media import MediaRef, inline
 from omniscale.loaders.importers.records import MALFORMED, UNKNOWN_ROLE, Skip
+from omniscale.media import MEDIA_KINDS
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.loaders.importers.convert import FORMATS, FileResult, FileTask, convert_file
 
 MANIFEST = "_import.json"

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 
-from omniscale.loaders.conversation import MEDIA_KINDS
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, count_markers
 from omniscale.loaders.importers.form import Conversation, conversation, expect_object, type_name
 from omniscale.loaders.importers.media import MediaRef
 from omniscale.loaders.importers.records import MALFORMED, MARKERS, UNKNOWN_ROLE, Skip
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, count_markers
+from omniscale.media import MEDIA_KINDS
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "system": "system"}

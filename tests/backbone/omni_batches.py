@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omniscale.geometry import MediaGeometry, audio_tokens, vision_tokens
 from omniscale.loaders.collate import PackedBatch, collate
 from omniscale.loaders.decode_audio import decode_audio
 from omniscale.loaders.decode_image import decode_image
 from omniscale.loaders.decode_text import load_tokenizer, tokenize
 from omniscale.loaders.decode_video import decode_video
-from omniscale.loaders.geometry import MediaGeometry, audio_tokens, vision_tokens
 from omniscale.loaders.sequence import DecodedSample, ItemSlot, MediaItem, build_sequence
 from omniscale.tools.demo import audio as demo_audio
 from omniscale.tools.demo import image as demo_image

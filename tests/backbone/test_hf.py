@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omniscale.backbone.hf import from_hf
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from omniscale.backbone.config import ModelConfig
 from omniscale.backbone.omni import OmniModel, scatter_media
 from omniscale.encoders.audio import AudioConfig
 from omniscale.encoders.vision import VisionConfig
-from omniscale.loaders.geometry import audio_tokens, vision_tokens
+from omniscale.geometry import audio_tokens, vision_tokens
 from tests.backbone.omni_batches import GEOMETRY, batch, decoded, render, text_sample, tokenizer
 
 KINDS = ["image", "video", "audio", "image", "video", "audio", "image"]

@@ -162,7 +162,7 @@ def test_lognormal_is_clipped_long_tail():
 
 
 def test_smart_resize_matches_the_loaders_geometry():
-    from omniscale.loaders.geometry import smart_resize as reference
+    from omniscale.geometry import smart_resize as reference
 
     rng = np.random.default_rng(0)
     h_K, w_K = rng.integers(20, 4000, 300), rng.integers(20, 4000, 300)

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from omniscale.loaders.index_schema import INDEX_SCHEMA, INDEX_VERSION, METADATA_KEY, index_path
+from omniscale.index_schema import INDEX_SCHEMA, INDEX_VERSION, METADATA_KEY, index_path
 
 
 def rows(shard: str, tokens: list[int], corrupt: frozenset[int] = frozenset()) -> list[dict]:

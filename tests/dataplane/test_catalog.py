@@ -11,9 +11,9 @@ import pytest
 
 import omniscale.dataplane.catalog as catalog_module
 from omniscale.dataplane.catalog import Catalog, SourceState
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import load_spec
-from omniscale.loaders.index_schema import METADATA_KEY, index_path, read_index
+from omniscale.errors import UserError
+from omniscale.index_schema import METADATA_KEY, index_path, read_index
 from tests.dataplane.plane_index import random_source, rows, write_index
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from omniscale.dataplane.corrupt import CorruptLedger, ref_from_json, ref_to_json, replacement_room
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
-from omniscale.dataplane.refs import SampleRef, table_to_refs
+from omniscale.refs import SampleRef, table_to_refs
 from omniscale.tools.bench.plane_data import write_spec
 from tests.dataplane.plane_index import rows, write_index
 from tests.dataplane.plane_steps import commit_step

@@ -10,11 +10,11 @@ import pytest
 from omniscale.dataplane import local
 from omniscale.dataplane.client import PlaneClient, PlaneError
 from omniscale.dataplane.embedded import start_embedded
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.local import LocalPlaneClient, connect
 from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.server import Reason
+from omniscale.errors import UserError
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2, snapshot_every=4)

@@ -18,7 +18,7 @@ from omniscale.dataplane.catalog import Catalog, SourceState
 from omniscale.dataplane.mixer import Mixer, MixtureExhausted
 from omniscale.dataplane.schedule import Schedule, Segment
 from omniscale.dataplane.spec import load_spec
-from omniscale.loaders.index_schema import read_index
+from omniscale.index_schema import read_index
 from tests.dataplane.plane_index import random_source, rows, write_index
 
 SIZES = {"a": (3, 20, 60), "b": (2, 30, 400), "c": (4, 10, 5), "d": (1, 50, 1000)}

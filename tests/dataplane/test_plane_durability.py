@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from omniscale.dataplane.audit import audit_state_dir
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.server import RequestError
+from omniscale.errors import UserError
 from tests.dataplane.plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -331,7 +331,7 @@ def test_random_kills_truncations_and_flips_never_lose_a_committed_step(demo, tm
 def test_audit_mid_epoch_accounts_for_every_sample_ahead_of_the_cursor(demo, tmp_path):
     """Mid-epoch, "missing 0" must mean something: every servable sample of the epoch is
     committed, in flight or still ahead of the cursor -- counted from the index here."""
-    from omniscale.loaders.index_schema import read_index
+    from omniscale.index_schema import read_index
 
     trained(demo, tmp_path, 6)
     report = audit_state_dir(tmp_path)

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from omniscale.dataplane.client import PlaneClient, PlaneError
-from omniscale.loaders.index_schema import read_index
+from omniscale.index_schema import read_index
 from tests.dataplane.plane_steps import commit_step
 from tests.demo_data import copy_demo
 from tests.procs import Proc as _Proc

@@ -20,9 +20,9 @@ import pytest
 from omniscale.dataplane import wire
 from omniscale.dataplane.auth import TLS_ROOT_ENV, TOKEN_ENV, check_bind, resolve_token
 from omniscale.dataplane.client import PlaneClient, PlaneError, _lane_reply
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.lane import LANE_OK, LANE_REFUSED, LaneLimits, lane_frame
 from omniscale.dataplane.server import PlaneServer
+from omniscale.errors import UserError
 from omniscale.tools.cli import build_parser, main
 from omniscale.tools.plane_cli import token_from
 from tests.procs import Proc

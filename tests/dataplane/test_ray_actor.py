@@ -17,9 +17,9 @@ import pytest
 import ray
 
 from omniscale.dataplane.client import PlaneClient
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.ray_actor import start_on_ray
+from omniscale.errors import UserError
 from omniscale.loaders.ray_cluster import job_namespace
 from omniscale.tools.train.loop import plane_ray_namespace
 from tests.dataplane.plane_steps import commit_step

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from omniscale.dataplane.refs import REF_SCHEMA, SampleRef, refs_to_table, table_to_refs
+from omniscale.refs import REF_SCHEMA, SampleRef, refs_to_table, table_to_refs
 
 
 def test_refs_round_trip_through_arrow_ipc():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import SpecError, load_spec, parse_spec
+from omniscale.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 

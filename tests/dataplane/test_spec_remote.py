@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omniscale.dataplane.location import Location, is_url
 from omniscale.dataplane.spec import SpecError, load_spec
+from omniscale.location import Location, is_url
 from tests.dataplane.test_spec import BASE, write
 
 REMOTE = {"name": "web", "path": "s3://corpus/web/", "format": "webdataset",

@@ -11,8 +11,8 @@ import pytest
 
 from omniscale.dataplane import wire
 from omniscale.dataplane.client import PlaneClient, PlaneError
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.server import PlaneServer, RequestError, is_loopback
+from omniscale.errors import UserError
 
 
 class EchoService:

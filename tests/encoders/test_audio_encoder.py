@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
+from omniscale.geometry import MediaGeometry, audio_tokens
 from omniscale.loaders.decode_audio import decode_audio
-from omniscale.loaders.geometry import MediaGeometry, audio_tokens
 from omniscale.tools.demo import audio as demo_audio
 
 OUT = 48

@@ -2,7 +2,7 @@
 tiny models built by transformers and saved with ``save_pretrained`` give, in our encoder, what
 transformers gives on the same log-mel input (fp32; two clips packed in one call): Whisper's
 ``last_hidden_state``, and Qwen2-Audio's tower + projector. The Whisper layout keeps the token
-count of ``loaders.geometry.audio_tokens`` for clips of any length, and broken checkpoints are
+count of ``omniscale.geometry.audio_tokens`` for clips of any length, and broken checkpoints are
 one line naming the file and the tensor."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from omniscale.dataplane.errors import UserError
 from omniscale.encoders.audio import AudioConfig, AudioEncoder, pool_pairs
 from omniscale.encoders.hf import audio_from_hf, audio_to_hf_state
-from omniscale.loaders.geometry import audio_tokens
+from omniscale.errors import UserError
+from omniscale.geometry import audio_tokens
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from omniscale.dataplane.errors import UserError
 from omniscale.encoders.hf import vision_from_hf, vision_to_hf_state
 from omniscale.encoders.vision import VisionEncoder
+from omniscale.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from omniscale.encoders.vision import VisionConfig, VisionEncoder
+from omniscale.encoders.vision_input import vision_patches
+from omniscale.geometry import MediaGeometry, vision_tokens
 from omniscale.loaders.decode_image import decode_image
-from omniscale.loaders.geometry import MediaGeometry, vision_tokens
-from omniscale.loaders.pixels import vision_patches
 from omniscale.tools.demo import image as demo_image
 
 G = MediaGeometry()

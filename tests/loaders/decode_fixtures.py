@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omniscale.dataplane.refs import SampleRef
 from omniscale.dataplane.spec import MixSpec
+from omniscale.geometry import MediaGeometry
+from omniscale.index_schema import read_index
 from omniscale.loaders.decode import SampleDecoder
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.index_schema import read_index
 from omniscale.loaders.readers import SampleReader
 from omniscale.loaders.tar_scan import scan_tar
+from omniscale.refs import SampleRef
 
 
 def demo_decoder(spec: MixSpec, max_open: int = 16) -> SampleDecoder:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omniscale.loaders.geometry import (
+from omniscale.geometry import (
     MediaGeometry,
     audio_tokens,
     image_grid,
@@ -20,7 +20,7 @@ from omniscale.loaders.geometry import (
     video_grid,
     vision_tokens,
 )
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, media_order, member_kind
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, media_order, member_kind
 
 
 def full_decode_features(kind: str, data: bytes, g: MediaGeometry) -> tuple[int, int]:

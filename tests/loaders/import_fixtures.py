@@ -8,8 +8,8 @@ import tarfile
 import wave
 from pathlib import Path
 
+from omniscale.layout import member_kind
 from omniscale.loaders.conversation import load_sample
-from omniscale.loaders.layout import member_kind
 from omniscale.loaders.tar_scan import scan_tar
 
 

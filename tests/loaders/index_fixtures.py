@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omniscale.loaders.layout import SPECIAL_TOKENS
+from omniscale.layout import SPECIAL_TOKENS
 
 SENTENCES = [
     "a photo of a cat sitting on a red chair",
@@ -20,7 +20,7 @@ SENTENCES = [
 
 
 def write_tokenizer(path: Path) -> Path:
-    """A tiny byte-level BPE tokenizer whose special tokens are loaders.layout's."""
+    """A tiny byte-level BPE tokenizer whose special tokens are omniscale.layout's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -11,9 +11,9 @@ import yaml
 
 from omniscale.dataplane.plan_table import plan_metadata
 from omniscale.dataplane.plane import PlaneConfig
-from omniscale.dataplane.refs import table_to_refs
 from omniscale.dataplane.spec import MixSpec, load_spec
 from omniscale.loaders.collate import PackedBatch, collate
+from omniscale.refs import table_to_refs
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2, snapshot_every=4)

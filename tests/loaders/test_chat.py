@@ -14,14 +14,13 @@ import torch
 import yaml
 from PIL import Image
 
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import SpecError, load_spec
-from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.errors import UserError
+from omniscale.index_schema import read_index
+from omniscale.layout import IGNORE_INDEX, SPECIAL_TOKENS
 from omniscale.loaders.chat import CHATML, ChatFormat, chat_format, flatten, render
 from omniscale.loaders.decode import SampleDecoder
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import read_index
-from omniscale.loaders.layout import SPECIAL_TOKENS
 from omniscale.loaders.readers import SampleReader
 from omniscale.loaders.token_ids import TokenIds
 from tests.loaders.decode_fixtures import ref_of

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from omniscale.geometry import MediaGeometry
 from omniscale.loaders.assemble import DecodedStep, StepAssembler, sample_id
 from omniscale.loaders.chunks import decode_chunk, plan_chunks
 from omniscale.loaders.errors import CorruptSample
-from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.sequence import DecodedSample, MediaItem
 from omniscale.loaders.transfer import pack, unpack
 from omniscale.loaders.worker import Decoded

@@ -15,18 +15,18 @@ import torch
 
 from omniscale.dataplane.plan_table import item_kinds
 from omniscale.dataplane.spec import load_spec
-from omniscale.loaders.decode import DecodeNeed
-from omniscale.loaders.decode_audio import decode_audio
-from omniscale.loaders.decode_image import decode_image
-from omniscale.loaders.decode_video import _decord_frames, _pyav_frames, decode_video
-from omniscale.loaders.errors import CorruptSample
-from omniscale.loaders.geometry import (
+from omniscale.geometry import (
     MediaGeometry,
     audio_mel_frames,
     audio_samples,
     audio_tokens,
     vision_tokens,
 )
+from omniscale.loaders.decode import DecodeNeed
+from omniscale.loaders.decode_audio import decode_audio
+from omniscale.loaders.decode_image import decode_image
+from omniscale.loaders.decode_video import _decord_frames, _pyav_frames, decode_video
+from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.probe import Corrupt, probe_video
 from omniscale.loaders.sequence import KINDS
 from tests.loaders.decode_fixtures import demo_decoder, hand_decoder, refs_of, tar_refs
@@ -106,7 +106,7 @@ def test_pyav_fallback_frames_are_each_frames_own_reformat():
     ``reformat`` gives (clips of different sizes in turn)."""
     import av
 
-    from omniscale.loaders.geometry import video_frame_indices
+    from omniscale.geometry import video_frame_indices
 
     g = MediaGeometry(patch_size=8, max_pixels=64 * 64, min_pixels=16 * 16,
                       video_max_pixels=64 * 64)
@@ -163,8 +163,8 @@ def test_clips_decode_at_target_size_within_tolerance_of_a_full_size_decode(demo
     import av
     from PIL import Image
 
+    from omniscale.geometry import video_frame_indices, video_resize
     from omniscale.loaders.decode_image import resize_rgb
-    from omniscale.loaders.geometry import video_frame_indices, video_resize
     from omniscale.loaders.readers import SampleReader
 
     spec = load_spec(demo_root / "mix.yaml")

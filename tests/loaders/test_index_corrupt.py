@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from omniscale.dataplane.errors import UserError
-from omniscale.loaders.geometry import MediaGeometry
+from omniscale.errors import UserError
+from omniscale.geometry import MediaGeometry
+from omniscale.index_schema import read_index
 from omniscale.loaders.index import index_paths, index_source
-from omniscale.loaders.index_schema import read_index
 from tests.loaders.index_fixtures import (
     audio_bytes,
     caption_members,

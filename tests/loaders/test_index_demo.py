@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from omniscale.dataplane.spec import load_spec
+from omniscale.index_schema import read_index, read_index_metadata, read_shard
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import read_index, read_index_metadata, read_shard
 from tests.demo_data import copy_demo
 from tests.loaders.decode_oracle import assert_row_matches_full_decode, text_tokens_of
 

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from omniscale.loaders.geometry import MediaGeometry
+from omniscale.geometry import MediaGeometry
+from omniscale.index_schema import read_index
 from omniscale.loaders.index import index_source
-from omniscale.loaders.index_schema import read_index
 from tests.loaders.decode_oracle import assert_row_matches_full_decode, text_tokens_of
 from tests.loaders.index_fixtures import (
     audio_bytes,

@@ -9,9 +9,9 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from omniscale.loaders.geometry import MediaGeometry
+from omniscale.geometry import MediaGeometry
+from omniscale.index_schema import index_path, read_index, read_index_metadata
 from omniscale.loaders.index import index_source
-from omniscale.loaders.index_schema import index_path, read_index, read_index_metadata
 from tests.loaders.index_fixtures import (
     audio_bytes,
     caption_members,

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.loaders.index import index_paths
 from omniscale.tools.cli import build_parser
 from tests.loaders.index_fixtures import (

@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location
+from omniscale.errors import UserError
+from omniscale.index_schema import read_index, read_index_metadata
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import read_index, read_index_metadata
 from omniscale.loaders.ranged_file import MemberFile, RangedFile
+from omniscale.location import Location
 from omniscale.tools.cli import main
 from omniscale.tools.s3_server import S3Server
 from tests.loaders.index_fixtures import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import textwrap
 
+from omniscale.index_schema import read_index_metadata
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import read_index_metadata
 from omniscale.loaders.text_cost import tokenizer_fingerprint
 from tests.loaders.index_fixtures import (
     caption_members,

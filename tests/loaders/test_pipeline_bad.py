@@ -15,10 +15,10 @@ import pytest
 from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.plane import DataPlane
+from omniscale.index_schema import index_path, read_index
 from omniscale.loaders.decode import SampleDecoder
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import index_path, read_index
 from omniscale.loaders.pipeline import RankLoader
 from tests.loaders.index_fixtures import image_bytes, write_tar
 from tests.loaders.pipeline_fixtures import (

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.pixels import pixel_rows, vision_patches
+from omniscale.encoders.vision_input import vision_patches
+from omniscale.geometry import MediaGeometry
+from omniscale.loaders.pixels import pixel_rows
 
 G = MediaGeometry(patch_size=2, merge_size=2, temporal_patch_size=2, min_pixels=16,
                   max_pixels=64)

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from omniscale.loaders.geometry import MediaGeometry
+from omniscale.geometry import MediaGeometry
 from omniscale.loaders.probe import Corrupt, decode_text, probe_audio, probe_image, probe_video
 from tests.loaders.index_fixtures import audio_bytes, image_bytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.loaders.ray_cluster import PoolPlan, job_namespace, plan_pools, replan
 
 COSTS = {"text": 0.001, "image": 0.004, "video": 0.05}

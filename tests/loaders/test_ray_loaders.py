@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import ray
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.loaders.ray_cluster import size_pools
 from omniscale.loaders.ray_loaders import RayRankLoader, measure_costs
 from omniscale.loaders.worker import decoder_spec

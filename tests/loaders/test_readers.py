@@ -9,11 +9,11 @@ import tarfile
 import pyarrow.parquet as pq
 import pytest
 
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import load_spec
+from omniscale.errors import UserError
+from omniscale.index_schema import read_index
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import read_index
 from omniscale.loaders.readers import SampleReader
 from tests.loaders.decode_fixtures import ref_of, refs_of
 from tests.loaders.index_fixtures import write_jsonl, write_tokenizer

@@ -12,7 +12,6 @@ import tarfile
 
 import pytest
 
-from omniscale.dataplane.location import Location
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.readers import SampleReader
 from omniscale.loaders.remote_cache import (
@@ -21,6 +20,7 @@ from omniscale.loaders.remote_cache import (
     CacheConfig,
     Prefetcher,
 )
+from omniscale.location import Location
 from tests.loaders.decode_fixtures import refs_of, tar_refs
 from tests.loaders.index_fixtures import write_tar
 from tests.s3_fixtures import (  # noqa: F401 -- fixtures

@@ -13,8 +13,6 @@ import time
 import pytest
 import torch
 
-from omniscale.dataplane.location import Location
-from omniscale.dataplane.refs import SampleRef
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.chunks import ChunkWork
 from omniscale.loaders.errors import CorruptSample
@@ -22,6 +20,8 @@ from omniscale.loaders.readers import RawSample, SampleReader
 from omniscale.loaders.remote_io import RemoteSettings, classify, coalesce, scrub
 from omniscale.loaders.transfer import pack, unpack
 from omniscale.loaders.worker import DecodedList, RefDataset, TimedDecoder, decoder_spec
+from omniscale.location import Location
+from omniscale.refs import SampleRef
 from tests.loaders.decode_fixtures import refs_of
 from tests.s3_fixtures import (  # noqa: F401 -- fixtures
     new_bucket,

@@ -13,11 +13,11 @@ import yaml
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import SpecError, load_spec
+from omniscale.errors import UserError
+from omniscale.index_schema import read_index
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import read_index
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.token_ids import check_tokenizer
 from tests.loaders.decode_fixtures import demo_decoder, ref_of
 

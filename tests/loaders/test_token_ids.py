@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import load_spec
+from omniscale.errors import UserError
+from omniscale.index_schema import METADATA_KEY, index_path
 from omniscale.loaders.decode import SampleDecoder
 from omniscale.loaders.decode_text import load_tokenizer
-from omniscale.loaders.index_schema import METADATA_KEY, index_path
 from omniscale.loaders.readers import SampleReader
 from omniscale.loaders.token_ids import TokenIds, check_tokenizer
 from tests.demo_data import copy_demo

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from omniscale.dataplane.refs import SampleRef
 from omniscale.loaders.worker import TimedDecoder
+from omniscale.refs import SampleRef
 
 
 class _Reader:

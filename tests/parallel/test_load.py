@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from omniscale.backbone.hf import config_from_hf, from_hf
-from omniscale.backbone.hf_files import CheckpointDir
+from omniscale.encoders.hf_files import CheckpointDir
 from tests.parallel.multiproc import run_ranks
 
 transformers = pytest.importorskip("transformers")

@@ -32,7 +32,7 @@ CASES = {
 def _tables(world):
     from omniscale.balancer.types import StepPlan
     from omniscale.dataplane.plan_table import rank_tables
-    from omniscale.dataplane.refs import SampleRef
+    from omniscale.refs import SampleRef
 
     samples, rows, encode = CASES[world]
     refs = [SampleRef(0, "src", "shard", f"k{i}", 0, 1, image_patches=(4,) * im,

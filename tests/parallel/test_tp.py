@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from omniscale.kernels.fused import CPU_CHUNK_ROWS
-from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.layout import IGNORE_INDEX
 from omniscale.parallel.tensor import apply_tp
 from tests.parallel.dist_models import CONFIG, assert_grads_close, parallel_step, reference
 from tests.parallel.multiproc import run_ranks

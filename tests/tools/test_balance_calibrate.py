@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from omniscale.balancer.cost import fit, nonnegative_lstsq
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane_config import PlaneConfig
+from omniscale.errors import UserError
 from omniscale.tools.balance_calibrate import backbone_fit, backbone_mixes, calibrate, plane_costs
 
 TRUE = (5e-5, 1e-8, 2e-4, 2e-2)  # α per token, β per token², γ per sequence, δ per micro-batch

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.bench import all as bench_all
 from omniscale.tools.bench.all import BENCHES, Bench, Goal, Metric, headline_rows, markdown_table
 from tests.tools.test_balance_sim import assert_fair_comparison

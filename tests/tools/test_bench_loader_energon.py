@@ -39,11 +39,11 @@ def data(demo_root, tmp_path_factory) -> Path:
 
 
 def test_energon_batches_are_our_decoding_of_the_same_samples(data, monkeypatch):
-    from omniscale.dataplane.refs import SampleRef
     from omniscale.dataplane.spec import load_spec
     from omniscale.loaders.collate import collate
     from omniscale.loaders.decode import SampleDecoder
     from omniscale.loaders.readers import RawSample, SampleReader
+    from omniscale.refs import SampleRef
     from omniscale.tools.bench.loader import demo_spec
 
     spec_path = demo_spec(data, "image")

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.embedded import start_embedded
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane_config import PlaneConfig
+from omniscale.errors import UserError
 from omniscale.parallel import load_checkpoint
 from omniscale.tools.cli import main
 from omniscale.tools.train import checkpoint

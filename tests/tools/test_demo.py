@@ -20,16 +20,16 @@ import yaml
 from PIL import Image
 from tokenizers import Tokenizer
 
-from omniscale.dataplane.errors import UserError
-from omniscale.loaders.conversation import load_sample
-from omniscale.loaders.geometry import MediaGeometry
-from omniscale.loaders.layout import (
+from omniscale.errors import UserError
+from omniscale.geometry import MediaGeometry
+from omniscale.layout import (
     DEFAULT_SPECIAL_TOKENS,
     SPECIAL_TOKENS,
     count_markers,
     media_order,
     split_member_name,
 )
+from omniscale.loaders.conversation import load_sample
 from omniscale.tools.demo import Plan, audio, build, generate, scenes, text
 from omniscale.tools.demo.dataset import _ranges
 

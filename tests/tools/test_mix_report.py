@@ -13,8 +13,8 @@ import pytest
 import yaml
 from rich.console import Console
 
-from omniscale.dataplane.errors import UserError
-from omniscale.loaders.index_schema import INDEX_SCHEMA, index_path
+from omniscale.errors import UserError
+from omniscale.index_schema import INDEX_SCHEMA, index_path
 from omniscale.tools.mix_report import inspect_spec
 
 REPO = Path(__file__).resolve().parents[2]

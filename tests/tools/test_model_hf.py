@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from omniscale.backbone.hf_files import CheckpointDir
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import load_spec
+from omniscale.encoders.hf_files import CheckpointDir
+from omniscale.errors import UserError
 from omniscale.tools.cli import main
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.build import build_model, model_config
@@ -160,8 +160,8 @@ def test_a_run_starts_from_the_checkpoint_s_weights(demo, qwen3_moe, towers, tmp
     # its tokenizer gained our special tokens after its own ids, which keep their meaning
     from tokenizers import Tokenizer
 
+    from omniscale.layout import SPECIAL_TOKENS
     from omniscale.loaders.decode_text import load_tokenizer
-    from omniscale.loaders.layout import SPECIAL_TOKENS
 
     before = Tokenizer.from_file(str(qwen3_moe / "tokenizer.json"))
     after = load_tokenizer(init / "tokenizer.json")  # what our loaders require of one

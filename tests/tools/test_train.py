@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.cli import main
 from omniscale.tools.train.config import load_config
 from omniscale.tools.train.launch import train
@@ -89,8 +89,8 @@ def test_two_processes_train_with_fsdp_and_commit_every_step(demo, tmp_path):
 
 
 def test_an_empty_slot_becomes_a_one_token_batch_that_adds_nothing():
+    from omniscale.geometry import MediaGeometry
     from omniscale.loaders.collate import collate
-    from omniscale.loaders.geometry import MediaGeometry
     from omniscale.tools.train.step import placeholder as _placeholder
 
     stand_in = _placeholder(collate([], MediaGeometry()))

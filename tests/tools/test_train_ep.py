@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 from tests.tools.train_runs import run_omni

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import load_spec
+from omniscale.errors import UserError
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.build import build_model, model_config
 from omniscale.tools.train.launch import resolve_config, train

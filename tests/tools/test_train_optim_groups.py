@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from omniscale.balancer.cost import Costs
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.journal import Journal
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.dataplane.restore import check_settings
+from omniscale.errors import UserError
 from omniscale.parallel.fsdp import MixedUnitError, frozen_parts
 from omniscale.tools.train.build import build_model, build_optimizer, lr_at
 from omniscale.tools.train.config import load_config

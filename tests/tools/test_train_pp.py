@@ -103,7 +103,7 @@ def test_gpipe_over_two_stages_trains_and_evaluates_what_one_process_does(demo, 
 
 
 def test_pipeline_stages_refuse_the_omni_task_in_one_line(demo, tmp_path):
-    from omniscale.dataplane.errors import UserError
+    from omniscale.errors import UserError
 
     with pytest.raises(UserError, match=r"^parallel.pp=2: pipeline stages run the lm task only"):
         train("configs/demo_omni.yaml", nproc=1, progress=False, sets=[

@@ -15,7 +15,7 @@ import re
 import pytest
 import yaml
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 

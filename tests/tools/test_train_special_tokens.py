@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
+from omniscale.index_schema import read_index_metadata
 from omniscale.loaders.index import index_paths
-from omniscale.loaders.index_schema import read_index_metadata
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 from omniscale.tools.train.torchrun import torchrun_layout

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.cli import main
 from omniscale.tools.report import build_report
 from omniscale.tools.train.config import load_config

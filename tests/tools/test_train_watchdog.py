@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.train.launch import train
 from tests.tools.train_runs import demo_sets
 

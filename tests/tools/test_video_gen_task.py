@@ -12,14 +12,15 @@ import yaml
 
 from omniscale.backbone.dit import patchify_video
 from omniscale.dataplane.embedded import start_embedded
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.spec import load_spec
+from omniscale.encoders.vision_input import IMAGE_MEAN, IMAGE_STD, vision_patches
+from omniscale.errors import UserError
+from omniscale.geometry import MediaGeometry
 from omniscale.loaders.collate import collate
 from omniscale.loaders.decode_text import load_tokenizer
-from omniscale.loaders.geometry import MediaGeometry
 from omniscale.loaders.pipeline import RankLoader
-from omniscale.loaders.pixels import IMAGE_MEAN, IMAGE_STD, pixel_rows, vision_patches
+from omniscale.loaders.pixels import pixel_rows
 from omniscale.tools.train.config import RunConfig
 from omniscale.tools.train.video_gen import (
     build_video_model,

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(info, indent=1) + "\n")
         print(json.dumps(info, indent=1))
     elif args.cmd == "check-train":
-        from omniscale.dataplane.errors import UserError
+        from omniscale.errors import UserError
         from omniscale.tools.cli import build_parser
         from omniscale.tools.train.config import load_config
 

@@ -385,7 +385,7 @@ def run_all(names: list[str], quick: bool, out: Path,
     """Run the named benches in turn; returns 1 if any failed, else 0."""
     markdown = out.with_suffix(".md")
     if markdown == out:
-        from omniscale.dataplane.errors import UserError
+        from omniscale.errors import UserError
 
         raise UserError(f"--out {out}: the Markdown table goes to {markdown}; "
                         "give the JSON another name (e.g. bench-results.json)")
@@ -423,7 +423,7 @@ def select(only: str | None, benches: dict[str, Bench] = BENCHES) -> list[str]:
     """Bench names to run, in registry order; UserError for an unknown name."""
     if not only:
         return list(benches)
-    from omniscale.dataplane.errors import UserError
+    from omniscale.errors import UserError
 
     wanted = [n.strip() for n in only.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in benches]
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from omniscale.dataplane.errors import UserError
+    from omniscale.errors import UserError
 
     try:
         return run_all(select(args.only), args.quick, Path(args.out))

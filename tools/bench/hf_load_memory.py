@@ -64,7 +64,7 @@ def _load(method: str, path: Path):
 
     from omniscale.backbone.decoder import MoEDecoder
     from omniscale.backbone.hf import config_from_hf, from_hf, read_parameter
-    from omniscale.backbone.hf_files import CheckpointDir
+    from omniscale.encoders.hf_files import CheckpointDir
     from omniscale.parallel.load import fill_parameters
 
     if method == "transformers":

@@ -203,9 +203,9 @@ class _MixedWebDataset(torch.utils.data.IterableDataset):
     def _samples(self):
         import webdataset as wds
 
-        from omniscale.dataplane.refs import SampleRef
         from omniscale.loaders.decode import SampleDecoder
         from omniscale.loaders.readers import RawSample, SampleReader
+        from omniscale.refs import SampleRef
 
         decoder = SampleDecoder(SampleReader({}), self.spec.tokenizer, self.spec.media)
         pipes, probs = [], []
@@ -254,7 +254,7 @@ def memory_child(kind: str, n: int, path: str, tokenizer: str, media: dict) -> d
     import torch  # noqa: F401 -- in both baselines before the measurement starts
     import webdataset as wds
 
-    from omniscale.loaders.geometry import MediaGeometry
+    from omniscale.geometry import MediaGeometry
     from omniscale.loaders.ray_loaders import probe_refs
     from omniscale.loaders.worker import TimedDecoder, decoder_spec
 

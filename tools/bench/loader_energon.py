@@ -97,9 +97,9 @@ class OmniTaskEncoder(TaskEncoder):
 
     @stateless
     def cook(self, crude: dict) -> CookedSample:
-        from omniscale.dataplane.refs import SampleRef
         from omniscale.loaders.decode import SampleDecoder
         from omniscale.loaders.readers import RawSample, SampleReader
+        from omniscale.refs import SampleRef
 
         if self._decoder is None:
             self._decoder = SampleDecoder(SampleReader({}), self.spec.tokenizer, self.spec.media)

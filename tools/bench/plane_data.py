@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from omniscale.loaders.index_schema import (
+from omniscale.index_schema import (
     INDEX_SCHEMA,
     INDEX_VERSION,
     MEMBER_TYPE,

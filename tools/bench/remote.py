@@ -66,7 +66,7 @@ def mean_sample_bytes(spec_path: Path, drawn: dict[str, int]) -> float:
     import pyarrow.compute as pc
 
     from omniscale.dataplane.spec import load_spec
-    from omniscale.loaders.index_schema import read_index
+    from omniscale.index_schema import read_index
 
     spec = load_spec(spec_path)
     total = count = 0

@@ -23,7 +23,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.demo import specs, text
 from omniscale.tools.demo.shards import SOURCE_IDS, SPLIT_IDS, ShardResult, ShardTask, write_shard
 from omniscale.tools.demo.tokenizer import VOCAB_SIZE, train_tokenizer

@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from omniscale.loaders.layout import DEFAULT_SPECIAL_TOKENS
+from omniscale.layout import DEFAULT_SPECIAL_TOKENS
 from omniscale.tools.demo import image, scenes, text
 
 MIN_IMAGES, MAX_IMAGES = 2, 4

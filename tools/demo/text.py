@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omniscale.loaders.layout import SPECIAL_TOKENS
+from omniscale.layout import SPECIAL_TOKENS
 
 PART_CHARS = 256 * 1024  # keeps all but the largest few files whole: a real tail
 SKIP_DIRS = frozenset({"__pycache__", "site-packages"})

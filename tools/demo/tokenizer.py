@@ -1,7 +1,7 @@
 """The demo tokenizer: byte-level BPE trained on the demo's own text.
 
 Trained on a bounded sample of the training text plus every caption, so every caption word is
-in the vocabulary; the special tokens are :data:`loaders.layout.SPECIAL_TOKENS`, so a
+in the vocabulary; the special tokens are :data:`omniscale.layout.SPECIAL_TOKENS`, so a
 ``<image>`` marker in text is one token, then ChatML's turn tokens (the ``chat`` source's
 template).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from omniscale.loaders.chat import CHATML_TOKENS
-from omniscale.loaders.layout import SPECIAL_TOKENS
+from omniscale.layout import SPECIAL_TOKENS
 
 VOCAB_SIZE = 8192
 MAX_TEXT_BYTES = 4 * 1024 * 1024

@@ -26,7 +26,7 @@ import argparse
 import contextlib
 import sys
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 
 def serve_flags(cfg, run_dir, world: int, restore_step: int | None = None) -> list[str]:

@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 

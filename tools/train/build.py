@@ -22,11 +22,11 @@ import torch
 
 from omniscale.backbone.config import ModelConfig
 from omniscale.backbone.omni import OmniModel
-from omniscale.dataplane.errors import UserError
 from omniscale.encoders.audio import AudioConfig
 from omniscale.encoders.vision import VisionConfig
+from omniscale.errors import UserError
+from omniscale.geometry import MediaGeometry
 from omniscale.loaders.decode_text import tokenizer_size
-from omniscale.loaders.geometry import MediaGeometry
 from omniscale.tools.train.config import RunConfig
 
 
@@ -84,7 +84,7 @@ def _hf_tower(kind: str, path: str, width: int, enc: dict):
 def _hf_backbone(path: str) -> ModelConfig:
     """The decoder of a Hugging Face checkpoint directory (its shapes; weights: init_weights)."""
     from omniscale.backbone.hf import config_from_hf
-    from omniscale.backbone.hf_files import CONFIG, read_config
+    from omniscale.encoders.hf_files import CONFIG, read_config
 
     return config_from_hf(read_config(path), Path(path) / CONFIG)
 
@@ -98,7 +98,7 @@ def init_weights(model: OmniModel, cfg: RunConfig, device: torch.device | None =
     Weights a checkpoint gives are not initialised first: the decoder's when ``init_from``
     gives it (``decoder_from_checkpoint``), every one when ``resume`` (the caller loads the
     run's checkpoint next; ``init_from`` is not read)."""
-    from omniscale.backbone.hf_files import IMPORTED
+    from omniscale.encoders.hf_files import IMPORTED
     from omniscale.parallel.load import fill_parameters
 
     if not isinstance(model, OmniModel):  # the video task's DiT: built for real, by itself
@@ -133,7 +133,7 @@ def init_weights(model: OmniModel, cfg: RunConfig, device: torch.device | None =
                             ) from None
     elif backbone:
         from omniscale.backbone.hf import read_parameter
-        from omniscale.backbone.hf_files import CheckpointDir
+        from omniscale.encoders.hf_files import CheckpointDir
 
         ckpt = CheckpointDir(backbone)
         fill_parameters(model.decoder, lambda name, shape, first: read_parameter(

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.parallel import load_checkpoint, save_checkpoint
 from omniscale.parallel.dcp import async_save as async_save_checkpoint
 

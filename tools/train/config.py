@@ -1,7 +1,7 @@
 """The run config of ``omniscale train``: one YAML file, validated, plus ``--set`` overrides.
 
 Every mistake is one line naming the file and the dotted key (``run.yaml: optim.lr: Input
-should be greater than 0``), raised as :class:`dataplane.errors.UserError`. ``--set`` takes
+should be greater than 0``), raised as :class:`omniscale.errors.UserError`. ``--set`` takes
 ``dotted.key=value`` with the value parsed as YAML (``--set optim.lr=3e-4 --set
 model.overrides.n_layers=4``); an unknown key is an error there too, never silently ignored.
 """
@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 
 class _Strict(BaseModel):

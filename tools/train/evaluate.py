@@ -24,10 +24,10 @@ import torch
 import yaml
 
 from omniscale.dataplane.embedded import start_embedded
-from omniscale.dataplane.location import is_url
 from omniscale.dataplane.plane import PlaneConfig
-from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.pipeline import RankLoader
+from omniscale.location import is_url
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.build import build_model, model_config

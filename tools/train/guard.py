@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 
 class UpdateGuard:

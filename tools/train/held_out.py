@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from omniscale.kernels.reference import IGNORE_INDEX
+from omniscale.layout import IGNORE_INDEX
 from omniscale.tools.train.config import run_spec
 
 

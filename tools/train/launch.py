@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.config import RunConfig, load_config, run_spec
 from omniscale.tools.train.fork_server import adopt_environment, launch_environment, start_method

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from omniscale.dataplane.embedded import start_embedded
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.plane import PlaneConfig
+from omniscale.errors import UserError
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.tools.train import checkpoint, optim_groups
 from omniscale.tools.train.build import (

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from omniscale.balancer.types import ENCODER_KINDS
-from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.kernels.transfer import HOST
+from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.collate import PackedBatch, media_items
+from omniscale.media import MEDIA_KINDS
 from omniscale.parallel.reshard import ItemKey, Resharded, local_reshard_plan, reshard
 
 
@@ -60,7 +60,7 @@ class _Inputs:
         if key in self.seen:
             return
         self.seen.add(key)
-        if key[3] == ENCODER_KINDS.index("audio"):
+        if key[3] == MEDIA_KINDS.index("audio"):
             self.audio_keys.append(key), self.mels.append(tensor), self.frames.append(frames)
         else:
             self.vision_keys.append(key), self.pixel_rows.append(tensor)
@@ -79,7 +79,7 @@ def _step_inputs(batch, received_keys: set) -> _Inputs:
     micro-batches that no other rank sends (replacements, or a plan without encoder rows)."""
     inputs = _Inputs([], [], [], [], [], [])
     for item in batch.encode_items:  # the plan's encode rows (the producer side)
-        inputs.add(item_key(item.ref, ENCODER_KINDS.index(item.kind), item.index), item.tensor,
+        inputs.add(item_key(item.ref, MEDIA_KINDS.index(item.kind), item.index), item.tensor,
                    item.grid_thw, item.frames)
     for mb in batch.micro_batches:
         if mb.seq_refs is None:

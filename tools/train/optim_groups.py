@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omniscale.balancer.types import ENCODER_KINDS
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
+from omniscale.media import MEDIA_KINDS
 from omniscale.parallel.dcp import plain_name
 
 # The encoder kinds each tower encodes, and the modules after its blocks: a trained projector
@@ -40,7 +40,7 @@ class Groups:
     """The run's ``optim.groups`` (``config.ParamGroup``s) and what they decide per name."""
 
     specs: tuple = ()
-    # encoder kinds (ENCODER_KINDS order) whose tower runs forward only; known once
+    # encoder kinds (MEDIA_KINDS order) whose tower runs forward only; known once
     # ``resolve`` has seen the model's names
     frozen_kinds: tuple[str, ...] = field(default=())
 
@@ -94,7 +94,7 @@ def frozen_kinds(groups: Groups, names: list[str]) -> tuple[str, ...]:
                  and n.split(".")[1] not in TOWER_TAILS[tower]]
         if heavy and all(groups.frozen(n) for n in heavy):
             kinds.update(tower_kinds)
-    return tuple(k for k in ENCODER_KINDS if k in kinds)
+    return tuple(k for k in MEDIA_KINDS if k in kinds)
 
 
 def model_names(cfg, spec, mcfg) -> list[str]:

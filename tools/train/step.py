@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from omniscale.backbone.decoder import grouped_loss
-from omniscale.kernels.reference import IGNORE_INDEX
 from omniscale.kernels.transfer import HOST, host_to_device, to_device
+from omniscale.layout import IGNORE_INDEX
 from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train.build import lr_at

@@ -23,7 +23,7 @@ import contextlib
 import os
 from dataclasses import replace
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 
 def under_torchrun() -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 WANDB_ID_FILE = "wandb_id.txt"  # RUN_DIR's W&B run id: a resumed run continues that run
 

@@ -5,7 +5,7 @@ The plane plans the steps and ``loaders.pipeline.RankLoader`` yields the usual
 ``PackedBatch`` micro-batches; this module turns each one into the DiT's inputs:
 
 - **clips**: the micro-batch's *video* items (``vision_kind_V == VIDEO``). Their patches are the
-  vision encoder's (``loaders.pixels.vision_patches``: CLIP-normalised pixels, a patch vector
+  vision encoder's (``encoders.vision_input.vision_patches``: CLIP-normalised pixels, a patch vector
   laid out (channel, frame, row, col), patches in Qwen2-VL *merge-window* order). The DiT is
   built with the same patch and temporal patch size as the spec's ``media:`` geometry, so a
   patch vector is already a DiT patch vector (``backbone.dit.patchify_video`` uses the same
@@ -41,15 +41,15 @@ from dataclasses import dataclass
 import torch
 
 from omniscale.backbone.dit import DiTConfig, VideoDiT
-from omniscale.balancer.types import ENCODER_KINDS
-from omniscale.dataplane.errors import UserError
 from omniscale.dataplane.spec import MixSpec
+from omniscale.encoders.vision_input import vision_patches
+from omniscale.errors import UserError
 from omniscale.loaders.collate import PackedBatch
 from omniscale.loaders.decode_text import tokenizer_size
-from omniscale.loaders.pixels import vision_patches
+from omniscale.media import MEDIA_KINDS
 from omniscale.tools.train.config import RunConfig
 
-VIDEO = ENCODER_KINDS.index("video")  # vision_kind_V / media_kind_M id of a video
+VIDEO = MEDIA_KINDS.index("video")  # vision_kind_V / media_kind_M id of a video
 EVAL_TIMES = (0.25, 0.5, 0.75)  # evaluate_video_gen's fixed flow times
 EVAL_SEED = 1234  # noise of held-out batch i: torch.Generator().manual_seed(EVAL_SEED + i)
 

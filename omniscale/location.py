@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 # Option names that carry a secret in fsspec backends (s3fs, gcsfs, adlfs, http auth).
 _SECRET = re.compile(r"(^|_)(key|secret|token|password|passwd|credentials?|sas|signature)$"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from omniscale.dataplane.errors import UserError
+from omniscale.errors import UserError
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

@@ -13,7 +13,7 @@ from operator import attrgetter
 
 import pyarrow as pa
 
-from omniscale.loaders.index_schema import MEMBER_TYPE
+from omniscale.index_schema import MEMBER_TYPE
 
 Member = tuple[str, int, int]  # (member name, data offset, data size)
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+IGNORE_INDEX = -100  # the label the loss skips (media, the last token, padding); torch's default
+
 
 @dataclass(frozen=True)
 class SpecialTokens:

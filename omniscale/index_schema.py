@@ -41,8 +41,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from omniscale.dataplane.errors import UserError
-from omniscale.dataplane.location import Location
+from omniscale.errors import UserError
+from omniscale.location import Location
 
 INDEX_FILENAME = "_index.parquet"
 INDEX_VERSION = 4  # 2: one row group per shard; 3: text_ids; 4: target_tokens, text_targets
