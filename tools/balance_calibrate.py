@@ -18,16 +18,15 @@ shape costs what the others do, one warm-up run per model part is enough.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from omniscale.balancer.cost import fit, nonnegative_lstsq
+from omniscale.balancer.cost_file import cost_document
 from omniscale.errors import UserError
 
 MIN_SEQ = 16  # the shortest sequence of the grid (tokens)
@@ -220,32 +219,10 @@ def _measure(cfg, spec, device, repeats: int, held_out: int, progress) -> dict:
         items = [int(np.prod(s)) for s in sizes]
         encoders[kind] = {**_model_fit(items, seconds), "sizes": items}
         progress(f"{kind} encoder: {len(sizes)} item sizes")
-    return {"unit": "seconds", "device": str(device), "model": cfg.model.preset,
-            "micro_batch_tokens": budget, "llm": llm, "encoders": encoders,
-            "measured": {"backbone_mixes": [[len(m), sum(m)] for m in grid],
-                         "backbone_seconds": grid_s}}
-
-
-def plane_costs(path: str | Path) -> dict:
-    """``PlaneConfig`` arguments from a calibration file: ``cost_linear``, ``cost_quadratic``
-    and ``costs`` (every kind's α, β, γ in seconds, a micro-batch's fixed cost). One line
-    naming the file on a bad one."""
-    from omniscale.media import MEDIA_KINDS
-
-    try:
-        doc = json.loads(Path(path).read_text())
-        llm = [float(doc["llm"][k]) for k in ("alpha", "beta", "gamma")]
-        costs = {"llm": llm, "micro_batch": float(doc["llm"].get("per_micro_batch", 0.0)),
-                 **{k: float(v) for k, v in doc.get("collectives", {}).items()
-                    if k in ("sp_comm_per_token", "reshard_per_token")}}
-        for kind in MEDIA_KINDS:
-            e = doc.get("encoders", {}).get(kind)
-            costs[kind] = [float(e[k]) for k in ("alpha", "beta", "gamma")] if e else \
-                [0.0, 0.0, 0.0]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: not a cost file of `omniscale balance calibrate` "
-                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    return {"cost_linear": llm[0], "cost_quadratic": llm[1], "costs": costs}
+    return cost_document(llm, encoders, device=str(device), model=cfg.model.preset,
+                         micro_batch_tokens=budget,
+                         measured={"backbone_mixes": [[len(m), sum(m)] for m in grid],
+                                   "backbone_seconds": grid_s})
 
 
 def summary(result: dict) -> str:

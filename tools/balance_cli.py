@@ -4,9 +4,7 @@ calibrated on this machine. Each subcommand: its arguments (``_add_*``) and its 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 
 def add_commands(commands) -> None:
@@ -94,13 +92,14 @@ def _balance_simulate(args: argparse.Namespace) -> int:
 def _balance_calibrate(args: argparse.Namespace) -> int:
     from omniscale.tools.balance_calibrate import calibrate, summary
     from omniscale.tools.bench.provenance import provenance
+    from omniscale.tools.train.cost_model import write_cost_file
 
     started = provenance()  # commit and load: whoever reads the figures can weigh them
     result = calibrate(args.config, args.set or [], repeats=args.repeats,
                        held_out=args.held_out, progress=lambda line: print(line, flush=True),
                        nproc=args.nproc)
     result = {"command": " ".join(["omniscale", *sys.argv[1:]]), **started, **result}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_cost_file(args.out, result)
     print(summary(result))
     print(f"wrote {args.out} (data.costs / plane serve --costs)")
     return 0

@@ -157,9 +157,9 @@ def _costs(args: argparse.Namespace) -> dict:
         if given:  # a calibration has its own LLM coefficients, in seconds
             raise UserError("--costs and --cost-linear/--cost-quadratic: give one cost model "
                             "(a calibration brings its own LLM coefficients)")
-        from omniscale.tools.balance_calibrate import plane_costs
+        from omniscale.tools.train.cost_model import read_cost_file
 
-        return plane_costs(args.costs)
+        return read_cost_file(args.costs)
     for name, value in given.items():
         if not cost_in_range(value):
             raise UserError(f"--{name.replace('_', '-')} {value:g}: must be finite, in [0, "

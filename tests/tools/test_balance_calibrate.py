@@ -11,7 +11,8 @@ import pytest
 from omniscale.balancer.cost import fit, nonnegative_lstsq
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.errors import UserError
-from omniscale.tools.balance_calibrate import backbone_fit, backbone_mixes, calibrate, plane_costs
+from omniscale.tools.balance_calibrate import backbone_fit, backbone_mixes, calibrate
+from omniscale.tools.train.cost_model import read_cost_file
 
 TRUE = (5e-5, 1e-8, 2e-4, 2e-2)  # α per token, β per token², γ per sequence, δ per micro-batch
 
@@ -66,7 +67,7 @@ def test_calibrate_times_the_runs_model_and_the_plane_reads_it(demo, tmp_path):
     assert set(result["encoders"]) == {"image", "video", "audio"}
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(result))
-    args = plane_costs(path)
+    args = read_cost_file(path)
     config = PlaneConfig(dp=2, global_batch_tokens=8192, **args)
     costs = config.cost_model(config.cost_linear, config.cost_quadratic)
     image = result["encoders"]["image"]
@@ -82,7 +83,7 @@ def test_a_bad_cost_file_is_one_line(tmp_path):
     path.write_text(json.dumps({"llm": {"alpha": 1.0}}))
     with pytest.raises(UserError, match=r"costs.json: not a cost file of `omniscale balance "
                                         r"calibrate` \('beta'\)$"):
-        plane_costs(path)
+        read_cost_file(path)
     with pytest.raises(UserError, match=r"^--costs: llm: expected three finite coefficients"):
         PlaneConfig(dp=2, global_batch_tokens=8192, costs={"llm": [1.0, -1.0, 0.0]})
     good = {"llm": [1.0, 0.0, 0.0], "image": [0.0] * 3, "video": [0.0] * 3, "audio": [0.0] * 3}

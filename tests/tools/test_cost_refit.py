@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omniscale.tools.train.metrics import CostRefit
+from omniscale.tools.train.cost_model import CostRefit
 
 
 def test_refit_recovers_the_cost_model_from_step_measurements():

@@ -67,10 +67,10 @@ def ensure_data(cfg: RunConfig) -> None:
                               "sft_eval.yaml)")
     cfg.data.spec = str(spec)
     if cfg.data.costs:  # read now: a bad cost file is one line before anything starts
-        from omniscale.tools.balance_calibrate import plane_costs
+        from omniscale.tools.train.cost_model import read_cost_file
 
         cfg.data.costs = str(Path(cfg.data.costs).resolve())
-        plane_costs(cfg.data.costs)
+        read_cost_file(cfg.data.costs)
     specs = [spec]
     if cfg.data.eval_spec and cfg.eval.enabled:  # no evaluation: the held-out split unread
         cfg.data.eval_spec = str(Path(cfg.data.eval_spec).resolve())

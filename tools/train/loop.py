@@ -70,9 +70,9 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
     # ranks; longer text is truncated to what such a group holds, longer media samples skipped.
     extra = {}
     if d.costs:  # calibrated on this machine: seconds, encoders priced on their own
-        from omniscale.tools.balance_calibrate import plane_costs
+        from omniscale.tools.train.cost_model import read_cost_file
 
-        extra = plane_costs(d.costs)
+        extra = read_cost_file(d.costs)
     elif cost:
         extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0}
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,

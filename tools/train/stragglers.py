@@ -1,6 +1,6 @@
 """Stragglers: a data rank that computes much slower than the plan predicts, step after step.
 
-The plan predicts each rank's cost; ``metrics.CostFit`` turns costs into seconds (``k``, fitted
+The plan predicts each rank's cost; ``cost_model.CostFit`` turns costs into seconds (``k``, fitted
 over every rank and step so far). A rank is *slow* at a step when its compute seconds exceed
 ``watchdog.straggler_factor`` times ``k`` times its predicted cost, and a *straggler* once it
 has been slow for ``watchdog.straggler_steps`` steps in a row -- one slow step is noise (a page
