@@ -1,58 +1,22 @@
-"""A rank's share of a StepPlan as the Arrow table the plane serves (``get_plan``).
+"""A rank's share of a StepPlan as the Arrow table the plane serves (``get_plan``): the
+dataplane side of the plan's wire form. The table's columns, their meaning and its metadata
+are :mod:`omniscale.plan`'s (the one module naming them, which also decodes a table into the
+typed plan a loader works from); this module builds the tables from the balancer's StepPlan.
 
-One row per thing the rank must do, with the SampleRef columns (omniscale.refs.REF_SCHEMA)
-saying which sample:
-
-- ``role = "llm"``: a sample (or its SP slice) in this rank's LLM micro-batch ``micro_batch``;
-  ``sp_size``/``sp_index``/``sp_first_rank`` say which slice of which aligned SP group, and
-  ``encode_ranks`` lists, per encoder item of the sample, the rank that encodes it (the
-  reshard map seen from the consumer);
-- ``role = "encode"``: an encoder item this rank encodes — item ``item_index`` of kind
-  ``item_kind`` of that sample — whose embeddings go to ranks ``consume_rank`` ..
-  ``consume_rank + consume_span - 1`` (the sample's SP group; one rank when it is not split):
-  the reshard map seen from the producer. Each side of the exchange can be derived from the
-  rank's own table (parallel.reshard.local_reshard_plan).
-
-Table metadata (key ``omniscale``, JSON): step, rank, dp, num_micro_batches, predicted cost of
-this rank and of the step's slowest rank, lower bound, imbalance, whether the step reshards.
+A rank's rows are its LLM placements in placement order, then the encoder items it encodes in
+item order. Each side of the reshard can be derived from the rank's own table
+(``omniscale.plan.RankPlan.reshard_plan``).
 """
 
 from __future__ import annotations
-
-import hashlib
-import json
 
 import numpy as np
 import pyarrow as pa
 
 from omniscale.balancer.types import StepPlan
-from omniscale.media import MEDIA_KINDS
-from omniscale.refs import REF_SCHEMA, SampleRef, refs_to_table
-
-PLAN_FIELDS = [
-    ("role", pa.string()),
-    ("step", pa.int64()),
-    ("rank", pa.int32()),
-    ("micro_batch", pa.int32()),
-    ("sp_size", pa.int32()),
-    ("sp_index", pa.int32()),
-    ("sp_first_rank", pa.int32()),
-    ("encode_ranks", pa.list_(pa.int32())),
-    ("item_kind", pa.string()),
-    ("item_index", pa.int32()),
-    ("consume_rank", pa.int32()),
-    ("consume_span", pa.int32()),
-]
-PLAN_SCHEMA = pa.schema(list(REF_SCHEMA) + [pa.field(n, t) for n, t in PLAN_FIELDS])
-METADATA_KEY = b"omniscale"
-
-
-def item_kinds(ref: SampleRef) -> list[tuple[int, int]]:
-    """(kind id, index within kind) of a sample's encoder items, in the plane's item order:
-    images, then videos, then audio clips, each in member order."""
-    return ([(0, i) for i in range(len(ref.image_patches))]
-            + [(1, i) for i in range(len(ref.video_patches))]
-            + [(2, i) for i in range(len(ref.audio_frames))])
+from omniscale.media import AUDIO, IMAGE, VIDEO
+from omniscale.plan import rows_to_table, with_metadata
+from omniscale.refs import SampleRef, refs_to_table
 
 
 def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
@@ -87,39 +51,19 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
                      for name in ("image_patches", "video_patches", "audio_frames"))
     parts = [_step_rows(plan, used_U, counts_U, first_item_N) for plan in plans]
     rows = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
-    llm_X = rows["llm"]
-    enc_X = ~llm_X
-    step_X = np.repeat(np.arange(len(plans)), [len(part["llm"]) for part in parts])
-    order = np.lexsort((rows["rank"], step_X))  # stable: each rank's rows in step order
-
-    def ints(name, mask):
-        return pa.array(rows[name][order], type=pa.int32(), mask=mask[order])
-
-    encode_ranks = pa.ListArray.from_arrays(
-        pa.array(np.concatenate([[0], np.cumsum(rows["count"])]).astype(np.int32)),
-        pa.array(rows["encode_ranks"], type=pa.int32()),
-        type=pa.list_(pa.int32()), mask=pa.array(enc_X))
-    kinds = np.array(list(MEDIA_KINDS) + [None], object)  # -1: an LLM row, no kind
-    extra = {
-        "role": pa.array(np.where(llm_X, "llm", "encode").astype(object)[order],
-                         type=pa.string()),
-        "step": pa.array(np.asarray(steps, np.int64)[step_X][order], type=pa.int64()),
-        "rank": pa.array(rows["rank"][order], type=pa.int32()),
-        "micro_batch": ints("micro_batch", enc_X),
-        "sp_size": ints("sp_size", enc_X),
-        "sp_index": ints("sp_index", enc_X),
-        "sp_first_rank": ints("sp_first_rank", enc_X),
-        "encode_ranks": encode_ranks.take(pa.array(order)),
-        "item_kind": pa.array(kinds[rows["kind"]][order], type=pa.string()),
-        "item_index": ints("item_index", llm_X),
-        "consume_rank": ints("consume_rank", llm_X),
-        "consume_span": ints("consume_span", llm_X),
-    }
-    taken = ref_table.take(pa.array(rows["pos"][order]))
-    columns = taken.columns + [extra[name] for name, _ in PLAN_FIELDS]
-    table = pa.Table.from_arrays(columns, schema=PLAN_SCHEMA).combine_chunks()
+    # j_X: each row's step within the window
+    j_X = np.repeat(np.arange(len(plans)), [len(part["llm"]) for part in parts])
+    order = np.lexsort((rows["rank"], j_X))  # stable: each rank's rows in step order
+    table = rows_to_table(
+        ref_table, order, pos_X=rows["pos"], is_llm_X=rows["llm"],
+        step_X=np.asarray(steps, np.int64)[j_X], rank_X=rows["rank"],
+        micro_batch_X=rows["micro_batch"], sp_size_X=rows["sp_size"],
+        sp_index_X=rows["sp_index"], sp_first_rank_X=rows["sp_first_rank"],
+        encode_count_X=rows["count"], encode_rank_V=rows["encode_ranks"], kind_X=rows["kind"],
+        item_index_X=rows["item_index"], consume_rank_X=rows["consume_rank"],
+        consume_span_X=rows["consume_span"])
     width = max(dps)
-    counts = np.bincount(step_X * width + rows["rank"], minlength=len(plans) * width)
+    counts = np.bincount(j_X * width + rows["rank"], minlength=len(plans) * width)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     out = {}
     for j, (plan, step, dp, side) in enumerate(zip(plans, steps, dps, sides)):
@@ -132,8 +76,7 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
                     "step_max_cost": step_max, "lower_bound": plan.lower_bound,
                     "imbalance": plan.imbalance, "reshard": plan.reshard, **(side or {})}
             at = j * width + r
-            out[(step, r)] = table.slice(int(starts[at]), int(counts[at])) \
-                .replace_schema_metadata({METADATA_KEY: json.dumps(meta)})
+            out[(step, r)] = with_metadata(table.slice(int(starts[at]), int(counts[at])), meta)
     return out
 
 
@@ -175,10 +118,9 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
     span_M = np.array([span_of[s] for s in item_sample_M.tolist()], np.int64)
     j_M = item_M - first_item_N[item_sample_M]
     img_M, vid_M = img_U[pos_M], vid_U[pos_M]
-    image, video, audio = (MEDIA_KINDS.index(k) for k in ("image", "video", "audio"))
-    kind_M = np.where(j_M < img_M, image, np.where(j_M < img_M + vid_M, video, audio))
+    kind_M = np.where(j_M < img_M, IMAGE, np.where(j_M < img_M + vid_M, VIDEO, AUDIO))
     # the item's index among the sample's items of its kind
-    index_M = j_M - np.where(kind_M == image, 0, np.where(kind_M == video, img_M,
+    index_M = j_M - np.where(kind_M == IMAGE, 0, np.where(kind_M == VIDEO, img_M,
                                                           img_M + vid_M))
     zeros_M, zeros_P = np.zeros(M, np.int64), np.zeros(P, np.int64)
     return {
@@ -196,23 +138,3 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
         "consume_rank": np.concatenate([zeros_P, np.asarray(plan.consume_rank_M, np.int64)]),
         "consume_span": np.concatenate([zeros_P, span_M]),
     }
-
-
-def plan_metadata(table: pa.Table) -> dict:
-    """The ``omniscale`` metadata of a served plan table."""
-    return json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
-
-
-def fingerprint(table: pa.Table) -> str:
-    """What a rank received in a step, as a short hash of its sorted (source, shard, key,
-    role) rows: recorded at commit so an audit can check a replay reproduced it."""
-    keys = sorted(zip(table.column("source").to_pylist(), table.column("shard").to_pylist(),
-                      table.column("key").to_pylist(), table.column("role").to_pylist(),
-                      table.column("sp_index").to_pylist()), key=str)
-    return hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16]
-
-
-def step_fingerprint(prints: list[str]) -> str:
-    """A whole step's fingerprint: every rank's :func:`fingerprint`, in rank order. A commit
-    of the whole step at once carries it, proving the committer holds every rank's plan."""
-    return hashlib.sha256("\n".join(prints).encode()).hexdigest()[:16]

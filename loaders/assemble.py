@@ -1,7 +1,8 @@
-"""A rank's plan table + decoded samples -> one StepBatch (micro-batches and encoder items).
+"""A rank's plan + decoded samples -> one StepBatch (micro-batches and encoder items).
 
-The plan's rows say which samples the rank trains (role ``llm``: micro-batch, SP slice) and
-which media items it encodes for other ranks (role ``encode``). A sample is decoded once per
+The plan (``omniscale.plan.RankPlan``, decoded from the served table) says which samples the
+rank trains (its LLM rows: micro-batch, SP slice) and which media items it encodes for other
+ranks (its encode rows). A sample is decoded once per
 step however many rows name it, and only as far as this rank uses it (:func:`decode_work`).
 A sample that failed to decode is handled by the policy: ``fail`` raises its CorruptSample;
 ``skip`` reports it to the plane, which quarantines it and hands back a replacement from the
@@ -18,19 +19,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-import pyarrow as pa
 import torch
 
-from omniscale.dataplane.plan_table import fingerprint, item_kinds, plan_metadata
 from omniscale.geometry import MediaGeometry
-from omniscale.loaders.collate import PackedBatch, collate
+from omniscale.loaders.collate import PackedBatch, collate, media_tensor
 from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.remote_io import add_stats
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.worker import Decoded
 from omniscale.media import MEDIA_KINDS
-from omniscale.refs import SampleRef, table_to_refs
+from omniscale.plan import RankPlan, item_kinds
+from omniscale.refs import SampleRef
 
 POLICIES = ("skip", "fail")
 MAX_REPLACEMENTS = 8  # per bad sample: replacements can be bad too, but not forever
@@ -57,11 +57,11 @@ class StepBatch:
     micro_batches: list[PackedBatch]
     encode_items: list[EncodeItem]
     metadata: dict  # the plan's: dp, num_micro_batches, predicted cost, imbalance, …
-    plan_fp: str  # dataplane.plan_table.fingerprint of the plan: what commit sends back
+    plan_fp: str  # omniscale.plan.fingerprint of the plan: what commit sends back
     skipped: list[CorruptSample] = field(default_factory=list)
     replaced: list[tuple[SampleRef, SampleRef | None]] = field(default_factory=list)
     data_wait_s: float = 0.0  # time the trainer was blocked in next() for this step
-    plan: pa.Table | None = None  # the rank's plan table (the reshard map is derived from it)
+    plan: RankPlan | None = None  # the rank's plan (the reshard map is derived from it)
     transfer_bytes: int = 0  # bytes worker processes handed over for this step
     # the readers' counters for this step (``loaders.remote_io.READ_STATS``: requests and
     # bytes from an object store, cache block hits and misses, retries); empty when local
@@ -102,34 +102,31 @@ def sample_id(ref: SampleRef) -> tuple:
     return (*ref.uid, ref.epoch)
 
 
-def decode_work(table: pa.Table, rank: int | None = None,
-                all_refs: list[SampleRef] | None = None
+def decode_work(plan: RankPlan, rank: int | None = None
                 ) -> list[tuple[SampleRef, DecodeNeed | None]]:
     """The distinct samples a plan names, in first-mention order (one decode each), each
     with what data rank ``rank`` uses of it: the text if it trains the sample, the media items
-    its rows say it encodes (``encode`` rows, and the ``encode_ranks`` of its ``llm`` rows
-    that name it). Media another rank encodes reach this rank as embeddings, so their pixels
-    are not decoded here. ``rank`` None, or a sample this rank uses whole: None (decode it
-    all). ``all_refs``: the table's refs, when the caller has them already."""
-    all_refs = all_refs if all_refs is not None else table_to_refs(table)
+    it encodes (its encode rows, and the encode_ranks of its LLM rows that name it). Media
+    another rank encodes reach this rank as embeddings, so their pixels are not decoded here.
+    ``rank`` None, or a sample this rank uses whole: None (decode it all). A table is decoded
+    here (``omniscale.plan.decode_plan``)."""
     first: dict[tuple, SampleRef] = {}
-    for ref in all_refs:
+    for ref in plan.refs:
         first.setdefault(sample_id(ref), ref)
     refs = list(first.values())
     if rank is None:
         return [(ref, None) for ref in refs]
-    cols = {n: table.column(n).to_pylist() for n in ("role", "encode_ranks", "item_kind",
-                                                     "item_index")}
+    kinds, indices = plan.kind_X.tolist(), plan.item_index_X.tolist()
     text, items, whole = set(), {}, set()
-    for i, ref in enumerate(all_refs):
+    for ref, llm, kind, index, encoders in zip(plan.refs, plan.is_llm_X.tolist(), kinds,
+                                               indices, plan.encode_ranks()):
         sid = sample_id(ref)
         used = items.setdefault(sid, set())
-        if cols["role"][i] == "encode":
-            used.add((cols["item_kind"][i], cols["item_index"][i]))
+        if not llm:
+            used.add((MEDIA_KINDS[kind], index))
             continue
         text.add(sid)
         order = _item_order(ref)
-        encoders = cols["encode_ranks"][i] or []
         if len(encoders) != len(order):  # a plan without an encoder plan: encoded here
             whole.add(sid)
         used.update(item for item, r in zip(order, encoders) if r == rank)
@@ -161,25 +158,25 @@ class StepAssembler:
         self.report, self.decode, self.pin_memory = report, decode, pin_memory
         self.corrupt_reasons: Counter = Counter()  # coarse reason -> samples skipped
 
-    def assemble(self, step: int, table: pa.Table, decoded: DecodedStep) -> StepBatch:
+    def assemble(self, step: int, plan: RankPlan, decoded: DecodedStep
+                 ) -> StepBatch:
         """The step's batch: what workers built as it is, the rest packed here (a sample
-        decoded alone goes through the policy first)."""
-        meta = plan_metadata(table)
-        batch = StepBatch(step, [], [], meta, fingerprint(table), plan=table,
+        decoded alone goes through the policy first). A table is decoded here."""
+        batch = StepBatch(step, [], [], dict(plan.metadata), plan.fingerprint, plan=plan,
                           transfer_bytes=decoded.transfer_bytes, io=dict(decoded.io))
-        refs = table_to_refs(table)
-        cols = {n: table.column(n).to_pylist() for n in (
-            "role", "micro_batch", "sp_size", "sp_index", "item_kind", "item_index",
-            "consume_rank")}
         resolved: dict[tuple, tuple[DecodedSample | None, SampleRef]] = {}
-        micro = [[] for _ in range(int(meta.get("num_micro_batches", 0)))]
+        micro = [[] for _ in range(plan.num_micro_batches)]
         trained = [[] for _ in micro]  # the ref each sequence trains (a replacement's, if any)
         built, encoded = decoded.micro_batches, decoded.encode_items
-        for i, ref in enumerate(refs):
+        # Rows in plan order: samples are resolved (and reported) in first-mention order.
+        for i, (ref, llm, mb, sp_size, sp_index, kind, index, consumer) in enumerate(zip(
+                plan.refs, plan.is_llm_X.tolist(), plan.micro_batch_X.tolist(),
+                plan.sp_size_X.tolist(), plan.sp_index_X.tolist(), plan.kind_X.tolist(),
+                plan.item_index_X.tolist(), plan.consume_rank_X.tolist())):
             if i in encoded:
                 batch.encode_items.append(encoded[i])
                 continue
-            if cols["role"][i] == "llm" and cols["micro_batch"][i] in built:
+            if llm and mb in built:
                 continue
             sid = sample_id(ref)
             if sid not in resolved:
@@ -188,19 +185,14 @@ class StepAssembler:
             as_planned = sample_id(used) == sid
             if sample is None:
                 continue
-            if cols["role"][i] == "llm":
-                mb = cols["micro_batch"][i]
-                while mb >= len(micro):
-                    micro.append([])
-                    trained.append([])
-                micro[mb].append((sample, cols["sp_size"][i], cols["sp_index"][i]))
+            if llm:
+                micro[mb].append((sample, sp_size, sp_index))
                 trained[mb].append(used)
             elif as_planned:
-                kind, index = cols["item_kind"][i], cols["item_index"][i]
-                item = [m for m in sample.media if m.kind == kind][index]
+                name = MEDIA_KINDS[kind]
+                item = [m for m in sample.media if m.kind == name][index]
                 batch.encode_items.append(EncodeItem(
-                    ref, kind, index, cols["consume_rank"][i], item.tensor, item.grid_thw,
-                    item.frames))
+                    ref, name, index, consumer, media_tensor(item), item.grid_thw, item.frames))
         while len(micro) <= max(built, default=-1):
             micro.append([])
             trained.append([])

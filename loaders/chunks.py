@@ -19,15 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import pyarrow as pa
-
 from omniscale.geometry import MediaGeometry
 from omniscale.loaders.assemble import DecodedStep, EncodeItem, decode_work, sample_id
-from omniscale.loaders.collate import collate, media_items
+from omniscale.loaders.collate import collate, media_items, media_tensor
 from omniscale.loaders.decode import DecodeNeed
 from omniscale.loaders.worker import Decoded
 from omniscale.media import MEDIA_KINDS as KINDS
-from omniscale.refs import SampleRef, table_to_refs
+from omniscale.plan import RankPlan
+from omniscale.refs import SampleRef
 
 
 @dataclass
@@ -41,31 +40,27 @@ class ChunkWork:
     encode: list[tuple[int, int, str, int, int]] = field(default_factory=list)
 
 
-def plan_chunks(table: pa.Table, rank: int | None, encode_parts: int = 1) -> list[ChunkWork]:
+def plan_chunks(plan: RankPlan, rank: int | None, encode_parts: int = 1
+                ) -> list[ChunkWork]:
     """The plan's decode work (``assemble.decode_work``, what ``rank`` uses of each sample;
     None: whole samples) cut into chunks: one per micro-batch, in order, then the samples
-    only encoded here in ``encode_parts`` chunks. Empty for a plan with no samples."""
-    refs = table_to_refs(table)
-    work = decode_work(table, rank, refs)
+    only encoded here in ``encode_parts`` chunks. Empty for a plan with no samples. A table
+    is decoded here (``omniscale.plan.decode_plan``)."""
+    work = decode_work(plan, rank)
     if not work:
         return []
     where = {sample_id(ref): i for i, (ref, _) in enumerate(work)}
-    cols = {n: table.column(n).to_pylist() for n in (
-        "role", "micro_batch", "sp_size", "sp_index", "item_kind", "item_index",
-        "consume_rank")}
     micro: dict[int, list[tuple[int, int, int]]] = {}
-    encode: dict[int, list[tuple[int, str, int, int]]] = {}  # sample -> its encode rows
     home: dict[int, int] = {}  # sample (index in work) -> a micro-batch training it
     joined = _Groups()  # micro-batches that share a sample go to one worker together
-    for row, ref in enumerate(refs):
-        w = where[sample_id(ref)]
-        if cols["role"][row] == "llm":
-            mb = cols["micro_batch"][row]
-            micro.setdefault(mb, []).append((w, cols["sp_size"][row], cols["sp_index"][row]))
-            joined.union(home.setdefault(w, mb), mb)
-        else:
-            encode.setdefault(w, []).append((row, cols["item_kind"][row],
-                                             cols["item_index"][row], cols["consume_rank"][row]))
+    for mb_plan in plan.micro_batches:
+        for ref, size, index in mb_plan.sequences():
+            w = where[sample_id(ref)]
+            micro.setdefault(mb_plan.index, []).append((w, size, index))
+            joined.union(home.setdefault(w, mb_plan.index), mb_plan.index)
+    encode: dict[int, list[tuple[int, str, int, int]]] = {}  # sample -> its encode rows
+    for row, ref, kind, index, consumer in plan.encodes.items():
+        encode.setdefault(where[sample_id(ref)], []).append((row, kind, index, consumer))
     groups: dict[int, list[int]] = {}
     for mb in sorted(micro):
         groups.setdefault(joined.find(mb), []).append(mb)
@@ -139,7 +134,9 @@ def decode_chunk(chunk: ChunkWork | None, decode_all: Callable[[list], list[Deco
         sample = outs[w].sample
         item = [m for m in sample.media if m.kind == kind][index]
         # The same rows of the packed micro-batch when it holds them: handed over once.
-        tensor = packed_rows.get((w, kind, index), item.tensor)
+        tensor = packed_rows.get((w, kind, index))
+        if tensor is None:
+            tensor = media_tensor(item)
         out.encode_items[row] = EncodeItem(outs[w].ref, kind, index, consumer, tensor,
                                            item.grid_thw, item.frames)
     out.samples = {sample_id(outs[w].ref): outs[w] for w in sorted(loose)}

@@ -14,16 +14,18 @@ from __future__ import annotations
 import queue
 import threading
 
+from omniscale.dataplane.actions import Reason
 from omniscale.dataplane.client import PlaneError
 from omniscale.dataplane.local import connect
-from omniscale.dataplane.server import Reason
+from omniscale.plan import decode_plan
 
 END = "end"  # the queue's last item when the mixture is exhausted
 
 
 class PlanPrefetcher:
-    """``get()`` returns ``(step, plan table)`` for start_step, start_step + 1, …, then END
-    (or raises the plane's refusal)."""
+    """``get()`` returns ``(step, plan)`` for start_step, start_step + 1, …, then END (or
+    raises the plane's refusal). The plan is the typed ``omniscale.plan.RankPlan``, decoded
+    here from the served table: the loader's edge, the one place a plan table is read."""
 
     def __init__(self, url: str, rank: int, start_step: int, depth: int,
                  token: str | None = None, stop: threading.Event | None = None,
@@ -32,7 +34,7 @@ class PlanPrefetcher:
             raise ValueError(f"prefetch_steps: must be >= 1, got {depth}")
         self.url, self.rank, self.token = url, rank, token
         self.next_step = start_step
-        self.on_plan = on_plan  # called with each plan table as it arrives (cache prefetch)
+        self.on_plan = on_plan  # called with each plan as it arrives (cache prefetch)
         self.stop = stop or threading.Event()
         self._commit_seen = threading.Event()  # a commit acknowledged since the last refusal
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -85,7 +87,7 @@ class PlanPrefetcher:
             while not self.stop.is_set():
                 self._commit_seen.clear()  # set by a commit acknowledged from here on
                 try:
-                    table = client.get_plan(self.next_step, self.rank)
+                    plan = decode_plan(client.get_plan(self.next_step, self.rank))
                 except PlaneError as e:
                     if e.reason == Reason.EXHAUSTED:
                         self._put(END)
@@ -98,8 +100,8 @@ class PlanPrefetcher:
                     return
                 delay = 0.01
                 if self.on_plan is not None:
-                    self.on_plan(table)
-                if not self._put((self.next_step, table)):
+                    self.on_plan(plan)
+                if not self._put((self.next_step, plan)):
                     return
                 self.next_step += 1
         except BaseException as e:  # noqa: BLE001 -- whatever happens, the consumer hears it

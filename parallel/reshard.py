@@ -1,17 +1,17 @@
 """Encoder→LLM reshard: one all-to-all moves every encoded media item's embeddings from the rank
 that encoded it (the encoder plan) to the ranks whose sequences hold its placeholders.
 
-The plan is the data plane's reshard map (`dataplane.plan_table`): an `llm` row lists, per
-encoder item of its sample (images, then videos, then audio clips:
-`dataplane.plan_table.item_kinds`), the rank encoding it; an `encode` row, the ranks consuming
-the item it encodes. Each rank derives its side of the exchange from its own plan table
-(`local_reshard_plan`: what a step of training costs, whatever the number of ranks): items are
-sent by e in (c, item) order and received by c in (e, item) order, so the two sides agree
-without sending any identifiers. `reshard_plan` derives the same from every rank's table and
-checks that the producer and consumer sides agree (tests, debugging). An item of a sample split over
-an SP group goes to every rank
-of the group (each has an `llm` row for its slice; `scatter_media` keeps the rows inside its
-slice) — the k copies' gradients add up on the encoding rank in backward.
+The exchange is the data plane's reshard map, decoded with the rank's plan
+(`omniscale.plan.RankPlan`): each LLM row lists, per encoder item of its sample (images, then
+videos, then audio clips: `omniscale.plan.item_kinds`), the rank encoding it; each encode row,
+the ranks consuming the item it encodes. Each rank derives its side of the exchange from its
+own plan (`local_reshard_plan`, `RankPlan.reshard_plan`: what a step of training costs,
+whatever the number of ranks): items are sent by e in (c, item) order and received by c in
+(e, item) order, so the two sides agree without sending any identifiers. `reshard_plan`
+derives the same from every rank's plan and checks that the producer and consumer sides agree
+(tests, debugging). An item of a sample split over an SP group goes to every rank of the group
+(each has an LLM row for its slice; `scatter_media` keeps the rows inside its slice) — the k
+copies' gradients add up on the encoding rank in backward.
 
 Row counts per item are not in the plan (they depend on the encoder's merge), so `reshard`
 exchanges them first (a small integer all-to-all), then the embeddings through the autograd
@@ -25,62 +25,27 @@ Shape suffixes: N embedding rows (all items), D LLM width, R ranks.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import pyarrow as pa
 import torch
 
 from omniscale.kernels.transfer import to_device
-from omniscale.media import MEDIA_KINDS
 from omniscale.parallel.comm import Group, all_to_all_single, group_size
-
-ItemKey = tuple[str, str, str, int, int]  # (source, shard, key, kind id, index within kind)
-
-
-@dataclass(frozen=True)
-class ReshardPlan:
-    """This rank's side of the exchange: items sent (grouped by destination rank, `send_counts`
-    per rank) and received (grouped by source rank, `recv_counts` per rank), in the order
-    both sides derive from the plan."""
-
-    send_items: list[ItemKey]
-    send_counts: list[int]
-    recv_items: list[ItemKey]
-    recv_counts: list[int]
+from omniscale.plan import ItemKey, RankPlan, ReshardPlan
 
 
-def _items(row: dict) -> list[ItemKey]:
-    uid = (row["source"], row["shard"], row["key"])
-    return ([(*uid, 0, i) for i in range(len(row["image_patches"]))]
-            + [(*uid, 1, i) for i in range(len(row["video_patches"]))]
-            + [(*uid, 2, i) for i in range(len(row["audio_frames"]))])
-
-
-def reshard_plan(tables: list[pa.Table], rank: int) -> ReshardPlan:
-    """The exchange of `rank` from every rank's plan table of the step (`tables[r]` is rank
-    r's, as `dataplane.plan_table.rank_tables` builds them or `get_plan(step, r)` serves them).
-    Checks that the `encode` rows of `rank` are exactly the items the `llm` rows expect from
-    it, so a plan the two sides read differently fails here rather than in the collective."""
-    world = len(tables)
+def reshard_plan(plans: list[RankPlan], rank: int) -> ReshardPlan:
+    """The exchange of `rank` from every rank's plan of the step (`plans[r]` is rank r's, as
+    `dataplane.plan_table.rank_tables` builds them or `get_plan(step, r)` serves them; tables
+    are decoded here). Checks that the encode rows of `rank` are exactly the items the LLM
+    rows expect from it, so a plan the two sides read differently fails here rather than in
+    the collective."""
+    world = len(plans)
     pairs: set[tuple[ItemKey, int, int]] = set()
-    for c, table in enumerate(tables):
-        columns = ["role", "source", "shard", "key", "image_patches", "video_patches",
-                   "audio_frames", "encode_ranks"]
-        for row in table.select(columns).to_pylist():
-            if row["role"] != "llm":
-                continue
-            items = _items(row)
-            if len(items) != len(row["encode_ranks"]):
-                raise ValueError(f"plan of rank {c}: sample {row['key']!r} has {len(items)} "
-                                 f"encoder items but {len(row['encode_ranks'])} encode_ranks")
-            pairs.update((item, e, c) for item, e in zip(items, row["encode_ranks"]))
-
-    mine = tables[rank].select(["role", "source", "shard", "key", "item_kind", "item_index",
-                                "consume_rank"]).to_pylist()
-    encoded = {(r["source"], r["shard"], r["key"], MEDIA_KINDS.index(r["item_kind"]),
-                r["item_index"]): r["consume_rank"] for r in mine if r["role"] == "encode"}
+    for c, plan in enumerate(plans):
+        pairs.update((item, e, c) for item, e in plan.consumed_items())
+    encoded = {item: first for item, first, _ in plans[rank].encoded_items()}
     send = sorted((c, item) for item, e, c in pairs if e == rank)
     expected, send_pairs = {item for _, item in send}, set(send)
     if expected != set(encoded) or any((encoded[i], i) not in send_pairs for i in encoded):
@@ -96,37 +61,12 @@ def reshard_plan(tables: list[pa.Table], rank: int) -> ReshardPlan:
         recv_counts=[sum(1 for e, _ in recv if e == r) for r in range(world)])
 
 
-def local_reshard_plan(table: pa.Table, rank: int, world: int) -> ReshardPlan:
-    """`rank`'s side of the exchange from its own plan table alone: what it sends from its
-    `encode` rows (each item to `consume_rank` .. `consume_rank + consume_span - 1`), what it
-    receives from its `llm` rows' `encode_ranks`. Equals `reshard_plan(all tables, rank)`."""
-    send, recv = set(), set()
-    columns = ["role", "source", "shard", "key", "image_patches", "video_patches",
-               "audio_frames", "encode_ranks", "item_kind", "item_index", "consume_rank",
-               "consume_span"]
-    for row in table.select(columns).to_pylist():
-        if row["role"] == "encode":
-            item = (row["source"], row["shard"], row["key"],
-                    MEDIA_KINDS.index(row["item_kind"]), row["item_index"])
-            first, span = row["consume_rank"], row["consume_span"] or 1
-            send.update((c, item) for c in range(first, first + span))
-            continue
-        items = _items(row)
-        if len(items) != len(row["encode_ranks"]):
-            raise ValueError(f"plan of rank {rank}: sample {row['key']!r} has {len(items)} "
-                             f"encoder items but {len(row['encode_ranks'])} encode_ranks")
-        recv.update(zip(row["encode_ranks"], items))
-    for what, pairs in (("sends to", send), ("receives from", recv)):
-        bad = sorted({r for r, _ in pairs if not 0 <= r < world})
-        if bad:
-            raise ValueError(f"plan of rank {rank}: {what} rank(s) {bad[:3]}, outside the "
-                             f"{world} ranks")
-    send_counts, recv_counts = Counter(c for c, _ in send), Counter(e for e, _ in recv)
-    return ReshardPlan(
-        send_items=[item for _, item in sorted(send)],
-        send_counts=[send_counts[r] for r in range(world)],
-        recv_items=[item for _, item in sorted(recv)],
-        recv_counts=[recv_counts[r] for r in range(world)])
+def local_reshard_plan(plan: RankPlan, rank: int, world: int) -> ReshardPlan:
+    """`rank`'s side of the exchange from its own plan alone (`RankPlan.reshard_plan`; a table
+    is decoded here). Equals `reshard_plan(every rank's plan, rank)`."""
+    if plan.rank != rank:
+        raise ValueError(f"reshard: the plan of rank {plan.rank} handed to rank {rank}")
+    return plan.reshard_plan(world)
 
 
 @dataclass

@@ -38,9 +38,7 @@ ALLOWED = {
 # Where a package may reach into another only through some of its modules.
 ONLY_THROUGH = {
     # the client side of the plane, and the spec (``data index`` indexes a spec's sources)
-    ("loaders", "dataplane"): {"client", "local", "actions", "spec",
-                               # until the typed plan and the action registry land (#43)
-                               "server", "plan_table"},
+    ("loaders", "dataplane"): {"client", "local", "actions", "spec"},
     ("loaders", "balancer"): {"types"},
 }
 # Third-party modules a package may import, for the packages held to a short list (the rest

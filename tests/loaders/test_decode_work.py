@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from omniscale.dataplane.plan_table import PLAN_SCHEMA
 from omniscale.loaders.assemble import decode_work
 from omniscale.loaders.decode import DecodeNeed
+from omniscale.plan import PLAN_SCHEMA, decode_plan
 
 
 def _row(key, role, images=(), videos=(), audio=(), encode_ranks=(), item=(None, None),
@@ -23,7 +23,7 @@ def _row(key, role, images=(), videos=(), audio=(), encode_ranks=(), item=(None,
 
 
 def _table(rows):
-    return pa.Table.from_pylist(rows, schema=PLAN_SCHEMA)
+    return decode_plan(pa.Table.from_pylist(rows, schema=PLAN_SCHEMA))
 
 
 ROWS = [

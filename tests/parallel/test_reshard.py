@@ -32,6 +32,7 @@ CASES = {
 def _tables(world):
     from omniscale.balancer.types import StepPlan
     from omniscale.dataplane.plan_table import rank_tables
+    from omniscale.plan import decode_plan
     from omniscale.refs import SampleRef
 
     samples, rows, encode = CASES[world]
@@ -51,7 +52,7 @@ def _tables(world):
         lower_bound=0.0, item_M=np.arange(int(count_N.sum())), item_sample_M=item_sample,
         encode_rank_M=np.array(encode, np.int32),
         consume_rank_M=np.array([first_rank[s] for s in item_sample], np.int32), reshard=True)
-    return rank_tables(plan, refs, first_N, step=0, dp=world)
+    return [decode_plan(t) for t in rank_tables(plan, refs, first_N, step=0, dp=world)]
 
 
 def _oracle(world):
@@ -59,7 +60,7 @@ def _oracle(world):
     audio clips) are sent by their encode rank to every rank holding a placement row of s,
     sent in (consumer, item) order and received in (encoder, item) order (reshard.py's
     contract, so both sides agree without identifiers)."""
-    from omniscale.parallel.reshard import ReshardPlan
+    from omniscale.plan import ReshardPlan
 
     samples, rows, encode = CASES[world]
     items = [("src", "shard", f"k{s}", kind, i) for s, counts in enumerate(samples)

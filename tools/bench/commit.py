@@ -30,8 +30,8 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
 from omniscale.dataplane import journal as journal_module  # noqa: E402
-from omniscale.dataplane.plan_table import fingerprint  # noqa: E402
 from omniscale.dataplane.plane import DataPlane, PlaneConfig  # noqa: E402
+from omniscale.plan import fingerprint  # noqa: E402
 from omniscale.tools.bench.plane_data import write_sources, write_spec  # noqa: E402
 from omniscale.tools.bench.provenance import provenance  # noqa: E402
 

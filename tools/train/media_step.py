@@ -2,10 +2,11 @@
 embeddings to the ranks whose sequences hold their placeholders, and give every micro-batch
 its blocks (DESIGN.md "Data flow": encoders → reshard → backbone).
 
-The plane's plan says which rank encodes each media item (``encode`` rows, the encoder plan,
-balanced on its own, with the ranks consuming it) and which rank decodes it (``llm`` rows,
+The plane's plan says which rank encodes each media item (its encode rows, the encoder plan,
+balanced on its own, with the ranks consuming it) and which rank decodes it (its LLM rows,
 with the rank encoding each item); each rank derives its side of the exchange from its own
-plan table (``parallel.reshard.local_reshard_plan``), so nothing is gathered across ranks.
+plan (``batch.plan``, an ``omniscale.plan.RankPlan``:
+``parallel.reshard.local_reshard_plan``), so nothing is gathered across ranks.
 
 Items the plan does not cover are encoded locally in the same encoder call: the media of a
 replacement sample (the planned one was corrupt: ``loaders.assemble``) and everything when the
@@ -35,12 +36,10 @@ import torch
 from omniscale.kernels.transfer import HOST
 from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.collate import PackedBatch, media_items
-from omniscale.media import MEDIA_KINDS
-from omniscale.parallel.reshard import ItemKey, Resharded, local_reshard_plan, reshard
-
-
-def item_key(ref, kind_id: int, index: int) -> ItemKey:
-    return (ref.source, ref.shard, ref.key, kind_id, index)
+from omniscale.media import AUDIO, kind_id
+from omniscale.parallel.reshard import Resharded, local_reshard_plan
+from omniscale.plan import ItemKey, item_key
+from omniscale.tools.train import collectives
 
 
 @dataclass
@@ -60,7 +59,7 @@ class _Inputs:
         if key in self.seen:
             return
         self.seen.add(key)
-        if key[3] == MEDIA_KINDS.index("audio"):
+        if key[3] == AUDIO:
             self.audio_keys.append(key), self.mels.append(tensor), self.frames.append(frames)
         else:
             self.vision_keys.append(key), self.pixel_rows.append(tensor)
@@ -79,7 +78,7 @@ def _step_inputs(batch, received_keys: set) -> _Inputs:
     micro-batches that no other rank sends (replacements, or a plan without encoder rows)."""
     inputs = _Inputs([], [], [], [], [], [])
     for item in batch.encode_items:  # the plan's encode rows (the producer side)
-        inputs.add(item_key(item.ref, MEDIA_KINDS.index(item.kind), item.index), item.tensor,
+        inputs.add(item_key(item.ref, kind_id(item.kind), item.index), item.tensor,
                    item.grid_thw, item.frames)
     for mb in batch.micro_batches:
         if mb.seq_refs is None:
@@ -131,7 +130,8 @@ def encode_and_reshard(model, batch, rank: int, world: int, group=None,
     dim = model.config.d_model
     empty = torch.zeros(0, dim, device=device)
     sent = {key: blocks.get(key, empty) for key in plan.send_items}
-    resharded = reshard(sent, plan, group, dim=dim, dtype=empty.dtype, device=device)
+    resharded = collectives.reshard_embeddings(sent, plan, group, dim=dim, dtype=empty.dtype,
+                                               device=device)
     # items encoded here for another rank (what the encoder plan moved)
     moved = sum(n for r, n in enumerate(plan.send_counts) if r != rank)
     return StepMedia(dim, encoder_outputs, resharded, blocks, moved, copies)
