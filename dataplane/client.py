@@ -4,7 +4,10 @@ Every call has a timeout. While the plane is unreachable (restarting after a cra
 yet) calls retry with exponential backoff for up to ``retry_for`` seconds, so a trainer rides
 through a plane restart; a refusal (bad rank, committed step, wrong token) is raised at once as
 :class:`PlaneError` carrying the plane's one-line message and its ``reason``
-(:class:`dataplane.server.Reason`), which is what code branches on.
+(:class:`dataplane.actions.Reason`), which is what code branches on.
+
+The action methods (``commit``, ``status``, ``report_corrupt`` …) come from the action registry
+(:mod:`dataplane.actions`): each encodes its request and runs one path, :meth:`PlaneClient._invoke`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from omniscale.dataplane import wire
+from omniscale.dataplane.actions import PLAN_STREAM, Action, Reason, Reply, client_methods
 from omniscale.dataplane.auth import TLS_ROOT_ENV, read_pem
 from omniscale.dataplane.lane import LANE_OK, lane_frame
-from omniscale.dataplane.server import PLAN_STREAM, Reason
 from omniscale.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -104,8 +107,13 @@ def _message(e: Exception) -> str:
     return text
 
 
+@client_methods
 class PlaneClient:
-    """``stream=True``: ``get_plan`` keeps one connection open for its requests instead of one
+    """The plane's actions over the wire: a method per action of :mod:`dataplane.actions`,
+    named as the plane's and with its parameters (``get_plan(step, rank)``, ``commit(step,
+    rank=None, plan_fp=None)``, ``commit_many(rank, steps, plan_fps)`` …).
+
+    ``stream=True``: ``get_plan`` keeps one connection open for its requests instead of one
     ``plan`` action call each (same plans, same errors): the server's plan lane when it has one
     (a plain TCP connection, no gRPC; see :mod:`dataplane.server`), else a long-lived Flight
     ``do_exchange`` stream. A lane request times out after ``timeout`` like any call. The
@@ -166,9 +174,17 @@ class PlaneClient:
                 raise PlaneError(f"plane at {self.url}: {what}: {_message(e)}",
                                  _reason(e)) from None
 
-    def get_plan(self, step: int, rank: int) -> pa.Table:
+    def _invoke(self, action: Action, request):
+        """Run one action: a plan over the plan's own paths, anything else as a Flight action
+        whose reply is one record."""
+        if action.reply is Reply.PLAN:
+            return self._fetch_plan(request.step, request.rank, action.label(request))
+        reply = self._action(action.name, action.to_body(request))
+        return reply if action.client_reply is None else action.client_reply(reply)
+
+    def _fetch_plan(self, step: int, rank: int, what: str) -> pa.Table:
         """This rank's plan for ``step``: one row per LLM placement or encoder item."""
-        key = int(step), int(rank)
+        key = step, rank
         action = self._plan_actions.get(key)
         if action is None:  # the request bytes are the same every time: encode them once
             if len(self._plan_actions) > 4096:
@@ -190,7 +206,7 @@ class PlaneClient:
                     self._stream_lock.release()
             results = list(client.do_action(action, options=self._options))
             return pa.ipc.open_stream(results[0].body).read_all()
-        return self._retrying(f"get_plan(step={step}, rank={rank})", fetch)
+        return self._retrying(what, fetch)
 
     # -- the plan lane ------------------------------------------------------------------------
     def _ask_lane(self, client: flight.FlightClient) -> int:
@@ -310,70 +326,13 @@ class PlaneClient:
                 pass
 
     def _action(self, kind: str, body: dict) -> dict:
+        """The Flight action ``kind`` with ``body`` (a wire record, empty: no body)."""
         action = flight.Action(kind, wire.encode(body) if body else b"")
 
         def run(client):
             results = list(client.do_action(action, options=self._options))
             return wire.decode(results[0].body) if results else {}
         return self._retrying(kind, run)
-
-    def commit(self, step: int, rank: int | None = None, plan_fp: str | None = None) -> dict:
-        """Mark ``step`` (or ``rank``'s share of it) trained. ``plan_fp``,
-        ``plan_table.fingerprint`` of the plan the rank trained, lets the plane refuse the
-        commit if that step was re-planned since (a resize): the rank then fetches again."""
-        body = {"step": int(step)} | ({} if rank is None else {"rank": int(rank)})
-        if plan_fp is not None:
-            body["plan_fp"] = str(plan_fp)
-        return self._action("commit", body)
-
-    def commit_many(self, steps: list[int], rank: int, plan_fps: list[str | None]) -> dict:
-        """``rank``'s commits of ``steps`` in order, in one request and one fsync
-        (``DataPlane.commit_many``): {next_step, committed: [bool per step]}. The first refusal
-        is raised; the steps before it stand."""
-        return self._action("commit_many", {
-            "rank": int(rank), "steps": [int(s) for s in steps],
-            "plan_fps": [None if f is None else str(f) for f in plan_fps]})
-
-    def report_corrupt(self, step: int, rank: int, source: str, shard: str, key: str,
-                       reason: str, epoch: int = 0):
-        """Report a planned sample that does not decode; returns the replacement SampleRef the
-        plane drew from the same source (None when it has none). Idempotent, so retries and
-        every rank holding the sample get the same replacement."""
-        from omniscale.dataplane.corrupt import ref_from_json
-
-        reply = self._action("report_corrupt", {
-            "step": int(step), "rank": int(rank), "source": str(source), "shard": str(shard),
-            "key": str(key), "reason": str(reason), "epoch": int(epoch)})
-        return ref_from_json(reply.get("replacement") or "")
-
-    def report_suspect(self, step: int, samples: list[dict], reason: str) -> dict:
-        """Report the samples of a step the trainer did not apply (``tools.train.guard``);
-        idempotent per step."""
-        return self._action("report_suspect", {"step": int(step), "samples": list(samples),
-                                               "reason": str(reason)})
-
-    def report_stragglers(self, step: int, ranks: list[int], slowdown: list[float]) -> dict:
-        """The data ranks found computing much slower than planned as of ``step``
-        (``tools.train.stragglers``; ``[]``: none any more), each with its slowdown; the
-        plane shows them in status."""
-        return self._action("stragglers", {"step": int(step), "ranks": [int(r) for r in ranks],
-                                           "slowdown": [float(v) for v in slowdown]})
-
-    def status(self) -> dict:
-        return self._action("status", {})
-
-    def snapshot(self, step: int | None = None) -> dict:
-        return self._action("snapshot", {} if step is None else {"step": int(step)})
-
-    def reload(self, spec: str) -> dict:
-        return self._action("reload", {"spec": str(spec)})
-
-    def audit(self) -> dict:
-        return self._action("audit", {})
-
-    def set_costs(self, linear: float, quadratic: float) -> dict:
-        """Send a refitted cost model; it applies from the first window no rank has seen."""
-        return self._action("costs", {"linear": float(linear), "quadratic": float(quadratic)})
 
     def close(self) -> None:
         self._close_stream()

@@ -5,7 +5,7 @@ one thread from a selector loop -- no gRPC and no thread hand-off per fetch (see
 A frame, both ways: u32 little-endian n, then n bytes. Client to server: first a hello (an Arrow
 IPC record {token}), then plan requests (the ``plan`` action's body). Server to client: one
 status byte (LANE_OK or LANE_REFUSED) then Arrow IPC -- the plan's stream, an empty record
-(hello accepted) or {error, reason?} (the one-line refusal and its ``server.Reason``; after a
+(hello accepted) or {error, reason?} (the one-line refusal and its ``actions.Reason``; after a
 refused hello the server closes).
 
 Under abuse (see :class:`LaneLimits`): at most ``max_connections`` connections (more are closed

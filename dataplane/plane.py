@@ -11,41 +11,60 @@ only shorten a restart's replay.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import re
-import stat
 import threading
 import time
 from pathlib import Path
 
 import pyarrow as pa
 
+from omniscale.dataplane.actions import (
+    Reason,
+    RequestError,
+    check_costs,
+    check_stragglers,
+    suspect_sample,
+)
 from omniscale.dataplane.corrupt import draw_replacement, ref_to_json, replacement_room
 from omniscale.dataplane.journal import Journal
-from omniscale.dataplane.plan_table import step_fingerprint
 from omniscale.dataplane.plane_config import PlaneConfig  # noqa: F401  (public here too)
 from omniscale.dataplane.plane_state import PlaneState
 from omniscale.dataplane.restore import open_state, start_for
-from omniscale.dataplane.server import Reason, RequestError
-from omniscale.dataplane.spec import SpecError, spec_from_text
+from omniscale.dataplane.spec_file import read_reload_spec, read_spec_file
 from omniscale.dataplane.status import plane_status
 from omniscale.errors import UserError
+from omniscale.plan import step_fingerprint
 
 log = logging.getLogger(__name__)
 
-MAX_SPEC_BYTES = 1 << 20  # a mixing spec is a few KiB; a reload reads no more than this
-MAX_COST = 1e12  # cost coefficients above this overflow the planner's sums long before use
+
+def _read_through(name: str) -> property:
+    """``plane.<name>``: the state's attribute, read through ``plane.state`` (which a failed
+    change or a restore replaces whole, so nothing of it is copied onto the plane)."""
+    return property(lambda plane: getattr(plane.state, name),
+                    doc=f"``state.{name}`` (:class:`dataplane.plane_state.PlaneState`)")
 
 
-def cost_in_range(value) -> bool:
-    """A cost coefficient the planner can use: a finite number in [0, MAX_COST] (a refit's,
-    ``set_costs``, or ``plane serve --cost-linear/--cost-quadratic``)."""
-    return isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= MAX_COST
+class DataPlane:
+    """Implements :data:`dataplane.actions.PlaneService` around ``state`` (a
+    :class:`PlaneState`). Thread-safe: one lock around the state."""
 
+    state: PlaneState  # from the state dir or fresh; replaced whole when a failed change reopens
 
-class DataPlane(PlaneState):
-    """Implements dataplane.server.PlaneService. Thread-safe: one lock around the state."""
+    # What status, tools and tests read on a plane; planning itself (plan_through, table …)
+    # is ``plane.state``'s.
+    next_step = _read_through("next_step")
+    next_window = _read_through("next_window")
+    exhausted_at = _read_through("exhausted_at")
+    committed = _read_through("committed")
+    rank_commits = _read_through("rank_commits")
+    committed_fps = _read_through("committed_fps")
+    windows = _read_through("windows")
+    mixer = _read_through("mixer")
+    spec = _read_through("spec")
+    corrupt = _read_through("corrupt")
+    suspects = _read_through("suspects")
+    dp_at = _read_through("dp_at")
 
     def __init__(self, spec: str | Path | None, state_dir: str | Path, config: PlaneConfig,
                  restore_step: int | None = None, spec_root: str | Path | None = None):
@@ -69,28 +88,22 @@ class DataPlane(PlaneState):
                 raise UserError(f"{state_dir}: a new state dir needs --spec to start")
             self._start_fresh(Path(spec))
         else:
-            state, offset = opened
-            self._become(state)
+            self.state, offset = opened
             if restore_step is not None:
                 self._roll_back_to(restore_step, offset)
             self.last_snapshot = max(self.journal.snapshot_steps(), default=-1)
             self._apply_dp(config.dp)
         root = spec_root if spec_root is not None else Path(self.start_spec_file).parent
         self.spec_root = Path(os.path.realpath(root))
-        self.plan_through(self._horizon())
+        self.state.plan_through(self._horizon())
 
     # -- opening ----------------------------------------------------------------------------
-    def _become(self, state: PlaneState) -> None:
-        """Take over ``state``'s fields (built by restore.open_state; the service's own
-        fields -- journal, lock, clients -- are not in it)."""
-        vars(self).update(vars(state))
-
     def _start_fresh(self, spec_path: Path) -> None:
-        text = _read_spec_file(spec_path, limit=None)
+        text = read_spec_file(spec_path, limit=None)
         ref = self._spec_ref(text, spec_path)
         start = start_for(ref, self.config)
-        self._become(PlaneState.fresh(start, self.journal, self.config))
-        self.plan_through(self._horizon())  # plans, or refuses before anything is logged
+        self.state = PlaneState.fresh(start, self.journal, self.config)
+        self.state.plan_through(self._horizon())  # plans, or refuses before anything is logged
         self.journal.append(start)
         self._write_snapshot()  # step 0: a restart's shortcut
 
@@ -103,11 +116,11 @@ class DataPlane(PlaneState):
     @property
     def start_spec_file(self) -> str:
         first = self.journal.first_record()
-        return first[1]["spec"]["file"] if first else self.spec_ref["file"]
+        return first[1]["spec"]["file"] if first else self.state.spec_ref["file"]
 
     @property
     def spec_path(self) -> str:
-        return self.spec_ref["file"]
+        return self.state.spec_ref["file"]
 
     def _roll_back_to(self, step: int, offset: int) -> None:
         kept = self.journal.roll_back(offset)
@@ -122,33 +135,32 @@ class DataPlane(PlaneState):
 
     def _apply_dp(self, dp: int) -> None:
         """A restart with another number of ranks: re-plan from the next step, then log it."""
-        if self.dp_at(self.next_step) == dp:
+        if self.state.dp_at(self.state.next_step) == dp:
             return
         hold = self.config.micro_batch_tokens * min(self.config.sp_max,
                                                     1 << (dp.bit_length() - 1))
-        if hold < self.cap:
+        if hold < self.state.cap:
             raise UserError(
-                f"--dp {dp}: this job plans samples of up to {self.cap} tokens, more than "
+                f"--dp {dp}: this job plans samples of up to {self.state.cap} tokens, more than "
                 f"{dp} rank(s) can hold with --micro-batch-tokens "
                 f"{self.config.micro_batch_tokens} and --sp-max {self.config.sp_max}")
         log.warning("resizing: steps from %d are planned for %d ranks (were %d)",
-                    self.next_step, dp, self.dp_at(self.next_step))
-        self.resize_from(self.next_step, dp)
+                    self.state.next_step, dp, self.state.dp_at(self.state.next_step))
+        self.state.resize_from(self.state.next_step, dp)
         try:
-            self.plan_through(self._horizon())
+            self.state.plan_through(self._horizon())
         except Exception as e:  # noqa: BLE001 -- refused: nothing was logged
             raise UserError(f"--dp {dp}: the next windows do not plan on {dp} ranks "
                             f"({_one_line(e)})") from None
-        self._log({"t": "dp", "step": self.next_step, "dp": dp})
+        self._log({"t": "dp", "step": self.state.next_step, "dp": dp})
 
     def _reopen(self) -> None:
         """Back to what the log says (a change failed after it touched the state)."""
-        state, _ = open_state(self.journal, self.config)
-        self._become(state)
-        self.plan_through(self._horizon())
+        self.state, _ = open_state(self.journal, self.config)
+        self.state.plan_through(self._horizon())
 
     def _horizon(self) -> int:
-        return self.next_step + self.config.window * (1 + self.config.plan_ahead) - 1
+        return self.state.next_step + self.config.window * (1 + self.config.plan_ahead) - 1
 
     # -- persistence --------------------------------------------------------------------------
     def _log(self, record: dict, sync: bool = True) -> None:
@@ -160,15 +172,15 @@ class DataPlane(PlaneState):
         # the log the snapshot follows must be on disk first (commits are synced after the
         # lock): a crash must not leave a snapshot whose wal_offset lies past the log's end
         self.journal.sync_to(self.journal.written)
-        path = self.journal.write_snapshot(self.snapshot_body(self.journal.written))
-        self.last_snapshot = self.next_step
+        path = self.journal.write_snapshot(self.state.snapshot_body(self.journal.written))
+        self.last_snapshot = self.state.next_step
         return path
 
     def _change(self, what: str, record: dict, k: int) -> None:
         """Try a change (already made to the state from window ``k`` on) by planning window
         ``k`` with it, then log it; a failure restores the state from the log and refuses."""
         try:
-            self.plan_through(k * self.config.window)
+            self.state.plan_through(k * self.config.window)
         except Exception as e:  # noqa: BLE001 -- whatever broke, the change is refused
             self._reopen()
             raise RequestError(f"{what}: refused, window {k} does not plan with it "
@@ -183,7 +195,7 @@ class DataPlane(PlaneState):
     def get_plan(self, step: int, rank: int) -> pa.Table:
         with self.lock:
             self._check_step(step, "get_plan")
-            dp = self.dp_at(step)
+            dp = self.state.dp_at(step)
             if not 0 <= rank < dp:
                 raise RequestError(f"rank {rank}: step {step} is planned for {dp} ranks "
                                    f"(0..{dp - 1})", Reason.UNKNOWN_RANK)
@@ -192,25 +204,25 @@ class DataPlane(PlaneState):
             self.served_max = max(self.served_max, step)
             self.served.setdefault(step, set()).add(rank)
             self.clients[rank] = (time.monotonic(), step)  # for status: who is connected
-            return self.table(step, rank)
+            return self.state.table(step, rank)
 
     def _check_step(self, step: int, what: str) -> None:
         if step < 0:
             raise RequestError(f"step {step} is negative", Reason.INVALID)
-        if step < self.next_step or step in self.committed:
+        if step < self.state.next_step or step in self.state.committed:
             raise RequestError(f"step {step} is already committed (the next step to "
-                               f"train is {self.next_step})", Reason.COMMITTED)
-        horizon = (self.next_step // self.config.window + 1 + self.config.plan_ahead) \
+                               f"train is {self.state.next_step})", Reason.COMMITTED)
+        horizon = (self.state.next_step // self.config.window + 1 + self.config.plan_ahead) \
             * self.config.window - 1
         if step > horizon:
             raise RequestError(f"step {step} is too far ahead: plans reach step "
-                               f"{horizon} while step {self.next_step} is not committed",
+                               f"{horizon} while step {self.state.next_step} is not committed",
                                Reason.TOO_FAR_AHEAD)
 
     def _check_planned(self, step: int, message: str) -> None:
-        self.plan_through(step)
-        if self.exhausted_at is not None and step >= self.exhausted_at:
-            raise RequestError(message.format(step=step, last=self.exhausted_at - 1),
+        self.state.plan_through(step)
+        if self.state.exhausted_at is not None and step >= self.state.exhausted_at:
+            raise RequestError(message.format(step=step, last=self.state.exhausted_at - 1),
                                Reason.EXHAUSTED)
 
     def commit(self, step: int, rank: int | None = None, plan_fp: str | None = None) -> dict:
@@ -244,19 +256,19 @@ class DataPlane(PlaneState):
                 replies.append(self._commit(step, rank, plan_fp))
         finally:
             self.journal.sync_to(self.journal.written)
-        return {"next_step": self.next_step,
+        return {"next_step": self.state.next_step,
                 "committed": [bool(r.get("committed")) for r in replies]}
 
     def _commit(self, step: int, rank: int | None, plan_fp: str | None) -> dict:
         with self.lock:
-            repeated = self._repeated_commit(step, rank, plan_fp)
+            repeated = self.state.repeated_commit(step, rank, plan_fp)
             if repeated is not None:
                 return repeated
             self._check_step(step, "commit")
             self._check_planned(step, "step {step} was never planned (the mixture is "
                                        "exhausted after step {last})")
-            dp = self.dp_at(step)
-            prints = [self.fingerprint(step, r) for r in range(dp)]
+            dp = self.state.dp_at(step)
+            prints = [self.state.fingerprint(step, r) for r in range(dp)]
             if rank is None:
                 if plan_fp is None:
                     raise RequestError(f"step {step}: a whole-step commit needs plan_fp, the "
@@ -269,7 +281,7 @@ class DataPlane(PlaneState):
                 if not 0 <= rank < dp:
                     raise RequestError(f"rank {rank}: step {step} has {dp} ranks (0..{dp - 1})",
                                        Reason.UNKNOWN_RANK)
-                ranks = self.rank_commits.setdefault(step, set())
+                ranks = self.state.rank_commits.setdefault(step, set())
                 if rank in ranks:
                     raise RequestError(f"rank {rank} already committed step {step}",
                                        Reason.RANK_COMMITTED)
@@ -286,82 +298,44 @@ class DataPlane(PlaneState):
                 if len(ranks) < dp:
                     return {"step": step, "committed": False, "ranks": len(ranks), "dp": dp}
             self._log({"t": "commit", "step": step, "fp": prints}, sync=False)
-            self.apply({"t": "commit", "step": step, "fp": prints})
-            for s in [s for s in self.served if s < self.next_step]:
+            self.state.apply({"t": "commit", "step": step, "fp": prints})
+            for s in [s for s in self.served if s < self.state.next_step]:
                 del self.served[s]
-            if self.next_step - self.last_snapshot >= self.config.snapshot_every:
+            if self.state.next_step - self.last_snapshot >= self.config.snapshot_every:
                 self._write_snapshot()
-            self.plan_through(self._horizon())
-            return {"step": step, "committed": True, "next_step": self.next_step}
-
-    def _repeated_commit(self, step: int, rank: int | None, plan_fp: str | None
-                         ) -> dict | None:
-        """The reply to a commit this plane already took for the same plan: a client that lost
-        the reply (the plane was killed after logging the commit, before answering) retries,
-        and the retry must succeed, not fail as a duplicate."""
-        if plan_fp is None:
-            return None
-        done = self.committed_fps.get(step)
-        if done is not None and (plan_fp == step_fingerprint(done) if rank is None else
-                                 rank < len(done) and done[rank] == plan_fp):
-            return {"step": step, "committed": True, "next_step": self.next_step,
-                    "repeated": True}
-        ranks = self.rank_commits.get(step, set())
-        if rank in ranks and step in self._planned_steps() and \
-                plan_fp == self.fingerprint(step, rank):
-            return {"step": step, "committed": False, "ranks": len(ranks),
-                    "dp": self.dp_at(step), "repeated": True}
-        return None
-
-    def _planned_steps(self) -> range:
-        W = self.config.window
-        return range(min(self.windows, default=0) * W, self.next_window * W)
+            self.state.plan_through(self._horizon())
+            return {"step": step, "committed": True, "next_step": self.state.next_step}
 
     def snapshot(self, step: int | None = None) -> dict:
         with self.lock:
-            if step is not None and step != self.next_step:
+            if step is not None and step != self.state.next_step:
                 raise RequestError(f"step {step}: only the next step to train "
-                                   f"({self.next_step}) can be snapshotted", Reason.INVALID)
+                                   f"({self.state.next_step}) can be snapshotted", Reason.INVALID)
             path = self._write_snapshot()
-            return {"step": self.next_step, "path": str(path)}
+            return {"step": self.state.next_step, "path": str(path)}
 
     def reload(self, spec: str) -> dict:
         """Apply the mixing spec at ``spec`` (a path on the plane's host) from the first window
         no rank has seen. Only a regular file under ``spec_root`` of at most MAX_SPEC_BYTES is
         read, outside the lock; errors name the file and field, never its contents."""
-        path = self._reload_path(spec)
-        try:
-            text = _read_spec_file(path, limit=MAX_SPEC_BYTES)  # names the file, no contents
-        except SpecError as e:
-            raise RequestError(str(e), Reason.SPEC) from None
-        try:
-            new = spec_from_text(text, str(path), root=path.parent)
-        except SpecError as e:
-            log.warning("reload refused: %s", e)
-            raise RequestError(_redacted(e, str(path)), Reason.SPEC) from None
+        path, text, new = read_reload_spec(self.spec_root, spec)
         with self.lock:
-            if new.accounting != self.spec.accounting:
+            old = self.state.spec.accounting
+            if new.accounting != old:
                 raise RequestError(f"{path}: accounting cannot change during a run "
-                                   f"({self.spec.accounting} -> {new.accounting})", Reason.SPEC)
+                                   f"({old} -> {new.accounting})", Reason.SPEC)
             ref = self._spec_ref(text, path)
             k = self._rewind_to_next_unserved()
-            self.reloads.append([k, ref])
+            self.state.reloads.append([k, ref])
             self._change(f"reload {path}", {"t": "reload", "window": k, "spec": ref}, k)
             return {"applies_at_step": k * self.config.window, "spec": str(path)}
-
-    def _reload_path(self, spec: str) -> Path:
-        path = Path(os.path.realpath(self.spec_root / spec))
-        if path != self.spec_root and self.spec_root not in path.parents:
-            raise RequestError(f"{spec}: reload reads specs only under {self.spec_root} "
-                               "(the plane's --spec-root)", Reason.SPEC)
-        return path
 
     def _rewind_to_next_unserved(self) -> int:
         """The first window no rank has seen; windows from it that were drawn ahead are
         dropped, to be drawn again under whatever changes now (a reload, new costs)."""
         W = self.config.window
-        k = max(self.next_step // W, self.served_max // W) + 1
-        self.rewind_to(k)
+        k = max(self.state.next_step // W, self.served_max // W) + 1
+        self.state.rewind_to(k)
         return k
 
     def set_costs(self, linear: float, quadratic: float) -> dict:
@@ -369,13 +343,9 @@ class DataPlane(PlaneState):
         planner) for the windows no rank has seen yet; logged, so a restart or an audit
         replays the same plans."""
         with self.lock:
-            values = (linear, quadratic)
-            if not all(cost_in_range(v) for v in values) or not any(values):
-                raise RequestError(f"costs: linear and quadratic must be finite, in [0, "
-                                   f"{MAX_COST:g}] and not both 0, got {linear!r}, "
-                                   f"{quadratic!r}", Reason.INVALID)
+            check_costs(linear, quadratic)
             k = self._rewind_to_next_unserved()
-            self.cost_changes.append([k, float(linear), float(quadratic)])
+            self.state.cost_changes.append([k, float(linear), float(quadratic)])
             self._change("costs", {"t": "costs", "window": k, "linear": float(linear),
                                    "quadratic": float(quadratic)}, k)
             return {"applies_at_step": k * self.config.window}
@@ -388,29 +358,25 @@ class DataPlane(PlaneState):
         with self.lock:
             self._check_step(step, "report_corrupt")
             self._check_planned(step, "step {step} was never planned")
-            table = self.table(step, rank) if 0 <= rank < self.dp_at(step) else None
-            known = set() if table is None else set(zip(*(
-                table.column(c).to_pylist() for c in ("source", "shard", "key", "epoch"))))
-            known |= {(*r.uid, r.epoch) for _, r in self.corrupt.replaced_at(step)
-                      if r is not None}  # a replacement may be bad too
-            if table is None or (source, shard, key, epoch) not in known:
+            if not (0 <= rank < self.state.dp_at(step) and (source, shard, key, epoch)
+                    in self.state.plan_samples(step, (rank,))):
                 raise RequestError(f"{source}/{key} ({shard}, epoch {epoch}) is not in rank "
                                    f"{rank}'s plan of step {step}", Reason.UNKNOWN_SAMPLE)
-            event = self.corrupt.find(step, source, shard, key, epoch)
+            event = self.state.corrupt.find(step, source, shard, key, epoch)
             if event is None:  # the replacement must fit where the planned sample was
-                window, local = self.window_of(step)
+                window, local = self.state.window_of(step)
                 room = replacement_room(
                     window.plans[local], window.refs, window.samples.tokens_N,
-                    self.corrupt.planned_sample(step, (source, shard, key, epoch)),
-                    self.config.micro_batch_tokens, self.corrupt.occupants(step))
-                ref = draw_replacement(self.mixer.catalog, source, shard, key, room)
+                    self.state.corrupt.planned_sample(step, (source, shard, key, epoch)),
+                    self.config.micro_batch_tokens, self.state.corrupt.occupants(step))
+                ref = draw_replacement(self.state.mixer.catalog, source, shard, key, room)
                 event = {"t": "corrupt", "step": step, "rank": rank, "source": source,
                          "shard": shard, "key": key, "epoch": epoch,
                          "reason": " ".join(str(reason).split())[:500],
-                         "before_window": self.next_window, "replacement": ref_to_json(ref),
+                         "before_window": self.state.next_window, "replacement": ref_to_json(ref),
                          "max_tokens": room}
                 self._log(event)
-                self.corrupt.record(event, applied=True)
+                self.state.corrupt.record(event, applied=True)
                 log.warning("corrupt sample %s/%s (step %d, rank %d): %s", source, key, step,
                             rank, event["reason"])
             return {"step": step, "source": source, "key": key,
@@ -424,10 +390,10 @@ class DataPlane(PlaneState):
         with self.lock:
             self._check_step(step, "report_suspect")
             self._check_planned(step, "step {step} was never planned")
-            event = self.suspects.find(step)
+            event = self.state.suspects.find(step)
             if event is None:
-                wanted = sorted({_sample_of(s) for s in samples})
-                known = self._step_samples(step)
+                wanted = sorted({suspect_sample(s) for s in samples})
+                known = self.state.plan_samples(step, range(self.state.dp_at(step)))
                 unknown = [s for s in wanted if s not in known]
                 if unknown or not wanted:
                     what = "/".join(map(str, unknown[0][::2])) if unknown else "no samples"
@@ -437,9 +403,9 @@ class DataPlane(PlaneState):
                          "samples": [dict(zip(("source", "shard", "key", "epoch"), s))
                                      for s in wanted],
                          "reason": " ".join(str(reason).split())[:500],
-                         "before_window": self.next_window}
+                         "before_window": self.state.next_window}
                 self._log(event)
-                self.suspects.record(event, self.mixer.catalog)
+                self.state.suspects.record(event, self.state.mixer.catalog)
                 log.warning("step %d not applied by the trainer (%s): its %d samples are "
                             "suspect, quarantined", step, event["reason"], len(wanted))
             return {"step": step, "samples": len(event["samples"])}
@@ -451,12 +417,7 @@ class DataPlane(PlaneState):
         hardware, not plane state -- a restart or an audit plans the same without it, and
         the trainer reports again when the set changes."""
         with self.lock:
-            if step < 0 or len(ranks) != len(slowdown) or len(set(ranks)) != len(ranks) \
-                    or any(r < 0 for r in ranks) \
-                    or not all(math.isfinite(v) and v > 0 for v in slowdown):
-                raise RequestError(f"stragglers: step >= 0, distinct ranks >= 0 and as many "
-                                   f"finite slowdowns > 0, got step {step}, ranks {ranks!r}, "
-                                   f"slowdown {slowdown!r}"[:500], Reason.INVALID)
+            check_stragglers(step, ranks, slowdown)
             order = sorted(range(len(ranks)), key=ranks.__getitem__)
             self.stragglers = {"ranks": [ranks[i] for i in order], "step": step,
                                "slowdown": [slowdown[i] for i in order]}
@@ -465,24 +426,14 @@ class DataPlane(PlaneState):
                             ", ".join(map(str, self.stragglers["ranks"])))
             return {"step": step, "ranks": len(ranks)}
 
-    def _step_samples(self, step: int) -> set[tuple]:
-        """(source, shard, key, epoch) of every sample in ``step``'s plans and replacements."""
-        known = set()
-        for rank in range(self.dp_at(step)):
-            table = self.table(step, rank)
-            known |= set(zip(*(table.column(c).to_pylist()
-                               for c in ("source", "shard", "key", "epoch"))))
-        return known | {(r.source, r.shard, r.key, r.epoch)
-                        for _, r in self.corrupt.replaced_at(step) if r is not None}
-
     def status(self) -> dict:
         """Mixture, progress, balance, clients, snapshots: see :mod:`dataplane.status`."""
         with self.lock:
             status = plane_status(self, time.monotonic())
             for row in status["sources"]:
-                row["corrupt_reported"] = self.corrupt.counts.get(row["source"], 0)
-            status["corrupt_recent"] = list(self.corrupt.recent)
-            status["suspect"] = self.suspects.status()
+                row["corrupt_reported"] = self.state.corrupt.counts.get(row["source"], 0)
+            status["corrupt_recent"] = list(self.state.corrupt.recent)
+            status["suspect"] = self.state.suspects.status()
             status["stragglers"] = dict(self.stragglers)
             if self.ray_namespace is not None:  # trainers' decoding pools go there too
                 status["ray_namespace"] = self.ray_namespace
@@ -494,56 +445,6 @@ class DataPlane(PlaneState):
         from omniscale.dataplane.audit import audit_state_dir
 
         return audit_state_dir(self.journal.dir)
-
-
-def _read_spec_file(path: Path, limit: int | None) -> str:
-    """A spec's text: a regular file (never a FIFO or device: opened without blocking and
-    checked after opening), at most ``limit`` bytes, UTF-8."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise SpecError(f"{path}: file not found") from None
-    except OSError as e:
-        raise SpecError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise SpecError(f"{path}: not a regular file")
-        if limit is not None and info.st_size > limit:
-            raise SpecError(f"{path}: {info.st_size} bytes; a spec may have at most {limit}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(-1 if limit is None else limit + 1)
-    finally:
-        os.close(fd)
-    if limit is not None and len(data) > limit:
-        raise SpecError(f"{path}: more than {limit} bytes; a spec may have at most {limit}")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SpecError(f"{path}: not UTF-8 text") from None
-
-
-_FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*$")
-
-
-def _redacted(error: SpecError, file: str) -> str:
-    """A spec error for a remote client: the file and the field, never the file's text
-    (a YAML or validation message may quote it; the plane's own log has the whole line)."""
-    rest = str(error).removeprefix(f"{file}: ")
-    field = rest.split(": ", 1)[0]
-    where = f"{field}: invalid" if _FIELD.match(field) and field != rest else \
-        "not a valid mixing spec"
-    return f"{file}: {where} (details in the plane's log; `omniscale data inspect` checks a spec)"
-
-
-def _sample_of(sample) -> tuple[str, str, str, int]:
-    """A reported sample as (source, shard, key, epoch); a malformed one is refused."""
-    try:
-        return (str(sample["source"]), str(sample["shard"]), str(sample["key"]),
-                int(sample["epoch"]))
-    except (TypeError, KeyError, ValueError):
-        raise RequestError(f"report_suspect: a sample must be {{source, shard, key, epoch}}, "
-                           f"got {str(sample)[:200]}", Reason.INVALID) from None
 
 
 def _one_line(error: BaseException) -> str:

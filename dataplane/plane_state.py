@@ -31,11 +31,12 @@ from omniscale.dataplane.catalog import Catalog
 from omniscale.dataplane.corrupt import CorruptLedger
 from omniscale.dataplane.journal import Journal
 from omniscale.dataplane.mixer import Mixer, MixtureExhausted
-from omniscale.dataplane.plan_table import fingerprint, window_rank_tables
+from omniscale.dataplane.plan_table import window_rank_tables
 from omniscale.dataplane.plane_config import PlaneConfig
 from omniscale.dataplane.spec import MixSpec, spec_from_text
 from omniscale.dataplane.suspect import SuspectLedger
 from omniscale.dataplane.windows import Window, best_baseline, plan_policy, window_samples
+from omniscale.plan import fingerprint, step_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,42 @@ class PlaneState:
             self.suspects.unapply_after(k)
         for j in [j for j in self.starts if j > k]:
             del self.starts[j]
+
+    def planned_steps(self) -> range:
+        """The steps of the drawn windows still held (trained ones are dropped)."""
+        W = self.config.window
+        return range(min(self.windows, default=0) * W, self.next_window * W)
+
+    def plan_samples(self, step: int, ranks) -> set[tuple]:
+        """(source, shard, key, epoch) of every sample in ``ranks``' plans of ``step`` and of
+        the step's replacements (a replacement may be bad too)."""
+        known = set()
+        for rank in ranks:
+            table = self.table(step, rank)
+            known |= set(zip(*(table.column(c).to_pylist()
+                               for c in ("source", "shard", "key", "epoch"))))
+        return known | {(r.source, r.shard, r.key, r.epoch)
+                        for _, r in self.corrupt.replaced_at(step) if r is not None}
+
+    def repeated_commit(self, step: int, rank: int | None, plan_fp: str | None
+                        ) -> dict | None:
+        """The reply to a commit this state already took for the same plan (``rank`` None: the
+        whole step), else None: a client that lost the reply (the plane was killed after
+        logging the commit, before answering) retries, and the retry must succeed, not fail as
+        a duplicate."""
+        if plan_fp is None:
+            return None
+        done = self.committed_fps.get(step)
+        if done is not None and (plan_fp == step_fingerprint(done) if rank is None else
+                                 rank < len(done) and done[rank] == plan_fp):
+            return {"step": step, "committed": True, "next_step": self.next_step,
+                    "repeated": True}
+        ranks = self.rank_commits.get(step, set())
+        if rank in ranks and step in self.planned_steps() and \
+                plan_fp == self.fingerprint(step, rank):
+            return {"step": step, "committed": False, "ranks": len(ranks),
+                    "dp": self.dp_at(step), "repeated": True}
+        return None
 
     def window_of(self, step: int) -> tuple[Window, int]:
         """The drawn window holding ``step`` and the step's index in it."""

@@ -18,7 +18,9 @@ same token (the first frame of a connection), and is TLS when Flight is (same ce
 refusals are the same one-line messages. Everything else stays on Flight. The lane itself, its
 frames and its limits (connection cap, hello and idle time-outs) are in :mod:`dataplane.lane`.
 
-Transport only: a :class:`PlaneService` (the data plane itself) does the work. Requests and
+Transport only: a :class:`PlaneService` (the data plane itself) does the work. Every action is
+declared in :mod:`dataplane.actions`, and ``do_action`` serves them all alike from there:
+decode the request, check it, call the method the action names, encode the reply. Requests and
 replies are Arrow IPC (:mod:`dataplane.wire`). The server binds loopback unless told otherwise;
 binding anything else requires a bearer token that every call must present, and TLS
 (``tls_cert``/``tls_key``: ``grpc+tls://``) unless ``insecure``. Flight methods the plane does
@@ -31,102 +33,30 @@ import hmac
 import logging
 import ssl
 import threading
-from enum import StrEnum
-from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from omniscale.dataplane import wire
-from omniscale.dataplane.auth import check_bind, is_loopback, read_pem
-from omniscale.dataplane.lane import (
-    LANE_MAX_REQUEST,
-    LANE_OK,
-    LANE_REFUSED,
-    LaneLimits,
-    PlanLane,
-    lane_frame,
+from omniscale.dataplane.actions import (
+    ACTIONS,
+    PLAN,
+    PLAN_STREAM,
+    PlaneService,
+    Reason,
+    Reply,
+    refusal,
 )
+from omniscale.dataplane.auth import check_bind, read_pem
+from omniscale.dataplane.lane import LaneLimits, PlanLane
 from omniscale.errors import UserError
 
-__all__ = ["ACTIONS", "LANE_MAX_REQUEST", "LANE_OK", "LANE_REFUSED", "PLAN_STREAM", "LaneLimits",
-           "PlanLane", "PlaneServer", "PlaneService", "Reason", "RequestError", "is_loopback",
-           "lane_frame"]
+__all__ = ["PlaneServer"]
 
 log = logging.getLogger(__name__)
 
-ACTIONS = {
-    "plan": "a rank's plan as an Arrow IPC stream (what do_get serves): {step, rank}",
-    "commit": "mark a step (or one rank's share of it) as trained: {step, rank?, plan_fp?}",
-    "commit_many": "one rank's commits of several steps, in order, durable together: {rank, "
-                   "steps: [int], plan_fps: [str]}",
-    "status": "mixture, progress, balance and clients: {}",
-    "snapshot": "write a snapshot now: {step?}",
-    "reload": "apply a new mixing spec at the next window boundary: {spec}",
-    "audit": "samples planned, committed, duplicated and missing per epoch and source: {}",
-    "costs": "a refitted cost model (c = linear·L + quadratic·L²) for the windows no rank has "
-             "seen: {linear, quadratic}",
-    "report_corrupt": "a planned sample does not decode: quarantine it, get a replacement from "
-                      "its source: {step, rank, source, shard, key, reason, epoch}",
-    "report_suspect": "the trainer did not apply a step (a non-finite or spiking loss): its "
-                      "samples are suspect, quarantined from later epochs: {step, samples: "
-                      "[{source, shard, key, epoch}], reason}",
-    "stragglers": "the data ranks the trainer finds computing much slower than planned, as of "
-                  "a step (kept in memory for status, not logged): {step, ranks: [int], "
-                  "slowdown: [float]}",
-    "lane": "the TCP port of the plan lane (plan fetches without gRPC; see dataplane.lane): "
-            "{} -> {port} (0: no lane)",
-}
-
-
-PLAN_STREAM = b"plans"  # do_exchange command of the plan stream (PlaneClient(stream=True))
 PLAN_CACHE_STEPS = 32  # steps whose served plans' IPC bytes are kept
 _NO_PLANS: dict = {}
-
-
-class Reason(StrEnum):
-    """Why a request failed, for code to branch on (never on the message's words). The plane
-    sends it beside its one-line message: as the Flight error's ``extra_info``, in a lane
-    refusal's ``reason`` field; the client (PlaneError.reason) adds UNREACHABLE, and without
-    a reason on the wire goes by the error's type (UNAUTHENTICATED, INTERNAL, else REFUSED)."""
-
-    REFUSED = "refused"  # nothing more specific: a malformed request, a service's ValueError
-    EXHAUSTED = "exhausted"  # past the mixture's last step
-    TOO_FAR_AHEAD = "too_far_ahead"  # not planned until earlier steps commit: ask again later
-    COMMITTED = "committed"  # the step is already committed
-    RANK_COMMITTED = "rank_committed"  # this rank's share of the step is already committed
-    REPLANNED = "replanned"  # what was trained is no longer the step's plan: fetch it again
-    NOT_SERVED = "not_served"  # a commit without plan_fp of a plan this rank never fetched
-    UNKNOWN_RANK = "unknown_rank"  # the rank is outside the step's ranks
-    UNKNOWN_SAMPLE = "unknown_sample"  # a corrupt report of a sample not in the rank's plan
-    INVALID = "invalid"  # a value out of range: a negative step, costs, a snapshot step …
-    SPEC = "spec"  # a reload's spec: unreadable, invalid, outside --spec-root, or incompatible
-    UNPLANNABLE = "unplannable"  # a change (reload, costs) the next window does not plan with
-    UNREACHABLE = "unreachable"  # the plane did not answer within the client's retry budget
-    UNAUTHENTICATED = "unauthenticated"  # a missing or wrong token
-    INTERNAL = "internal"  # a bug in the plane (its log has the traceback)
-
-
-class RequestError(UserError):
-    """A request the plane refuses (unknown rank, step already committed, bad spec …);
-    ``reason`` says which kind of refusal it is."""
-
-    def __init__(self, message: str, reason: Reason = Reason.REFUSED):
-        super().__init__(message)
-        self.reason = Reason(reason)
-
-    def __reduce__(self):
-        return type(self), (str(self), self.reason)
-
-
-class PlaneService(Protocol):
-    def get_plan(self, step: int, rank: int) -> pa.Table: ...
-    def commit(self, step: int, rank: int | None = None, plan_fp: str | None = None
-               ) -> dict: ...
-    def status(self) -> dict: ...
-    def snapshot(self, step: int | None = None) -> dict: ...
-    def reload(self, spec: str) -> dict: ...
-    def audit(self) -> dict: ...
 
 
 class _Gate(flight.ServerMiddlewareFactory):
@@ -203,10 +133,8 @@ class PlaneServer(flight.FlightServerBase):
 
     # -- Flight handlers ------------------------------------------------------------------
     def do_get(self, context, ticket):
-        request = _call(wire.decode, ticket.ticket)
-        step, rank = _int(request, "step"), _int(request, "rank")
-        table = _call(self.service.get_plan, step, rank)
-        return flight.RecordBatchStream(table)
+        request = _call(PLAN.from_body, _call(wire.decode, ticket.ticket))
+        return flight.RecordBatchStream(_call(PLAN.call, self.service, request, what=PLAN.method))
 
     def _plan_ipc(self, body: bytes) -> pa.Buffer:
         """The plan a request names, as IPC bytes; the bytes are reused while the service
@@ -215,8 +143,8 @@ class PlaneServer(flight.FlightServerBase):
         its trainers and never an already committed step again)."""
         key = wire.read_plan_request(body)  # what PlaneClient sends, without decoding it
         if key is None:
-            request = _call(wire.decode, body)
-            key = _int(request, "step"), _int(request, "rank")
+            request = _call(PLAN.from_body, _call(wire.decode, body))
+            key = request.step, request.rank
         table = _call(self.service.get_plan, *key)
         cached = self._plans.get(key[0], _NO_PLANS).get(key[1])
         if cached is not None and cached[0] is table:
@@ -256,85 +184,26 @@ class PlaneServer(flight.FlightServerBase):
             write(plan_ipc(body.to_pybytes()))
 
     def do_action(self, context, action):
-        kind = action.type
-        if kind == "plan":
-            return [flight.Result(self._plan_ipc(action.body.to_pybytes()))]
-        if kind == "lane":
-            port = self.lane.port if self.lane is not None and self.lane.running else 0
-            return [flight.Result(pa.py_buffer(wire.encode({"port": port})))]
-        return self._other_action(kind, action)
-
-    def _other_action(self, kind, action):
-        body = _call(wire.decode, action.body) if action.body.size else {}
-        if kind == "commit":
-            rank, plan_fp = body.get("rank"), body.get("plan_fp")
-            args = [_int(body, "step"), None if rank is None else _int(body, "rank")]
-            if plan_fp is not None:  # only then: services without plan checks stay valid
-                if not isinstance(plan_fp, str):
-                    raise flight.FlightServerError(f"plan_fp: expected a string, got {plan_fp!r}")
-                args.append(plan_fp)
-            reply = _call(self.service.commit, *args)
-        elif kind == "commit_many":
-            steps, prints = body.get("steps"), body.get("plan_fps")
-            if not isinstance(steps, list) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in steps) \
-                    or not isinstance(prints, list) \
-                    or not all(v is None or isinstance(v, str) for v in prints):
-                raise flight.FlightServerError("commit_many: 'steps' must be a list of ints and "
-                                               "'plan_fps' a list of strings")
-            commit_many = getattr(self.service, "commit_many", None)
-            if commit_many is None:
-                raise flight.FlightServerError("commit_many: this plane commits one step at a "
-                                               "time (use commit)")
-            reply = _call(commit_many, _int(body, "rank"), steps, prints)
-        elif kind == "status":
-            reply = _call(self.service.status)
-        elif kind == "snapshot":
-            step = body.get("step")
-            reply = _call(self.service.snapshot, None if step is None else _int(body, "step"))
-        elif kind == "reload":
-            spec = body.get("spec")
-            if not isinstance(spec, str) or not spec:
-                raise flight.FlightServerError("reload: 'spec' (a path) is required")
-            reply = _call(self.service.reload, spec)
-        elif kind == "audit":
-            reply = _call(self.service.audit)
-        elif kind == "costs":
-            values = [body.get("linear"), body.get("quadratic")]
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                raise flight.FlightServerError("costs: 'linear' and 'quadratic' must be numbers")
-            reply = _call(self.service.set_costs, *map(float, values))
-        elif kind == "report_corrupt":
-            names = ("source", "shard", "key", "reason")
-            if not all(isinstance(body.get(n), str) for n in names):
-                raise flight.FlightServerError(f"report_corrupt: {', '.join(names)} must be "
-                                               "strings")
-            reply = _call(self.service.report_corrupt, _int(body, "step"), _int(body, "rank"),
-                          *(body[n] for n in names), _int(body, "epoch"))
-        elif kind == "report_suspect":
-            if not isinstance(body.get("samples"), list) or not isinstance(body.get("reason"),
-                                                                           str):
-                raise flight.FlightServerError("report_suspect: 'samples' (a list) and 'reason' "
-                                               "(a string) are required")
-            reply = _call(self.service.report_suspect, _int(body, "step"), body["samples"],
-                          body["reason"])
-        elif kind == "stragglers":
-            ranks, slowdown = body.get("ranks"), body.get("slowdown")
-            if not (isinstance(ranks, list) and isinstance(slowdown, list)
-                    and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)
-                    and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                            for v in slowdown)):
-                raise flight.FlightServerError("stragglers: 'ranks' (a list of integers) and "
-                                               "'slowdown' (a list of numbers) are required")
-            reply = _call(self.service.report_stragglers, _int(body, "step"), ranks,
-                          [float(v) for v in slowdown])
-        else:
+        """Any action of the registry: decode its request, check it, call the method it names
+        (the service's, or this server's own for ``lane``), encode the reply."""
+        served = ACTIONS.get(action.type)
+        if served is None:
             raise flight.FlightServerError(
-                f"unknown action {kind!r} (one of {', '.join(sorted(ACTIONS))})")
-        yield flight.Result(pa.py_buffer(wire.encode(reply)))
+                f"unknown action {action.type!r} (one of {', '.join(sorted(ACTIONS))})")
+        if served.reply is Reply.PLAN:  # the plan's IPC bytes, cached per (step, rank)
+            return [flight.Result(self._plan_ipc(action.body.to_pybytes()))]
+        body = _call(wire.decode, action.body) if action.body.size else {}
+        request = _call(served.from_body, body)
+        reply = _call(served.call, self if served.by_server else self.service, request,
+                      what=served.method)
+        return [flight.Result(pa.py_buffer(wire.encode(reply)))]
+
+    def lane_port(self) -> dict:
+        """The ``lane`` action: the plan lane's port, 0 when it does not serve."""
+        return {"port": self.lane.port if self.lane is not None and self.lane.running else 0}
 
     def list_actions(self, context):
-        return list(ACTIONS.items())
+        return [(a.name, a.help) for a in ACTIONS.values()]
 
     # Flight methods the plane has no use for: a one-line refusal (from _Gate, before
     # these run), not pyarrow's NotImplementedError, whose traceback would reach the client.
@@ -368,24 +237,7 @@ def _server_context(cert: str, key: str) -> ssl.SSLContext:
     return context
 
 
-def _int(body: dict, field: str) -> int:
-    value = body.get(field)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise flight.FlightServerError(f"{field}: expected an integer, got {value!r}")
-    return value
-
-
-def refusal(e: Exception) -> Reason | None:
-    """The reason a handler's exception refuses its request with; None for a bug. The server
-    and the in-process client (``dataplane.local``) answer alike through this."""
-    if isinstance(e, RequestError):
-        return e.reason
-    if isinstance(e, (UserError, ValueError)):
-        return Reason.REFUSED
-    return None
-
-
-def _call(fn, *args):
+def _call(fn, *args, what: str | None = None):
     """Run a handler; refusals become one-line Flight errors carrying their Reason (as
     ``extra_info``), bugs are logged with traceback."""
     try:
@@ -396,6 +248,6 @@ def _call(fn, *args):
         reason = refusal(e)
         if reason is not None:
             raise flight.FlightServerError(str(e), extra_info=reason.encode()) from None
-        log.exception("plane: internal error in %s", getattr(fn, "__name__", fn))
+        log.exception("plane: internal error in %s", what or getattr(fn, "__name__", fn))
         raise flight.FlightInternalError(f"internal error: {type(e).__name__}: {e}",
                                          extra_info=Reason.INTERNAL.encode()) from None

@@ -148,7 +148,7 @@ def _costs(args: argparse.Namespace) -> dict:
     """The starting cost model: a calibration (``--costs``) or the LLM's two relative
     coefficients (``--cost-linear``/``--cost-quadratic``, each defaulting to PlaneConfig's);
     checked as the plane checks a refit (``DataPlane.set_costs``)."""
-    from omniscale.dataplane.plane import MAX_COST, cost_in_range
+    from omniscale.dataplane.actions import MAX_COST, cost_in_range
 
     given = {name: value for name, value in (("cost_linear", args.cost_linear),
                                              ("cost_quadratic", args.cost_quadratic))

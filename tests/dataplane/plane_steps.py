@@ -3,7 +3,7 @@ send the step fingerprint, as the plane requires of a whole-step commit."""
 
 from __future__ import annotations
 
-from omniscale.dataplane.plan_table import fingerprint, step_fingerprint
+from omniscale.plan import fingerprint, step_fingerprint
 
 
 def step_fp(plane, step: int, dp: int | None = None) -> str:

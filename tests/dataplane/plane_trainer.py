@@ -28,9 +28,9 @@ import json
 import sys
 import time
 
+from omniscale.dataplane.actions import Reason
 from omniscale.dataplane.client import PlaneClient, PlaneError
-from omniscale.dataplane.plan_table import fingerprint, plan_metadata
-from omniscale.dataplane.server import Reason
+from omniscale.plan import fingerprint, plan_metadata
 
 COLUMNS = ("source", "shard", "key", "role", "sp_index", "item_kind", "item_index")
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from omniscale.dataplane import journal as journal_module
+from omniscale.dataplane.actions import Reason, RequestError
 from omniscale.dataplane.client import PlaneClient, PlaneError
 from omniscale.dataplane.embedded import start_embedded
-from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
-from omniscale.dataplane.server import Reason, RequestError
+from omniscale.plan import fingerprint
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2, snapshot_every=4)
@@ -74,12 +74,12 @@ def test_commit_many_over_the_wire(demo, tmp_path):
     with start_embedded(demo / "mix.yaml", tmp_path, CONFIG) as plane, \
             PlaneClient(plane.url) as client:
         zeros = [fingerprint(client.get_plan(s, 0)) for s in range(4)]
-        assert client.commit_many([0, 1, 2], 0, zeros[:3]) == {
+        assert client.commit_many(0, [0, 1, 2], zeros[:3]) == {
             "next_step": 0, "committed": [False] * 3}  # rank 1's shares are still out
         ones = [fingerprint(client.get_plan(s, 1)) for s in range(3)]
-        assert client.commit_many([0, 1, 2], 1, ones)["next_step"] == 3
+        assert client.commit_many(1, [0, 1, 2], ones)["next_step"] == 3
         with pytest.raises(PlaneError, match="already committed") as refused:
-            client.commit_many([2, 3], 0, ["not-its-plan", zeros[3]])
+            client.commit_many(0, [2, 3], ["not-its-plan", zeros[3]])
         assert refused.value.reason == Reason.COMMITTED
         with pytest.raises(PlaneError, match="'steps' must be a list of ints"):
             client._action("commit_many", {"rank": 0, "steps": ["3"], "plan_fps": ["x"]})

@@ -10,8 +10,8 @@ import threading
 
 from omniscale.dataplane import journal as journal_module
 from omniscale.dataplane.journal import Journal
-from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.plan import fingerprint
 
 RANKS = 16
 CONFIG = PlaneConfig(dp=RANKS, micro_batch_tokens=8192, window=4,

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from omniscale.dataplane import local
+from omniscale.dataplane.actions import Reason
 from omniscale.dataplane.client import PlaneClient, PlaneError
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.local import LocalPlaneClient, connect
-from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import PlaneConfig
-from omniscale.dataplane.server import Reason
 from omniscale.errors import UserError
+from omniscale.plan import fingerprint
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=2, snapshot_every=4)
@@ -36,7 +36,7 @@ def _script():
             calls.append(lambda c, s=step, r=rank: c.get_plan(s, r).to_pylist())
             calls.append(lambda c, s=step, r=rank: c.get_plan(s, r).schema.metadata)
         calls.append(lambda c, s=step: c.commit_many(
-            [s], 0, [fingerprint(c.get_plan(s, 0))]))
+            0, [s], [fingerprint(c.get_plan(s, 0))]))
         calls.append(lambda c, s=step: c.commit(s, 1, fingerprint(c.get_plan(s, 1))))
     calls += [
         lambda c: c.get_plan(-1, 0),  # invalid
@@ -44,7 +44,7 @@ def _script():
         lambda c: c.get_plan(400, 0),  # too far ahead
         lambda c: c.get_plan(7, 9),  # unknown rank
         lambda c: c.commit(3, 0, "not-the-plan"),  # repeated commit, wrong print
-        lambda c: c.commit_many([7], 0, ["not-the-plan"]),  # a plan that is not the rank's
+        lambda c: c.commit_many(0, [7], ["not-the-plan"]),  # a plan that is not the rank's
         lambda c: c.set_costs(-1.0, 0.0),
         lambda c: c.reload("/nonexistent/mix.yaml"),
         lambda c: c.report_stragglers(6, [1], [2.5]),

@@ -13,9 +13,10 @@ import pyarrow as pa
 import pytest
 
 from omniscale.dataplane import wire
+from omniscale.dataplane.actions import RequestError
 from omniscale.dataplane.client import PlaneClient, PlaneError, _lane_reply
 from omniscale.dataplane.lane import LANE_OK, LANE_REFUSED, lane_frame
-from omniscale.dataplane.server import PlaneServer, RequestError
+from omniscale.dataplane.server import PlaneServer
 
 
 class PlanService:

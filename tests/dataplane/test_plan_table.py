@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from omniscale.dataplane.plan_table import plan_metadata, rank_tables, window_rank_tables
+from omniscale.dataplane.plan_table import rank_tables, window_rank_tables
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.plan import plan_metadata
 from tests.loaders.pipeline_fixtures import all_modalities_spec
 
 CONFIGS = {
@@ -23,7 +24,7 @@ def test_a_window_at_once_equals_its_steps_one_by_one(demo, tmp_path, name):
     plane = DataPlane(all_modalities_spec(demo), tmp_path / "state", CONFIGS[name])
     kinds, split = set(), False
     for k in range(3):
-        window, _ = plane.window_of(k * CONFIGS[name].window)
+        window, _ = plane.state.window_of(k * CONFIGS[name].window)
         n = len(window.plans)
         steps = [window.first_step + j for j in range(n)]
         sides = [{"baseline_cost": float(j)} for j in range(n)]  # any side metadata

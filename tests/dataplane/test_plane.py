@@ -9,11 +9,11 @@ import json
 
 import pytest
 
+from omniscale.dataplane.actions import RequestError
 from omniscale.dataplane.audit import audit_state_dir
-from omniscale.dataplane.plan_table import plan_metadata
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
-from omniscale.dataplane.server import RequestError
 from omniscale.errors import UserError
+from omniscale.plan import plan_metadata
 from tests.dataplane.plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from omniscale.dataplane.plan_table import fingerprint
+from omniscale.dataplane.actions import RequestError
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
-from omniscale.dataplane.server import RequestError
+from omniscale.plan import fingerprint
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
                      sp_max=1, snapshot_every=3)

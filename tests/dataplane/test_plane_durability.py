@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from omniscale.dataplane.actions import RequestError
 from omniscale.dataplane.audit import audit_state_dir
-from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
-from omniscale.dataplane.server import RequestError
 from omniscale.errors import UserError
+from omniscale.plan import fingerprint
 from tests.dataplane.plane_steps import commit_step
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,9 +19,9 @@ import yaml
 
 from omniscale.dataplane.catalog import Catalog
 from omniscale.dataplane.mixer import Mixer
-from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.schedule import Schedule, Segment
+from omniscale.plan import fingerprint
 from tests.dataplane.plane_steps import commit_step
 
 STEPS = 12

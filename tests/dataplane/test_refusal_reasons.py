@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import pickle
 
+import pyarrow.flight as flight
 import pytest
 import yaml
 
+from omniscale.dataplane.actions import Reason, RequestError
 from omniscale.dataplane.client import PlaneClient, PlaneError
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
-from omniscale.dataplane.server import PlaneServer, Reason, RequestError
+from omniscale.dataplane.server import PlaneServer
 from tests.dataplane.plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,
@@ -254,7 +256,7 @@ class ServerWithoutLaneAction(PlaneServer):
 
     def do_action(self, context, action):
         if action.type == "lane":
-            return self._other_action(action.type, action)  # "unknown action 'lane'"
+            raise flight.FlightServerError("unknown action 'lane'")
         return super().do_action(context, action)
 
 

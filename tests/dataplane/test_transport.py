@@ -10,8 +10,10 @@ import pyarrow as pa
 import pytest
 
 from omniscale.dataplane import wire
+from omniscale.dataplane.actions import RequestError
+from omniscale.dataplane.auth import is_loopback
 from omniscale.dataplane.client import PlaneClient, PlaneError
-from omniscale.dataplane.server import PlaneServer, RequestError, is_loopback
+from omniscale.dataplane.server import PlaneServer
 from omniscale.errors import UserError
 
 
@@ -116,11 +118,3 @@ def test_client_rides_through_a_restart_on_the_same_port():
         assert client.get_plan(1, 0).num_rows == 3
     finally:
         second.stop()
-
-
-def test_the_lane_names_stay_importable_from_the_server():
-    from omniscale.dataplane import lane, server
-
-    assert (server.LANE_OK, server.lane_frame, server.PlanLane) == \
-        (lane.LANE_OK, lane.lane_frame, lane.PlanLane)
-    assert server.PLAN_STREAM == b"plans"

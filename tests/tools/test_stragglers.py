@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from omniscale.dataplane.actions import Reason
 from omniscale.dataplane.client import PlaneClient, PlaneError
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.plane import PlaneConfig
-from omniscale.dataplane.server import Reason
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.metrics import read_metrics
 from omniscale.tools.train.stragglers import StragglerTracker

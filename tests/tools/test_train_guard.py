@@ -83,7 +83,7 @@ def test_a_nan_on_one_rank_is_skipped_everywhere_and_its_samples_are_suspect(dem
     status = plane.status()["suspect"]
     assert status["steps"] == 1 and status["samples"] == len(listed)
     # quarantined from the first window drawn after the report (windows ahead were drawn)
-    plane.plan_through(plane.suspects.events[0]["before_window"] * plane.config.window)
+    plane.state.plan_through(plane.suspects.events[0]["before_window"] * plane.config.window)
     quarantined = {(q[0], q[1]) for name in plane.mixer.catalog.names
                    for q in plane.mixer.catalog[name].state_dict()["quarantine"]}
     assert {(s["shard"], s["key"]) for s in listed} <= quarantined

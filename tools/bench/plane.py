@@ -343,11 +343,11 @@ def planning(spec: Path, tmp: Path, windows: int) -> dict:
     plane = DataPlane(spec, tmp / "state-planning", config)  # plans window 0 (warms numba)
     start = time.perf_counter()
     first = plane.next_window
-    plane.plan_through((first + windows) * W - 1)  # draws windows first .. first+windows-1
+    plane.state.plan_through((first + windows) * W - 1)  # draws windows first .. first+windows-1
     planned = time.perf_counter() - start
     for k in range(first, first + windows):
         for step in range(k * W, (k + 1) * W):
-            plane.table(step, 0)  # builds every rank's table of the step
+            plane.state.table(step, 0)  # builds every rank's table of the step
     total = time.perf_counter() - start
     return {"dp": dp, "samples_per_step": 8 * dp, "window": W, "windows": windows,
             "plan_s_per_window": planned / windows, "total_s_per_window": total / windows,
