@@ -7,7 +7,11 @@ within the job's Ray cluster (``loaders.ray_cluster.plan_pools``: at least one a
 source, more by measured decode cost times mixture share, fractional CPUs when the cluster is
 small, one line instead of a silent wait when the actors cannot be placed). Each actor
 decodes one source by reference (its reader opens only that source's shards) under the same
-per-sample watchdog as a DataLoader worker (:mod:`loaders.worker`).
+per-sample watchdog as a DataLoader worker (:mod:`loaders.worker`), and returns its samples
+one by one, as numpy: they become tensors here, on the trainer side, where the step is
+assembled (``loaders.assemble`` packs them with ``loaders.collate``). Ray ships the actor
+class by value, so an actor imports what its methods use (``loaders.worker`` and the
+decoders), not this module and the trainer-side loader it builds on.
 
 :class:`RayRankLoader` is :class:`loaders.pipeline.RankLoader` with its decode stage replaced:
 the refs of up to ``prefetch_steps`` plans are in flight on the pools at once; an actor that
@@ -33,7 +37,6 @@ from omniscale.errors import UserError
 from omniscale.index_schema import INDEX_SCHEMA, read_index
 from omniscale.loaders.assemble import DecodedStep, sample_id
 from omniscale.loaders.decode import DecodeNeed
-from omniscale.loaders.pipeline import StepLoader
 from omniscale.loaders.prefetch import END
 from omniscale.loaders.ray_cluster import (
     PLACEMENT_TIMEOUT_S,
@@ -48,6 +51,7 @@ from omniscale.loaders.ray_cluster import (
 )
 from omniscale.loaders.ray_pools import PoolDirectory, room_on
 from omniscale.loaders.remote_io import add_stats
+from omniscale.loaders.step_loader import StepLoader
 from omniscale.loaders.worker import Decoded, DecoderSpec, TimedDecoder
 from omniscale.refs import SampleRef
 

@@ -1,6 +1,6 @@
 """What a stateless loader worker does: decode one SampleRef, bounded in time, never raising.
 
-A worker (a ``torch.utils.data`` worker process or a Ray actor) holds one
+A worker (a process of the loader's pool, ``loaders.worker_pool``, or a Ray actor) holds one
 :class:`TimedDecoder`: a SampleDecoder (its reader keeps a bounded LRU of open shards, so its
 memory does not grow with the number of sources) run under a watchdog. Decoding happens on a
 helper thread, handed a work item's samples at once; the worker watches, allowing each sample
@@ -12,12 +12,12 @@ A work item's samples are read together first (``SampleReader.read_many``: a rem
 source's ranges coalesced and fetched at once), then decoded one by one. The read is watched
 too, allowed a sample's timeout per sample it reads.
 
-Failures come back as data (:class:`Decoded` with ``error``), not exceptions: a worker that
-raised would take the whole DataLoader down with it, and the trainer side decides the policy.
+Failures come back as data (:class:`Decoded` with ``error``), not exceptions: a worker's
+exception would end the loader, and the trainer side decides the policy.
 
 What the reader did for a call -- requests to the store, bytes, retries, cache hits and
 misses (``remote_io.READ_STATS``) -- comes back with it: ``decode_all`` returns a
-:class:`DecodedList` whose ``io`` holds the counts of that call, and a DataLoader worker's
+:class:`DecodedList` whose ``io`` holds the counts of that call, and a worker's
 ``DecodedStep`` carries the sum over its chunk as ``io``.
 """
 
@@ -29,8 +29,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from omniscale.geometry import MediaGeometry
 from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.decode import DecodeNeed, SampleDecoder
@@ -40,7 +38,6 @@ from omniscale.loaders.remote_cache import CacheConfig
 from omniscale.loaders.remote_io import RemoteSettings, add_stats, stats_delta
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.token_ids import TokenIds
-from omniscale.loaders.transfer import ShmRing, pack
 from omniscale.location import Location
 from omniscale.refs import SampleRef
 
@@ -256,41 +253,3 @@ def _run(decoder: SampleDecoder, ref: SampleRef, need: DecodeNeed | None) -> Dec
     except Exception as e:  # noqa: BLE001 -- a decoder bug on one file must not kill a worker
         return Decoded(ref, error=CorruptSample(ref.source, ref.key,
                                                 f"{type(e).__name__}: {e}"))
-
-
-class RefDataset(torch.utils.data.Dataset):
-    """A map-style dataset whose "indices" are work items ``(tag, chunk)``
-    (``loaders.chunks.ChunkWork``, None for a step with nothing to decode): the sampler hands
-    each worker a micro-batch's refs, the worker decodes and packs them. Stateless apart from
-    its decoder, built lazily in the worker process (after the fork) so no open file crosses
-    processes."""
-
-    def __init__(self, spec: DecoderSpec, timeout: float | None, geometry: MediaGeometry,
-                 ring: ShmRing | None = None) -> None:
-        self.spec, self.timeout, self.geometry = spec, timeout, geometry
-        self.ring = ring  # the workers' slots to hand items over in (``loaders.transfer``)
-        self._decoder: TimedDecoder | None = None
-
-    def __getitem__(self, item: tuple[object, object]) -> tuple[object, object]:
-        from omniscale.loaders.chunks import decode_chunk  # it builds on this module
-
-        if self._decoder is None:
-            self._decoder = TimedDecoder(self.spec, self.timeout)
-        tag, chunk = item
-        io: dict[str, int] = {}
-
-        def decode_all(work):
-            outs = self._decoder.decode_all(work)
-            add_stats(io, outs.io)
-            return outs
-
-        out = decode_chunk(chunk, decode_all, self.geometry)
-        out.io = io  # the reader's counters for this chunk (``DecodedList.io``)
-        # Packed only to leave a worker process (num_workers=0 decodes in the trainer's).
-        worker = torch.utils.data.get_worker_info()
-        return tag, out if worker is None else pack(out, self.ring, worker.id)
-
-
-def identity(x):
-    """The DataLoader's collate_fn: items stay as the worker returned them."""
-    return x

@@ -153,7 +153,7 @@ def test_commits_queued_behind_one_in_flight_go_together(demo, tmp_path):
 
         def commit_many(steps, rank, plan_fps):
             sent.append(list(steps))
-            return many(steps, rank, plan_fps)
+            return many(rank=rank, steps=steps, plan_fps=plan_fps)
         loader._commit_client.commit, loader._commit_client.commit_many = commit, commit_many
         with loader, other:
             futures = []

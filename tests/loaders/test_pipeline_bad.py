@@ -148,7 +148,7 @@ def test_fail_stops_with_one_line_naming_source_and_key(bad_demo, tmp_path):
 @pytest.mark.timeout(60)
 def test_a_hung_decode_times_out_and_is_skipped(bad_demo, tmp_path, monkeypatch):
     """One sample's decode never returns: that sample is reported after the timeout and the
-    worker goes on decoding (the DataLoader workers are forked, so they inherit the patch).
+    worker goes on decoding (the loader's workers are forked, so they inherit the patch).
     It hangs the first time each process decodes it: the tiny bad source comes round many
     times a step, and a 1 s timeout at every visit made this test take 47 s."""
     spec = bad_demo

@@ -161,7 +161,7 @@ def test_two_processes_share_one_cache_dir(s3, remote, tmp_path):
     # An earlier test's Flight server left to the collector: collected in a forked child,
     # it deadlocks there on a gRPC lock whose thread the fork did not copy (seen in a full
     # run). Freed here, and the rest kept from the children's collector (as the loader's
-    # own forks do: loaders.pipeline._forked).
+    # own forks do: loaders.worker_pool.WorkerPool).
     gc.collect()
     gc.freeze()
     try:

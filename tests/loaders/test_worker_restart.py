@@ -10,10 +10,10 @@ import signal
 import pytest
 
 from omniscale.dataplane.embedded import start_embedded
-from omniscale.dataplane.plan_table import fingerprint
 from omniscale.loaders import pipeline
+from omniscale.loaders.chunk_worker import RefDataset
 from omniscale.loaders.pipeline import RankLoader
-from omniscale.loaders.worker import RefDataset
+from omniscale.plan import fingerprint
 from tests.loaders.pipeline_fixtures import CONFIG, assert_same_batch, loader_args, spec_of
 
 STEPS = 8  # enough that steps after the kill need items the killed worker was sent

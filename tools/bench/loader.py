@@ -158,7 +158,7 @@ def collect_before_fork() -> None:
     leaves its embedded plane's Flight server to the collector, and a forked worker that
     collects it blocks forever on a gRPC lock whose thread it lacks (seen: a webdataset
     worker hung in ``~FlightServerBase``). Our loader does the same before it forks
-    (``loaders.pipeline._forked``)."""
+    (``loaders.worker_pool.WorkerPool``)."""
     import gc
 
     gc.collect()
