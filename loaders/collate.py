@@ -7,8 +7,12 @@ id, label IGNORE_INDEX) and cut into ``k`` equal parts. Labels were shifted on t
 (``loaders.sequence``), so a target crossing a slice boundary is still right.
 
 Media go whole: an item whose placeholder block overlaps the rank's slice is included with its
-full tensor (an encoder needs the whole image), and its block start is given relative to the
+full array (an encoder needs the whole image), and its block start is given relative to the
 batch, so it may be negative or past the end when the slice holds only part of the block.
+
+This is where decoded numpy becomes torch: samples hold numpy arrays (decoding never imports
+torch), each field of the batch is concatenated in numpy -- one copy, as ``torch.cat`` made
+-- and wrapped by ``torch.from_numpy`` without another.
 
 Legend: T tokens in the batch, S sequences (samples or slices), R pixel rows (``loaders.pixels``:
 a frame of a vision patch each), Q row width, V vision items, A audio items, AF mel frames of
@@ -20,11 +24,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omniscale.geometry import MediaGeometry
+from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.pixels import row_width
-from omniscale.loaders.sequence import IGNORE_INDEX, KINDS, DecodedSample
+from omniscale.loaders.sequence import DecodedSample, MediaItem
+from omniscale.media import AUDIO
 
 
 @dataclass
@@ -93,15 +100,15 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
             if item.token_start + item.num_tokens <= lo or item.token_start >= hi:
                 continue  # its block is on another rank's slice
             m_item.append(index_in_kind)
-            if item.tensor is None:  # not decoded here: another rank encodes it
+            if item.array is None:  # not decoded here: another rank encodes it
                 m_index.append(-1)
             elif item.kind == "audio":
                 m_index.append(len(frames))
-                mels.append(item.tensor)
+                mels.append(item.array)
                 frames.append(item.frames)
             else:
                 m_index.append(len(grids))
-                patches.append(item.tensor)
+                patches.append(item.array)
                 grids.append(item.grid_thw)
                 vkinds.append(item.kind_id)
             m_start.append(cu[-1] + item.token_start - lo)
@@ -116,18 +123,18 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
     n_mels = 0 if geometry is None else geometry.n_mels
     long = torch.int64
     return PackedBatch(
-        input_ids_T=_cat(ids, (0,), long), labels_T=_cat(labels, (0,), long),
-        position_ids_T=_cat(pos, (0,), long), mrope_3T=_cat(mrope, (3, 0), long, dim=1),
+        input_ids_T=_cat(ids, (0,), np.int64), labels_T=_cat(labels, (0,), np.int64),
+        position_ids_T=_cat(pos, (0,), np.int64), mrope_3T=_cat(mrope, (3, 0), np.int64, axis=1),
         cu_seqlens_S1=torch.tensor(cu, dtype=torch.int32),
         max_seqlen=max((b - a for a, b in zip(cu, cu[1:])), default=0),
         seq_len_full_S=torch.tensor(full, dtype=long),
         seq_sp_size_S=torch.tensor(sizes, dtype=long),
         seq_sp_index_S=torch.tensor(indices, dtype=long),
-        pixel_rows_RQ=_cat(patches, (0, width), torch.uint8),
+        pixel_rows_RQ=_cat(patches, (0, width), np.uint8),
         vision_grid_thw_V3=torch.tensor(grids, dtype=long).reshape(-1, 3),
         vision_kind_V=torch.tensor(vkinds, dtype=long),
         vision_rows_V=torch.tensor([p.shape[0] for p in patches], dtype=long),
-        audio_mel_AF=_cat(mels, (0, n_mels), torch.float16),
+        audio_mel_AF=_cat(mels, (0, n_mels), np.float16),
         audio_frames_A=torch.tensor(frames, dtype=long),
         media_token_start_M=torch.tensor(m_start, dtype=long),
         media_num_tokens_M=torch.tensor(m_len, dtype=long),
@@ -135,6 +142,12 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
         media_sample_M=torch.tensor(m_seq, dtype=long),
         media_index_M=torch.tensor(m_index, dtype=long),
         media_item_M=torch.tensor(m_item, dtype=long))
+
+
+def media_tensor(item: MediaItem) -> torch.Tensor | None:
+    """A decoded item's array as a tensor over the same memory (None when not decoded here):
+    what an encoder item handed to the trainer holds (``loaders.assemble``)."""
+    return None if item.array is None else torch.from_numpy(item.array)
 
 
 def media_items(batch: PackedBatch):
@@ -146,12 +159,11 @@ def media_items(batch: PackedBatch):
     vision = [0, *itertools.accumulate(vision_rows)]
     audio_rows = batch.audio_frames_A.tolist()
     audio = [0, *itertools.accumulate(audio_rows)]
-    audio_id = KINDS.index("audio")
     for kind, seq, row, index in zip(batch.media_kind_M.tolist(), batch.media_sample_M.tolist(),
                                      batch.media_index_M.tolist(), batch.media_item_M.tolist()):
         if row < 0:
             yield seq, kind, index, None, None, None
-        elif kind == audio_id:
+        elif kind == AUDIO:
             yield (seq, kind, index, batch.audio_mel_AF[audio[row]:audio[row + 1]], None,
                    audio_rows[row])
         else:
@@ -167,25 +179,30 @@ def sp_bounds(length: int, sp_size: int, sp_index: int) -> tuple[int, int]:
 
 
 def _slice(sample: DecodedSample, sp_size: int, sp_index: int):
-    """(lo, hi, (ids, labels, positions, mrope)) of this rank's slice of the padded sample."""
+    """(lo, hi, (ids, labels, positions, mrope)) of this rank's slice of the padded sample
+    (numpy views; the padding, when there is any, a new array)."""
     n = len(sample)
     lo, hi = sp_bounds(n, sp_size, sp_index)
-    tensors = (sample.input_ids_L, sample.labels_L, sample.position_ids_L, sample.mrope_3L)
+    arrays = (sample.input_ids_L, sample.labels_L, sample.position_ids_L, sample.mrope_3L)
     if sp_size == 1:
-        return lo, hi, tensors
+        return lo, hi, arrays
     pad = sp_size * (hi - lo) - n
     if pad:
         # Padding continues the positions so RoPE stays monotone; its labels train nothing.
         last = int(sample.mrope_3L.max()) + 1 if n else 0
-        tensors = (
-            torch.cat([sample.input_ids_L, torch.full((pad,), sample.pad_id, dtype=torch.int64)]),
-            torch.cat([sample.labels_L, torch.full((pad,), IGNORE_INDEX, dtype=torch.int64)]),
-            torch.cat([sample.position_ids_L, torch.arange(n, n + pad, dtype=torch.int64)]),
-            torch.cat([sample.mrope_3L,
-                       torch.arange(last, last + pad, dtype=torch.int64).expand(3, pad)], dim=1))
-    return lo, hi, tuple(t[..., lo:hi] for t in tensors)
+        arrays = (
+            np.concatenate([sample.input_ids_L, np.full(pad, sample.pad_id, dtype=np.int64)]),
+            np.concatenate([sample.labels_L, np.full(pad, IGNORE_INDEX, dtype=np.int64)]),
+            np.concatenate([sample.position_ids_L, np.arange(n, n + pad, dtype=np.int64)]),
+            np.concatenate([sample.mrope_3L, np.broadcast_to(
+                np.arange(last, last + pad, dtype=np.int64), (3, pad))], axis=1))
+    return lo, hi, tuple(a[..., lo:hi] for a in arrays)
 
 
-def _cat(parts: list[torch.Tensor], empty: tuple[int, ...], dtype: torch.dtype,
-         dim: int = 0) -> torch.Tensor:
-    return torch.cat(parts, dim=dim).to(dtype) if parts else torch.zeros(empty, dtype=dtype)
+def _cat(parts: list[np.ndarray], empty: tuple[int, ...], dtype: type[np.generic],
+         axis: int = 0) -> torch.Tensor:
+    """The parts concatenated (a new array, so the batch never shares memory with a sample)
+    as a tensor of ``dtype`` over the same memory; ``empty``'s shape when there are none."""
+    if not parts:
+        return torch.from_numpy(np.zeros(empty, dtype=dtype))
+    return torch.from_numpy(np.concatenate(parts, axis=axis).astype(dtype, copy=False))

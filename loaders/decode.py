@@ -4,7 +4,7 @@ A :class:`DecodeNeed` narrows the work to what one rank uses of a sample (the en
 moves media between ranks): the media items it encodes are decoded, the items another rank
 encodes only probed from their headers (``loaders.probe``: the grid or frame count the layout
 needs), and the text only when the rank trains the sample. Whatever is decoded equals a whole
-decode's; an item left undecoded has ``tensor`` None.
+decode's; an item left undecoded has ``array`` None.
 
 The decoded sample must be what the plane planned with: its media features (patches per image,
 t·h·w per clip, mel frames per clip) and its length equal the ref's, which came from the
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from omniscale.geometry import MediaGeometry, audio_tokens, vision_tokens
 from omniscale.layout import (
@@ -123,9 +122,9 @@ class SampleDecoder:
                     items.append(MediaItem(kind, None, None, None, -1, 0))
         _check_features(ref, items)
         if need is not None and not need.text:  # only encoding here: no sequence
-            empty = torch.zeros(0, dtype=torch.int64)
+            empty = np.zeros(0, dtype=np.int64)
             return DecodedSample(ref.source, ref.key, empty, empty, empty,
-                                 torch.zeros(3, 0, dtype=torch.int64), tok.pad_id, items)
+                                 np.zeros((3, 0), dtype=np.int64), tok.pad_id, items)
         text_ids = self.token_ids.get(ref) if self.token_ids is not None else None
         targets = None  # every text token
         if chat is not None and text_ids is not None:
@@ -150,9 +149,8 @@ class SampleDecoder:
                                 f"but the index says {ref.llm_tokens} (stale index?)")
         for item, start in zip(items, seq.token_starts):
             item.token_start = start
-        return DecodedSample(ref.source, ref.key, torch.from_numpy(seq.input_ids_L),
-                             torch.from_numpy(seq.labels_L), torch.from_numpy(seq.position_ids_L),
-                             torch.from_numpy(seq.mrope_3L), tok.pad_id, items)
+        return DecodedSample(ref.source, ref.key, seq.input_ids_L, seq.labels_L,
+                             seq.position_ids_L, seq.mrope_3L, tok.pad_id, items)
 
     def _render(self, ref: SampleRef, chat: ChatFormat, data: bytes, name: str | None):
         """A conversation's (token ids, target mask), as ``shard_index`` makes them."""

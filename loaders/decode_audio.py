@@ -19,6 +19,11 @@ value within 40 dB (1.0) of the clip's peak within 0.01 (0.4 dB), except in the 
 window reaches past the clip's end, where the filters' end handling differs (up to 0.15); the
 filters' different roll-off moves only values far below the peak by more
 (``tests/loaders/test_decode.py``).
+
+The mel itself stays torchaudio's transform: a numpy STFT and filterbank would sum in another
+order and round to other float16 values here and there. torch is imported by the first clip
+decoded, not by this module, so the indexer and a worker that decodes no audio never load it.
+The frames come back as numpy (the micro-batch becomes tensors in ``loaders.collate``).
 """
 
 from __future__ import annotations
@@ -28,13 +33,12 @@ import io
 import math
 
 import numpy as np
-import torch
 
 from omniscale.geometry import MediaGeometry, audio_samples
 from omniscale.loaders.probe import Corrupt, short
 
 
-def decode_audio(data: bytes, g: MediaGeometry) -> torch.Tensor:
+def decode_audio(data: bytes, g: MediaGeometry) -> np.ndarray:
     """Log-mel frames float16 [frames, n_mels]; :class:`Corrupt` for anything unusable."""
     import soundfile
 
@@ -61,8 +65,15 @@ def decode_audio(data: bytes, g: MediaGeometry) -> torch.Tensor:
         import soxr
 
         wave_N = soxr.resample(wave_N, rate, g.audio_sample_rate, quality="HQ")
+    return _log_mel(wave_N, audio_samples(n_in, rate, g), g)
+
+
+def _log_mel(wave_N: np.ndarray, n: int, g: MediaGeometry) -> np.ndarray:
+    """Whisper-normalised log-mel frames float16 [frames, n_mels] of the first ``n`` samples
+    of a float32 wave (zero-padded to ``n``, and to one FFT window)."""
+    import torch
+
     wave_N = torch.from_numpy(wave_N)  # float32 either way: soxr keeps its input's dtype
-    n = audio_samples(n_in, rate, g)
     with torch.no_grad():
         # Resampling a truncated read can leave a sample more or fewer than the formula says.
         wave_N = torch.nn.functional.pad(wave_N[:n], (0, max(0, n - wave_N.shape[0])))
@@ -72,7 +83,8 @@ def decode_audio(data: bytes, g: MediaGeometry) -> torch.Tensor:
     log_MF = torch.log10(mel_MF.clamp(min=1e-10))
     # Whisper's normalisation: an 80 dB dynamic range, scaled to about [-1, 1].
     log_MF = torch.maximum(log_MF, log_MF.max() - 8.0)
-    return ((log_MF + 4.0) / 4.0).T.to(torch.float16).contiguous()
+    # .numpy() shares the tensor's memory: no copy on the way out
+    return ((log_MF + 4.0) / 4.0).T.to(torch.float16).contiguous().numpy()
 
 
 @functools.lru_cache(maxsize=4)

@@ -18,7 +18,6 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from omniscale.geometry import MediaGeometry, image_resize
 from omniscale.loaders.pixels import pixel_rows
@@ -33,7 +32,7 @@ MAX_IMAGE_PIXELS = 1 << 26
 class VisionItem:
     """One image or clip ready for the vision encoder."""
 
-    rows_RQ: torch.Tensor  # uint8 [R, Q]: loaders.pixels' rows (a frame of a patch each)
+    rows_RQ: np.ndarray  # uint8 [R, Q]: loaders.pixels' rows (a frame of a patch each)
     grid_thw: tuple[int, int, int]
 
 

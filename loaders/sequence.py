@@ -10,19 +10,26 @@ Labels are shifted here, per sample, before any packing or sequence-parallel sli
 target of the last token of a slice is the first token of the next slice, which only the
 whole sample knows.
 
+A decoded sample holds numpy arrays: decoding never imports torch, and the micro-batch becomes
+tensors where it is packed (``loaders.collate``).
+
 Legend: L tokens of the sample.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.decode_text import TextTokenizer
-from omniscale.media import MEDIA_KINDS as KINDS  # kind id = position (plan_table.item_kinds)
+from omniscale.media import MEDIA_KINDS as KINDS
+from omniscale.media import kind_id
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ class MediaItem:
     # vision: uint8 pixel rows [R, Q] (``loaders.pixels``); audio: float16 log-mel
     # [frames, n_mels]; None when not decoded here (``loaders.decode.DecodeNeed``: another
     # rank encodes it)
-    tensor: torch.Tensor | None
+    array: np.ndarray | None
     grid_thw: tuple[int, int, int] | None  # vision patch grid; None for audio
     frames: int | None  # audio mel frames; None for vision
     token_start: int  # first position of the block in the sample
@@ -53,20 +60,20 @@ class MediaItem:
 
     @property
     def kind_id(self) -> int:
-        return KINDS.index(self.kind)
+        return kind_id(self.kind)
 
 
 @dataclass
 class DecodedSample:
     """A sample ready to pack: its sequence and its media items in item order
-    (``dataplane.plan_table.item_kinds``: images, then videos, then audio clips)."""
+    (``omniscale.plan.item_kinds``: images, then videos, then audio clips)."""
 
     source: str
     key: str
-    input_ids_L: torch.Tensor  # int64
-    labels_L: torch.Tensor  # int64, pre-shifted, IGNORE_INDEX on media, their targets, the end
-    position_ids_L: torch.Tensor  # int64, 0..L-1
-    mrope_3L: torch.Tensor  # int64, (temporal, height, width) positions for multimodal RoPE
+    input_ids_L: np.ndarray  # int64
+    labels_L: np.ndarray  # int64, pre-shifted, IGNORE_INDEX on media, their targets, the end
+    position_ids_L: np.ndarray  # int64, 0..L-1
+    mrope_3L: np.ndarray  # int64, (temporal, height, width) positions for multimodal RoPE
     pad_id: int
     media: list[MediaItem] = field(default_factory=list)
 

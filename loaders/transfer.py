@@ -1,8 +1,9 @@
-"""What crosses from a DataLoader worker process to the trainer: one buffer per work item.
+"""What crosses from a loader worker process to the trainer: one buffer per work item.
 
-The DataLoader would hand every tensor over as a shared-memory segment of its own plus a file
-descriptor, fetched by the trainer over a connection to the worker (a handful of system calls
-on both sides, many tensors per micro-batch). Here a work item (a micro-batch of decoded
+Pickled the usual way (``multiprocessing``'s ForkingPickler, with torch's reductions), every
+tensor would cross as a shared-memory segment of its own plus a file descriptor, fetched by
+the trainer over a connection to the worker (a handful of system calls on both sides, many
+tensors per micro-batch). Here a work item (a micro-batch of decoded
 samples) is one ``uint8`` buffer: its tensors, 64-byte aligned, then the rest of the object
 pickled with every tensor standing as (dtype, shape, offset) -- :class:`Packed`. The trainer
 views every tensor out of the buffer (:func:`unpack`).
@@ -16,11 +17,10 @@ Where the buffer lives (:func:`pack`):
   pages, under the GIL: the largest single item of the trainer's profile on the text
   workload), and both sides fault every page in;
 - otherwise in a shared-memory segment of its own, passed by file descriptor (an item larger
-  than a slot, every slot still unread, or workers not forked).
+  than a slot, or every slot still unread).
 
-Either way the message in the result pipe stays small whatever the item, so a worker killed
-while sending cannot leave a half-written payload in the pipe the other workers still write
-to.
+Either way the message in the worker's result pipe (``loaders.worker_pool``) stays small
+whatever the item: written at once, it is seldom cut short by the worker's death.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ import numpy
 import torch
 
 _ALIGN = 64  # every tensor starts at a cache line within the buffer (as torch allocates)
+# numpy dtypes a tensor can view (torch.from_numpy); anything else is pickled in-band
+_NUMPY_DTYPES = {numpy.dtype(t) for t in (numpy.bool_, numpy.uint8, numpy.int8, numpy.int16,
+                                         numpy.int32, numpy.int64, numpy.float16,
+                                         numpy.float32, numpy.float64)}
 
 
 @dataclass
@@ -62,8 +66,15 @@ class _TensorsOut(pickle.Pickler):
         self.placed: dict[int, tuple[int, int, int]] = {}
 
     def persistent_id(self, obj):
+        # a decoded sample's arrays (numpy until collate) cross in the buffer like tensors
+        # and come back as numpy views of it
+        if isinstance(obj, numpy.ndarray) and obj.dtype in _NUMPY_DTYPES:
+            return ("numpy", *self._place(torch.from_numpy(numpy.ascontiguousarray(obj))))
         if not isinstance(obj, torch.Tensor):
             return None
+        return self._place(obj)
+
+    def _place(self, obj: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], int]:
         nbytes = obj.numel() * obj.element_size()
         ptr = obj.untyped_storage().data_ptr() if obj.is_contiguous() else None
         if ptr in self.placed:
@@ -86,9 +97,11 @@ class _TensorsIn(pickle.Unpickler):
         self.buffer = buffer
 
     def persistent_load(self, pid):
-        dtype, shape, at = pid
+        as_numpy = pid[0] == "numpy"
+        dtype, shape, at = pid[1:] if as_numpy else pid
         n = math.prod(shape) * dtype.itemsize
-        return self.buffer[at:at + n].view(dtype).view(shape)
+        tensor = self.buffer[at:at + n].view(dtype).view(shape)
+        return tensor.numpy() if as_numpy else tensor
 
 
 def pack(obj, ring: "ShmRing | None" = None, worker: int = 0) -> "Packed | _InRing":
@@ -139,14 +152,14 @@ class ShmRing:
 
     A worker fills its slots in turn (:meth:`claim`, never blocking: with no slot free it
     packs into a segment of its own); the trainer copies an item out the moment its message
-    is unpickled -- whatever order the DataLoader then hands items on in -- and frees the slot
+    is unpickled -- whatever order the pool then hands results on in -- and frees the slot
     (:func:`_take`). A worker's messages arrive in the order it sent them, so its slots free
     in the order it claimed them, and a count of free slots (a semaphore per worker) is all
-    the bookkeeping. A worker that dies holding a slot takes it with it: the loader replaces
-    the DataLoader, and its ring with it (:meth:`close`). Memory: the pages of a slot, once an
-    item touched them, stay resident while the DataLoader lives (at most ``slots *
-    slot_bytes`` per worker, 64 MiB by default; the demo's image micro-batches touch 9 MiB
-    a slot)."""
+    the bookkeeping. A worker that dies may take a slot it claimed with it: once every
+    message it sent is read, the pool resets its slots for the process that replaces it
+    (:meth:`reset`). Memory: the pages of a slot, once an item touched them, stay resident
+    while the pool lives (at most ``slots * slot_bytes`` per worker, 64 MiB by default; the
+    demo's image micro-batches touch 9 MiB a slot)."""
 
     def __init__(self, workers: int, slots: int = 4, slot_bytes: int = 16 << 20) -> None:
         if workers < 1 or slots < 1 or slot_bytes < 1:
@@ -172,6 +185,14 @@ class ShmRing:
     def _view(self, worker: int, slot: int, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(self._maps[worker], dtype=torch.uint8, count=nbytes,
                                 offset=slot * self.slot_bytes)
+
+    def reset(self, worker: int) -> None:
+        """In the trainer, before a dead worker's replacement forks and once every message
+        the dead one sent is read (so none of its slots still holds an item to copy out):
+        all of ``worker``'s slots free, filled from the first again. A slot it claimed and
+        never announced would otherwise stay taken for good."""
+        self._free[worker] = multiprocessing.get_context("fork").Semaphore(self.slots)
+        self._next[worker] = 0
 
     def close(self) -> None:
         """In the trainer, once the workers are gone: unmap the slots (a mapping a view still
@@ -204,8 +225,8 @@ def _take(ring_id: int, worker: int, slot: int, nbytes: int, described_at: int) 
     slot freed for the worker."""
     ring = _RINGS.get(ring_id)
     if ring is None:
-        raise RuntimeError(f"a DataLoader worker's item names shared-memory ring {ring_id}, "
-                           "closed in this process (its DataLoader was shut down)")
+        raise RuntimeError(f"a loader worker's item names shared-memory ring {ring_id}, "
+                           "closed in this process (its worker pool was closed)")
     # numpy's copy: one thread, and the GIL released (torch's copy_ would wake its intra-op
     # threads, which then spin for the trainer's cores)
     buffer = numpy.empty(nbytes, dtype=numpy.uint8)
@@ -213,8 +234,3 @@ def _take(ring_id: int, worker: int, slot: int, nbytes: int, described_at: int) 
                                  slot * ring.slot_bytes)
     ring._free[worker].release()
     return Packed(torch.from_numpy(buffer), described_at)
-
-
-def fork_workers() -> bool:
-    """Whether DataLoader workers start by fork here (what a ring needs)."""
-    return multiprocessing.get_start_method(allow_none=False) == "fork"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from omniscale.geometry import MediaGeometry, audio_tokens, vision_tokens
 from omniscale.loaders.collate import PackedBatch, collate
@@ -64,18 +63,16 @@ def decoded(kind: str, media: bytes, caption: bytes, tok, g: MediaGeometry = GEO
     _, ids = tokenize(caption, tok)
     seq = build_sequence(ids, [slot], tok)
     item.token_start = seq.token_starts[0]
-    return DecodedSample(kind, "demo", torch.from_numpy(seq.input_ids_L),
-                         torch.from_numpy(seq.labels_L), torch.from_numpy(seq.position_ids_L),
-                         torch.from_numpy(seq.mrope_3L), tok.pad_id, [item])
+    return DecodedSample(kind, "demo", seq.input_ids_L, seq.labels_L, seq.position_ids_L,
+                         seq.mrope_3L, tok.pad_id, [item])
 
 
 def text_sample(text: bytes, tok) -> DecodedSample:
     """A text-only sample (no media item at all)."""
     _, ids = tokenize(text, tok)
     seq = build_sequence(ids, [], tok)
-    return DecodedSample("text", "demo", torch.from_numpy(seq.input_ids_L),
-                         torch.from_numpy(seq.labels_L), torch.from_numpy(seq.position_ids_L),
-                         torch.from_numpy(seq.mrope_3L), tok.pad_id, [])
+    return DecodedSample("text", "demo", seq.input_ids_L, seq.labels_L, seq.position_ids_L,
+                         seq.mrope_3L, tok.pad_id, [])
 
 
 def batch(samples: list[DecodedSample], g: MediaGeometry = GEOMETRY) -> PackedBatch:

@@ -82,8 +82,8 @@ def test_real_demo_image():
     enc = VisionEncoder(VisionConfig.preset("tiny"), OUT)
     enc.config.check_geometry(g)
     grid = torch.tensor([item.grid_thw])
-    patches = vision_patches(item.rows_RQ, grid, torch.tensor([len(item.rows_RQ)]),
-                             g.temporal_patch_size)
+    patches = vision_patches(torch.from_numpy(item.rows_RQ), grid,
+                             torch.tensor([len(item.rows_RQ)]), g.temporal_patch_size)
     out = enc(patches, grid)
     assert out.shape == (vision_tokens(item.grid_thw, g), OUT)
     assert torch.isfinite(out).all()

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from omniscale.dataplane.plan_table import plan_metadata
 from omniscale.dataplane.plane import PlaneConfig
 from omniscale.dataplane.spec import MixSpec, load_spec
 from omniscale.loaders.collate import PackedBatch, collate
+from omniscale.plan import plan_metadata
 from omniscale.refs import table_to_refs
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=12288,

@@ -265,7 +265,7 @@ def test_a_long_conversation_split_over_sp_ranks_keeps_its_mask(tokenizer, tmp_p
     k = 3
     slices = [collate([(sample, k, i)], spec.media) for i in range(k)]
     labels = torch.cat([b.labels_T for b in slices])[:len(sample)]
-    assert torch.equal(labels, sample.labels_L)
+    assert torch.equal(labels, torch.from_numpy(sample.labels_L))
     assert [t for t in labels.tolist() if t != IGNORE_INDEX] == want
     assert all((b.labels_T != IGNORE_INDEX).any() for b in slices)  # targets on every rank
 

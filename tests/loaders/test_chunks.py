@@ -4,6 +4,7 @@ decoded one by one (the trainer-side path), with and without a sample that fails
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from omniscale.geometry import MediaGeometry
@@ -64,16 +65,16 @@ def _fake_decode(fail: set[str]):
                              ("audio", "audio_frames")):
             for size in getattr(ref, column):
                 if kind == "audio":
-                    tensor = torch.full((size, G.n_mels), float(seed))
-                    media.append(MediaItem(kind, tensor, None, size, at, 2))
+                    mel = np.full((size, G.n_mels), float(seed), np.float16)
+                    media.append(MediaItem(kind, mel, None, size, at, 2))
                 else:
-                    tensor = torch.arange(size * WIDTH, dtype=torch.float32).view(size, WIDTH)
+                    rows = np.arange(size * WIDTH, dtype=np.float32).reshape(size, WIDTH)
                     grid = (1, 2, size // 2) if kind == "image" else (2, 2, size // 4)
-                    media.append(MediaItem(kind, tensor + seed, grid, None, at, size // 4))
+                    media.append(MediaItem(kind, rows + seed, grid, None, at, size // 4))
                 at += media[-1].num_tokens
-        ids = torch.arange(at, dtype=torch.int64) + seed
-        sample = DecodedSample(ref.source, ref.key, ids, ids + 1, torch.arange(at),
-                               ids.expand(3, at).clone(), 0, media)
+        ids = np.arange(at, dtype=np.int64) + seed
+        sample = DecodedSample(ref.source, ref.key, ids, ids + 1, np.arange(at, dtype=np.int64),
+                               np.broadcast_to(ids, (3, at)).copy(), 0, media)
         return Decoded(ref, sample)
     return decode
 
@@ -138,6 +139,7 @@ def test_an_item_encoded_from_a_packed_micro_batch_crosses_once():
     out = decode_chunk(chunk, _all(_fake_decode(set())), G)
     tensors_with_item = pack(out).described_at
     item = unpack(pack(out)).encode_items[5]
-    assert torch.equal(item.tensor, _fake_decode(set())(chunk.work[1][0]).sample.media[1].tensor)
+    assert torch.equal(item.tensor, torch.from_numpy(
+        _fake_decode(set())(chunk.work[1][0]).sample.media[1].array))
     out.encode_items.clear()
     assert pack(out).described_at == tensors_with_item  # its rows are the micro-batch's own

@@ -1,15 +1,16 @@
 """Packing decoded demo samples into a PackedBatch: the packed tensors are the per-sample
-decodes laid end to end, and an SP-split sample's slices put back together give the padded
-sample, with every media item on each slice whose block it overlaps."""
+decodes (numpy) laid end to end, and an SP-split sample's slices put back together give the
+padded sample, with every media item on each slice whose block it overlaps."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from omniscale.dataplane.spec import load_spec
+from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.collate import collate, sp_bounds
-from omniscale.loaders.sequence import IGNORE_INDEX
 from tests.loaders.decode_fixtures import demo_decoder, refs_of
 
 
@@ -35,10 +36,10 @@ def test_packed_tensors_are_the_samples_end_to_end(decoded):
     vision, audio, m = [], [], 0
     for s, sample in enumerate(batch_samples):
         lo, hi = batch.cu_seqlens_S1[s].item(), batch.cu_seqlens_S1[s + 1].item()
-        assert torch.equal(batch.input_ids_T[lo:hi], sample.input_ids_L)
-        assert torch.equal(batch.labels_T[lo:hi], sample.labels_L)
-        assert torch.equal(batch.position_ids_T[lo:hi], sample.position_ids_L)
-        assert torch.equal(batch.mrope_3T[:, lo:hi], sample.mrope_3L)
+        assert torch.equal(batch.input_ids_T[lo:hi], torch.from_numpy(sample.input_ids_L))
+        assert torch.equal(batch.labels_T[lo:hi], torch.from_numpy(sample.labels_L))
+        assert torch.equal(batch.position_ids_T[lo:hi], torch.from_numpy(sample.position_ids_L))
+        assert torch.equal(batch.mrope_3T[:, lo:hi], torch.from_numpy(sample.mrope_3L))
         for item in sample.media:
             assert batch.media_sample_M[m] == s and batch.media_kind_M[m] == item.kind_id
             start, n = batch.media_token_start_M[m].item(), batch.media_num_tokens_M[m].item()
@@ -47,7 +48,7 @@ def test_packed_tensors_are_the_samples_end_to_end(decoded):
             (audio if item.kind == "audio" else vision).append(item)
             m += 1
     assert m == len(batch.media_kind_M) and {0, 1, 2} <= set(batch.media_kind_M.tolist())
-    assert torch.equal(batch.pixel_rows_RQ, torch.cat([it.tensor for it in vision]))
+    assert np.array_equal(batch.pixel_rows_RQ.numpy(), np.concatenate([it.array for it in vision]))
     assert batch.pixel_rows_RQ.dtype == torch.uint8 and batch.audio_mel_AF.dtype == torch.float16
     assert batch.vision_grid_thw_V3.tolist() == [list(it.grid_thw) for it in vision]
     assert batch.vision_kind_V.tolist() == [it.kind_id for it in vision]
@@ -56,7 +57,9 @@ def test_packed_tensors_are_the_samples_end_to_end(decoded):
     assert batch.vision_rows_V.tolist() == [
         (tp if it.kind == "video" else 1) * torch.tensor(it.grid_thw).prod().item()
         for it in vision]
-    assert torch.equal(batch.audio_mel_AF, torch.cat([it.tensor for it in audio]))
+    assert np.array_equal(batch.audio_mel_AF.numpy(), np.concatenate([it.array for it in audio]))
+    # the batch is the samples' copy: packing never hands a sample's own memory on
+    assert not np.shares_memory(batch.input_ids_T.numpy(), batch_samples[0].input_ids_L)
     assert batch.audio_frames_A.tolist() == [it.frames for it in audio]
 
 
@@ -82,12 +85,13 @@ def test_sp_slices_put_back_together_give_the_padded_sample(decoded, k):
         positions = torch.cat([b.position_ids_T[tail] for b in batches])
         mrope = torch.cat([b.mrope_3T[:, tail] for b in batches], dim=1)
         pad = k * chunk - n
-        assert torch.equal(ids[:n], sample.input_ids_L)
+        assert torch.equal(ids[:n], torch.from_numpy(sample.input_ids_L))
         assert (ids[n:] == decoder.tokenizer.pad_id).all() and len(ids) == n + pad
-        assert torch.equal(labels[:n], sample.labels_L) and (labels[n:] == IGNORE_INDEX).all()
+        assert torch.equal(labels[:n], torch.from_numpy(sample.labels_L))
+        assert (labels[n:] == IGNORE_INDEX).all()
         assert torch.equal(positions, torch.arange(n + pad))
-        assert torch.equal(mrope[:, :n], sample.mrope_3L)
-        assert (mrope[:, n:] > sample.mrope_3L.max()).all()
+        assert torch.equal(mrope[:, :n], torch.from_numpy(sample.mrope_3L))
+        assert (mrope[:, n:] > int(sample.mrope_3L.max())).all()
         _check_slice_media(sample, batches, len(neighbour), k)
 
 
@@ -116,7 +120,7 @@ def _check_slice_media(sample, batches, offset, k):
             assert grid == list(item.grid_thw)
             inside = range(max(start, offset), min(start + item.num_tokens, b.num_tokens))
             assert all(b.input_ids_T[t] == sample.input_ids_L[item.token_start] for t in inside)
-        vision = [it.tensor for it in expected if it.kind != "audio"]
+        vision = [torch.from_numpy(it.array) for it in expected if it.kind != "audio"]
         if vision:  # the neighbour's image comes first in the batch
             assert torch.equal(b.pixel_rows_RQ[-sum(len(v) for v in vision):], torch.cat(vision))
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from omniscale.dataplane.plan_table import item_kinds
 from omniscale.dataplane.spec import load_spec
 from omniscale.geometry import (
     MediaGeometry,
@@ -28,7 +27,8 @@ from omniscale.loaders.decode_image import decode_image
 from omniscale.loaders.decode_video import _decord_frames, _pyav_frames, decode_video
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.probe import Corrupt, probe_video
-from omniscale.loaders.sequence import KINDS
+from omniscale.media import MEDIA_KINDS as KINDS
+from omniscale.plan import item_kinds
 from tests.loaders.decode_fixtures import demo_decoder, hand_decoder, refs_of, tar_refs
 from tests.loaders.index_fixtures import (
     audio_bytes,
@@ -56,29 +56,33 @@ def test_every_demo_sample_decodes_to_its_index_features(spec):
             kinds = [(KINDS.index(it.kind)) for it in sample.media]
             assert kinds == [k for k, _ in item_kinds(ref)]
             by_kind = {k: [it for it in sample.media if it.kind == k] for k in KINDS}
-            assert [it.tensor.shape[0] for it in by_kind["image"]] == list(ref.image_patches)
+            assert [it.array.shape[0] for it in by_kind["image"]] == list(ref.image_patches)
             assert [int(np.prod(it.grid_thw)) for it in by_kind["image"]] == list(ref.image_patches)
             assert all(it.grid_thw[0] == 1 for it in by_kind["image"])
-            assert [it.tensor.shape[0] for it in by_kind["video"]] == \
+            assert [it.array.shape[0] for it in by_kind["video"]] == \
                 [tp * n for n in ref.video_patches]  # a row per frame of a patch
             assert [it.frames for it in by_kind["audio"]] == list(ref.audio_frames)
             ids = sample.input_ids_L
+            # numpy as decoded: tensors are made where a micro-batch is packed (collate)
+            for name in ("input_ids_L", "labels_L", "position_ids_L", "mrope_3L"):
+                value = getattr(sample, name)
+                assert isinstance(value, np.ndarray) and value.dtype == np.int64, name
             for it in sample.media:
                 seen.add(it.kind)
                 if it.kind == "audio":
-                    assert it.tensor.shape == (it.frames, g.n_mels)
-                    assert it.tensor.dtype == torch.float16
+                    assert it.array.shape == (it.frames, g.n_mels)
+                    assert it.array.dtype == np.float16
                     assert it.num_tokens == audio_tokens(it.frames)
                 else:
                     frames = tp if it.kind == "video" else 1
-                    assert it.tensor.shape == (frames * int(np.prod(it.grid_thw)), width)
-                    assert it.tensor.dtype == torch.uint8
+                    assert it.array.shape == (frames * int(np.prod(it.grid_thw)), width)
+                    assert it.array.dtype == np.uint8
                     assert it.num_tokens == vision_tokens(it.grid_thw, g)
-                assert torch.isfinite(it.tensor).all()
+                assert isinstance(it.array, np.ndarray) and np.isfinite(it.array).all()
                 block = ids[it.token_start:it.token_start + it.num_tokens]
                 assert (block == decoder.tokenizer.marker_ids[it.kind]).all()
             placeholders = sum(it.num_tokens for it in sample.media)
-            markers = torch.isin(ids, torch.tensor(list(decoder.tokenizer.marker_ids.values())))
+            markers = np.isin(ids, list(decoder.tokenizer.marker_ids.values()))
             assert int(markers.sum()) == placeholders
             assert len(sample) - placeholders == ref.text_tokens
             assert ids[-1] == decoder.tokenizer.eos_id
@@ -184,10 +188,9 @@ def test_clips_decode_at_target_size_within_tolerance_of_a_full_size_decode(demo
         got = decode_video(data, g)
         t, h, w = got.grid_thw
         assert (h * g.patch_size, w * g.patch_size) == (height, width)
-        frames = got.rows_RQ.numpy().reshape(t, h // g.merge_size, w // g.merge_size,
-                                              g.merge_size, g.merge_size,
-                                              g.temporal_patch_size, 3, g.patch_size,
-                                              g.patch_size)
+        frames = got.rows_RQ.reshape(t, h // g.merge_size, w // g.merge_size, g.merge_size,
+                                     g.merge_size, g.temporal_patch_size, 3, g.patch_size,
+                                     g.patch_size)
         # back to [T, H, W, C] (loaders.pixels' row layout undone), in levels of 255
         frames = frames.transpose(0, 5, 1, 3, 7, 2, 4, 8, 6).reshape(want.shape)
         levels = np.abs(frames.astype(np.float32) - want)
@@ -338,15 +341,16 @@ def test_a_partial_decode_is_the_whole_decode_less_what_it_leaves_out(spec, sour
             assert len(part.media) == len(full.media)
             if need.text:
                 for name in ("input_ids_L", "labels_L", "position_ids_L", "mrope_3L"):
-                    assert torch.equal(getattr(part, name), getattr(full, name)), name
+                    assert np.array_equal(getattr(part, name), getattr(full, name)), name
             else:
                 assert len(part) == 0
             for item, a, b in zip(items, part.media, full.media, strict=True):
                 assert a.kind == b.kind
                 if item in need.items:
-                    assert torch.equal(a.tensor, b.tensor), (ref.key, item)
+                    assert a.array.dtype == b.array.dtype, (ref.key, item)
+                    assert np.array_equal(a.array, b.array), (ref.key, item)
                 else:
-                    assert a.tensor is None
+                    assert a.array is None
                 if item in need.items or need.text:  # decoded or probed: its block's place
                     assert (a.grid_thw, a.frames, a.num_tokens) == \
                         (b.grid_thw, b.frames, b.num_tokens)
@@ -368,8 +372,9 @@ def test_a_capped_text_sample_is_truncated_to_its_plan(spec):
     sample = decoder.decode(dataclasses.replace(ref, llm_tokens=100, text_tokens=100))
     full = decoder.decode(ref)
     assert len(sample) == 100
-    assert torch.equal(sample.input_ids_L, full.input_ids_L[:100])
-    assert torch.equal(sample.labels_L[:-1], full.labels_L[:99]) and sample.labels_L[-1] == -100
+    assert np.array_equal(sample.input_ids_L, full.input_ids_L[:100])
+    assert np.array_equal(sample.labels_L[:-1], full.labels_L[:99])
+    assert sample.labels_L[-1] == -100
 
 
 def _torchaudio_log_mel(data: bytes, g: MediaGeometry) -> torch.Tensor:
@@ -388,12 +393,12 @@ def _torchaudio_log_mel(data: bytes, g: MediaGeometry) -> torch.Tensor:
     return ((torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0).T
 
 
-def assert_within_resampling_tolerance(mel_FM: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_within_resampling_tolerance(mel_FM: np.ndarray, expected: torch.Tensor) -> None:
     """``loaders.decode_audio``'s stated tolerance: but in the last frame, mean absolute
     difference under 1e-3 and every value within 40 dB (1.0) of the peak within 0.01 (plus
     float16 rounding); in the last frame, those within 0.2."""
-    assert mel_FM.dtype == torch.float16 and mel_FM.shape == expected.shape
-    diff = (mel_FM.float() - expected).abs()
+    assert mel_FM.dtype == np.float16 and mel_FM.shape == expected.shape
+    diff = (torch.from_numpy(mel_FM).float() - expected).abs()
     assert float(diff[:-1].mean()) < 1e-3, float(diff[:-1].mean())
     loud = expected >= expected.max() - 1.0
     assert float(diff[:-1][loud[:-1]].max()) <= 0.01 + 2 ** -10, float(diff[:-1][loud[:-1]].max())
@@ -410,7 +415,8 @@ def test_log_mel_is_whisper_normalised_torchaudio_mel(rate):
     assert mel_FM.shape == (audio_mel_frames(int(1.3 * rate), rate, g), g.n_mels)
     assert_within_resampling_tolerance(mel_FM, expected)
     if rate == g.audio_sample_rate:  # nothing resampled: the same mel, to float16 rounding
-        torch.testing.assert_close(mel_FM.float(), expected, atol=2e-3, rtol=1e-2)
+        torch.testing.assert_close(torch.from_numpy(mel_FM).float(), expected, atol=2e-3,
+                                   rtol=1e-2)
 
 
 def test_demo_clips_resample_within_the_stated_tolerance_of_torchaudio(spec):

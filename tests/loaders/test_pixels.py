@@ -44,8 +44,11 @@ def test_rows_expand_to_the_host_patches_bit_for_bit():
     rows, grids, want = [], [], []
     for frames, video in items:
         r, grid = pixel_rows(frames, G, video)
-        assert r.dtype == torch.uint8 and r.shape[1] == 3 * G.patch_size ** 2
-        rows.append(r), grids.append(grid), want.append(oracle_patches(frames, G, video))
+        # numpy as decoded: the micro-batch becomes a tensor in loaders.collate
+        assert isinstance(r, np.ndarray) and r.dtype == np.uint8
+        assert r.shape[1] == 3 * G.patch_size ** 2
+        rows.append(torch.from_numpy(r)), grids.append(grid)
+        want.append(oracle_patches(frames, G, video))
     assert grids == [(1, 4, 2), (2, 2, 4), (1, 2, 2)]
     # an image ships one frame per patch, a clip its temporal patch's frames
     assert [len(r) for r in rows] == [8, 2 * 16, 4]
@@ -64,7 +67,8 @@ def test_patches_are_in_merge_window_order_and_an_image_repeats_its_frame():
     frames[..., 0] = np.arange(8)[None, None, :]
     frames[..., 1] = np.arange(8)[None, :, None]
     rows, grid = pixel_rows(frames, G, video=False)
-    patches = vision_patches(rows, torch.tensor([grid]), torch.tensor([len(rows)]), 2)
+    patches = vision_patches(torch.from_numpy(rows), torch.tensor([grid]),
+                             torch.tensor([len(rows)]), 2)
     assert grid == (1, 4, 4) and patches.shape == (16, 3 * 2 * 2 * 2)
     pixels = (patches.view(16, 3, 2, 4) * torch.from_numpy(STD).view(1, 3, 1, 1)
               + torch.from_numpy(MEAN).view(1, 3, 1, 1)) * 255

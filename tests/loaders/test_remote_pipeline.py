@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from omniscale.dataplane.embedded import start_embedded
-from omniscale.dataplane.plan_table import fingerprint
 from omniscale.dataplane.spec import load_spec
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.loaders.remote_cache import CacheConfig
+from omniscale.plan import fingerprint
 from omniscale.refs import table_to_refs
 from omniscale.tools.data_copy import copy_specs
 from tests.loaders.pipeline_fixtures import CONFIG, assert_same_batch

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.decode_text import TextTokenizer
-from omniscale.loaders.sequence import IGNORE_INDEX, ItemSlot, LayoutError, build_sequence
+from omniscale.loaders.sequence import ItemSlot, LayoutError, build_sequence
 
 TOK = TextTokenizer(tokenizer=None, pad_id=0, eos_id=1,
                     marker_ids={"image": 2, "video": 3, "audio": 4})

@@ -34,7 +34,8 @@ def _model():
 
 
 def _sample(name):
-    from omniscale.loaders.sequence import IGNORE_INDEX, DecodedSample
+    from omniscale.layout import IGNORE_INDEX
+    from omniscale.loaders.sequence import DecodedSample
 
     n = LENGTHS[name]
     g = torch.Generator().manual_seed(ord(name))

@@ -70,7 +70,8 @@ def test_merge_window_patches_reorder_to_dit_patches():
     g = MediaGeometry(patch_size=8, merge_size=2, temporal_patch_size=2)
     frames = np.random.default_rng(0).integers(0, 256, (4, 32, 48, 3), dtype=np.uint8)
     rows, grid = pixel_rows(frames, g, video=True)
-    vision_PD = vision_patches(rows, torch.tensor([grid]), torch.tensor([len(rows)]), 2)
+    vision_PD = vision_patches(torch.from_numpy(rows), torch.tensor([grid]),
+                               torch.tensor([len(rows)]), 2)
     mean, std = torch.tensor(IMAGE_MEAN), torch.tensor(IMAGE_STD)
     normalised = (torch.from_numpy(frames).float() / 255.0 - mean) / std
     dit_PC, dit_grid = patchify_video(normalised, 8, 2)
