@@ -29,6 +29,7 @@ import torch.distributed as dist
 from omniscale.errors import UserError
 from omniscale.parallel import load_checkpoint, save_checkpoint
 from omniscale.parallel.dcp import async_save as async_save_checkpoint
+from omniscale.tools.train import collectives
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -109,8 +110,7 @@ def verify(path: Path) -> None:
     except UserError as e:  # meta.json unreadable: still join the gather below
         problem = str(e)
     if group:
-        verdicts = [None] * world
-        dist.all_gather_object(verdicts, problem)
+        verdicts = collectives.gather_checkpoint_verdicts(problem)
         problem = next((v for v in verdicts if v is not None), None)
     if problem is not None:
         raise UserError(problem)
@@ -179,7 +179,7 @@ def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int,
     path = checkpoint_dir(run_dir, step)
     if rank == 0 and path.exists():  # an earlier attempt that never finished
         shutil.rmtree(path)
-    dist.barrier()  # every rank has committed: the plane's next step is ``step``
+    collectives.checkpoint_barrier()  # every rank has committed: the plane's next step is ``step``
     snapshot = plane_client.snapshot(step) if rank == 0 else None
     pending = PendingSave(path, step, snapshot)
     if async_group is not None:
@@ -201,7 +201,7 @@ def finish(pending: PendingSave | None, run_dir: Path, rank: int, keep_last: int
     if pending.future is not None:
         pending.future.result()
         pending.future = None
-    dist.barrier()
+    collectives.checkpoint_barrier()
     if rank == 0:  # every rank's files are written and fsynced (DCP) before the barrier
         meta = {"step": pending.step,
                 "plane_snapshot": pending.snapshot["path"] if pending.snapshot else None,

@@ -30,11 +30,9 @@ from omniscale.loaders.pipeline import RankLoader
 from omniscale.location import is_url
 from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train import checkpoint
-from omniscale.tools.train.build import build_model, model_config
 from omniscale.tools.train.config import RunConfig, run_spec
 from omniscale.tools.train.loop import cache_config
-
-TEXT_TEMPLATES = ("text",)  # the lm task's held-out sources (templates without media)
+from omniscale.tools.train.tasks import task_of
 
 
 def _one_source_spec(eval_spec: Path, name: str, out: Path) -> Path:
@@ -95,22 +93,17 @@ def accuracy_result(samples: int, correct: int, total: int, targets: Counter,
 def scored_sources(cfg: RunConfig, spec) -> list[str]:
     """The eval spec's sources the task scores: lm, the text sources; omni, the captions and
     conversations (a conversation's labelled tokens are its answers, loaders.chat); video_gen,
-    the video captions."""
-    if cfg.task == "video_gen":
-        return [s.name for s in spec.sources if s.template == "video_caption"]
-    if cfg.task == "lm":
-        return [s.name for s in spec.sources if s.template in TEXT_TEMPLATES]
-    return [s.name for s in spec.sources
-            if s.template.endswith("_caption") or s.template == "conversation"]
+    the video captions (``tasks.Task.scored_sources``)."""
+    return task_of(cfg).scored_sources(spec)
 
 
 def report(cfg: RunConfig, spec, results: dict, step: int) -> None:
     """The results as the user sees them (a table; video_gen: one line)."""
-    if cfg.task == "video_gen":
+    what = task_of(cfg).scored_what
+    if what is None:  # video_gen
         print(f"held-out velocity loss (checkpoint step {step}): " + ", ".join(
             f"{n} {r['loss']:.4f}" for n, r in results.items()))
         return
-    what = "next-token" if cfg.task == "lm" else "caption"
     if results and all(s.template == "conversation" for s in spec.sources if s.name in results):
         what = "answer-token"
     _print(results, step, what)
@@ -155,26 +148,10 @@ def evaluate_run(cfg: RunConfig, run_dir: Path, verbose: bool = True) -> dict:
     spec = run_spec(cfg, eval_spec)
     out_dir = run_dir / "eval"
     out_dir.mkdir(exist_ok=True)
+    _, score = task_of(cfg).load_for_eval(cfg, spec, found[1])
     results = {}
-    if cfg.task == "video_gen":
-        from omniscale.tools.train.video_gen import build_video_model, evaluate_video_gen
-
-        model = build_video_model(cfg, spec, torch.device("cpu"))
-        checkpoint.load(found[1], model, None)
-        model.eval()
-        for source in scored_sources(cfg, spec):
-            batches, samples = _batches(cfg, eval_spec, source, out_dir)
-            r = evaluate_video_gen(model, batches)
-            results[source] = {"samples": samples, **{k: float(v) for k, v in r.items()}}
-    else:
-        mcfg = model_config(cfg, spec.media, spec.tokenizer)
-        model = build_model(mcfg, cfg.seed, torch.device("cpu"))
-        checkpoint.load(found[1], model, None)
-        model.eval()
-        for source in scored_sources(cfg, spec):
-            batches, samples = _batches(cfg, eval_spec, source, out_dir)
-            results[source] = accuracy_result(samples, *caption_accuracy(model, batches),
-                                              mcfg.vocab_size)
+    for source in scored_sources(cfg, spec):
+        results[source] = score(*_batches(cfg, eval_spec, source, out_dir))
     if verbose:
         report(cfg, spec, results, found[0])
     return results

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from omniscale.errors import UserError
+from omniscale.tools.train import collectives
 
 
 class UpdateGuard:
@@ -46,8 +47,8 @@ class UpdateGuard:
             else torch.zeros((), dtype=torch.float64, device=loss_sum.device)
         bad_norm = (~torch.isfinite(grad_norm.detach().double().reshape(()))).double()
         both = torch.stack([local, bad_norm.to(local.device)])
-        dist.all_reduce(both)  # the world: each figure has one contributor per data rank
-        total, bad = both.tolist()  # the step's one host synchronisation
+        # the world: each figure has one contributor per data rank
+        total, bad = collectives.guard_verdict(both).tolist()  # the step's one host synchronisation
         loss = total / max(float(divisor), 1.0)
         reason = None
         if bad:
@@ -118,8 +119,7 @@ def step_samples(batch) -> set[tuple]:
 def report_suspects(client, step: int, batch, reason: str, rank: int) -> None:
     """Every rank's samples of a step not applied, gathered; rank 0 reports them to the plane
     (``report_suspect``) and says so in one line."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, step_samples(batch))
+    gathered = collectives.gather_suspect_samples(step_samples(batch))
     if rank != 0:
         return
     samples = sorted(set().union(*gathered))

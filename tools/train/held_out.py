@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from omniscale.layout import IGNORE_INDEX
+from omniscale.tools.train import collectives
 from omniscale.tools.train.config import run_spec
+from omniscale.tools.train.tasks import task_of
 
 
 def evaluates_in_ranks(cfg) -> bool:
@@ -58,14 +60,13 @@ class HeldOut:
         """Rank 0 reads every scored source's held-out micro-batches; all ranks get them."""
         from omniscale.tools.train import evaluate
 
-        box = [None]
+        sets = None
         if dist.get_rank() == 0:
             out = self.run_dir / "eval"
             out.mkdir(exist_ok=True)
-            box = [{source: evaluate._batches(self.cfg, Path(self.cfg.data.eval_spec), source, out)
-                    for source in evaluate.scored_sources(self.cfg, self.spec)}]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+            sets = {source: evaluate._batches(self.cfg, Path(self.cfg.data.eval_spec), source, out)
+                    for source in evaluate.scored_sources(self.cfg, self.spec)}
+        return collectives.broadcast_held_out(sets)
 
     def evaluate(self, model, done: int) -> dict:
         """Every source's results after ``done`` steps (every rank gets them); rank 0 writes the
@@ -105,8 +106,11 @@ class HeldOut:
                 if i % world == rank]
         # every rank the same number of forwards: the longest slice's
         mine += [(None, pad)] * (-(-len(mbs) // world) - len(mine))
-        if self.cfg.task == "video_gen":
-            return self._velocity(model, mine, samples)
+        return getattr(self, task_of(self.cfg).held_out_score)(model, mine, samples)
+
+    def token_accuracy(self, model, mine: list, samples: int) -> dict:
+        """omni and lm: teacher-forced accuracy of the slice (``mine``: (index or None for
+        padding, micro-batch)), through the pipeline's schedule under PP."""
         if self.ctx.pipeline is not None:
             return self._accuracy(samples, *self._stages([mb for _, mb in mine]))
         from omniscale.tools.train import evaluate  # it imports the loop, which imports this
@@ -147,14 +151,12 @@ class HeldOut:
         """The counts summed over the context's ``sum_group``, as one source's row."""
         from omniscale.tools.train import evaluate
 
-        group = self.ctx.sum_group
-        parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, (correct, total, targets), group=group)
+        parts = collectives.gather_held_out_counts((correct, total, targets), self.ctx.sum_group)
         correct, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
         return evaluate.accuracy_result(samples, correct, total,
                                         sum((p[2] for p in parts), Counter()), self.vocab_size)
 
-    def _velocity(self, model, mine: list, samples: int) -> dict:
+    def velocity(self, model, mine: list, samples: int) -> dict:
         """video_gen: the velocity loss at the eval's fixed times, each batch with the noise
         of its index in the whole set (as one process draws it)."""
         from torch.distributed.fsdp import FSDPModule
@@ -176,8 +178,7 @@ class HeldOut:
         # on the model's device: NCCL reduces CUDA tensors only
         both = torch.tensor([*sums, n], dtype=torch.float64,
                             device=next(model.parameters()).device)
-        dist.all_reduce(both, group=self.ctx.sum_group)
-        *sums, n = both.tolist()
+        *sums, n = collectives.sum_held_out_velocity(both, self.ctx.sum_group).tolist()
         return {"samples": samples, **velocity_result(sums, n)}
 
 

@@ -1,19 +1,19 @@
-"""One trainer rank: plane (rank 0's embedded one, or ``--plane URL``) → RankLoader → model
-(FSDP over the ranks when more than one) → AdamW → commit → metrics → checkpoint.
+"""One trainer rank: plane (rank 0's embedded one, or ``--plane URL``) → RankLoader → the
+task's model (``tasks.Task.build``), laid out by its ``parallelize_*`` → AdamW → the steps
+(``trainer.Trainer``: train, commit, metrics, checkpoint).
 
-The step itself is ``tools.train.step`` (omni and lm: encoders on the encoder plan, reshard,
-backbone micro-batches) or ``tools.train.video_gen`` (the rectified-flow DiT).
+The step itself is the task's (``tasks.TASKS``): ``step.train_step`` for omni and lm (encoders
+on the encoder plan, reshard, backbone micro-batches; ``pipeline_step`` under pp),
+``video_gen.video_gen_step`` for the rectified-flow DiT.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,25 +23,16 @@ from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.plane import PlaneConfig
 from omniscale.errors import UserError
 from omniscale.loaders.pipeline import RankLoader
-from omniscale.tools.train import checkpoint, optim_groups
-from omniscale.tools.train.build import (
-    build_model,
-    build_optimizer,
-    init_weights,
-    model_config,
-)
+from omniscale.tools.train import checkpoint, collectives, optim_groups
+from omniscale.tools.train.build import build_optimizer, init_weights, model_config
 from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig, run_spec
-from omniscale.tools.train.guard import report_suspects, seeded
-from omniscale.tools.train.held_out import HeldOut, evaluates_in_ranks, flat
-from omniscale.tools.train.metrics import MetricsWriter, Progress
-from omniscale.tools.train.pipeline_step import pipeline_step
-from omniscale.tools.train.profiler import step_profiler
-from omniscale.tools.train.records import flush
-from omniscale.tools.train.step import StepContext, train_step
+from omniscale.tools.train.held_out import HeldOut, evaluates_in_ranks
+from omniscale.tools.train.step import StepContext
 from omniscale.tools.train.step_audit import StepAudit
+from omniscale.tools.train.tasks import task_of
 from omniscale.tools.train.torchrun import shared_ray
-from omniscale.tools.train.watchdog import StepWatchdog, injected_hang
+from omniscale.tools.train.trainer import Trainer
 
 
 @dataclass
@@ -106,18 +97,12 @@ def init_process_group(device: torch.device, job: "RankJob", rank: int, world: i
                             device_id=device if gpu else None)
 
 
-def barrier(device: torch.device) -> None:
-    """A barrier of the world on this rank's device (NCCL would otherwise guess the GPU)."""
-    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-
-
 def _share_url(url: str | None, rank: int, run_dir: Path) -> str:
     """Rank 0's plane URL to every rank (a broadcast; also left in RUN_DIR/plane.url)."""
-    box = [url]
-    dist.broadcast_object_list(box, src=0)
+    url = collectives.share_plane_url(url)
     if rank == 0:
-        (run_dir / "plane.url").write_text(box[0] + "\n")
-    return box[0]
+        (run_dir / "plane.url").write_text(url + "\n")
+    return url
 
 
 # Known, harmless torch warnings a user cannot act on: DeviceMesh's notice about slicing
@@ -153,7 +138,7 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
     plane = loader = None
     try:
         spec, mcfg, dims, groups = layout(cfg, world)  # every rank, before the plane starts
-        video = mcfg is None
+        task = task_of(cfg)
         if job.resume_from:  # a refused checkpoint leaves RUN_DIR/plane as it was
             checkpoint.verify(Path(job.resume_from))
         if rank == 0 and job.plane_url is None:
@@ -165,24 +150,15 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
         # the plane plans for the data ranks; TP peers load (and commit) the same plan
         data_rank = dims.data_rank(rank)
         loader = make_loader(cfg, url, data_rank, spec, job)
-        if video:
-            from omniscale.tools.train.video_gen import build_video_model, video_gen_step
-
-            model, step_fn = build_video_model(cfg, spec, device), video_gen_step
-        else:
-            # on the meta device: init_weights gives each rank memory for its own shards
-            # only, after parallelization (pipeline stages are cut from the meta model too)
-            model = build_model(mcfg, cfg.seed, torch.device("meta"))
-            step_fn = train_step
+        model = task.build(cfg, spec, mcfg, device)
         optim_groups.freeze(model, groups)  # before FSDP builds its units (parallel.fsdp)
         from omniscale.parallel.fsdp import MixedUnitError
 
         try:
-            meshes = parallelize(cfg)(model, dims, settings_of(cfg, device), device.type)
+            meshes = task.parallelize(cfg)(model, dims, settings_of(cfg, device), device.type)
         except MixedUnitError as e:
             raise optim_groups.unit_error(groups, model, e) from None
-        if meshes.pipeline is not None:
-            step_fn = pipeline_step
+        step_fn = task.step if meshes.pipeline is None else task.pipeline_step
         init_weights(model, cfg, device, resume=bool(job.resume_from))
         optimizer = build_optimizer(model, cfg)
         if job.resume_from:
@@ -199,9 +175,10 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
                                           cfg.debug.count_host_syncs))
         held_out = HeldOut(cfg, run_dir, mcfg.vocab_size if mcfg is not None else None, ctx) \
             if evaluates_in_ranks(cfg) else None
-        _loop(ctx, run_dir, job, model, optimizer, loader, spec, step_fn, held_out)
+        Trainer(ctx, run_dir, job, model, optimizer, loader, spec, step_fn, held_out).run()
         loader.wait_commits()
-        barrier(device)  # nobody stops the plane while another rank still talks to it
+        # nobody stops the plane while another rank still talks to it
+        collectives.end_of_run_barrier(device)
     finally:
         if loader is not None:  # a refused commit is raised unless an error is in flight
             loader.close(raise_commit_errors=sys.exc_info()[0] is None)
@@ -216,10 +193,11 @@ def layout(cfg: RunConfig, world: int):
     rank again before the plane starts."""
     spec = run_spec(cfg, cfg.data.spec)
     hf = cfg.model.init_from.backbone or cfg.model.init_from.vision or cfg.model.init_from.audio
-    if cfg.task == "video_gen" and hf:
-        raise UserError("model.init_from: the video_gen task's DiT has no Hugging Face "
-                        "counterpart (omni and lm start from Qwen3 / Qwen3-MoE)")
-    mcfg = None if cfg.task == "video_gen" else model_config(cfg, spec.media, spec.tokenizer)
+    task = task_of(cfg)
+    if hf and not task.init_from_hf:
+        raise UserError(f"model.init_from: the {task.name} task's model has no Hugging Face "
+                        f"counterpart (omni and lm start from Qwen3 / Qwen3-MoE)")
+    mcfg = model_config(cfg, spec.media, spec.tokenizer) if task.language_model else None
     return spec, mcfg, parallel_dims(cfg, world, mcfg), optim_groups.check(cfg, spec, mcfg)
 
 
@@ -227,7 +205,7 @@ def parallel_dims(cfg: RunConfig, world: int, mcfg):
     """The run's layout from ``parallel:`` (a one-line UserError naming the axis when it cannot
     work, on every rank before the plane starts)."""
     p = cfg.parallel
-    if p.pp > 1 and cfg.task != "lm":
+    if p.pp > 1 and task_of(cfg).pipeline_step is None:
         raise UserError(f"parallel.pp={p.pp}: pipeline stages run the lm task only (stage 0 "
                         f"takes token ids; task is {cfg.task})")
     if p.pp > 1 and p.pp_schedule == "1f1b" and p.pp_microbatches < p.pp:
@@ -278,15 +256,6 @@ def settings_of(cfg: RunConfig, device: torch.device):
                     pp_microbatches=p.pp_microbatches)
 
 
-def parallelize(cfg: RunConfig):
-    """The task's ``parallelize_*`` (parallel/parallelize.py)."""
-    from omniscale.parallel import parallelize as plans
-
-    if cfg.task == "lm":  # pipeline stages exchange micro-batches padded to the budget
-        return partial(plans.parallelize_lm, microbatch_tokens=cfg.data.micro_batch_tokens)
-    return {"omni": plans.parallelize_omni, "video_gen": plans.parallelize_video_gen}[cfg.task]
-
-
 def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
     """The rank's loader: DataLoader worker processes (``data.loader: workers``) or per-source
     Ray actor pools (``ray``: the job's, in its Ray cluster, ``loaders.ray_cluster``)."""
@@ -294,7 +263,7 @@ def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
     # The omni step reshards encoder outputs, so a rank decodes only the media it encodes.
     kw = dict(num_workers=cfg.data.workers, prefetch_steps=cfg.data.prefetch_steps,
               policy=cfg.data.policy, start_step=job.start_step, token=job.plane_token,
-              skip_moved_media=cfg.task == "omni", special_tokens=spec.special_tokens,
+              skip_moved_media=task_of(cfg).media_resharded, special_tokens=spec.special_tokens,
               indexes=spec.indexes, cache=cache_config(cfg),
               cache_prefetch_steps=cfg.data.cache_prefetch_steps)
     if cfg.data.loader == "workers":
@@ -341,117 +310,3 @@ def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
             if key in name:
                 return tflops * 1e12
     return None
-
-
-def _target_mix(spec, step: int, tokens_before: int) -> dict[str, float]:
-    """The schedule's weights for this step (by steps or tokens, as the schedule counts)."""
-    x = step if spec.schedule.unit == "steps" else tokens_before
-    return {k: round(v, 6) for k, v in spec.schedule.weights_at(x).items()}
-
-
-def _refit(ctx: StepContext, client) -> dict | None:
-    """Fit the cost model to the measured step times; send it to the plane unless the run
-    is deterministic (then plans depend on data alone and the fit is only logged)."""
-    fitted = ctx.refit.fit()
-    if fitted is None:
-        return None
-    if not ctx.cfg.deterministic:
-        fitted["applies_at_step"] = client.set_costs(fitted["linear"],
-                                                     fitted["quadratic"])["applies_at_step"]
-    return fitted
-
-
-def _loop(ctx: StepContext, run_dir, job, model, optimizer, loader, spec, step_fn,
-          held_out=None) -> None:
-    """The steps from ``job.start_step``: train, commit, evaluate (``held_out``:
-    ``held_out.HeldOut``, every ``eval.every`` steps and after the last), log, checkpoint."""
-    cfg, rank = ctx.cfg, dist.get_rank()  # the global rank: files are written by rank 0
-    writer = MetricsWriter(run_dir / "metrics.jsonl", job.start_step, cfg.metrics.wandb,
-                           job.raw_config) if ctx.writer else None
-    bar = Progress(ctx.writer, job.progress, cfg.steps, job.start_step, cfg.log_every)
-    client = loader.client
-    tokens_before = [writer.tokens_before if writer is not None else 0]
-    # checkpoint.async_save: the writer thread coordinates on a gloo group of its own
-    async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
-    pending = None  # the checkpoint being written in the background
-    records = []  # steps trained since the last log, their metrics still on the device
-    if cfg.guard.enabled:
-        ctx.guard = seeded(cfg.guard, run_dir / "metrics.jsonl", job.start_step)
-    watchdog = StepWatchdog(cfg.watchdog.step_timeout_s, run_dir, rank, job.start_step) \
-        if cfg.watchdog.step_timeout_s > 0 else None
-    profiler = step_profiler(cfg, run_dir, rank, ctx.device, job.start_step)
-    try:
-        for step in range(job.start_step, cfg.steps):
-            batch = next(loader)
-            assert batch.step == step, (batch.step, step)
-            injected_hang(cfg, step, rank)
-            records.append(step_fn(ctx, step, model, optimizer, batch))
-            skipped = records[-1].update_skipped
-            if skipped is not None:  # before the commit: the plane still holds its plans
-                report_suspects(client, step, batch, skipped, rank)
-            loader.commit(step)
-            if watchdog is not None:
-                watchdog.beat(step)
-            if skipped is not None and ctx.guard.stops_run:
-                _log(ctx, flush(ctx, records), writer, bar, spec, client, tokens_before, None)
-                ctx.guard.stop(step, skipped, run_dir)
-            done = step + 1
-            held = None
-            if held_out is not None and held_out.due(done):
-                with watchdog.paused(step) if watchdog else contextlib.nullcontext():
-                    held = held_out.evaluate(model, done)
-            save = done % cfg.checkpoint_every == 0 or (done == cfg.steps
-                                                         and cfg.checkpoint.final)
-            if save or done % cfg.log_every == 0 or held:  # every step it covers is logged
-                rows = flush(ctx, records)
-                if held:
-                    rows[-1]["eval"] = flat(held)
-                _log(ctx, rows, writer, bar, spec, client, tokens_before,
-                     checkpoint=done if save else None,
-                     pools=getattr(loader, "pool_stats", None))
-                records = []
-            if save:
-                loader.wait_commits()  # a checkpoint at ``done``: every step before committed
-                checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
-                pending = checkpoint.save(run_dir, done, model, optimizer, client, rank,
-                                          cfg.checkpoint.keep_last, async_group,
-                                          kill_in_save=cfg.debug.kill_in_save == done)
-            if profiler is not None:  # profile.steps: the step is the whole iteration
-                profiler.step(step)
-        checkpoint.finish(pending, run_dir, rank, cfg.checkpoint.keep_last)
-    finally:
-        if watchdog is not None:
-            watchdog.close()
-        bar.close()
-        if writer is not None:
-            writer.close()
-        if profiler is not None:
-            profiler.close()
-
-
-def _log(ctx: StepContext, rows: list[dict], writer, bar, spec, client, tokens_before: list,
-         checkpoint: int | None, pools=None) -> None:
-    """Write a log interval's rows (rank 0) with what only the loop knows: the schedule's
-    target mix, the cost refit, peak memory, the checkpoint the last row's step starts, the
-    Ray decoding pools (``pools``: ``RayRankLoader.pool_stats``)."""
-    cfg = ctx.cfg
-    for row in rows:
-        step = row["step"]
-        if ctx.device.type == "cuda":  # this rank's peak since the start (GiB)
-            row["peak_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
-        row["balance"] = cfg.data.balance  # the placement policy the plans came from
-        if pools is not None:
-            row["data_pools"] = pools()
-        if "mix_samples" in row:
-            row["mix_target"] = _target_mix(spec, step, tokens_before[0])
-        if ctx.writer and cfg.data.refit_costs_every and \
-                (step + 1) % cfg.data.refit_costs_every == 0:
-            row["cost_refit"] = _refit(ctx, client)
-        tokens_before[0] += row["tokens"]
-        if checkpoint == step + 1:
-            row["checkpoint"] = checkpoint
-        if writer is not None:
-            writer.write(row)
-        bar.update(f"loss {row['loss']:.3f}  lr {row['lr']:.2e}  "
-                   f"{row['tokens_per_s']:,.0f} tok/s")
-    ctx.stragglers.tell(client, ctx.writer)  # the plane's status names them (changes only)

@@ -3,9 +3,10 @@ numbers as TensorBoard scalars in ``RUN_DIR/tensorboard`` (``tensorboard --logdi
 dicts such as ``source_loss`` become ``source_loss/<source>``) and, with ``metrics.wandb``, in
 Weights & Biases (``tools.train.trackers``), and the progress line.
 
-The step-time model: the plan predicts each rank's cost (the balancer's units); the trainer
-measures each rank's compute seconds. ``sec_per_cost`` is fitted online (least squares through
-the origin over the steps so far), so ``predicted_step_s`` for step s uses only steps < s.
+The step-time model (``cost_model.CostFit``): the plan predicts each rank's cost (the
+balancer's units); the trainer measures each rank's compute seconds. ``sec_per_cost`` is fitted
+online (least squares through the origin over the steps so far), so ``predicted_step_s`` for
+step s uses only steps < s.
 """
 
 from __future__ import annotations
@@ -14,53 +15,6 @@ import json
 from pathlib import Path
 
 from omniscale.tools.train.trackers import TensorBoardSink, WandbSink
-
-
-class CostFit:
-    """seconds ≈ k · predicted cost, k by least squares over (cost, seconds) pairs so far."""
-
-    def __init__(self) -> None:
-        self.sxy = self.sxx = 0.0
-
-    @property
-    def k(self) -> float | None:
-        return self.sxy / self.sxx if self.sxx > 0 else None
-
-    def update(self, costs: list[float], seconds: list[float]) -> None:
-        for c, s in zip(costs, seconds):
-            self.sxy += c * s
-            self.sxx += c * c
-
-
-class CostRefit:
-    """The balancer's LLM cost model refitted from measured step times: every (step, rank) is
-    one measurement (the lengths of the sequences the rank trained, its compute seconds);
-    ``balancer.cost.fit`` gives ``α·ΣL + β·ΣL² + γ·count`` over the last ``keep``."""
-
-    def __init__(self, keep: int = 512) -> None:
-        self.lengths: list[list[int]] = []
-        self.seconds: list[float] = []
-        self.keep = keep
-
-    def add(self, lengths_by_rank: list[list[int]], seconds_by_rank: list[float]) -> None:
-        self.lengths += lengths_by_rank
-        self.seconds += seconds_by_rank
-        del self.lengths[:-self.keep], self.seconds[:-self.keep]
-
-    def fit(self) -> dict | None:
-        """``{linear, quadratic, r2, mape}`` when the measurements determine a usable model
-        (non-negative coefficients, R² ≥ 0.5), else None."""
-        from omniscale.balancer.cost import fit
-
-        try:
-            result = fit(self.lengths, self.seconds)
-        except ValueError:
-            return None
-        m = result.model
-        if m.alpha < 0 or m.beta < 0 or (m.alpha == 0 and m.beta == 0) or result.r2 < 0.5:
-            return None
-        return {"linear": m.alpha, "quadratic": m.beta, "r2": round(result.r2, 4),
-                "mape": round(result.mape, 4)}
 
 
 class MetricsWriter:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from omniscale.parallel.grads import clip_grad_norm
+from omniscale.tools.train import collectives
 from omniscale.tools.train.guard import guarded_update
 from omniscale.tools.train.records import StepRecord, StepSums
 from omniscale.tools.train.step import (
@@ -81,7 +81,7 @@ def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepR
     if step == cfg.debug.dump_grads_at_step:
         dump_gradients(ctx, step, model, pp_group)
     with ctx.audit.compute(model):
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, pp_group)
+        grad_norm = collectives.clip_grad_norm(model, cfg.optim.grad_clip, pp_group)
     # the loss is the last stage's (zeros elsewhere): the guard's world sum is the step's
     skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
     config = model.config

@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
+
+from omniscale.tools.train import collectives
 
 
 @dataclasses.dataclass
@@ -127,15 +128,11 @@ def flush(ctx, records: list[StepRecord]) -> list[dict]:
     """The rows of `records` (every rank calls it at the same step; rows on every rank)."""
     if not records:
         return []
-    sums = torch.cat([r.sums for r in records])
-    dist.all_reduce(sums, group=ctx.sum_group)
     host = torch.tensor([[r.predicted_cost, r.compute_s, r.wall_s, r.data_wait_s, r.skipped]
                          for r in records], dtype=torch.float64, device=ctx.device)
-    gathered = [torch.zeros_like(host) for _ in range(ctx.world)]
-    dist.all_gather(gathered, host, group=ctx.group)
-    objects: list = [None] * ctx.world
-    dist.all_gather_object(objects, [(r.lengths, r.replaced, r.io) for r in records],
-                           group=ctx.group)
+    sums, gathered, objects = collectives.flush_metrics(
+        torch.cat([r.sums for r in records]), host,
+        [(r.lengths, r.replaced, r.io) for r in records], ctx.world, ctx.sum_group, ctx.group)
     # the one host synchronisation of the interval
     sums = sums.cpu()
     per_rank = torch.stack(gathered, dim=1).tolist()  # [step][rank][field]

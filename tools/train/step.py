@@ -20,18 +20,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from omniscale.backbone.decoder import grouped_loss
 from omniscale.kernels.transfer import HOST, host_to_device, to_device
 from omniscale.layout import IGNORE_INDEX
-from omniscale.parallel.grads import clip_grad_norm, full_gradients
 from omniscale.parallel.sequence import sp_batch
+from omniscale.tools.train import collectives
 from omniscale.tools.train.build import lr_at
 from omniscale.tools.train.compute_clock import ComputeClock
+from omniscale.tools.train.cost_model import CostFit, CostRefit
 from omniscale.tools.train.guard import guarded_update, poisoned
 from omniscale.tools.train.media_step import encode_and_reshard
-from omniscale.tools.train.metrics import CostFit, CostRefit
 from omniscale.tools.train.records import StepRecord, StepSums, step_record
 from omniscale.tools.train.step_audit import StepAudit
 from omniscale.tools.train.stragglers import StragglerTracker
@@ -92,7 +91,7 @@ def dump_gradients(ctx: StepContext, step: int, model: torch.nn.Module,
     ranks (every stage's, given the pipeline's ``pp_group``), to ``RUN_DIR/grads-step-N.pt``
     (rank 0 writes; ``torch.load(..., weights_only=True)`` reads the dict). Tests compare them
     between 1 and N processes."""
-    grads = full_gradients(model, pp_group)
+    grads = collectives.full_gradients(model, pp_group)
     if ctx.writer:
         torch.save(grads, Path(ctx.cfg.output_dir) / f"grads-step-{step}.pt")
 
@@ -153,8 +152,7 @@ def global_counts(ctx: StepContext, batch, micro_batches, media_moved: int = 0
     # made on the host and copied without waiting (torch.tensor(..., device=cuda) would wait)
     counts = to_device([n_local, tokens_local, flops, media_moved, split_local], ctx.device,
                        torch.float64)
-    dist.all_reduce(counts, group=ctx.group)
-    return StepCounts(counts)
+    return StepCounts(collectives.sum_step_counts(counts, ctx.group))
 
 
 def source_losses(model, mb, hidden_TD: torch.Tensor, groups_S: torch.Tensor,
@@ -220,8 +218,7 @@ def update_bias(ctx: StepContext, model, load_LE: torch.Tensor | None,
     moe = model.config.moe
     if moe is None or moe.bias_update_rate <= 0 or load_LE is None:
         return
-    load_LE = load_LE.clone()
-    dist.all_reduce(load_LE, group=ctx.sum_group)
+    load_LE = collectives.sum_expert_loads(load_LE.clone(), ctx.sum_group)
     model.decoder.update_bias(load_LE[rows])
 
 
@@ -244,7 +241,7 @@ def train_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepReco
     if step == cfg.debug.dump_grads_at_step:
         dump_gradients(ctx, step, model)
     with ctx.audit.compute(model):
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        grad_norm = collectives.clip_grad_norm(model, cfg.optim.grad_clip)
     skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
     if skipped is None:
         update_bias(ctx, model, sums.load_LE)

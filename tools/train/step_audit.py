@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import sys
 
 import torch
@@ -271,3 +272,153 @@ class StepAudit:
             stack.enter_context(_Functions(self))
             stack.enter_context(_Dispatch(self))
             yield
+
+
+# --- the order of collectives across ranks (tools/train/collectives.py) -----------------------
+
+# ``OMNISCALE_RECORD_COLLECTIVES=DIR``: every rank records the collectives of its training loop
+# and writes them to DIR/collectives-rank-N.json (a test's switch, like the ``debug.`` ones,
+# but read from the environment: the launcher's reaches every rank).
+RECORD_ENV = "OMNISCALE_RECORD_COLLECTIVES"
+_P2P = {"send", "recv_", "recv_any_source_"}
+_ALL_TO_ALL = {"alltoall_base_", "all_to_all_single"}
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
+_NAMED_IN = "omniscale.tools.train.collectives"
+
+
+def _group_ranks(args) -> list[int]:
+    """The global ranks of the op's process group (c10d ops take it boxed, functional ones by
+    name: their last string argument, after a reduction's name)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for a in reversed(args):
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            return c10d.get_process_group_ranks(torch.distributed.ProcessGroup.unbox(a))
+        if isinstance(a, str):
+            return c10d.get_process_group_ranks(c10d._resolve_process_group(a))
+    return []
+
+
+def _caller() -> tuple[str | None, str]:
+    """(the ``collectives`` function that issued the op, or None; the innermost frame of the
+    project's own code, ``module:function``)."""
+    frame, named, site = sys._getframe(2), None, None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module == _NAMED_IN:
+            named = frame.f_code.co_name  # the outermost one: the step module's entry point
+        elif site is None and module.startswith("omniscale.") and module != __name__:
+            site = f"{module.removeprefix('omniscale.')}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return named, site or "torch"
+
+
+def _describe(func, args) -> dict:
+    """One collective as the ranks must agree on it: op, group and the shapes every member
+    passes alike (an all-to-all's rows differ by rank: only its trailing dims must match; a
+    gather's outputs exist on its root only: its inputs)."""
+    op = func.overloadpacket.__name__
+    ranks = _group_ranks(args)
+    operand = args[1] if op == "gather_" else args[0]
+    tensors = [t for t in tree_flatten(operand)[0] if isinstance(t, torch.Tensor)]
+    shapes = [list(t.shape[1:] if op in _ALL_TO_ALL else t.shape) for t in tensors]
+    named, site = _caller()
+    call = {"op": op, "group": ranks, "shapes": shapes,
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "by": named, "site": site}
+    if op in _P2P:  # the peer is a rank of the group
+        call["peer"] = ranks[args[2]] if ranks else args[2]
+    return call
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Every collective this rank issues while it is entered (the backward's too: autograd
+    carries the mode), in order, with ``mark``s between steps: ``calls``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def mark(self, label: str) -> None:
+        self.calls.append({"mark": label})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # let the DTensor turn the op into local ops and collectives first (a sharded
+            # norm's reduction), which come back here (as torch's CommDebugMode does)
+            return NotImplemented
+        if func.namespace in _COLLECTIVES and func.overloadpacket.__name__ not in \
+                _NOT_COLLECTIVES:
+            self.calls.append(_describe(func, args))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def recording_collectives(rank: int):
+    """A ``CollectiveRecorder`` entered when ``OMNISCALE_RECORD_COLLECTIVES`` names a
+    directory (its calls written there on exit, as ``collectives-rank-N.json``), else None."""
+    import json
+    import os
+    from pathlib import Path
+
+    out = os.environ.get(RECORD_ENV)
+    if not out:
+        yield None
+        return
+    recorder = CollectiveRecorder()
+    try:
+        with recorder:
+            yield recorder
+    finally:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"collectives-rank-{rank}.json").write_text(json.dumps(recorder.calls))
+
+
+def _key(call: dict, me: int) -> tuple:
+    """What every member of the group must issue alike; the group as offsets from its first
+    rank, so that two ranks' own groups of one mesh dimension compare equal."""
+    if "mark" in call:
+        return ("mark", call["mark"])
+    group = tuple(r - call["group"][0] for r in call["group"]) if call["group"] else ()
+    return (call["op"], group, str(call["shapes"]), str(call["dtypes"]))
+
+
+def disagreements(per_rank: list[list[dict]]) -> list[str]:
+    """How the ranks' recorded sequences disagree ([] when they agree): the collectives (all
+    but point-to-point) must be the same, in the same order, on every rank; each rank's sends
+    to a peer must be as large as what the peer receives from it, in order (sizes: torch's
+    own object sends give a scalar where the receiver's buffer is [1])."""
+    problems = []
+    streams = [[c for c in calls if c.get("op") not in _P2P] for calls in per_rank]
+    for rank, stream in enumerate(streams[1:], start=1):
+        for i, (a, b) in enumerate(zip(streams[0], stream)):
+            if _key(a, 0) != _key(b, rank):
+                problems.append(f"call {i}: rank 0 {_show(a)}, rank {rank} {_show(b)}")
+                break
+        else:
+            if len(stream) != len(streams[0]):
+                longer, extra = (0, streams[0]) if len(streams[0]) > len(stream) else \
+                    (rank, stream)
+                first = extra[min(len(stream), len(streams[0]))]
+                problems.append(f"rank {longer} issues {abs(len(stream) - len(streams[0]))} "
+                                f"more, from {_show(first)}")
+    sent: dict = collections.defaultdict(list)
+    received: dict = collections.defaultdict(list)
+    for rank, calls in enumerate(per_rank):
+        for c in calls:
+            if c.get("op") == "send":
+                sent[rank, c["peer"]].append([math.prod(s) for s in c["shapes"]])
+            elif c.get("op") in _P2P:
+                received[c["peer"], rank].append([math.prod(s) for s in c["shapes"]])
+    for pair in sorted(set(sent) | set(received)):
+        if sent[pair] != received[pair]:
+            problems.append(f"rank {pair[0]} sends {len(sent[pair])} tensors to rank "
+                            f"{pair[1]}, which receives {len(received[pair])} (or other sizes)")
+    return problems
+
+
+def _show(call: dict) -> str:
+    if "mark" in call:
+        return f"[{call['mark']}]"
+    return (f"{call['op']} on ranks {call['group']} {call['shapes']} "
+            f"({call['by'] or call['site']})")

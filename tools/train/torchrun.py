@@ -59,20 +59,20 @@ def shared_ray(cfg, job, rank: int):
         raise UserError("data.loader=ray on several nodes: set data.ray_address (a cluster "
                         "every node joins: `ray start` on each, then HOST:PORT of the head)")
     import ray
-    import torch.distributed as dist
 
     from omniscale.loaders.ray_cluster import job_namespace, start_local
+    from omniscale.tools.train import collectives
 
-    box = [start_local(job_namespace(job.run_dir)) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    address = collectives.share_ray_address(
+        start_local(job_namespace(job.run_dir)) if rank == 0 else None)
     finished = False
     try:
-        yield replace(job, ray_address=box[0])
+        yield replace(job, ray_address=address)
         finished = True
     finally:
         if rank != 0:
             ray.shutdown()
         if finished:  # a failed rank's peers are stopped by torchrun: nobody to wait for
-            dist.barrier()
+            collectives.ray_leave_barrier()
         if rank == 0:
             ray.shutdown()

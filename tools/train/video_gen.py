@@ -240,9 +240,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
     the global patch count (all ranks), clip, AdamW; a ``records.StepRecord`` back. Time and
     noise come from a generator seeded by (seed, step, rank): a resumed run draws what the
     uninterrupted one drew."""
-    import torch.distributed as dist
-
-    from omniscale.parallel.grads import clip_grad_norm
+    from omniscale.tools.train import collectives
     from omniscale.tools.train.guard import guarded_update, poisoned
     from omniscale.tools.train.records import step_record
     from omniscale.tools.train.step import placeholder, set_lr
@@ -257,7 +255,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
     n_local = sum(int(mb.vision_grid_thw_V3[mb.vision_kind_V == VIDEO].prod(dim=1).sum())
                   for mb in mbs)
     counts = torch.tensor([n_local], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(counts, group=ctx.group)
+    collectives.sum_step_counts(counts, ctx.group)
     n_global = counts[0].clamp_min(1.0)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=ctx.device)
     for mb in mbs:
@@ -268,7 +266,7 @@ def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
             loss = loss + out["aux"]["router_loss"] * out["n_targets"]
         (loss / n_global).backward()
         loss_sum += out["loss_sum"].detach().double()
-    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+    grad_norm = collectives.clip_grad_norm(model, cfg.optim.grad_clip)
     skipped = guarded_update(ctx, optimizer, loss_sum, counts[0], grad_norm)
     wall_s, compute_s = ctx.clock.stop()
     return step_record(step, batch, lr=lr, grad_norm=grad_norm, counts=counts,

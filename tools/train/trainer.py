@@ -1,0 +1,153 @@
+"""One rank's training loop (``Trainer.run``): the state kept between steps -- the log
+interval's records, the metrics writer and progress bar, the tokens trained so far, the
+checkpoint being written, the guard, the watchdog, the profiler -- lives on the trainer, so
+the loop reads top to bottom: batch → step (encode/reshard → backbone → update → record) →
+commit → evaluate → log → checkpoint. ``loop.py`` sets the rank up and hands it one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from omniscale.tools.train import checkpoint
+from omniscale.tools.train.cost_model import refit_and_send
+from omniscale.tools.train.guard import report_suspects, seeded
+from omniscale.tools.train.held_out import flat
+from omniscale.tools.train.metrics import MetricsWriter, Progress
+from omniscale.tools.train.profiler import step_profiler
+from omniscale.tools.train.records import StepRecord, flush
+from omniscale.tools.train.step import StepContext
+from omniscale.tools.train.step_audit import recording_collectives
+from omniscale.tools.train.watchdog import StepWatchdog, injected_hang
+
+
+def target_mix(spec, step: int, tokens_before: int) -> dict[str, float]:
+    """The schedule's weights for this step (by steps or tokens, as the schedule counts)."""
+    x = step if spec.schedule.unit == "steps" else tokens_before
+    return {k: round(v, 6) for k, v in spec.schedule.weights_at(x).items()}
+
+
+class Trainer:
+    """The steps of one rank from ``job.start_step``: train, commit, evaluate (``held_out``:
+    ``held_out.HeldOut``, every ``eval.every`` steps and after the last), log, checkpoint."""
+
+    def __init__(self, ctx: StepContext, run_dir: Path, job, model, optimizer, loader, spec,
+                 step_fn, held_out=None) -> None:
+        self.ctx, self.cfg, self.run_dir, self.job = ctx, ctx.cfg, Path(run_dir), job
+        self.model, self.optimizer, self.loader, self.spec = model, optimizer, loader, spec
+        self.step_fn, self.held_out = step_fn, held_out
+        self.rank = dist.get_rank()  # the global rank: files are written by rank 0
+        cfg = self.cfg
+        self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", job.start_step,
+                                    cfg.metrics.wandb, job.raw_config) if ctx.writer else None
+        self.bar = Progress(ctx.writer, job.progress, cfg.steps, job.start_step, cfg.log_every)
+        self.tokens_before = self.writer.tokens_before if self.writer is not None else 0
+        # checkpoint.async_save: the writer thread coordinates on a gloo group of its own
+        self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save \
+            else None
+        self.pending = None  # the checkpoint being written in the background
+        self.records: list[StepRecord] = []  # steps since the last log, metrics on the device
+        if cfg.guard.enabled:
+            ctx.guard = seeded(cfg.guard, self.run_dir / "metrics.jsonl", job.start_step)
+        self.watchdog = StepWatchdog(cfg.watchdog.step_timeout_s, self.run_dir, self.rank,
+                                     job.start_step) if cfg.watchdog.step_timeout_s > 0 else None
+        self.profiler = step_profiler(cfg, self.run_dir, self.rank, ctx.device, job.start_step)
+
+    def run(self) -> None:
+        cfg = self.cfg
+        try:
+            with recording_collectives(self.rank) as recorder:
+                for step in range(self.job.start_step, cfg.steps):
+                    if recorder is not None:
+                        recorder.mark(f"step {step}")
+                    batch = next(self.loader)
+                    assert batch.step == step, (batch.step, step)
+                    injected_hang(cfg, step, self.rank)
+                    record = self.step_fn(self.ctx, step, self.model, self.optimizer, batch)
+                    self.records.append(record)
+                    self.commit(step, batch, record.update_skipped)
+                    self.after_step(step + 1)
+                checkpoint.finish(self.pending, self.run_dir, self.rank,
+                                  cfg.checkpoint.keep_last)
+        finally:
+            self.close()
+
+    def commit(self, step: int, batch, skipped: str | None) -> None:
+        """The step to the plane (a skipped step's samples reported first: the plane still
+        holds its plans); the run stops after ``guard.max_skipped_steps`` skips in a row."""
+        if skipped is not None:
+            report_suspects(self.loader.client, step, batch, skipped, self.rank)
+        self.loader.commit(step)
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+        if skipped is not None and self.ctx.guard.stops_run:
+            self.log(flush(self.ctx, self.records))
+            self.ctx.guard.stop(step, skipped, self.run_dir)
+
+    def after_step(self, done: int) -> None:
+        """Evaluate, log and checkpoint after ``done`` steps, as the config asks."""
+        cfg = self.cfg
+        held = None
+        if self.held_out is not None and self.held_out.due(done):
+            with self.watchdog.paused(done - 1) if self.watchdog else contextlib.nullcontext():
+                held = self.held_out.evaluate(self.model, done)
+        save = done % cfg.checkpoint_every == 0 or (done == cfg.steps and cfg.checkpoint.final)
+        if save or done % cfg.log_every == 0 or held:  # every step it covers is logged
+            rows = flush(self.ctx, self.records)
+            if held:
+                rows[-1]["eval"] = flat(held)
+            self.log(rows, checkpoint=done if save else None,
+                     pools=getattr(self.loader, "pool_stats", None))
+            self.records = []
+        if save:
+            self.loader.wait_commits()  # a checkpoint at ``done``: every step before committed
+            checkpoint.finish(self.pending, self.run_dir, self.rank, cfg.checkpoint.keep_last)
+            self.pending = checkpoint.save(self.run_dir, done, self.model, self.optimizer,
+                                           self.loader.client, self.rank,
+                                           cfg.checkpoint.keep_last, self.async_group,
+                                           kill_in_save=cfg.debug.kill_in_save == done)
+        if self.profiler is not None:  # profile.steps: the step is the whole iteration
+            self.profiler.step(done - 1)
+
+    def log(self, rows: list[dict], checkpoint: int | None = None, pools=None) -> None:
+        """Write a log interval's rows (rank 0) with what only the loop knows: the schedule's
+        target mix, the cost refit, peak memory, the checkpoint the last row's step starts, the
+        Ray decoding pools (``pools``: ``RayRankLoader.pool_stats``)."""
+        ctx, cfg = self.ctx, self.cfg
+        for row in rows:
+            step = row["step"]
+            if ctx.device.type == "cuda":  # this rank's peak since the start (GiB)
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
+            row["balance"] = cfg.data.balance  # the placement policy the plans came from
+            if pools is not None:
+                row["data_pools"] = pools()
+            if "mix_samples" in row:
+                row["mix_target"] = target_mix(self.spec, step, self.tokens_before)
+            if ctx.writer and cfg.data.refit_costs_every and \
+                    (step + 1) % cfg.data.refit_costs_every == 0:
+                row["cost_refit"] = self.refit()
+            self.tokens_before += row["tokens"]
+            if checkpoint == step + 1:
+                row["checkpoint"] = checkpoint
+            if self.writer is not None:
+                self.writer.write(row)
+            self.bar.update(f"loss {row['loss']:.3f}  lr {row['lr']:.2e}  "
+                            f"{row['tokens_per_s']:,.0f} tok/s")
+        ctx.stragglers.tell(self.loader.client, ctx.writer)  # the plane's status names them
+
+    def refit(self) -> dict | None:
+        """The cost model refitted and sent (``cost_model.refit_and_send``)."""
+        return refit_and_send(self.ctx.refit, self.loader.client, self.cfg.deterministic)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.profiler is not None:
+            self.profiler.close()
