@@ -45,5 +45,5 @@ def hand_over_top_level(name: str) -> None:
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[name]
+        sys.modules.pop(name, None)  # the failed import may have taken it out already
         raise
