@@ -115,6 +115,26 @@ def build_sequence(text_ids: np.ndarray, items: list[ItemSlot], tok: TextTokeniz
     if len(text_targets) != len(text_ids):
         raise LayoutError(f"{len(text_targets)} target flags for {len(text_ids)} text tokens")
     eos_target = bool(text_targets[-1]) if len(text_targets) else every
+    pieces = _pieces(text_ids, text_targets, eos_target, items, tok)
+    input_ids, is_media, is_target, mrope_3L, token_starts = _lay_out(pieces, items, tok)
+    full = len(input_ids)
+    if max_tokens is not None and max_tokens < full:
+        if any(s + it.num_tokens > max_tokens for s, it in zip(token_starts, items)):
+            raise LayoutError(f"a cap of {max_tokens} tokens would cut a media block "
+                              f"(the sample has {full})")
+        input_ids, is_media, is_target, mrope_3L = (
+            input_ids[:max_tokens], is_media[:max_tokens], is_target[:max_tokens],
+            mrope_3L[:, :max_tokens])
+    return Sequence(input_ids, shifted_labels(input_ids, is_media, is_target),
+                    np.arange(len(input_ids), dtype=np.int64), np.ascontiguousarray(mrope_3L),
+                    token_starts, full)
+
+
+def _pieces(text_ids: np.ndarray, text_targets: np.ndarray, eos_target: bool,
+            items: list[ItemSlot], tok: TextTokenizer) -> list[tuple[str, object]]:
+    """The sample in order: ``("text", (ids, target flags))`` runs and ``("item", index)``
+    blocks -- unmarked items first, then the text with each marker replaced by its item,
+    ``<eos>`` last. A marker count that differs from the items of its kind raises."""
     by_kind = {kind: [i for i, it in enumerate(items) if it.kind == kind] for kind in KINDS}
     marked = {}
     for kind in KINDS:
@@ -123,7 +143,6 @@ def build_sequence(text_ids: np.ndarray, items: list[ItemSlot], tok: TextTokeniz
             raise LayoutError(f"text has {markers} {kind} marker(s) but the sample has "
                               f"{len(by_kind[kind])} {kind} item(s)")
         marked[kind] = markers > 0
-    # Pieces in order: ("text", ids) or ("item", index).
     pieces: list[tuple[str, object]] = [("item", i) for i, it in enumerate(items)
                                         if not marked[it.kind]]
     marker_kind = {tok.marker_ids[k]: k for k in KINDS if marked[k]}
@@ -136,7 +155,12 @@ def build_sequence(text_ids: np.ndarray, items: list[ItemSlot], tok: TextTokeniz
         start = pos + 1
     pieces.append(("text", (np.append(text_ids[start:], tok.eos_id),
                             np.append(text_targets[start:], eos_target))))
+    return pieces
 
+
+def _lay_out(pieces: list[tuple[str, object]], items: list[ItemSlot], tok: TextTokenizer):
+    """The pieces as arrays: ids, media and target flags, multimodal RoPE positions [3, L],
+    and each item's first position."""
     ids, media, mrope, targets = [], [], [], []
     token_starts = [0] * len(items)
     length, running = 0, 0  # tokens so far; next multimodal RoPE position
@@ -160,21 +184,8 @@ def build_sequence(text_ids: np.ndarray, items: list[ItemSlot], tok: TextTokeniz
             mrope.append(block)
             running = int(block.max()) + 1 if n else running
         length += n
-    input_ids = np.concatenate(ids)
-    is_media = np.concatenate(media)
-    is_target = np.concatenate(targets)
-    mrope_3L = np.concatenate(mrope, axis=1).astype(np.int64)
-    full = len(input_ids)
-    if max_tokens is not None and max_tokens < full:
-        if any(s + it.num_tokens > max_tokens for s, it in zip(token_starts, items)):
-            raise LayoutError(f"a cap of {max_tokens} tokens would cut a media block "
-                              f"(the sample has {full})")
-        input_ids, is_media, is_target, mrope_3L = (
-            input_ids[:max_tokens], is_media[:max_tokens], is_target[:max_tokens],
-            mrope_3L[:, :max_tokens])
-    return Sequence(input_ids, shifted_labels(input_ids, is_media, is_target),
-                    np.arange(len(input_ids), dtype=np.int64), np.ascontiguousarray(mrope_3L),
-                    token_starts, full)
+    return (np.concatenate(ids), np.concatenate(media), np.concatenate(targets),
+            np.concatenate(mrope, axis=1).astype(np.int64), token_starts)
 
 
 def shifted_labels(input_ids_L: np.ndarray, is_media_L: np.ndarray,

@@ -16,40 +16,33 @@ def add_commands(commands) -> None:
     plane = commands.add_parser("plane", help="the data-plane service")
     sub = plane.add_subparsers(dest="plane_command", required=True, metavar="SUBCOMMAND")
 
+    _add_serve(sub)
+
+    for name, helptext in (("status", "mixture, progress and balance of a running plane"),
+                           ("reload", "apply a new mixing spec at the next window boundary")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("url")
+        add_token_arguments(p)
+        add_tls_root_argument(p)
+        p.add_argument("--json", action="store_true", help="print JSON")
+        if name == "reload":
+            p.add_argument("--spec", required=True)
+        p.set_defaults(func=_status if name == "status" else _reload)
+
+    audit = sub.add_parser("audit", help="samples planned, committed, duplicated and missing")
+    audit.add_argument("state_dir")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=_audit)
+
+
+def _add_serve(sub) -> None:
+    """``plane serve``: where it listens, how it plans, its state."""
     serve = sub.add_parser("serve", help="serve plans over Arrow Flight (prints its URL)")
     serve.add_argument("--spec", help="mixing spec (needed unless --state-dir has a snapshot)")
     serve.add_argument("--state-dir", required=True, help="snapshots and log live here")
     serve.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=0, help="0: any free port")
-    add_token_arguments(serve, ": every client must send it (required when --host is not "
-                               "loopback)")
-    serve.add_argument("--tls-cert", metavar="PEM", help="serve grpc+tls:// (and the plan lane "
-                       "over TLS) with this certificate (required off loopback, with --tls-key)")
-    serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    serve.add_argument("--insecure", action="store_true",
-                       help="off loopback, serve plain TCP without TLS (the token then crosses "
-                            "the network in clear text)")
-    serve.add_argument("--window", type=int, default=4, help="global batches planned together")
-    batch = serve.add_mutually_exclusive_group(required=True)
-    batch.add_argument("--global-batch-tokens", type=int)
-    batch.add_argument("--global-batch-samples", type=int)
-    serve.add_argument("--micro-batch-tokens", type=int, default=16384)
-    serve.add_argument("--sp-max", type=int, default=8)
-    serve.add_argument("--costs", metavar="costs.json", default=None,
-                       help="cost model of `omniscale balance calibrate` (default: relative "
-                            "costs, --cost-linear·L + --cost-quadratic·L²)")
-    serve.add_argument("--cost-linear", type=float, default=None, metavar="X",
-                       help="the LLM's relative cost per token, X·L (default 24576; the "
-                            "trainer's embedded plane uses the model's FLOPs ratio α/β)")
-    serve.add_argument("--cost-quadratic", type=float, default=None, metavar="Y",
-                       help="the LLM's relative cost of attention, Y·L² (default 1)")
-    serve.add_argument("--frozen-encoders", metavar="KINDS", default="",
-                       help="encoder kinds whose tower the trainers freeze (optim.groups), "
-                            "comma-separated (image,video,audio): priced forward only")
-    serve.add_argument("--balance", default="omniscale", choices=POLICIES,
-                       help="who places samples on ranks: the planner (default) or a baseline "
-                            "policy, to compare them on the same run")
+    _add_serving_arguments(serve)
+    _add_planning_arguments(serve)
     serve.add_argument("--max-sample-tokens", type=int, default=None,
                        help="longer text is truncated, longer media samples skipped "
                             "(default: micro-batch tokens x SP group)")
@@ -73,21 +66,43 @@ def add_commands(commands) -> None:
                             "(default: one of the state dir's own)"),
     serve.set_defaults(func=_serve)
 
-    for name, helptext in (("status", "mixture, progress and balance of a running plane"),
-                           ("reload", "apply a new mixing spec at the next window boundary")):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("url")
-        add_token_arguments(p)
-        add_tls_root_argument(p)
-        p.add_argument("--json", action="store_true", help="print JSON")
-        if name == "reload":
-            p.add_argument("--spec", required=True)
-        p.set_defaults(func=_status if name == "status" else _reload)
 
-    audit = sub.add_parser("audit", help="samples planned, committed, duplicated and missing")
-    audit.add_argument("state_dir")
-    audit.add_argument("--json", action="store_true")
-    audit.set_defaults(func=_audit)
+def _add_serving_arguments(serve) -> None:
+    """Where ``plane serve`` listens and who may call it."""
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=0, help="0: any free port")
+    add_token_arguments(serve, ": every client must send it (required when --host is not "
+                               "loopback)")
+    serve.add_argument("--tls-cert", metavar="PEM", help="serve grpc+tls:// (and the plan lane "
+                       "over TLS) with this certificate (required off loopback, with --tls-key)")
+    serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    serve.add_argument("--insecure", action="store_true",
+                       help="off loopback, serve plain TCP without TLS (the token then crosses "
+                            "the network in clear text)")
+
+
+def _add_planning_arguments(serve) -> None:
+    """How ``plane serve`` plans: windows, batch sizes, costs and the placement policy."""
+    serve.add_argument("--window", type=int, default=4, help="global batches planned together")
+    batch = serve.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch-tokens", type=int)
+    batch.add_argument("--global-batch-samples", type=int)
+    serve.add_argument("--micro-batch-tokens", type=int, default=16384)
+    serve.add_argument("--sp-max", type=int, default=8)
+    serve.add_argument("--costs", metavar="costs.json", default=None,
+                       help="cost model of `omniscale balance calibrate` (default: relative "
+                            "costs, --cost-linear·L + --cost-quadratic·L²)")
+    serve.add_argument("--cost-linear", type=float, default=None, metavar="X",
+                       help="the LLM's relative cost per token, X·L (default 24576; the "
+                            "trainer's embedded plane uses the model's FLOPs ratio α/β)")
+    serve.add_argument("--cost-quadratic", type=float, default=None, metavar="Y",
+                       help="the LLM's relative cost of attention, Y·L² (default 1)")
+    serve.add_argument("--frozen-encoders", metavar="KINDS", default="",
+                       help="encoder kinds whose tower the trainers freeze (optim.groups), "
+                            "comma-separated (image,video,audio): priced forward only")
+    serve.add_argument("--balance", default="omniscale", choices=POLICIES,
+                       help="who places samples on ranks: the planner (default) or a baseline "
+                            "policy, to compare them on the same run")
 
 
 def add_token_arguments(parser, note: str = "") -> None:
