@@ -50,7 +50,7 @@ def test_real_demo_audio():
     g = MediaGeometry(audio_max_seconds=2.0)
     members, _ = demo_audio.sample(np.random.default_rng(3))
     data = next(b for suffix, b in members if suffix in ("wav", "flac"))
-    mel_RB = decode_audio(data, g)
+    mel_RB = torch.from_numpy(decode_audio(data, g))  # decoders yield numpy
     torch.manual_seed(0)
     enc = AudioEncoder(AudioConfig.preset("tiny"), OUT)
     enc.config.check_geometry(g)
