@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from omniscale.dataplane.plane_config import POLICIES
 from omniscale.errors import UserError
 
 
@@ -107,7 +108,7 @@ class DataSection(_Strict):
     refit_costs_every: int = Field(50, ge=0)
     # who places samples on ranks: the planner, or a baseline policy through the same plane
     # (to measure the planner's gain on this very run)
-    balance: Literal["omniscale", "strided", "first_fit", "token_lpt", "kk_cost"] = "omniscale"
+    balance: Literal[POLICIES] = "omniscale"  # type: ignore[valid-type] (plane_config.POLICIES)
     # the cost model from `omniscale balance calibrate` (seconds of this machine); default:
     # the model's FLOPs per sequence (the online refit moves either)
     costs: str | None = None
