@@ -21,7 +21,7 @@ class MoEConfig:
     or "sigmoid" (DeepSeek-V3: independent sigmoid scores, the k chosen ones renormalised).
     `bias_update_rate` > 0 turns on aux-loss-free balancing: a per-expert bias added to the
     scores for selection only, moved by `MoE.update_bias` after each step.
-    `grouped_mm`: "auto" (torch._grouped_mm for bf16, where it is fast; a per-expert loop for
+    `grouped_mm`: "auto" (F.grouped_mm for bf16, where it is fast; a per-expert loop for
     fp32, where the CPU grouped kernel is slower: ~10% per MoE layer fwd+bwd at the `small`
     shapes, torch 2.11), "grouped" or "loop".
     """

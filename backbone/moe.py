@@ -28,7 +28,7 @@ from omniscale.kernels.reference import expert_counts
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's
+    """Identity whose backward makes the incoming gradient contiguous: F.grouped_mm's
     backward rejects expanded (stride-0) gradients such as those of `y.sum()`."""
 
     @staticmethod
@@ -44,7 +44,7 @@ class Experts(nn.Module):
     """E SwiGLU experts, per-expert weights in nn.Linear layout ([out, in]) stacked on dim 0.
 
     `forward(x_PD, counts_E)`: rows of `x_PD` are grouped by expert, `counts_E[e]` rows for
-    expert e (possibly 0). Two equal paths: `torch._grouped_mm` (one kernel, no host sync) and
+    expert e (possibly 0). Two equal paths: `F.grouped_mm` (one kernel, no host sync) and
     a loop over experts (fp32 on CPU, where the grouped kernel is ~7× slower; any dtype)."""
 
     def __init__(self, num_experts: int, d_model: int, ffn_dim: int, grouped_mm: str = "auto",
@@ -63,7 +63,7 @@ class Experts(nn.Module):
     def use_grouped(self, x_PD: torch.Tensor) -> bool:
         if self.grouped_mm != "auto":
             return self.grouped_mm == "grouped"
-        return x_PD.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        return x_PD.dtype == torch.bfloat16
 
     def forward(self, x_PD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         if self.use_grouped(x_PD):
@@ -72,10 +72,10 @@ class Experts(nn.Module):
 
     def _grouped(self, x_PD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        h_P2F = torch._grouped_mm(x_PD, self.gate_up_proj.transpose(-2, -1), offs=offsets_E)
+        h_P2F = F.grouped_mm(x_PD, self.gate_up_proj.transpose(-2, -1), offs=offsets_E)
         gate_PF, up_PF = _ContiguousGrad.apply(h_P2F).chunk(2, dim=-1)
         a_PF = kernel("swiglu", x_PD.device, self.swiglu_kernel)(gate_PF, up_PF)
-        y_PD = torch._grouped_mm(a_PF, self.down_proj.transpose(-2, -1), offs=offsets_E)
+        y_PD = F.grouped_mm(a_PF, self.down_proj.transpose(-2, -1), offs=offsets_E)
         return _ContiguousGrad.apply(y_PD)
 
     def _loop(self, x_PD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

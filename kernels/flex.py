@@ -85,7 +85,7 @@ def _mask_mod(seq_P: torch.Tensor, inside_P: torch.Tensor, causal: bool):
     return mask_mod
 
 
-@torch._dynamo.disable  # host-side memo; inside a compiled block it runs eagerly
+@torch.compiler.disable  # host-side memo; inside a compiled block it runs eagerly
 def block_mask_for(cu_seqlens_S1: torch.Tensor, padded: int, causal: bool,
                    device: torch.device) -> tuple:
     """(block mask, inside_P) for a micro-batch padded to `padded` tokens, built once per

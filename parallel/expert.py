@@ -6,7 +6,7 @@ tokens travel to the rank owning their expert and back (torchtitan's `apply_ep`)
 stays replicated (every rank routes its own tokens over all E experts).
 
 Why plain local Parameters rather than DTensor Shard(0): `Experts` computes with ordinary
-tensor ops (F.linear per expert, torch._grouped_mm), which would need `to_local()` inside the
+tensor ops (F.linear per expert, F.grouped_mm), which would need `to_local()` inside the
 model; with local Parameters FSDP2 composes by `fully_shard(experts, mesh=<the data-parallel
 mesh orthogonal to ep>)` like any module. A checkpoint sees local shapes: `Experts.ep_offset`
 (first global expert held here) and `Experts.num_global_experts` say where the slice sits,
