@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import fsspec
 
 from omniscale.errors import UserError
+from omniscale.loaders.block_cache import BlockCache, CacheConfig
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.probe import Corrupt, decode_text, short
-from omniscale.loaders.remote_cache import BlockCache, CacheConfig, CachedReads
+from omniscale.loaders.remote_cache import CachedReads
 from omniscale.loaders.remote_io import (
     Counters,
     DirectReads,

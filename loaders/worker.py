@@ -31,10 +31,10 @@ from pathlib import Path
 
 from omniscale.geometry import MediaGeometry
 from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
+from omniscale.loaders.block_cache import CacheConfig
 from omniscale.loaders.decode import DecodeNeed, SampleDecoder
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.readers import SampleReader
-from omniscale.loaders.remote_cache import CacheConfig
 from omniscale.loaders.remote_io import RemoteSettings, add_stats, stats_delta
 from omniscale.loaders.sequence import DecodedSample
 from omniscale.loaders.token_ids import TokenIds

@@ -13,13 +13,9 @@ import tarfile
 import pytest
 
 from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.block_cache import FINGERPRINT_TTL_S, BlockCache, CacheConfig
 from omniscale.loaders.readers import SampleReader
-from omniscale.loaders.remote_cache import (
-    FINGERPRINT_TTL_S,
-    BlockCache,
-    CacheConfig,
-    Prefetcher,
-)
+from omniscale.loaders.remote_cache import Prefetcher
 from omniscale.location import Location
 from tests.loaders.decode_fixtures import refs_of, tar_refs
 from tests.loaders.index_fixtures import write_tar
