@@ -29,9 +29,9 @@ from typing import Protocol, Union, runtime_checkable
 
 from omniscale.errors import UserError
 
-__all__ = ["ACTIONS", "MAX_COST", "PLAN_STREAM", "Action", "Lane", "PlaneService", "Reason",
-           "Reply", "RequestError", "check_costs", "check_stragglers", "client_methods",
-           "cost_in_range", "refusal", "suspect_sample"]
+__all__ = ["ACTIONS", "MAX_COST", "PLAN_STREAM", "REPORT_KINDS", "Action", "Lane",
+           "PlaneService", "Reason", "Reply", "RequestError", "check_costs", "check_stragglers",
+           "client_methods", "cost_in_range", "refusal", "suspect_sample"]
 
 
 # -- refusals ---------------------------------------------------------------------------------
@@ -190,6 +190,14 @@ class SuspectRequest:
     reason: str
     together = Together(("samples", "reason"), "report_suspect: 'samples' (a list) and "
                         "'reason' (a string) are required")
+
+
+@dataclass(frozen=True)
+class ReportsRequest:
+    kind: str  # one of REPORT_KINDS
+
+
+REPORT_KINDS = ("corrupt", "suspect")  # the log's records the ``reports`` action lists
 
 
 @dataclass(frozen=True)
@@ -363,6 +371,11 @@ def _replacement(reply: dict):
     return ref_from_json(reply.get("replacement") or "")
 
 
+def _records(reply: dict) -> list[dict]:
+    """reports' records (an empty list crosses the wire as None)."""
+    return list(reply.get("records") or [])
+
+
 ACTIONS: dict[str, Action] = {a.name: a for a in (
     Action("plan", "get_plan", "a rank's plan as an Arrow IPC stream (what do_get serves): "
            "{step, rank}", PlanRequest, "the rank's plan table", Reply.PLAN,
@@ -396,6 +409,10 @@ ACTIONS: dict[str, Action] = {a.name: a for a in (
     Action("stragglers", "report_stragglers", "the data ranks the trainer finds computing "
            "much slower than planned, as of a step (kept in memory for status, not logged): "
            "{step, ranks: [int], slowdown: [float]}", StragglersRequest, "{step, ranks: int}"),
+    Action("reports", "reports", "every record of one kind of report in the plane's log, read "
+           "by the plane (what a launcher lists after a run): {kind: corrupt|suspect}",
+           ReportsRequest, "{kind, records: [the log's records]}; clients return the records",
+           client_reply=_records),
     Action("lane", "lane_port", "the TCP port of the plan lane (plan fetches without gRPC; see "
            "dataplane.lane): {} -> {port} (0: no lane)", NoRequest, "{port}", by_server=True),
 )}

@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from omniscale.dataplane.actions import (
+    REPORT_KINDS,
     Reason,
     RequestError,
     check_costs,
@@ -438,6 +439,16 @@ class DataPlane:
             if self.ray_namespace is not None:  # trainers' decoding pools go there too
                 status["ray_namespace"] = self.ray_namespace
             return status
+
+    def reports(self, kind: str) -> dict:
+        """Every ``kind`` record of the log (``corrupt``, ``suspect``: the reports a launcher
+        lists after a run, all of them -- status keeps only the latest). Read off the plane's
+        lock, as :meth:`audit`: records are appended whole, and one being written is not
+        read yet."""
+        if kind not in REPORT_KINDS:
+            raise RequestError(f"reports: kind must be one of {', '.join(REPORT_KINDS)}, got "
+                               f"{kind!r}", Reason.INVALID)
+        return {"kind": kind, "records": [r for _, r in self.journal.records() if r["t"] == kind]}
 
     def audit(self) -> dict:
         """Replays the log from its start on a state of its own: off the plane's lock, so a

@@ -1,8 +1,9 @@
 """The default backend of a rank's loader: the loader's own worker processes decode by
 reference (:class:`RankLoader`).
 
-What every backend shares -- plan prefetch, the assembly thread, iteration, commits -- is
-:class:`loaders.step_loader.StepLoader`; the Ray backend is :mod:`loaders.ray_loaders`.
+What every backend shares -- plans from a plan source, the assembly thread, iteration -- is
+:class:`loaders.step_loader.StepLoader`; the Ray backend is :mod:`loaders.ray_loaders`. Commits
+are the trainer's, through its plane session (``tools.train.plane_session``).
 """
 
 from __future__ import annotations

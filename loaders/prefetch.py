@@ -4,15 +4,20 @@ A plan fetch is a network round trip to the plane; doing it on the trainer's cri
 would add that latency to every step. The thread fetches steps in order into a bounded queue.
 The plane refuses steps too far past the last commit (it has not planned them yet): that is
 back-pressure, not an error, so the thread waits and asks again, with backoff, until the
-trainer commits: it asks at once when its loader says a commit was acknowledged
-(:meth:`PlanPrefetcher.committed`), so a one-rank job does not sleep past its own commit. The
-end of the mixture ends the queue; any other refusal is handed on.
+trainer commits: it asks at once when its rank's plane session says a commit was
+acknowledged (:meth:`PlanPrefetcher.committed`), so a one-rank job does not sleep past its own
+commit. The end of the mixture ends the queue; any other refusal is handed on.
+
+A loader sees only a :class:`PlanSource`; this module is the one place in ``loaders/`` that
+connects to the plane.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
+from typing import Callable, Protocol
 
 from omniscale.dataplane.actions import Reason
 from omniscale.dataplane.client import PlaneError
@@ -20,6 +25,21 @@ from omniscale.dataplane.local import connect
 from omniscale.plan import decode_plan
 
 END = "end"  # the queue's last item when the mixture is exhausted
+
+
+class PlanSource(Protocol):
+    """Where a loader takes its rank's plans from, in step order: ``(step, plan)`` each, then
+    END (or the plane's refusal, raised). A loader is handed one
+    (``tools.train.plane_session.PlaneSession.plans``) and never talks to the plane itself."""
+
+    def get(self):
+        """The next plan; blocks until there is one. END once the data has run out."""
+
+    def poll(self):
+        """The next plan if one is ready, else None (never blocks)."""
+
+    def close(self) -> None:
+        """Stop fetching; a ``get`` waiting returns END."""
 
 
 class PlanPrefetcher:
@@ -113,3 +133,57 @@ class PlanPrefetcher:
         self.stop.set()
         self._commit_seen.set()
         self._thread.join(timeout=5)
+
+
+class WarmAhead:
+    """A plan source that takes ``ahead`` plans from ``plans`` before they are asked for and
+    hands each to ``on_plan`` as it takes it (a loader warming its node cache with the bytes
+    of the next steps' remote samples: ``loaders.remote_cache.Prefetcher``). It takes only
+    what ``plans`` has ready (``poll``) and waits only when nothing is buffered, so it never
+    waits for a plan the plane holds back for a commit.
+    """
+
+    def __init__(self, plans: PlanSource, ahead: int, on_plan: Callable) -> None:
+        self.plans, self.ahead, self.on_plan = plans, int(ahead), on_plan
+        self._taken: deque = deque()  # (step, plan), then END or the refusal, in order
+        self._ended = False  # END or a refusal taken: nothing follows it
+
+    def get(self):
+        self._take_ready()
+        if not self._taken and not self._ended:
+            self._keep(self._next(self.plans.get))
+        return self._hand_out()
+
+    def poll(self):
+        self._take_ready()
+        return self._hand_out() if self._taken else None
+
+    def close(self) -> None:
+        self.plans.close()
+
+    def _take_ready(self) -> None:
+        while not self._ended and len(self._taken) <= self.ahead:
+            got = self._next(self.plans.poll)
+            if got is None:
+                return
+            self._keep(got)
+
+    @staticmethod
+    def _next(fetch):
+        try:
+            return fetch()
+        except BaseException as e:  # noqa: BLE001 -- raised when its turn comes
+            return e
+
+    def _keep(self, got) -> None:
+        if got is END or isinstance(got, BaseException):
+            self._ended = True
+        else:
+            self.on_plan(got[1])
+        self._taken.append(got)
+
+    def _hand_out(self):
+        got = self._taken.popleft() if self._taken else END
+        if isinstance(got, BaseException):
+            raise got
+        return got

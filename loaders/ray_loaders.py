@@ -113,10 +113,11 @@ class RayRankLoader(StepLoader):
     The pools are the job's, shared by all its ranks: data rank 0's loader measures the
     sources' decode costs and plans them within the cluster's CPUs
     (:func:`loaders.ray_cluster.plan_pools`: every source at least one actor, more by decode
-    cost x mixture share -- ``shares``, default the weights the plane reports now -- each
-    reserving ``actor_cpus``, None: what fits), names the plan (:class:`PoolDirectory`) and
-    the actors after ``pools_name`` (default: after the plane's URL), and every loader then
-    takes the actors by name. Actors spread over the cluster's nodes; actors that cannot be
+    cost x mixture share -- ``shares``, default the weights the plane draws with now, asked of
+    ``mixture()`` (the rank's plane session's ``mixture_weights``) -- each reserving
+    ``actor_cpus``, None: what fits), names the plan (:class:`PoolDirectory`) and the actors
+    after ``pools_name`` (the job's: :func:`pools_name_for` its plane's URL), and every loader
+    then takes the actors by name. Actors spread over the cluster's nodes; actors that cannot be
     placed end the loader with one line (``placement_timeout``). An actor that dies is
     replaced and its in-flight samples are decoded again (counted in :attr:`actor_restarts`;
     ``max_actor_restarts`` deaths on one sample end the loader) -- or, when the nodes left
@@ -131,11 +132,13 @@ class RayRankLoader(StepLoader):
     pools on close (they die with its process anyway) and withdraws its request.
     """
 
-    def __init__(self, *args, max_replicas: int = 4, actor_cpus: float | None = None,
-                 shares: dict[str, float] | None = None, pools_name: str | None = None,
+    def __init__(self, *args, pools_name: str, mixture: Callable[[], dict[str, float]],
+                 max_replicas: int = 4, actor_cpus: float | None = None,
+                 shares: dict[str, float] | None = None,
                  placement_timeout: float = PLACEMENT_TIMEOUT_S, max_actor_restarts: int = 3,
                  resize_every: int = 0, autoscale_cpus: float | None = None, **kw) -> None:
         super().__init__(*args, **kw)
+        self.mixture = mixture
         self._turn = {name: 0 for name in self.spec.sources}
         self._in_flight = {name: 0 for name in self.spec.sources}
         self.depth = max(1, self._out.maxsize)
@@ -145,8 +148,7 @@ class RayRankLoader(StepLoader):
         self.autoscale_cpus = autoscale_cpus
         self.actor_restarts = self.actors_retired = self.resizes = 0
         self.costs: dict[str, float] = {}
-        self.pools_name = pools_name or "omniscale-pools-" + hashlib.sha256(
-            self.url.encode()).hexdigest()[:12]
+        self.pools_name = pools_name
         self.pools: dict[str, list] = {}  # each source's actors, in slot order
         self._names: dict[str, list[str]] = {}  # ... and their names
         self._handles: dict[str, object] = {}  # every actor of the layout, by name
@@ -263,7 +265,7 @@ class RayRankLoader(StepLoader):
     def _shares_now(self) -> dict[str, float]:
         """The mixture weights the plane is drawing with now (ahead of training by up to a
         window of steps)."""
-        return {m["source"]: m["weight"] for m in self.client.status()["mixture"]}
+        return self.mixture()
 
     def pool_stats(self) -> dict:
         """Actors and samples in flight per source, pool resizes, and the job's dead actors
@@ -417,9 +419,9 @@ class RayRankLoader(StepLoader):
                 add_stats(io, getattr(outs, "io", {}))  # a DecodedList's reader counters
             yield step, table, DecodedStep(decoded, io=io)
 
-    def close(self, raise_commit_errors: bool = True) -> None:
+    def close(self) -> None:
         try:
-            super().close(raise_commit_errors)
+            super().close()
         finally:
             if self._directory is not None:  # the planner owns the pools
                 with contextlib.suppress(Exception):  # the cluster may be gone already
@@ -430,6 +432,11 @@ class RayRankLoader(StepLoader):
                 self._directory = None
                 if self.autoscaling:
                     request_room(None)
+
+
+def pools_name_for(plane_url: str) -> str:
+    """The name of a job's decoding pools, after its plane's URL (every rank knows it)."""
+    return "omniscale-pools-" + hashlib.sha256(plane_url.encode()).hexdigest()[:12]
 
 
 def _alive(actor) -> bool:

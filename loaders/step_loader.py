@@ -1,9 +1,14 @@
 """What every backend of a rank's loader shares: plans in, StepBatches out, ahead of the
-trainer, and the trainer's commits back to the plane.
+trainer.
+
+A loader is given a plan source (:class:`loaders.prefetch.PlanSource`) and a reporter of
+corrupt samples, and nothing else of the plane: the rank's plane session
+(``tools.train.plane_session``) holds every conversation with it, commits included.
 
 Three stages, each on its own thread so that none waits on another's latency:
 
-1. plans: :class:`loaders.prefetch.PlanPrefetcher` fetches this rank's next plans;
+1. plans: the plan source (the session's :class:`loaders.prefetch.PlanPrefetcher`) fetches
+   this rank's next plans;
 2. decode: workers turn each plan's SampleRefs into decoded samples -- the loader's own
    worker processes (:class:`loaders.pipeline.RankLoader`, ``loaders.worker_pool``), Ray
    actor pools in :mod:`loaders.ray_loaders`. Workers are stateless and fetch by reference;
@@ -11,7 +16,7 @@ Three stages, each on its own thread so that none waits on another's latency:
    (:mod:`loaders.assemble`), into a queue ``prefetch_steps`` deep.
 
 The trainer's ``next()`` only takes from that queue; the time it blocks is the step's
-``data_wait_s``. Committing a step is the trainer's call (:meth:`StepLoader.commit`): the
+``data_wait_s``. Committing a step is the trainer's call, through its plane session: the
 plane must not hear "trained" from the data path.
 """
 
@@ -20,29 +25,30 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from omniscale.dataplane.local import connect
 from omniscale.geometry import MediaGeometry
 from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 from omniscale.loaders.assemble import StepAssembler, StepBatch, decode_work
-from omniscale.loaders.prefetch import END, PlanPrefetcher
+from omniscale.loaders.prefetch import END, PlanSource, WarmAhead
 from omniscale.loaders.token_ids import check_tokenizer
 from omniscale.loaders.worker import TimedDecoder, decoder_spec
 from omniscale.plan import RankPlan
 from omniscale.refs import SampleRef
 
 if TYPE_CHECKING:
-    from omniscale.loaders.remote_cache import CacheConfig
+    from omniscale.loaders.block_cache import CacheConfig
 
 
 class StepLoader:
-    """What both backends share: plan prefetch, assembly thread, iteration, commit.
+    """What both backends share: plans taken from ``plans``, the assembly thread, iteration.
+
+    ``report(step, source, shard, key, reason, epoch)``: tells the plane a planned sample does
+    not decode and returns its replacement (a SampleRef, or None); called on the assembly
+    thread. The loader closes ``plans`` when it closes.
 
     Subclasses implement :meth:`_decoded_steps`, a generator of
     ``(step, plan, assemble.DecodedStep)`` in step order, run on the assembly thread.
@@ -53,15 +59,15 @@ class StepLoader:
     video_gen task) keeps the default, every sample whole.
     """
 
-    def __init__(self, plane_url: str, rank: int, sources: dict[str, str | Path],
-                 tokenizer_path: str | Path, geometry: MediaGeometry, num_workers: int = 2,
-                 prefetch_steps: int = 2, policy: str = "skip", decode_timeout: float = 30.0,
-                 token: str | None = None, start_step: int = 0,
+    def __init__(self, plans: PlanSource, report: Callable[..., SampleRef | None], rank: int,
+                 sources: dict[str, str | Path], tokenizer_path: str | Path,
+                 geometry: MediaGeometry, num_workers: int = 2, prefetch_steps: int = 2,
+                 policy: str = "skip", decode_timeout: float = 30.0, start_step: int = 0,
                  pin_memory: bool | None = None, skip_moved_media: bool = False,
                  special_tokens: SpecialTokens = DEFAULT_SPECIAL_TOKENS,
                  indexes: dict | None = None, cache: "CacheConfig | None" = None,
                  cache_prefetch_steps: int = 0) -> None:
-        self.url, self.rank, self.token = plane_url, int(rank), token
+        self.rank = int(rank)
         self.skip_moved_media = skip_moved_media
         self.geometry = geometry
         self.num_workers, self.decode_timeout = int(num_workers), decode_timeout
@@ -77,25 +83,14 @@ class StepLoader:
             from omniscale.loaders.remote_cache import Prefetcher
 
             self.shard_prefetcher = Prefetcher(remote, cache)
-        # In-process when this process serves the plane (rank 0 of an embedded one).
-        self.client = connect(plane_url, token=token)
-        self._report_client = connect(plane_url, token=token)  # used by the assembly thread
-        self._commit_client = connect(plane_url, token=token)  # used by the commit thread
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"omniscale-commit-{rank}")
-        self._commits: deque[Future] = deque()  # sent, not yet known to be acknowledged
-        self._unsent: deque[tuple[int, str | None, Future]] = deque()  # for the committer
-        self._unsent_lock = threading.Lock()
-        self._sending = False  # the committer is draining ``_unsent``
         self._local = TimedDecoder(self.spec, decode_timeout)  # replacements, on that thread
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.assembler = StepAssembler(self.rank, geometry, policy, self._report,
+        self.assembler = StepAssembler(self.rank, geometry, policy, report,
                                        self._local.decode, pin_memory=pin)
         self._stop = threading.Event()
-        ahead = cache_prefetch_steps if self.shard_prefetcher is not None else 0
-        self.plans = PlanPrefetcher(plane_url, self.rank, start_step, prefetch_steps + ahead,
-                                    token, self._stop, on_plan=self._prefetch_shards)
+        self.plans = plans if self.shard_prefetcher is None else \
+            WarmAhead(plans, cache_prefetch_steps, self._prefetch_shards)
         self._out: queue.Queue = queue.Queue(maxsize=prefetch_steps)
-        self._fps: dict[int, str] = {}
         self.next_step = start_step
         self.data_wait_s = 0.0
         self.samples = self.tokens = 0
@@ -123,7 +118,6 @@ class StepLoader:
         self.data_wait_s += wait
         self.samples += item.num_samples
         self.tokens += item.num_tokens
-        self._fps[item.step] = item.plan_fp
         self.next_step = item.step + 1
         return item
 
@@ -137,89 +131,19 @@ class StepLoader:
                 return batch
         raise StopIteration(f"step {step}: the mixture ended before it")
 
-    _MAX_COMMITS_IN_FLIGHT = 8
-
-    def commit(self, step: int) -> Future:
-        """Tell the plane this rank trained ``step``, with the fingerprint of the plan it
-        trained (so a plan re-planned since is refused rather than silently committed).
-
-        Sent in the background, in step order: the plane makes a commit durable (an fsync)
-        before it answers, milliseconds the trainer's next step need not wait on. Commits
-        that queue up while one is in flight go together in the next request
-        (``commit_many``: one round trip, one fsync). A refused commit is raised by the next
-        ``commit``, by :meth:`wait_commits` (call it before a checkpoint: a checkpoint means
-        every step before it is committed) or by ``close``. Returns the commit's future (the
-        plane's reply: ``committed``, ``next_step``)."""
-        self._raise_failed_commit()
-        while len(self._commits) >= self._MAX_COMMITS_IN_FLIGHT:  # a plane slower than steps
-            self._commits.popleft().result()
-        future: Future = Future()
-        with self._unsent_lock:
-            self._unsent.append((step, self._fps.pop(step, None), future))
-            start, self._sending = not self._sending, True
-        if start:
-            self._committer.submit(self._send_commits)
-        future.add_done_callback(self.plans.committed)  # the plane may plan further now
-        self._commits.append(future)
-        return future
-
-    def _send_commits(self) -> None:
-        """On the commit thread: send what :meth:`commit` queued, all of it per request,
-        until nothing is left."""
-        while True:
-            with self._unsent_lock:
-                batch = list(self._unsent)
-                self._unsent.clear()
-                if not batch:
-                    self._sending = False
-                    return
-            steps, prints, futures = zip(*batch)
-            try:
-                if len(batch) == 1:
-                    replies = [self._commit_client.commit(steps[0], self.rank,
-                                                          plan_fp=prints[0])]
-                else:
-                    got = self._commit_client.commit_many(rank=self.rank, steps=list(steps),
-                                                          plan_fps=list(prints))
-                    replies = [{"step": s, "committed": c, "next_step": got["next_step"]}
-                               for s, c in zip(steps, got["committed"])]
-            except BaseException as e:  # noqa: BLE001 -- raised by the trainer's next commit
-                for future in futures:
-                    future.set_exception(e)
-                continue
-            for future, reply in zip(futures, replies):
-                future.set_result(reply)
-
-    def wait_commits(self) -> None:
-        """Block until every commit sent is acknowledged; raise the first refused one."""
-        while self._commits:
-            self._commits.popleft().result()
-
-    def _raise_failed_commit(self) -> None:
-        while self._commits and self._commits[0].done():
-            self._commits.popleft().result()
-
     @property
     def corrupt_reasons(self):
         return self.assembler.corrupt_reasons
 
     def _prefetch_shards(self, plan: RankPlan) -> None:
-        """On the plan thread, as each plan arrives: its remote samples' bytes into the
-        cache (non-blocking; the prefetcher's threads fetch)."""
+        """As each plan is taken, ``cache_prefetch_steps`` ahead of its turn: its remote
+        samples' bytes into the cache (non-blocking; the prefetcher's threads fetch)."""
         if self.shard_prefetcher is not None:
             refs = [r for r in plan.refs if r.source in self.shard_prefetcher.sources]
             self.shard_prefetcher.submit(refs)
 
-    def close(self, raise_commit_errors: bool = True) -> None:
-        """Stop the threads and workers; commits already sent are waited for first (a refused
-        one is raised after the rest is closed, unless ``raise_commit_errors`` is false)."""
-        failed = None
-        try:
-            self.wait_commits()
-        except Exception as e:  # noqa: BLE001 -- raised once the loader is closed
-            failed = e
-        self._commits.clear()
-        self._committer.shutdown(wait=True)
+    def close(self) -> None:
+        """Stop the threads, the workers and the plan source."""
         self._stop.set()
         self.plans.close()
         if self.shard_prefetcher is not None:
@@ -230,24 +154,14 @@ class StepLoader:
             except queue.Empty:
                 pass
         self._local.close()
-        self.client.close()
-        self._report_client.close()
-        self._commit_client.close()
-        if failed is not None and raise_commit_errors:
-            raise failed
 
     def __enter__(self) -> "StepLoader":
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
-        self.close(raise_commit_errors=exc_type is None)  # never mask the error in flight
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- the assembly thread ----------------------------------------------------------------
-    def _report(self, step: int, source: str, shard: str, key: str, reason: str, epoch: int
-                ) -> SampleRef | None:
-        return self._report_client.report_corrupt(step, self.rank, source, shard, key, reason,
-                                                  epoch)
-
     def _assemble_loop(self) -> None:
         try:
             for step, plan, decoded in self._decoded_steps():

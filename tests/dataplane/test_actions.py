@@ -45,6 +45,7 @@ EXAMPLES = {
     "report_corrupt": lambda c: c.report_corrupt(2, 0, "text", "s.tar", "k", "bad"),
     "report_suspect": lambda c: c.report_suspect(2, [SAMPLE], "spike"),
     "stragglers": lambda c: c.report_stragglers(2, [1], [2.5]),
+    "reports": lambda c: (c.reports("corrupt"), c.reports("suspect")),  # those reported above
 }
 WRONG = {int: "x", float: "x", str: 5, list: "x"}  # a value of another type, per field type
 

@@ -21,7 +21,7 @@ from omniscale.dataplane.plane import DataPlane, PlaneConfig
 from omniscale.dataplane.ray_actor import start_on_ray
 from omniscale.errors import UserError
 from omniscale.loaders.ray_cluster import job_namespace
-from omniscale.tools.train.loop import plane_ray_namespace
+from omniscale.tools.train.plane_session import PlaneSession
 from tests.dataplane.plane_steps import commit_step
 
 # The suite runs on two xdist workers; Ray tests share one of them (`--dist loadgroup`), so
@@ -161,7 +161,8 @@ def test_serve_command_joins_the_cluster(cluster, demo, tmp_path):
         assert namespace == job_namespace(tmp_path)  # the state dir's own
         assert ray.get_actor("plane", namespace=namespace) is not None
         # trainers read it from the plane, and put their decoding pools there
-        assert plane_ray_namespace(url, None) == namespace
+        with PlaneSession(url, 0) as session:
+            assert session.ray_namespace() == namespace
         with PlaneClient(url, timeout=10, retry_for=5) as client:
             client.get_plan(0, 0)
             client.get_plan(0, 1)

@@ -11,7 +11,9 @@ import torch
 
 from omniscale.dataplane.client import PlaneClient
 from omniscale.dataplane.embedded import start_embedded
+from omniscale.loaders.collate import media_tensor
 from omniscale.loaders.pipeline import RankLoader
+from omniscale.tools.train.plane_session import loader_for
 from tests.loaders.decode_fixtures import demo_decoder
 from tests.loaders.pipeline_fixtures import (
     CONFIG,
@@ -77,7 +79,7 @@ def check_full_path(spec, state_dir, make_loader, after_step=None, steps: int = 
                     for item in batch.encode_items:
                         sample = decoder.decode(item.ref)
                         media = [m for m in sample.media if m.kind == item.kind][item.index]
-                        assert torch.equal(item.tensor, media.tensor)
+                        assert torch.equal(item.tensor, media_tensor(media))
                         assert (item.grid_thw, item.frames) == (media.grid_thw, media.frames)
                     n_encode = sum(r == "encode" for r in table.column("role").to_pylist())
                     assert len(batch.encode_items) == n_encode
@@ -100,7 +102,8 @@ def check_full_path(spec, state_dir, make_loader, after_step=None, steps: int = 
 @pytest.mark.timeout(90)
 def test_full_path_matches_per_sample_decoding(demo, tmp_path):
     def make(url, rank):
-        return RankLoader(url, rank, **loader_args(demo), num_workers=2, prefetch_steps=2)
+        return loader_for(url, rank, RankLoader, **loader_args(demo), num_workers=2,
+                          prefetch_steps=2)
     seen = check_full_path(demo, tmp_path, make)
     assert seen == {"text", "image", "video", "audio"}
 
@@ -112,7 +115,8 @@ def test_workers_do_not_wait_past_what_the_plane_plans(demo, tmp_path):
     wait for plans only when it holds nothing (it used to wait inside torch's index request,
     for a plan that needed the commit of the item in hand, and hung)."""
     def make(url, rank):
-        return RankLoader(url, rank, **loader_args(demo), num_workers=2, prefetch_steps=2)
+        return loader_for(url, rank, RankLoader, **loader_args(demo), num_workers=2,
+                          prefetch_steps=2)
     check_full_path(demo, tmp_path, make, steps=4,
                     config=dataclasses.replace(CONFIG, window=1, plan_ahead=0))
 
@@ -122,7 +126,7 @@ def test_in_process_decoding_and_steps_in_order(demo, tmp_path):
     """num_workers=0 decodes on the assembly thread; step(s) passes earlier steps over."""
     decoder = demo_decoder(demo)
     with start_embedded(demo.path, tmp_path, CONFIG) as plane, PlaneClient(plane.url) as c:
-        loader = RankLoader(plane.url, 1, **loader_args(demo), num_workers=0)
+        loader = loader_for(plane.url, 1, RankLoader, **loader_args(demo), num_workers=0)
         with loader:
             batch = loader.step(2)  # steps 0 and 1 are passed over
             for got, want in zip(batch.micro_batches,
@@ -130,74 +134,3 @@ def test_in_process_decoding_and_steps_in_order(demo, tmp_path):
                 assert_same_batch(got, want)
             with pytest.raises(ValueError, match="this loader is at step 3"):
                 loader.step(1)
-
-
-@pytest.mark.timeout(60)
-def test_commits_queued_behind_one_in_flight_go_together(demo, tmp_path):
-    """While a commit is in flight, the trainer's next commits queue and go in one request
-    (``commit_many``), in step order; each future gets its step's reply. The plane's reply to
-    the first is held (events, not durations), so the queue is exact."""
-    import threading
-
-    with start_embedded(demo.path, tmp_path, CONFIG) as plane, PlaneClient(plane.url) as c:
-        loader = RankLoader(plane.url, 0, **loader_args(demo), num_workers=0)
-        other = RankLoader(plane.url, 1, **loader_args(demo), num_workers=0)
-        sent, held, release = [], threading.Event(), threading.Event()
-        single, many = loader._commit_client.commit, loader._commit_client.commit_many
-
-        def commit(step, rank, plan_fp=None):
-            sent.append([step])
-            held.set()
-            assert release.wait(30)
-            return single(step, rank, plan_fp=plan_fp)
-
-        def commit_many(steps, rank, plan_fps):
-            sent.append(list(steps))
-            return many(rank=rank, steps=steps, plan_fps=plan_fps)
-        loader._commit_client.commit, loader._commit_client.commit_many = commit, commit_many
-        with loader, other:
-            futures = []
-            for step in range(4):
-                for ld in (other, loader):
-                    assert next(ld).step == step
-                futures.append(loader.commit(step))
-                if step == 0:
-                    assert held.wait(30)  # step 0 is in flight; 1..3 queue behind it
-                other.commit(step)
-            other.wait_commits()
-            release.set()
-            loader.wait_commits()
-            assert sent == [[0], [1, 2, 3]]
-            assert [f.result()["committed"] for f in futures] == [True] * 4
-            assert futures[-1].result()["next_step"] == 4
-            assert c.status()["next_step"] == 4
-
-
-@pytest.mark.timeout(60)
-def test_commits_go_in_the_background_and_a_refused_one_is_raised(demo, tmp_path):
-    """``commit`` returns before the plane answers; commits arrive in step order; a refused
-    one is raised by the next ``commit``, by ``wait_commits`` and by ``close`` -- not lost."""
-    from omniscale.dataplane.client import PlaneError
-
-    with start_embedded(demo.path, tmp_path, CONFIG) as plane, PlaneClient(plane.url) as c:
-        loader = RankLoader(plane.url, 0, **loader_args(demo), num_workers=0)
-        other = RankLoader(plane.url, 1, **loader_args(demo), num_workers=0)
-        with loader, other:
-            for step in range(3):
-                for ld in (loader, other):
-                    assert next(ld).step == step
-                    ld.commit(step)
-            loader.wait_commits(), other.wait_commits()
-            assert c.status()["next_step"] == 3  # every commit, in order
-            refused = loader.commit(10_000)  # far past anything planned
-            assert isinstance(refused.exception(), PlaneError)  # waits for the answer
-            with pytest.raises(PlaneError, match="10000"):
-                loader.commit(3)  # the refusal surfaces here, before this one is sent
-            assert next(loader).step == 3
-            loader.commit(10_001)
-            with pytest.raises(PlaneError, match="10001"):
-                loader.wait_commits()
-            loader.commit(10_002)
-            with pytest.raises(PlaneError, match="10002"):
-                loader.close()
-        assert c.status()["next_step"] == 3  # step 3 was never committed by rank 1

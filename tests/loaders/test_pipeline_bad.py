@@ -20,6 +20,7 @@ from omniscale.loaders.decode import SampleDecoder
 from omniscale.loaders.errors import CorruptSample
 from omniscale.loaders.index import index_paths
 from omniscale.loaders.pipeline import RankLoader
+from omniscale.tools.train.plane_session import loader_for
 from tests.loaders.index_fixtures import image_bytes, write_tar
 from tests.loaders.pipeline_fixtures import (
     CONFIG,
@@ -94,7 +95,8 @@ def run(spec, state_dir, steps=STEPS, **kw):
     the plane's status, the plans of the next two steps, the audit)."""
     batches = []
     with start_embedded(spec.path, state_dir, CONFIG) as plane:
-        loaders = [RankLoader(plane.url, r, **loader_args(spec), **kw) for r in range(2)]
+        loaders = [loader_for(plane.url, r, RankLoader, **loader_args(spec), **kw)
+                   for r in range(2)]
         try:
             for step in range(steps):
                 for loader in loaders:

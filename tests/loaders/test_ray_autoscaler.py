@@ -13,7 +13,7 @@ import ray
 
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.loaders.ray_cluster import connect
-from omniscale.loaders.ray_loaders import RayRankLoader
+from omniscale.tools.train.plane_session import ray_loader_for
 from tests.loaders.pipeline_fixtures import CONFIG, loader_args, spec_of
 from tests.loaders.ray_fixtures import autoscaling_head, standing_request
 
@@ -41,7 +41,7 @@ def test_the_autoscaler_adds_the_nodes_the_pools_ask_for(cluster, pipeline_demo,
     assert len(head) == 1 and ray.cluster_resources()["CPU"] == 1
     with start_embedded(demo.path, tmp_path, CONFIG) as plane:
         # placement waits while the autoscaler starts nodes (seconds each)
-        loader = RayRankLoader(plane.url, 0, **loader_args(demo), autoscale_cpus=4.0,
+        loader = ray_loader_for(plane.url, 0, **loader_args(demo), autoscale_cpus=4.0,
                                placement_timeout=180)
         with loader:
             actors, cpus = sum(loader.replicas.values()), loader.plan.actor_cpus

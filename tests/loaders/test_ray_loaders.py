@@ -15,8 +15,9 @@ import ray
 
 from omniscale.errors import UserError
 from omniscale.loaders.ray_cluster import size_pools
-from omniscale.loaders.ray_loaders import RayRankLoader, measure_costs
+from omniscale.loaders.ray_loaders import measure_costs
 from omniscale.loaders.worker import decoder_spec
+from omniscale.tools.train.plane_session import ray_loader_for
 from tests.loaders.pipeline_fixtures import CONFIG, loader_args, spec_of
 from tests.loaders.ray_fixtures import two_node_cluster
 from tests.loaders.test_pipeline import check_full_path
@@ -82,7 +83,7 @@ def test_default_pools_fit_the_cluster_spread_over_its_nodes_and_survive_deaths(
     loaders = []
 
     def make(url, rank):
-        loader = RayRankLoader(url, rank, **loader_args(demo))
+        loader = ray_loader_for(url, rank, **loader_args(demo))
         loaders.append(loader)
         return loader
 
@@ -124,8 +125,8 @@ def test_actors_the_cluster_cannot_place_end_with_one_line(cluster, demo, tmp_pa
     with start_embedded(demo.path, tmp_path, CONFIG) as plane:
         started = time.monotonic()
         with pytest.raises(UserError) as e:
-            RayRankLoader(plane.url, 0, **loader_args(demo), actor_cpus=2.0,
-                          pools_name="refused")
+            ray_loader_for(plane.url, 0, **loader_args(demo), actor_cpus=2.0,
+                           pools_name="refused")
         assert time.monotonic() - started < 30
     # the GCS's table holds dead actors too
     assert [a["Name"] for a in ray._private.state.actors().values()

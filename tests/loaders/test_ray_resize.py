@@ -9,7 +9,7 @@ import pytest
 import ray
 import yaml
 
-from omniscale.loaders.ray_loaders import RayRankLoader
+from omniscale.tools.train.plane_session import ray_loader_for
 from tests.loaders.pipeline_fixtures import loader_args, spec_of
 from tests.loaders.ray_fixtures import two_node_cluster
 from tests.loaders.test_pipeline import check_full_path
@@ -53,7 +53,7 @@ def test_pools_follow_the_schedule_and_survive_a_lost_node(cluster, demo, tmp_pa
     loaders, first, on_worker = [], {}, []
 
     def make(url, rank):
-        loader = RayRankLoader(url, rank, **loader_args(demo), resize_every=2, actor_cpus=0.25,
+        loader = ray_loader_for(url, rank, **loader_args(demo), resize_every=2, actor_cpus=0.25,
                                shares=IMAGES if rank == 0 else None)
         loaders.append(loader)
         first[rank] = dict(loader.replicas)

@@ -9,11 +9,12 @@ import pytest
 
 from omniscale.dataplane.embedded import start_embedded
 from omniscale.dataplane.spec import load_spec
+from omniscale.loaders.block_cache import CacheConfig
 from omniscale.loaders.pipeline import RankLoader
-from omniscale.loaders.remote_cache import CacheConfig
 from omniscale.plan import fingerprint
 from omniscale.refs import table_to_refs
 from omniscale.tools.data_copy import copy_specs
+from omniscale.tools.train.plane_session import loader_for
 from tests.loaders.pipeline_fixtures import CONFIG, assert_same_batch
 from tests.s3_fixtures import client, new_bucket, s3_fixture, s3_server_fixture  # noqa: F401
 
@@ -26,15 +27,15 @@ def run(spec_path, state_dir, **loader_kw):
     spec = load_spec(spec_path)
     batches = []
     with start_embedded(spec.path, state_dir, CONFIG) as plane:
-        with RankLoader(plane.url, RANK, spec.locations, spec.tokenizer, spec.media,
+        with loader_for(plane.url, RANK, RankLoader, spec.locations, spec.tokenizer, spec.media,
                         indexes=spec.indexes, num_workers=1, prefetch_steps=2,
                         **loader_kw) as loader:
             for step in range(STEPS):
                 batch = next(loader)
                 batches.append(batch)
                 loader.commit(step)
-                other = loader.client.get_plan(step, 1 - RANK)
-                loader.client.commit(step, 1 - RANK, plan_fp=fingerprint(other))
+                other = plane.plane.get_plan(step, 1 - RANK)
+                plane.plane.commit(step, 1 - RANK, fingerprint(other))
             prefetched = (loader.shard_prefetcher.stats() if loader.shard_prefetcher
                           else None)
     return batches, prefetched
@@ -105,7 +106,7 @@ def test_a_shard_missing_from_the_bucket_is_skipped_and_replaced(pipeline_demo, 
         shard = next(ref.shard for ref in table_to_refs(plane.plane.get_plan(0, 0))
                      if ref.source == "image_caption")
         client(s3).delete_object(Bucket=bucket, Key=f"demo/train/image_caption/{shard}")
-        loaders = [RankLoader(plane.url, r, spec.locations, spec.tokenizer, spec.media,
+        loaders = [loader_for(plane.url, r, RankLoader, spec.locations, spec.tokenizer, spec.media,
                               indexes=spec.indexes, num_workers=1, prefetch_steps=2)
                    for r in range(2)]
         try:

@@ -14,6 +14,7 @@ from omniscale.loaders import pipeline
 from omniscale.loaders.chunk_worker import RefDataset
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.plan import fingerprint
+from omniscale.tools.train.plane_session import loader_for
 from tests.loaders.pipeline_fixtures import CONFIG, assert_same_batch, loader_args, spec_of
 
 STEPS = 8  # enough that steps after the kill need items the killed worker was sent
@@ -32,7 +33,7 @@ def run(spec, state_dir, kill: bool):
     pid and the worker pids after the last step."""
     batches, killed = [], None
     with start_embedded(spec.path, state_dir, CONFIG) as plane:
-        loader = RankLoader(plane.url, RANK, **loader_args(spec), num_workers=2,
+        loader = loader_for(plane.url, RANK, RankLoader, **loader_args(spec), num_workers=2,
                             prefetch_steps=2)
         with loader:
             for step in range(STEPS):
@@ -46,8 +47,8 @@ def run(spec, state_dir, kill: bool):
                 batches.append(batch)
                 loader.commit(step)
                 # the other rank commits too, so the plane keeps planning ahead
-                other = loader.client.get_plan(step, 1 - RANK)
-                loader.client.commit(step, 1 - RANK, plan_fp=fingerprint(other))
+                other = plane.plane.get_plan(step, 1 - RANK)
+                plane.plane.commit(step, 1 - RANK, fingerprint(other))
             pids = loader.worker_pids()
     return batches, loader, killed, pids
 
@@ -90,7 +91,7 @@ class _KillsOnStep0(RefDataset):
 def test_a_step_that_kills_every_worker_gives_up(demo, tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "RefDataset", _KillsOnStep0)  # forked workers inherit it
     with start_embedded(demo.path, tmp_path, CONFIG) as plane:
-        loader = RankLoader(plane.url, 0, **loader_args(demo), num_workers=2,
+        loader = loader_for(plane.url, 0, RankLoader, **loader_args(demo), num_workers=2,
                             max_worker_restarts=2)
         with loader, pytest.warns(RuntimeWarning, match="died"):
             with pytest.raises(RuntimeError, match=r"rank 0: DataLoader worker .* died while "

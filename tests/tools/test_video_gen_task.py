@@ -22,6 +22,7 @@ from omniscale.loaders.decode_text import load_tokenizer
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.loaders.pixels import pixel_rows
 from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.plane_session import loader_for
 from omniscale.tools.train.video_gen import (
     build_video_model,
     evaluate_video_gen,
@@ -49,8 +50,8 @@ def data(demo_root, tmp_path_factory):
                          sp_max=1, snapshot_every=100)
     mbs = []
     with start_embedded(spec.path, root.parent / "plane", config) as plane, \
-            RankLoader(plane.url, 0, {s.name: s.path for s in spec.sources}, spec.tokenizer,
-                       spec.media, num_workers=0) as loader:
+            loader_for(plane.url, 0, RankLoader, {s.name: s.path for s in spec.sources},
+                       spec.tokenizer, spec.media, num_workers=0) as loader:
         for step in range(STEPS):
             mbs += next(loader).micro_batches
             loader.commit(step)

@@ -99,6 +99,7 @@ def run_ours(spec_path: Path, steps: int, workers: int, make_loader=None) -> dic
     from omniscale.dataplane.plane import PlaneConfig
     from omniscale.dataplane.spec import load_spec
     from omniscale.loaders.pipeline import RankLoader
+    from omniscale.tools.train.plane_session import loader_for
 
     spec = load_spec(spec_path)
     config = PlaneConfig(dp=1, micro_batch_tokens=16384, window=4, global_batch_tokens=16384,
@@ -106,9 +107,9 @@ def run_ours(spec_path: Path, steps: int, workers: int, make_loader=None) -> dic
     per_source: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as state, start_embedded(spec_path, state, config) as p:
         started = time.perf_counter()
-        loader = make_loader(p.url, spec) if make_loader else RankLoader(
-            p.url, 0, {s.name: s.path for s in spec.sources}, spec.tokenizer, spec.media,
-            num_workers=workers, prefetch_steps=2)
+        loader = make_loader(p.url, spec) if make_loader else loader_for(
+            p.url, 0, RankLoader, {s.name: s.path for s in spec.sources}, spec.tokenizer,
+            spec.media, num_workers=workers, prefetch_steps=2)
         with loader:
             first = next(loader)  # worker start-up is not throughput
             loader.commit(first.step)

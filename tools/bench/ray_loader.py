@@ -40,13 +40,13 @@ def run_ray(spec_path: Path, steps: int) -> dict:
     import ray
 
     from omniscale.loaders.ray_cluster import start_local
-    from omniscale.loaders.ray_loaders import RayRankLoader
+    from omniscale.tools.train.plane_session import ray_loader_for
 
     started = time.perf_counter()
     start_local("omniscale-bench")
     ray_start = time.perf_counter() - started
     try:
-        return {**run_ours(spec_path, steps, 0, lambda url, spec: RayRankLoader(
+        return {**run_ours(spec_path, steps, 0, lambda url, spec: ray_loader_for(
             url, 0, {s.name: s.path for s in spec.sources}, spec.tokenizer, spec.media,
             prefetch_steps=2)), "ray_start_s": ray_start}
     finally:

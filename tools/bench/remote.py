@@ -51,12 +51,13 @@ TARGET = 0.9  # cold cache with prefetch, 20 ms per request, vs local disk
 
 def remote_loader(cache_dir: Path | None, workers: int, ahead: int):
     """A ``run_ours`` loader factory over the spec's (remote) locations."""
+    from omniscale.loaders.block_cache import CacheConfig
     from omniscale.loaders.pipeline import RankLoader
-    from omniscale.loaders.remote_cache import CacheConfig
+    from omniscale.tools.train.plane_session import loader_for
 
     cache = CacheConfig(str(cache_dir), 1 << 30) if cache_dir is not None else None
-    return lambda url, spec: RankLoader(
-        url, 0, spec.locations, spec.tokenizer, spec.media, num_workers=workers,
+    return lambda url, spec: loader_for(
+        url, 0, RankLoader, spec.locations, spec.tokenizer, spec.media, num_workers=workers,
         prefetch_steps=2, indexes=spec.indexes, cache=cache,
         cache_prefetch_steps=ahead if cache is not None else 0)
 

@@ -32,6 +32,7 @@ from omniscale.parallel.sequence import sp_batch
 from omniscale.tools.train import checkpoint
 from omniscale.tools.train.config import RunConfig, run_spec
 from omniscale.tools.train.loop import cache_config
+from omniscale.tools.train.plane_session import loader_for
 from omniscale.tools.train.tasks import task_of
 
 
@@ -119,7 +120,7 @@ def _batches(cfg: RunConfig, eval_spec: Path, source: str, out_dir: Path):
     batches, samples = [], 0
     cache = cache_config(cfg)
     with start_embedded(one.path, state, config) as plane:
-        loader = RankLoader(plane.url, 0, one.locations, one.tokenizer, one.media,
+        loader = loader_for(plane.url, 0, RankLoader, one.locations, one.tokenizer, one.media,
                             num_workers=0, special_tokens=one.special_tokens,
                             indexes=one.indexes, cache=cache)
         try:

@@ -302,16 +302,20 @@ def _corrupt_events(run_dir: Path, plane: str | None, plane_token: str | None
 
 def _plane_reports(run_dir: Path, plane: str | None, plane_token: str | None, kind: str,
                    from_status) -> tuple[list[dict], bool]:
-    """The ``kind`` records of the embedded plane's log, all of them (True); or what
-    ``from_status`` takes from an external plane's status (False). A log or plane that cannot
-    be read costs the names, in one line, not the run: ``([], False)``."""
+    """The ``kind`` records of the embedded plane's log, all of them (True), as the plane
+    answered rank 0 before it stopped (``plane_session.PlaneSession.write_reports``); or what
+    ``from_status`` takes from an external plane's status (False). Reports or a plane that
+    cannot be read cost the names, in one line, not the run: ``([], False)``."""
     if plane is None:
-        from omniscale.dataplane.journal import Journal
+        from omniscale.tools.train.plane_session import REPORTS_FILE
 
+        path = run_dir / REPORTS_FILE
         try:
-            records = Journal(run_dir / "plane", readonly=True).records()
-            return [r for _, r in records if r["t"] == kind], True
-        except (OSError, ValueError, UserError) as e:
+            found = json.loads(path.read_text())
+            if "error" in found:
+                raise ValueError(found["error"])
+            return list(found[kind]), True
+        except (OSError, ValueError, KeyError) as e:
             print(f"omniscale train: cannot list the {kind} samples ({e})")
             return [], False
     from omniscale.dataplane.client import PlaneClient

@@ -67,20 +67,21 @@ class StragglerTracker:
         """The mean slowdown of ``rank``'s current run of slow steps."""
         return self.run_slowdown.get(rank, 0.0) / max(self.runs.get(rank, 0), 1)
 
-    def tell(self, client, writer: bool) -> None:
-        """Rank 0 (``writer``) tells the plane the stragglers when the set changed since it
-        last did (not every step: it is news, not a heartbeat). An observation, so a plane
-        that cannot take it -- an older one without the action -- costs one line, not the
-        run."""
+    def tell(self, plane, writer: bool) -> None:
+        """Rank 0 (``writer``) tells the plane (``plane``: the rank's
+        ``plane_session.PlaneSession``, ``report_stragglers``) the stragglers when the set
+        changed since it last did (not every step: it is news, not a heartbeat). An
+        observation, so a plane that cannot take it -- an older one without the action --
+        costs one line, not the run."""
         from omniscale.dataplane.client import PlaneError
 
         now = frozenset(self.ranks)
-        if not writer or client is None or now == self.told:
+        if not writer or plane is None or now == self.told:
             return
         self.told = now
         ranks = sorted(now)
         try:
-            client.report_stragglers(self.changed_at, ranks,
-                                     [round(self.slowdown(r), 3) for r in ranks])
+            plane.report_stragglers(self.changed_at, ranks,
+                                    [round(self.slowdown(r), 3) for r in ranks])
         except PlaneError as e:
             print(f"straggler: the plane was not told ({str(e).splitlines()[0]})", flush=True)
