@@ -28,13 +28,13 @@ def test_a_hung_rank_is_named_with_its_stack_and_the_run_stops(demo, tmp_path):
     line = str(stopped.value)
     assert "\n" not in line
     found = re.match(r"watchdog: rank 1 finished no step for (\d+) s \(step 1; bound "
-                     r"watchdog.step_timeout_s=4\), waiting in \S+watchdog.py:\d+ injected_hang; "
+                     r"watchdog.step_timeout_s=4\), waiting in \S+faults.py:\d+ before_step; "
                      r"every thread's stack in (\S+)$", line)
     assert found, line
     assert BOUND_S <= int(found[1]) <= BOUND_S + 2  # checked every second
     dump = (run / "hang-rank1.txt").read_text()
     assert found[2] == str(run / "hang-rank1.txt")
-    assert "injected_hang" in dump and "trainer.py" in dump  # the main thread's stack
+    assert "before_step" in dump and "trainer.py" in dump  # the main thread's stack
     assert "Thread 0x" in dump and dump.count("File ") > 5  # every thread's
 
 

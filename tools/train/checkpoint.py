@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from omniscale.errors import UserError
 from omniscale.parallel import load_checkpoint, save_checkpoint
 from omniscale.parallel.dcp import async_save as async_save_checkpoint
 from omniscale.tools.train import collectives
+from omniscale.tools.train.faults import NO_FAULTS, Faults
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -170,9 +170,10 @@ class PendingSave:
     future: object = None
 
 
-def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int,
-         keep_last: int = 0, async_group=None, kill_in_save: bool = False) -> PendingSave:
-    """Every rank calls this after committing step ``step - 1``; rank 0 snapshots the plane.
+def save(run_dir: Path, step: int, model, optimizer, plane, rank: int,
+         keep_last: int = 0, async_group=None, faults: Faults = NO_FAULTS) -> PendingSave:
+    """Every rank calls this after committing step ``step - 1``; rank 0 snapshots the plane
+    (``plane``: its ``plane_session.PlaneSession``).
     ``async_group`` (a process group of its own): the files are written in the background and
     the checkpoint is complete after :func:`finish`; otherwise it is finished here. Either way
     ``meta.json`` is written last, by rank 0, then checkpoints beyond ``keep_last`` go."""
@@ -180,19 +181,19 @@ def save(run_dir: Path, step: int, model, optimizer, plane_client, rank: int,
     if rank == 0 and path.exists():  # an earlier attempt that never finished
         shutil.rmtree(path)
     collectives.checkpoint_barrier()  # every rank has committed: the plane's next step is ``step``
-    snapshot = plane_client.snapshot(step) if rank == 0 else None
+    snapshot = plane.snapshot(step) if rank == 0 else None
     pending = PendingSave(path, step, snapshot)
     if async_group is not None:
         pending.future = async_save_checkpoint(path, model, optimizer, extra=_extra(step),
                                                process_group=async_group)
         return pending
     save_checkpoint(path, model, optimizer, extra=_extra(step))
-    finish(pending, run_dir, rank, keep_last, kill_in_save)
+    finish(pending, run_dir, rank, keep_last, faults)
     return pending
 
 
 def finish(pending: PendingSave | None, run_dir: Path, rank: int, keep_last: int = 0,
-           kill_in_save: bool = False) -> None:
+           faults: Faults = NO_FAULTS) -> None:
     """Complete ``pending`` (wait for its files, then rank 0 writes ``meta.json``, points
     ``checkpoints/latest`` at it and prunes); every rank calls it, at the same point. None:
     nothing to do."""
@@ -211,8 +212,7 @@ def finish(pending: PendingSave | None, run_dir: Path, rank: int, keep_last: int
             f.write(json.dumps(meta, indent=1) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        if kill_in_save:  # a test's crash between the files and meta.json (debug.kill_in_save)
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.in_save(pending.step)  # a test's crash between the files and meta.json
         os.replace(tmp, pending.path / "meta.json")
         _write_atomically(run_dir / "checkpoints" / LATEST, pending.path.name + "\n")
         prune(run_dir, keep_last)

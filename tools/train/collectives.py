@@ -9,9 +9,9 @@ collective time-out (gloo). The step modules (``step``, ``pipeline_step``, ``vid
 ``tests/tools/test_collective_order.py`` records every rank's sequence in a real multi-rank
 step of each task (``step_audit.CollectiveRecorder``) and checks that the ranks agree.
 
-Groups: *data ranks* are the plane's ranks (``StepContext.group``: this tensor-parallel
+Groups: *data ranks* are the plane's ranks (``StepEnv.group``: this tensor-parallel
 slice's data-parallel × sequence-parallel ranks; the world when tp = pp = 1); the *sum group*
-is where a step's sums add up (``StepContext.sum_group``: the data ranks, or the world under
+is where a step's sums add up (``StepEnv.sum_group``: the data ranks, or the world under
 pipeline parallelism, where every stage contributes its own figures once); *world* is every
 process of the job.
 

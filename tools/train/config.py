@@ -305,7 +305,7 @@ class HangSection(_Strict):
 
 class SlowRankSection(_Strict):
     """A test's straggler (``debug.slow_rank``): data rank ``rank`` computes ``seconds``
-    longer at every step from ``from_step`` (``watchdog.injected_slowness``)."""
+    longer at every step from ``from_step`` (``faults.Faults.in_compute``)."""
 
     rank: int = Field(0, ge=0)
     seconds: float = Field(gt=0)
@@ -314,7 +314,7 @@ class SlowRankSection(_Strict):
 
 class DebugSection(_Strict):
     # Write every parameter's gradient (before clipping, gathered from the FSDP shards) at
-    # this step to RUN_DIR/grads-step-N.pt (tools.train.step.dump_gradients; omni and lm).
+    # this step to RUN_DIR/grads-step-N.pt (tools.train.faults.Faults.before_clip; omni and lm).
     dump_grads_at_step: int | None = Field(None, ge=0)
     poison: PoisonSection | None = None
     # a test's kill -9 of rank 0 while it saves the checkpoint of this step: after every

@@ -23,7 +23,6 @@ from collections import deque
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from omniscale.errors import UserError
 from omniscale.tools.train import collectives
@@ -95,14 +94,15 @@ def seeded(cfg, metrics: Path, start_step: int) -> UpdateGuard:
     return UpdateGuard(cfg, history[-cfg.spike_window:])
 
 
-def guarded_update(ctx, optimizer, loss_sum: torch.Tensor, divisor, grad_norm: torch.Tensor
-                   ) -> str | None:
-    """``optimizer.step()`` unless ``ctx.guard`` says the step must not be applied: then its
-    gradients are dropped and the reason returned. Every rank calls it."""
-    if ctx.guard is None:
+def guarded_update(guard: UpdateGuard | None, optimizer, loss_sum: torch.Tensor, divisor,
+                   grad_norm: torch.Tensor, contributes: bool = True) -> str | None:
+    """``optimizer.step()`` unless ``guard`` (the run's, ``step.RunState.guard``; None: no
+    guard) says the step must not be applied: then its gradients are dropped and the reason
+    returned. ``contributes``: as for :meth:`UpdateGuard.judge`. Every rank calls it."""
+    if guard is None:
         optimizer.step()
         return None
-    reason = ctx.guard.judge(loss_sum, divisor, grad_norm, contributes=ctx.tp_rank == 0)
+    reason = guard.judge(loss_sum, divisor, grad_norm, contributes=contributes)
     if reason is None:
         optimizer.step()
     else:
@@ -116,22 +116,15 @@ def step_samples(batch) -> set[tuple]:
             for r in (mb.seq_refs or ()) if r is not None}
 
 
-def report_suspects(client, step: int, batch, reason: str, rank: int) -> None:
+def report_suspects(plane, step: int, batch, reason: str, rank: int) -> None:
     """Every rank's samples of a step not applied, gathered; rank 0 reports them to the plane
-    (``report_suspect``) and says so in one line."""
+    (``plane``: the rank's ``plane_session.PlaneSession``, ``report_suspect``) and says so in
+    one line."""
     gathered = collectives.gather_suspect_samples(step_samples(batch))
     if rank != 0:
         return
     samples = sorted(set().union(*gathered))
-    client.report_suspect(step, [dict(zip(("source", "shard", "key", "epoch"), s))
-                                 for s in samples], reason)
+    plane.report_suspect(step, [dict(zip(("source", "shard", "key", "epoch"), s))
+                                for s in samples], reason)
     print(f"guard: step {step} not applied ({reason}); its {len(samples)} samples reported to "
           f"the plane as suspect", flush=True)
-
-
-def poisoned(ctx, step: int, loss: torch.Tensor) -> torch.Tensor:
-    """``debug.poison``: a test's bad batch -- this rank's loss NaN, or a multiple of itself."""
-    poison = ctx.cfg.debug.poison
-    if poison is None or poison.step != step or poison.rank != dist.get_rank():
-        return loss
-    return loss * (float("nan") if poison.kind == "nan" else poison.factor)

@@ -43,7 +43,7 @@ def evaluates_in_ranks(cfg) -> bool:
 
 class HeldOut:
     """The run's held-out evaluation inside the ranks (every rank makes one, calls
-    :meth:`evaluate` at the same steps). ``ctx``: the run's ``step.StepContext`` -- the data
+    :meth:`evaluate` at the same steps). ``ctx``: the run's ``step.StepEnv`` -- the data
     rank and count, the pipeline runner and TP rank, and ``sum_group``, where the counts add up
     (the data ranks of this TP slice; the world under PP, each figure from one rank)."""
 

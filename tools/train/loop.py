@@ -1,4 +1,5 @@
-"""One trainer rank: plane (rank 0's embedded one, or ``--plane URL``) → RankLoader → the
+"""One trainer rank: plane (rank 0's embedded one, or ``--plane URL``) → the rank's plane
+session (``plane_session.PlaneSession``: every call to the plane) → RankLoader → the
 task's model (``tasks.Task.build``), laid out by its ``parallelize_*`` → AdamW → the steps
 (``trainer.Trainer``: train, commit, metrics, checkpoint).
 
@@ -25,11 +26,11 @@ from omniscale.errors import UserError
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.tools.train import checkpoint, collectives, optim_groups
 from omniscale.tools.train.build import build_optimizer, init_weights, model_config
-from omniscale.tools.train.compute_clock import ComputeClock
 from omniscale.tools.train.config import RunConfig, run_spec
+from omniscale.tools.train.faults import Faults
 from omniscale.tools.train.held_out import HeldOut, evaluates_in_ranks
-from omniscale.tools.train.step import StepContext
-from omniscale.tools.train.step_audit import StepAudit
+from omniscale.tools.train.plane_session import PlaneSession
+from omniscale.tools.train.step import StepEnv
 from omniscale.tools.train.tasks import task_of
 from omniscale.tools.train.torchrun import shared_ray
 from omniscale.tools.train.trainer import Trainer
@@ -135,7 +136,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
 
 def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Path,
                 device: torch.device) -> None:
-    plane = loader = None
+    plane = loader = session = None
     try:
         spec, mcfg, dims, groups = layout(cfg, world)  # every rank, before the plane starts
         task = task_of(cfg)
@@ -149,7 +150,8 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
         url = _share_url(job.plane_url or (plane.url if plane else None), rank, run_dir)
         # the plane plans for the data ranks; TP peers load (and commit) the same plan
         data_rank = dims.data_rank(rank)
-        loader = make_loader(cfg, url, data_rank, spec, job)
+        session = PlaneSession(url, data_rank, token=job.plane_token)
+        loader = make_loader(cfg, session, spec, job)
         model = task.build(cfg, spec, mcfg, device)
         optim_groups.freeze(model, groups)  # before FSDP builds its units (parallel.fsdp)
         from omniscale.parallel.fsdp import MixedUnitError
@@ -164,26 +166,32 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
         if job.resume_from:
             checkpoint.load(Path(job.resume_from), model, optimizer, verified=True)
         alpha, beta = mcfg.cost_coefficients() if mcfg is not None else (0.0, 0.0)
-        ctx = StepContext(cfg, dims.dp_sp, data_rank, [s.name for s in spec.sources], alpha,
-                          beta, peak_flops(cfg, device), device=device,
-                          group=meshes.mesh["dp_sp"].get_group()
-                          if dims.tp * dims.pp > 1 else None,
-                          writer=rank == 0, devices=world,
-                          encoder_copies=dims.tp // dims.encoder_tp, tp_rank=dims.tp_rank(rank),
-                          pipeline=meshes.pipeline, clock=ComputeClock(device.type),
-                          audit=StepAudit(device, cfg.debug.audit_devices,
-                                          cfg.debug.count_host_syncs))
-        held_out = HeldOut(cfg, run_dir, mcfg.vocab_size if mcfg is not None else None, ctx) \
+        faults = Faults.of(cfg.debug, rank, data_rank, writer=rank == 0,
+                           output_dir=cfg.output_dir)
+        env = StepEnv(cfg, dims.dp_sp, data_rank, tuple(s.name for s in spec.sources), alpha,
+                      beta, peak_flops(cfg, device), device=device,
+                      group=meshes.mesh["dp_sp"].get_group() if dims.tp * dims.pp > 1 else None,
+                      writer=rank == 0, devices=world,
+                      encoder_copies=dims.tp // dims.encoder_tp, tp_rank=dims.tp_rank(rank),
+                      pipeline=meshes.pipeline, faults=faults)
+        held_out = HeldOut(cfg, run_dir, mcfg.vocab_size if mcfg is not None else None, env) \
             if evaluates_in_ranks(cfg) else None
-        Trainer(ctx, run_dir, job, model, optimizer, loader, spec, step_fn, held_out).run()
-        loader.wait_commits()
+        Trainer(env, run_dir, job, model, optimizer, loader, session, spec, step_fn,
+                held_out).run()
+        session.wait_commits()
         # nobody stops the plane while another rank still talks to it
         collectives.end_of_run_barrier(device)
+        if plane is not None:  # the launcher lists them (launch.corrupt_report, suspect_report)
+            session.write_reports(run_dir)
     finally:
-        if loader is not None:  # a refused commit is raised unless an error is in flight
-            loader.close(raise_commit_errors=sys.exc_info()[0] is None)
-        if plane is not None:
-            plane.stop()
+        try:
+            if loader is not None:
+                loader.close()
+        finally:
+            if session is not None:  # a refused commit is raised unless an error is in flight
+                session.close(raise_commit_errors=sys.exc_info()[0] is None)
+            if plane is not None:
+                plane.stop()
 
 
 def layout(cfg: RunConfig, world: int):
@@ -256,26 +264,29 @@ def settings_of(cfg: RunConfig, device: torch.device):
                     pp_microbatches=p.pp_microbatches)
 
 
-def make_loader(cfg: RunConfig, url: str, rank: int, spec, job: RankJob):
-    """The rank's loader: DataLoader worker processes (``data.loader: workers``) or per-source
-    Ray actor pools (``ray``: the job's, in its Ray cluster, ``loaders.ray_cluster``)."""
-    args = (url, rank, spec.locations, spec.tokenizer, spec.media)
+def make_loader(cfg: RunConfig, session: PlaneSession, spec, job: RankJob):
+    """The rank's loader, fed by its plane session's plan source and reporting to it:
+    DataLoader worker processes (``data.loader: workers``) or per-source Ray actor pools
+    (``ray``: the job's, in its Ray cluster, ``loaders.ray_cluster``)."""
+    args = (session.plans(job.start_step, cfg.data.prefetch_steps), session.report,
+            session.rank, spec.locations, spec.tokenizer, spec.media)
     # The omni step reshards encoder outputs, so a rank decodes only the media it encodes.
     kw = dict(num_workers=cfg.data.workers, prefetch_steps=cfg.data.prefetch_steps,
-              policy=cfg.data.policy, start_step=job.start_step, token=job.plane_token,
+              policy=cfg.data.policy, start_step=job.start_step,
               skip_moved_media=task_of(cfg).media_resharded, special_tokens=spec.special_tokens,
               indexes=spec.indexes, cache=cache_config(cfg),
               cache_prefetch_steps=cfg.data.cache_prefetch_steps)
     if cfg.data.loader == "workers":
         return RankLoader(*args, **kw)
     from omniscale.loaders.ray_cluster import connect, job_namespace
-    from omniscale.loaders.ray_loaders import RayRankLoader
+    from omniscale.loaders.ray_loaders import RayRankLoader, pools_name_for
 
     # A plane running as a Ray actor names its job's namespace: the pools join it there.
     connect(job.ray_address or cfg.data.ray_address,
-            plane_ray_namespace(url, job.plane_token) or job_namespace(job.run_dir))
+            session.ray_namespace() or job_namespace(job.run_dir))
     # The pools follow the schedule once a window (the plane draws a window ahead).
-    return RayRankLoader(*args, actor_cpus=cfg.data.ray_actor_cpus,
+    return RayRankLoader(*args, pools_name=pools_name_for(session.url),
+                         mixture=session.mixture_weights, actor_cpus=cfg.data.ray_actor_cpus,
                          placement_timeout=cfg.data.ray_placement_timeout_s,
                          autoscale_cpus=cfg.data.ray_autoscale_cpus,
                          resize_every=cfg.data.window, **kw)
@@ -285,18 +296,10 @@ def cache_config(cfg: RunConfig):
     """The node-local cache of remote sources' bytes (``data.cache_dir``), or None."""
     if cfg.data.cache_dir is None:
         return None
-    from omniscale.loaders.remote_cache import CacheConfig
+    from omniscale.loaders.block_cache import CacheConfig
 
     return CacheConfig(os.path.abspath(os.path.expanduser(cfg.data.cache_dir)),
                        cfg.data.cache_bytes)
-
-
-def plane_ray_namespace(url: str, token: str | None) -> str | None:
-    """The Ray namespace of a plane served as a Ray actor (``plane serve --ray``), else None."""
-    from omniscale.dataplane.client import PlaneClient
-
-    with PlaneClient(url, token=token, timeout=10.0, retry_for=30.0) as client:
-        return client.status().get("ray_namespace")
 
 
 def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:

@@ -26,8 +26,8 @@ from omniscale.tools.train import collectives
 from omniscale.tools.train.guard import guarded_update
 from omniscale.tools.train.records import StepRecord, StepSums
 from omniscale.tools.train.step import (
-    StepContext,
-    dump_gradients,
+    RunState,
+    StepEnv,
     global_counts,
     mix_counts,
     omni_record,
@@ -46,65 +46,66 @@ def schedule_runs(micro_batches: list, size: int) -> list[list]:
     return [mbs[i:i + size] for i in range(0, len(mbs), size)]
 
 
-def _stage_loads(ctx: StepContext, model, runner) -> torch.Tensor | None:
+def _stage_loads(env: StepEnv, model, runner) -> torch.Tensor | None:
     """This stage's MoE loads (L_stage × E) placed at its rows of the whole model's."""
     config = model.config
     if config.moe is None or runner.module.load_LE is None:
         return None
     load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts, dtype=torch.float64,
-                          device=ctx.device)
-    load_LE[_moe_rows(config, runner)] = runner.module.load_LE.to(ctx.device, torch.float64)
+                          device=env.device)
+    load_LE[_moe_rows(config, runner)] = runner.module.load_LE.to(env.device, torch.float64)
     return load_LE
 
 
-def pipeline_step(ctx: StepContext, step: int, model, optimizer, batch) -> StepRecord:
+def pipeline_step(env: StepEnv, state: RunState, step: int, model, optimizer, batch
+                  ) -> StepRecord:
     """chunks of micro-batches through the schedule → clip over every stage → AdamW →
     record."""
-    cfg, runner = ctx.cfg, ctx.pipeline
-    ctx.clock.start()
+    cfg, runner = env.cfg, env.pipeline
+    state.clock.start()
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
     chunks = schedule_runs(batch.micro_batches, runner.n_microbatches)
-    counts = global_counts(ctx, batch, [mb for chunk in chunks for mb in chunk])
-    n_groups = len(ctx.sources) + 1
-    sums = StepSums.zeros(n_groups, ctx.device)
+    counts = global_counts(env, batch, [mb for chunk in chunks for mb in chunk])
+    n_groups = len(env.sources) + 1
+    sums = StepSums.zeros(n_groups, env.device)
     # one copy of each figure enters the world's all-reduce: the loss from the last stage,
     # the mix from the first, loads from every stage, each from tensor-parallel rank 0
-    scores = runner.is_last and ctx.tp_rank == 0
-    counts_mix = runner.is_first and ctx.tp_rank == 0
-    router_divisor = ctx.world * len(chunks) * runner.n_microbatches
-    with ctx.audit.compute(model):
-        _run_chunks(ctx, model, runner, chunks, counts, sums, scores, router_divisor)
+    scores = runner.is_last and env.tp_rank == 0
+    counts_mix = runner.is_first and env.tp_rank == 0
+    router_divisor = env.world * len(chunks) * runner.n_microbatches
+    with state.audit.compute(model):
+        _run_chunks(env, model, runner, chunks, counts, sums, scores, router_divisor)
     if counts_mix:
-        sums.samples_G, sums.tokens_G = mix_counts(ctx, batch.micro_batches)
+        sums.samples_G, sums.tokens_G = mix_counts(env, batch.micro_batches)
     pp_group = runner.stage.group
-    if step == cfg.debug.dump_grads_at_step:
-        dump_gradients(ctx, step, model, pp_group)
-    with ctx.audit.compute(model):
+    env.faults.before_clip(step, model, pp_group)
+    with state.audit.compute(model):
         grad_norm = collectives.clip_grad_norm(model, cfg.optim.grad_clip, pp_group)
     # the loss is the last stage's (zeros elsewhere): the guard's world sum is the step's
-    skipped = guarded_update(ctx, optimizer, sums.loss_G.sum(), counts.values[0], grad_norm)
+    skipped = guarded_update(state.guard, optimizer, sums.loss_G.sum(), counts.values[0],
+                             grad_norm, contributes=env.tp_rank == 0)
     config = model.config
     if config.moe is not None and sums.load_LE is None:  # no MoE layer here, or a TP copy
         sums.load_LE = torch.zeros(config.n_moe_layers, config.moe.num_experts,
-                                   dtype=torch.float64, device=ctx.device)
+                                   dtype=torch.float64, device=env.device)
     if skipped is None:
-        update_bias(ctx, model, sums.load_LE, _moe_rows(config, runner))
-    return omni_record(ctx, step, batch, lr, grad_norm, ctx.clock.stop(), counts, sums,
-                       skipped)
+        update_bias(env, model, sums.load_LE, _moe_rows(config, runner))
+    return omni_record(env, state, step, batch, lr, grad_norm, state.clock.stop(), counts,
+                       sums, skipped)
 
 
-def _run_chunks(ctx: StepContext, model, runner, chunks, counts, sums, scores: bool,
+def _run_chunks(env: StepEnv, model, runner, chunks, counts, sums, scores: bool,
                 router_divisor: int) -> None:
     """Each chunk through the schedule: the stage's forward and backward passes, its
     loads, and (last stage) its loss per source group."""
-    n_groups = len(ctx.sources) + 1
+    n_groups = len(env.sources) + 1
     for chunk in chunks:
         runner.step(chunk, n_tokens=counts.loss_divisor, router_divisor=router_divisor,
-                    groups=[source_groups(mb, ctx.sources) for mb in chunk],
+                    groups=[source_groups(mb, env.sources) for mb in chunk],
                     num_groups=n_groups)
-        load = _stage_loads(ctx, model, runner)
-        if load is not None and ctx.tp_rank == 0:
+        load = _stage_loads(env, model, runner)
+        if load is not None and env.tp_rank == 0:
             sums.load_LE = load if sums.load_LE is None else sums.load_LE + load
         if scores:
             sums.loss_G += runner.loss_G.double()

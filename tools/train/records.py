@@ -8,9 +8,10 @@ records of `log_every` steps and `flush` turns them into one metrics row per ste
 all-reduce, one all-gather and one object gather, and one host synchronisation: nothing in a
 step waits for its metrics. A checkpoint flushes first, so every step it covers is logged.
 
-Sums are all-reduced over `StepContext.sum_group` (the data ranks; the whole world under
+Sums are all-reduced over `StepEnv.sum_group` (the data ranks; the whole world under
 pipeline parallelism, where each figure is contributed by one stage), timings gathered over
-the data ranks.
+the data ranks; what the timings update (the cost fit, the stragglers, rank 0's refit
+measurements) is the run's `RunState` (tools/train/step.py).
 """
 
 from __future__ import annotations
@@ -100,39 +101,40 @@ def step_record(step: int, batch, **fields) -> StepRecord:
                       io=dict(getattr(batch, "io", {})), **fields)
 
 
-def _timing(ctx, record: StepRecord, costs: list[float], secs: list[float],
+def _timing(env, state, record: StepRecord, costs: list[float], secs: list[float],
             walls: list[float], waits: list[float]) -> dict:
     """Per-rank predicted cost vs measured compute seconds (their imbalance is the honest
     one: waiting excluded), the data wait, the wall-clock step the slowest rank sets, each
     rank's slowdown against the cost fit and the stragglers (``stragglers``; every task's
     row has these)."""
-    k = ctx.fit.k  # from the steps before this one: the prediction this step is judged by
+    k = state.fit.k  # from the steps before this one: the prediction this step is judged by
     predicted = k * max(costs) if k is not None else None
-    watchdog = ctx.cfg.watchdog
-    slow, lines = ctx.stragglers.observe(record.step, costs, secs, k,
-                                         watchdog.straggler_factor, watchdog.straggler_steps)
-    if ctx.writer:
+    watchdog = env.cfg.watchdog
+    slow, lines = state.stragglers.observe(record.step, costs, secs, k,
+                                           watchdog.straggler_factor, watchdog.straggler_steps)
+    if env.writer:
         for line in lines:
             print(line, flush=True)
-    ctx.fit.update(costs, secs)
+    state.fit.update(costs, secs)
     step_s = max(s + w for s, w in zip(walls, waits))
     return {"step_s": step_s, "data_wait_frac": max(waits) / max(step_s, 1e-9),
             "predicted_step_s": predicted, "measured_step_s": max(secs),
             "rank_compute_s": secs, "rank_wall_s": walls, "rank_predicted_cost": costs,
-            "compute_clock": ctx.clock.kind,
+            "compute_clock": state.clock.kind,
             **record.plan,
             "imbalance_measured": max(secs) / max(sum(secs) / len(secs), 1e-12), **slow}
 
 
-def flush(ctx, records: list[StepRecord]) -> list[dict]:
-    """The rows of `records` (every rank calls it at the same step; rows on every rank)."""
+def flush(env, state, records: list[StepRecord]) -> list[dict]:
+    """The rows of `records` (every rank calls it at the same step; rows on every rank);
+    ``env``: the run's ``step.StepEnv``, ``state``: its ``step.RunState``."""
     if not records:
         return []
     host = torch.tensor([[r.predicted_cost, r.compute_s, r.wall_s, r.data_wait_s, r.skipped]
-                         for r in records], dtype=torch.float64, device=ctx.device)
+                         for r in records], dtype=torch.float64, device=env.device)
     sums, gathered, objects = collectives.flush_metrics(
         torch.cat([r.sums for r in records]), host,
-        [(r.lengths, r.replaced, r.io) for r in records], ctx.world, ctx.sum_group, ctx.group)
+        [(r.lengths, r.replaced, r.io) for r in records], env.world, env.sum_group, env.group)
     # the one host synchronisation of the interval
     sums = sums.cpu()
     per_rank = torch.stack(gathered, dim=1).tolist()  # [step][rank][field]
@@ -141,13 +143,13 @@ def flush(ctx, records: list[StepRecord]) -> list[dict]:
     for i, record in enumerate(records):
         size = record.sums.numel()
         costs, secs, walls, waits, skipped = (list(column) for column in zip(*per_rank[i]))
-        times = _timing(ctx, record, costs, secs, walls, waits)
+        times = _timing(env, state, record, costs, secs, walls, waits)
         reported = sum(skipped)
-        if reported and ctx.world > 1:  # the rank training a sample and the one encoding
+        if reported and env.world > 1:  # the rank training a sample and the one encoding
             # its media both decode it, and both skip it: each sample once
             reported = len(set().union(*(set(map(tuple, o[i][1])) for o in objects)))
-        if record.lengths is not None and ctx.writer:
-            ctx.refit.add([o[i][0] for o in objects], secs)
+        if record.lengths is not None and env.writer:
+            state.refit.add([o[i][0] for o in objects], secs)
         row = record.row(record, sums[offset:offset + size], record.counts.cpu(), times,
                          int(reported))
         row["grad_norm"] = norms[i]

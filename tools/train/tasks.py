@@ -39,7 +39,8 @@ class Task:
     language_model: bool
     build: Callable  # (cfg, spec, model config or None, device) -> nn.Module
     parallelize: Callable  # (cfg) -> parallel.parallelize_* with the run's arguments bound
-    step: Callable  # (ctx, step, model, optimizer, batch) -> records.StepRecord
+    # (step.StepEnv, step.RunState, step, model, optimizer, batch) -> records.StepRecord
+    step: Callable
     scored_sources: Callable  # (eval spec) -> names of the sources the evaluation scores
     held_out_score: str  # the held_out.HeldOut method scoring one source's slice
     load_for_eval: Callable  # (cfg, spec, checkpoint dir) -> (model, score(batches, samples))

@@ -1,8 +1,10 @@
 """One rank's training loop (``Trainer.run``): the state kept between steps -- the log
 interval's records, the metrics writer and progress bar, the tokens trained so far, the
-checkpoint being written, the guard, the watchdog, the profiler -- lives on the trainer, so
-the loop reads top to bottom: batch → step (encode/reshard → backbone → update → record) →
-commit → evaluate → log → checkpoint. ``loop.py`` sets the rank up and hands it one.
+checkpoint being written, the run's measurements (``step.RunState``: compute clock, cost fit
+and refit, stragglers, step audit, the guard's history), the watchdog, the profiler -- lives
+on the trainer, so the loop reads top to bottom: plan → batch → encode/reshard → backbone →
+update → record → commit → evaluate → log → checkpoint. ``loop.py`` sets the rank up (its
+fixed ``step.StepEnv``) and hands it one.
 """
 
 from __future__ import annotations
@@ -14,15 +16,13 @@ import torch
 import torch.distributed as dist
 
 from omniscale.tools.train import checkpoint
-from omniscale.tools.train.cost_model import refit_and_send
-from omniscale.tools.train.guard import report_suspects, seeded
 from omniscale.tools.train.held_out import flat
 from omniscale.tools.train.metrics import MetricsWriter, Progress
 from omniscale.tools.train.profiler import step_profiler
 from omniscale.tools.train.records import StepRecord, flush
-from omniscale.tools.train.step import StepContext
+from omniscale.tools.train.step import RunState, StepEnv
 from omniscale.tools.train.step_audit import recording_collectives
-from omniscale.tools.train.watchdog import StepWatchdog, injected_hang
+from omniscale.tools.train.watchdog import StepWatchdog
 
 
 def target_mix(spec, step: int, tokens_before: int) -> dict[str, float]:
@@ -35,27 +35,28 @@ class Trainer:
     """The steps of one rank from ``job.start_step``: train, commit, evaluate (``held_out``:
     ``held_out.HeldOut``, every ``eval.every`` steps and after the last), log, checkpoint."""
 
-    def __init__(self, ctx: StepContext, run_dir: Path, job, model, optimizer, loader, spec,
-                 step_fn, held_out=None) -> None:
-        self.ctx, self.cfg, self.run_dir, self.job = ctx, ctx.cfg, Path(run_dir), job
+    def __init__(self, env: StepEnv, run_dir: Path, job, model, optimizer, loader, session,
+                 spec, step_fn, held_out=None) -> None:
+        self.env, self.cfg, self.run_dir, self.job = env, env.cfg, Path(run_dir), job
+        # what the steps measure and remember (the guard's history from before a resume)
+        self.state = RunState.start(env, self.run_dir, job.start_step)
         self.model, self.optimizer, self.loader, self.spec = model, optimizer, loader, spec
+        self.session = session  # the rank's plane_session.PlaneSession: every plane call
         self.step_fn, self.held_out = step_fn, held_out
         self.rank = dist.get_rank()  # the global rank: files are written by rank 0
         cfg = self.cfg
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl", job.start_step,
-                                    cfg.metrics.wandb, job.raw_config) if ctx.writer else None
-        self.bar = Progress(ctx.writer, job.progress, cfg.steps, job.start_step, cfg.log_every)
+                                    cfg.metrics.wandb, job.raw_config) if env.writer else None
+        self.bar = Progress(env.writer, job.progress, cfg.steps, job.start_step, cfg.log_every)
         self.tokens_before = self.writer.tokens_before if self.writer is not None else 0
         # checkpoint.async_save: the writer thread coordinates on a gloo group of its own
         self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save \
             else None
         self.pending = None  # the checkpoint being written in the background
         self.records: list[StepRecord] = []  # steps since the last log, metrics on the device
-        if cfg.guard.enabled:
-            ctx.guard = seeded(cfg.guard, self.run_dir / "metrics.jsonl", job.start_step)
         self.watchdog = StepWatchdog(cfg.watchdog.step_timeout_s, self.run_dir, self.rank,
                                      job.start_step) if cfg.watchdog.step_timeout_s > 0 else None
-        self.profiler = step_profiler(cfg, self.run_dir, self.rank, ctx.device, job.start_step)
+        self.profiler = step_profiler(cfg, self.run_dir, self.rank, env.device, job.start_step)
 
     def run(self) -> None:
         cfg = self.cfg
@@ -64,13 +65,17 @@ class Trainer:
                 for step in range(self.job.start_step, cfg.steps):
                     if recorder is not None:
                         recorder.mark(f"step {step}")
+                    # plan → batch: the loader fetched the step's plan from the plane and
+                    # loaded its samples ahead of the step
                     batch = next(self.loader)
                     assert batch.step == step, (batch.step, step)
-                    injected_hang(cfg, step, self.rank)
-                    record = self.step_fn(self.ctx, step, self.model, self.optimizer, batch)
-                    self.records.append(record)
+                    self.env.faults.before_step(step)  # debug.hang
+                    # encode/reshard → backbone → update → record: the task's step
+                    record = self.step_fn(self.env, self.state, step, self.model,
+                                          self.optimizer, batch)
+                    self.records.append(record)  # on the device until the log interval
                     self.commit(step, batch, record.update_skipped)
-                    self.after_step(step + 1)
+                    self.after_step(step + 1)  # evaluate → log → checkpoint
                 checkpoint.finish(self.pending, self.run_dir, self.rank,
                                   cfg.checkpoint.keep_last)
         finally:
@@ -80,13 +85,13 @@ class Trainer:
         """The step to the plane (a skipped step's samples reported first: the plane still
         holds its plans); the run stops after ``guard.max_skipped_steps`` skips in a row."""
         if skipped is not None:
-            report_suspects(self.loader.client, step, batch, skipped, self.rank)
-        self.loader.commit(step)
+            self.session.report_suspects(step, batch, skipped, self.rank)
+        self.session.commit(step, batch.plan_fp)
         if self.watchdog is not None:
             self.watchdog.beat(step)
-        if skipped is not None and self.ctx.guard.stops_run:
-            self.log(flush(self.ctx, self.records))
-            self.ctx.guard.stop(step, skipped, self.run_dir)
+        if skipped is not None and self.state.guard.stops_run:
+            self.log(flush(self.env, self.state, self.records))
+            self.state.guard.stop(step, skipped, self.run_dir)
 
     def after_step(self, done: int) -> None:
         """Evaluate, log and checkpoint after ``done`` steps, as the config asks."""
@@ -97,19 +102,19 @@ class Trainer:
                 held = self.held_out.evaluate(self.model, done)
         save = done % cfg.checkpoint_every == 0 or (done == cfg.steps and cfg.checkpoint.final)
         if save or done % cfg.log_every == 0 or held:  # every step it covers is logged
-            rows = flush(self.ctx, self.records)
+            rows = flush(self.env, self.state, self.records)
             if held:
                 rows[-1]["eval"] = flat(held)
             self.log(rows, checkpoint=done if save else None,
                      pools=getattr(self.loader, "pool_stats", None))
             self.records = []
         if save:
-            self.loader.wait_commits()  # a checkpoint at ``done``: every step before committed
+            self.session.wait_commits()  # a checkpoint at ``done``: every step before committed
             checkpoint.finish(self.pending, self.run_dir, self.rank, cfg.checkpoint.keep_last)
             self.pending = checkpoint.save(self.run_dir, done, self.model, self.optimizer,
-                                           self.loader.client, self.rank,
+                                           self.session, self.rank,
                                            cfg.checkpoint.keep_last, self.async_group,
-                                           kill_in_save=cfg.debug.kill_in_save == done)
+                                           faults=self.env.faults)
         if self.profiler is not None:  # profile.steps: the step is the whole iteration
             self.profiler.step(done - 1)
 
@@ -117,17 +122,17 @@ class Trainer:
         """Write a log interval's rows (rank 0) with what only the loop knows: the schedule's
         target mix, the cost refit, peak memory, the checkpoint the last row's step starts, the
         Ray decoding pools (``pools``: ``RayRankLoader.pool_stats``)."""
-        ctx, cfg = self.ctx, self.cfg
+        env, cfg = self.env, self.cfg
         for row in rows:
             step = row["step"]
-            if ctx.device.type == "cuda":  # this rank's peak since the start (GiB)
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
+            if env.device.type == "cuda":  # this rank's peak since the start (GiB)
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(env.device) / 2 ** 30
             row["balance"] = cfg.data.balance  # the placement policy the plans came from
             if pools is not None:
                 row["data_pools"] = pools()
             if "mix_samples" in row:
                 row["mix_target"] = target_mix(self.spec, step, self.tokens_before)
-            if ctx.writer and cfg.data.refit_costs_every and \
+            if env.writer and cfg.data.refit_costs_every and \
                     (step + 1) % cfg.data.refit_costs_every == 0:
                 row["cost_refit"] = self.refit()
             self.tokens_before += row["tokens"]
@@ -137,11 +142,12 @@ class Trainer:
                 self.writer.write(row)
             self.bar.update(f"loss {row['loss']:.3f}  lr {row['lr']:.2e}  "
                             f"{row['tokens_per_s']:,.0f} tok/s")
-        ctx.stragglers.tell(self.loader.client, ctx.writer)  # the plane's status names them
+        # the plane's status names them
+        self.session.tell_stragglers(self.state.stragglers, env.writer)
 
     def refit(self) -> dict | None:
         """The cost model refitted and sent (``cost_model.refit_and_send``)."""
-        return refit_and_send(self.ctx.refit, self.loader.client, self.cfg.deterministic)
+        return self.session.refit(self.state.refit, self.cfg.deterministic)
 
     def close(self) -> None:
         if self.watchdog is not None:

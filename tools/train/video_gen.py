@@ -235,40 +235,41 @@ def velocity_result(sums: list[float], n: float, times=EVAL_TIMES) -> dict:
     return out
 
 
-def video_gen_step(ctx, step: int, model: VideoDiT, optimizer, batch):
-    """One optimizer step of the video_gen task: every micro-batch's clips, loss divided by
-    the global patch count (all ranks), clip, AdamW; a ``records.StepRecord`` back. Time and
-    noise come from a generator seeded by (seed, step, rank): a resumed run draws what the
-    uninterrupted one drew."""
+def video_gen_step(env, state, step: int, model: VideoDiT, optimizer, batch):
+    """One optimizer step of the video_gen task (``env``: ``step.StepEnv``, ``state``:
+    ``step.RunState``): every micro-batch's clips, loss divided by the global patch count (all
+    ranks), clip, AdamW; a ``records.StepRecord`` back. Time and noise come from a generator
+    seeded by (seed, step, rank): a resumed run draws what the uninterrupted one drew."""
     from omniscale.tools.train import collectives
-    from omniscale.tools.train.guard import guarded_update, poisoned
+    from omniscale.tools.train.guard import guarded_update
     from omniscale.tools.train.records import step_record
     from omniscale.tools.train.step import placeholder, set_lr
 
-    cfg = ctx.cfg
-    ctx.clock.start()
+    cfg = env.cfg
+    state.clock.start()
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
     generator = torch.Generator().manual_seed(
-        (cfg.seed * 1_000_003 + step) * 1_009 + ctx.rank)
+        (cfg.seed * 1_000_003 + step) * 1_009 + env.rank)
     mbs = [mb if mb.num_tokens else placeholder(mb) for mb in batch.micro_batches]
     n_local = sum(int(mb.vision_grid_thw_V3[mb.vision_kind_V == VIDEO].prod(dim=1).sum())
                   for mb in mbs)
-    counts = torch.tensor([n_local], dtype=torch.float64, device=ctx.device)
-    collectives.sum_step_counts(counts, ctx.group)
+    counts = torch.tensor([n_local], dtype=torch.float64, device=env.device)
+    collectives.sum_step_counts(counts, env.group)
     n_global = counts[0].clamp_min(1.0)
-    loss_sum = torch.zeros(1, dtype=torch.float64, device=ctx.device)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=env.device)
     for mb in mbs:
         out = video_gen_loss(model, mb, generator)
-        out["loss_sum"] = poisoned(ctx, step, out["loss_sum"])
+        out["loss_sum"] = env.faults.on_loss(step, out["loss_sum"])
         loss = out["loss_sum"]
         if "router_loss" in out["aux"]:
             loss = loss + out["aux"]["router_loss"] * out["n_targets"]
         (loss / n_global).backward()
         loss_sum += out["loss_sum"].detach().double()
     grad_norm = collectives.clip_grad_norm(model, cfg.optim.grad_clip)
-    skipped = guarded_update(ctx, optimizer, loss_sum, counts[0], grad_norm)
-    wall_s, compute_s = ctx.clock.stop()
+    skipped = guarded_update(state.guard, optimizer, loss_sum, counts[0], grad_norm,
+                             contributes=env.tp_rank == 0)
+    wall_s, compute_s = state.clock.stop()
     return step_record(step, batch, lr=lr, grad_norm=grad_norm, counts=counts,
                        sums=loss_sum, row=_video_row, wall_s=wall_s, compute_s=compute_s,
                        update_skipped=skipped)

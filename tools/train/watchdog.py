@@ -115,20 +115,3 @@ class StepWatchdog:
         print(line, file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
 
-
-def injected_hang(cfg, step: int, rank: int) -> None:
-    """``debug.hang``: a test's hang -- this rank sleeps inside the step."""
-    hang = cfg.debug.hang
-    if hang is not None and hang.step == step and hang.rank == rank:
-        time.sleep(hang.seconds)
-
-
-def injected_slowness(cfg, step: int, data_rank: int) -> None:
-    """``debug.slow_rank``: a test's straggler -- this data rank computes ``seconds`` longer
-    at every step from ``from_step``. It spins rather than sleeps: on CPU the compute clock
-    reads CPU time, which a sleep does not use (``compute_clock``)."""
-    slow = cfg.debug.slow_rank
-    if slow is not None and slow.rank == data_rank and step >= slow.from_step:
-        until = time.thread_time() + slow.seconds
-        while time.thread_time() < until:
-            pass
