@@ -61,12 +61,17 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
 from omniscale.tools.bench.plane_data import write_sources, write_spec  # noqa: E402
+from omniscale.tools.bench.plane_report import (  # noqa: E402
+    MODES,
+    TARGETS,
+    print_table,
+    report,
+)
 from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
 RANKS, WORKERS = 64, 4
 SERVE_RANKS, PROCS = 256, 4
 SCALES = {"quick": (100, 10, 1000), "default": (1000, 10, 1000), "full": (1000, 100, 1000)}
-TARGETS = {"memory_ratio": 20.0, "fetches_per_s": 5000.0, "p99_ms": 20.0, "steps_per_s": 1.0}
 
 
 def rss_bytes(pid: int | str = "self") -> int:
@@ -355,94 +360,6 @@ def planning(spec: Path, tmp: Path, windows: int) -> dict:
 
 
 # -- report ---------------------------------------------------------------------------------
-MODES = ("action", "exchange", "lane")
-LABEL = {"action": "per-call plan actions (PlaneClient default)",
-         "exchange": "Flight exchange stream", "lane": "plan lane (PlaneClient(stream=True))"}
-
-
-def serving_rows(srv: dict, rate: float) -> list[dict]:
-    """Rows of the serving runs: the lane against the in-run baseline (per-call actions) and
-    against the targets; the exchange stream and the closed loop's latency as information."""
-    closed, paced = srv["closed"], srv["paced"]
-    base, ours = closed["action"], closed["lane"]
-    n = ours["clients"]
-    rows = [{
-        "what": f"serving, closed loop: fetches/s, {n} clients ({ours['processes']} processes)",
-        "baseline": f"{base['fetches_per_s']:,.0f}/s {LABEL['action']}",
-        "measured": f"{ours['fetches_per_s']:,.0f}/s {LABEL['lane']}; "
-                    f"{ours['fetches_per_s'] / base['fetches_per_s']:.2f}x baseline, "
-                    f"{ours['fetches_per_s'] / TARGETS['fetches_per_s']:.2f}x target",
-        "value": f"{ours['fetches_per_s']:,.0f}/s", "target": ">= 5,000/s",
-        "met": ours["fetches_per_s"] >= TARGETS["fetches_per_s"]}]
-    if "lane" in paced and "action" in paced:
-        base, ours = paced["action"], paced["lane"]
-        rows.append({
-            "what": f"serving, paced {rate:,.0f} fetches/s ({n} clients x "
-                    f"{ours['rate_per_client']:.1f}/s): p99",
-            "baseline": f"p99 {base['p99_ms']:,.1f} ms {LABEL['action']}",
-            "measured": f"p50 {ours['p50_ms']:.2f} ms, "
-                        f"p99.9 {ours['p99.9_ms']:.1f} ms; p99 "
-                        f"{base['p99_ms'] / max(ours['p99_ms'], 1e-9):.1f}x lower than baseline,"
-                        f" p99 / target {ours['p99_ms'] / TARGETS['p99_ms']:.2f}",
-            "value": f"{ours['p99_ms']:.2f} ms", "target": "p99 <= 20 ms at the rate",
-            "met": ours["p99_ms"] <= TARGETS["p99_ms"]})
-    for load, runs in (("closed loop", closed), ("paced", paced)):
-        for mode in MODES:
-            if mode not in runs:
-                continue
-            r = runs[mode]
-            rows.append({
-                "what": f"serving, {load}, {mode}: latency p50 / p99 (information)",
-                "baseline": "-",
-                "measured": f"{r['fetches_per_s']:,.0f}/s "
-                            f"{'scheduled' if r['rate'] else 'served'}, p50 "
-                            f"{r['p50_ms']:.2f} ms; CPU per "
-                            f"fetch: plane {r['plane_cpu_us_per_fetch']:.0f} us, clients "
-                            f"{r['clients_cpu_us_per_fetch']:.0f} us; load avg "
-                            f"{r['load_avg_before']:.1f}",
-                "value": f"p99 {r['p99_ms']:.2f} ms",
-                "target": "(Little's law: p99 <= 20 ms needs >= 12,800/s)"
-                          if load == "closed loop" else "(information)", "met": True})
-    return rows
-
-
-def report(out: dict) -> list[dict]:
-    rows = []
-    if "memory" in out:
-        mem = out["memory"]
-        mib = 2 ** 20
-        base, ours = mem["baseline"], mem["ours"]
-        n = base["processes"]
-        rows.append(
-            {"what": f"memory, {n} loader processes: per-rank state / (plane + clients), "
-                     "fitted from 1-8 real processes",
-             "baseline": f"{base['extrapolated_bytes'] / mib:,.0f} MiB "
-                         f"({base['bytes_per_process'] / mib:.1f} MiB/process)",
-             "measured": f"{ours['extrapolated_bytes'] / mib:,.0f} MiB "
-                         f"({ours['bytes_per_process'] / mib:.1f} MiB/process, plane "
-                         f"{mem['plane_bytes'] / mib:.0f} MiB)",
-             "value": f"{mem['ratio']:.1f}x", "target": ">= 20x",
-             "met": mem["ratio"] >= TARGETS["memory_ratio"]})
-        state = mem["state_only"]
-        rows.append(
-            {"what": f"memory, {n} loader processes, state only (a bare process's PSS "
-                     "subtracted per process): per-rank state / plane + clients",
-             "baseline": f"{state['baseline_bytes'] / mib:,.0f} MiB",
-             "measured": f"{state['ours_bytes'] / mib:,.0f} MiB",
-             "value": f"{state['ratio']:.1f}x", "target": "(information)", "met": True})
-    rows += serving_rows(out["serving"], out["serving"]["rate"])
-    if "planning" in out:
-        pln = out["planning"]
-        rows.append(
-            {"what": f"planning: {pln['dp']} ranks, {pln['samples_per_step']} samples/step",
-             "baseline": "1 step/s consumed",
-             "measured": f"{pln['total_s_per_window'] * 1e3:.0f} ms/window "
-                         f"(plan {pln['plan_s_per_window'] * 1e3:.0f})",
-             "value": f"{pln['steps_per_s']:.1f} steps/s", "target": ">= 1 step/s",
-             "met": pln["steps_per_s"] >= TARGETS["steps_per_s"]})
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
@@ -526,19 +443,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}", flush=True)
     return 0 if all(r["met"] for r in out["rows"]) else 1
-
-
-def print_table(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="data plane: measured vs target (baselines measured in the same run)")
-    for col in ("what", "baseline", "measured", "value", "target", "met"):
-        table.add_column(col)
-    for row in rows:
-        table.add_row(*(str(row[c]) if c != "met" else ("yes" if row[c] else "NO")
-                        for c in ("what", "baseline", "measured", "value", "target", "met")))
-    Console(width=160).print(table)
 
 
 if __name__ == "__main__":
