@@ -11,7 +11,8 @@ from PIL import Image
 
 from omniscale.tools.cli import main
 from omniscale.tools.report import build_report
-from omniscale.tools.report.plots import PLOTS, smoothed
+from omniscale.tools.report.plots import PLOTS
+from omniscale.tools.report.series import smoothed
 
 ALL_PNGS = [name for name, _ in PLOTS]
 

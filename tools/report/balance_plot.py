@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omniscale.tools.report.plots import Plot, _figure, _legend, _save, scalar_series
+from omniscale.tools.report.plots import Plot, _figure, _legend, _save
+from omniscale.tools.report.series import scalar_series
 
 OURS, BASELINE = "predicted_step_cost", "baseline_predicted_step_cost"
 
