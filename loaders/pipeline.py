@@ -86,13 +86,9 @@ class RankLoader(StepLoader):
         try:
             while not self._stop.is_set():
                 self._feed(pool, items)
-                if not steps:  # closing
+                head = _next_step(steps)
+                if head is None:
                     return
-                head = steps.popleft()
-                if head is END:
-                    return
-                if isinstance(head, BaseException):
-                    raise head
                 step, plan, count = head
                 self._on_step = step
                 decoded = DecodedStep({})
@@ -114,13 +110,9 @@ class RankLoader(StepLoader):
         try:
             while not self._stop.is_set():
                 items.wait()
-                if not steps:  # closing
+                head = _next_step(steps)
+                if head is None:
                     return
-                head = steps.popleft()
-                if head is END:
-                    return
-                if isinstance(head, BaseException):
-                    raise head
                 step, plan, count = head
                 decoded = DecodedStep({})
                 for _ in range(count):
@@ -180,3 +172,16 @@ class RankLoader(StepLoader):
                       f"workers decode again from step {first} the {len(death.items)} work "
                       f"items it held ({death.reason}; restart {self.worker_restarts})",
                       RuntimeWarning, stacklevel=2)
+
+
+def _next_step(steps: deque):
+    """The next step's entry, ``(step, plan, item count)``, in plan order; None when the loader
+    is closing (nothing queued) or the plans ran out; a plan source's error is raised."""
+    if not steps:
+        return None
+    head = steps.popleft()
+    if head is END:
+        return None
+    if isinstance(head, BaseException):
+        raise head
+    return head
