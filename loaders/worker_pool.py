@@ -36,6 +36,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -349,15 +350,17 @@ def _serve(index: int, work: Callable, tasks: Connection, results: Connection,
     _PARENT_ENDS.clear()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     torch.set_num_threads(1)  # as torch's workers: N workers x all cores would oversubscribe
+    # Items are read off the pipe as they come, on a thread of their own: a pipe holds 64 KiB,
+    # a few micro-batches' refs, and a full one would block the pool's submit -- the loader's
+    # assembly thread -- until this worker finished its current item.
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_items, args=(tasks, parent, inbox), daemon=True,
+                     name="omniscale-worker-inbox").start()
     while True:
-        if not wait([tasks], _PARENT_CHECK_S):
-            if os.getppid() != parent:  # orphaned: the item pipe is held open elsewhere
-                return
-            continue
-        try:
-            seq, item = tasks.recv()
-        except (EOFError, OSError):  # closed by the pool, or its process died
+        got = inbox.get()
+        if got is None:  # the pool closed the pipe, or this worker is orphaned
             return
+        seq, item = got
         try:
             message = ForkingPickler.dumps((seq, True, work(item)))
         except Exception as e:  # noqa: BLE001 -- handed back in the item's place
@@ -366,3 +369,18 @@ def _serve(index: int, work: Callable, tasks: Connection, results: Connection,
             results.send_bytes(message)
         except OSError:  # the pool is gone
             return
+
+
+def _read_items(tasks: Connection, parent: int, inbox: "queue.SimpleQueue") -> None:
+    """A worker's reader: every item from the pool's pipe into ``inbox``, then None once the
+    pipe is closed or the trainer is gone."""
+    while True:
+        if not wait([tasks], _PARENT_CHECK_S):
+            if os.getppid() != parent:  # orphaned: the item pipe is held open elsewhere
+                break
+            continue
+        try:
+            inbox.put(tasks.recv())
+        except (EOFError, OSError):  # closed by the pool, or its process died
+            break
+    inbox.put(None)
