@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from omniscale.balancer.assign import lpt
+from omniscale.balancer.assign import lpt, lpt_speeds
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,15 @@ class EncoderPlan:
 
 def plan_encoders(item_cost_M: np.ndarray, item_tokens_M: np.ndarray,
                   consume_rank_M: np.ndarray, dp: int,
-                  reshard_per_token: float) -> EncoderPlan:
+                  reshard_per_token: float, speed_R: np.ndarray | None = None) -> EncoderPlan:
     """Balance items over ranks, and keep the result only when it pays.
 
     Resharding pays when the predicted saving on the slowest rank exceeds the predicted
     all-to-all time (bounded by the rank that sends or receives the most tokens); otherwise,
     and when there is nothing to save, every item is encoded by its consumer.
     Deterministic: items ordered by cost (ties by index), ties between ranks to the lowest.
+    ``speed_R``: the ranks' relative speeds (None: equal); items then go where they finish
+    first, and the saving is judged in time. ``encoder_cost_R`` stays in cost (work).
     """
     item_cost_M = np.ascontiguousarray(item_cost_M, np.float64)
     consume_rank_M = np.asarray(consume_rank_M, np.int32)
@@ -47,17 +49,24 @@ def plan_encoders(item_cost_M: np.ndarray, item_tokens_M: np.ndarray,
         return EncoderPlan(consume_rank_M.copy(), local_R, False, 0.0, 0.0)
     order_M = np.lexsort((np.arange(m), -item_cost_M))
     balanced_R = np.zeros(dp, np.float64)
-    encode_rank_M = lpt(item_cost_M, order_M, balanced_R).astype(np.int32)
-    # LPT's bins are interchangeable; relabel them so the most items stay where they are
-    # consumed (greedy on the largest overlaps), which cuts traffic at no cost to balance.
-    encode_rank_M, balanced_R = _relabel(encode_rank_M, consume_rank_M, item_tokens_M,
-                                         balanced_R, dp)
+    if speed_R is None:
+        encode_rank_M = lpt(item_cost_M, order_M, balanced_R).astype(np.int32)
+        # LPT's bins are interchangeable; relabel them so the most items stay where they are
+        # consumed (greedy on the largest overlaps), which cuts traffic at no cost to balance.
+        encode_rank_M, balanced_R = _relabel(encode_rank_M, consume_rank_M, item_tokens_M,
+                                             balanced_R, dp)
+    else:  # bins of ranks of different speeds are not interchangeable: no relabelling
+        inv_R = 1.0 / np.asarray(speed_R, np.float64)
+        encode_rank_M = lpt_speeds(item_cost_M, order_M, balanced_R, inv_R).astype(np.int32)
+        local_R = local_R * inv_R  # times, as balanced_R
     moved_M = encode_rank_M != consume_rank_M
     tokens_M = np.asarray(item_tokens_M, np.float64)
     sent_R = np.bincount(encode_rank_M[moved_M], weights=tokens_M[moved_M], minlength=dp)
     recv_R = np.bincount(consume_rank_M[moved_M], weights=tokens_M[moved_M], minlength=dp)
     comm = reshard_per_token * float(max(sent_R.max(), recv_R.max()))
     saving = float(local_R.max() - balanced_R.max())
+    if speed_R is not None:  # back to work per rank
+        local_R, balanced_R = local_R * speed_R, balanced_R * speed_R
     if saving > comm:
         return EncoderPlan(encode_rank_M, balanced_R, True, saving, comm)
     return EncoderPlan(consume_rank_M.copy(), local_R, False, saving, comm)

@@ -67,22 +67,51 @@ def _split(samples, cost_N, n_steps, costs, config):
 def _place(unit_n, k_n, slice_n, costs: Costs, config: PlannerConfig):
     """Ranks and slots: (first rank, slot, tokens [R, B], cost [R, B], slots).
 
-    The assignment balances cost per rank, which can give a rank more tokens than the fewest
-    micro-batches hold, and then every rank runs one micro-batch more. When a micro-batch has a
-    fixed cost (``costs.micro_batch``), an assignment that keeps every rank within the fewest
-    micro-batches' tokens is tried too, and the plan with the shorter predicted step (Σ over
-    slots of the costliest rank, plus the slots' fixed cost) kept.
+    The assignment balances time per rank (cost / speed: ``config.rank_speed``), which can give
+    a rank more tokens than the fewest micro-batches hold, and then every rank runs one
+    micro-batch more. When a micro-batch has a fixed cost (``costs.micro_batch``), an
+    assignment that keeps every rank within the fewest micro-batches' tokens is tried too, and
+    the plan with the shorter predicted step (Σ over slots of the slowest rank, plus the slots'
+    fixed cost) kept.
     """
-    dp, budget = config.dp, config.micro_batch_tokens
-    first_n, _ = assign_ranks(unit_n, k_n, dp)
-    placed = (first_n, *pack(first_n, k_n, slice_n, unit_n, dp, budget, 1, costs.micro_batch))
+    dp, budget, speed_R = config.dp, config.micro_batch_tokens, config.speed_R
+    first_n, _ = assign_ranks(unit_n, k_n, dp, speed_R=speed_R)
+    placed = (first_n, *_pack(first_n, k_n, slice_n, unit_n, costs, config))
     fewest = -(-int((slice_n * k_n).sum()) // (dp * budget))
     if costs.micro_batch <= 0 or placed[4] <= fewest:
-        return placed
+        return _as_cost(placed, k_n, unit_n, speed_R)
     first_c, _ = assign_ranks(unit_n, k_n, dp, slice_tokens_N=slice_n,
-                              token_cap=fewest * budget)
-    capped = (first_c, *pack(first_c, k_n, slice_n, unit_n, dp, budget, 1, costs.micro_batch))
-    return min((placed, capped), key=lambda p: _step_time(p[3], costs.micro_batch))
+                              token_cap=fewest * budget, speed_R=speed_R)
+    capped = (first_c, *_pack(first_c, k_n, slice_n, unit_n, costs, config))
+    best = min((placed, capped), key=lambda p: _step_time(p[3], costs.micro_batch))
+    return _as_cost(best, k_n, unit_n, speed_R)
+
+
+def _pack(first_n, k_n, slice_n, unit_n, costs: Costs, config: PlannerConfig):
+    """``pack`` by time: with speeds, each sample's cost over its rank's speed (its group's
+    slowest for a split one), so the slots' heights are the times ranks wait for."""
+    time_n = unit_n if config.speed_R is None else unit_n * _slowest_inv(first_n, k_n,
+                                                                         config.speed_R)
+    return pack(first_n, k_n, slice_n, time_n, config.dp, config.micro_batch_tokens, 1,
+                costs.micro_batch)
+
+
+def _slowest_inv(first_n, k_n, speed_R) -> np.ndarray:
+    """1 / the slowest speed among each sample's ranks [first, first + k)."""
+    inv_R = 1.0 / speed_R
+    return np.array([inv_R[f:f + k].max() for f, k in zip(first_n, k_n)], np.float64)
+
+
+def _as_cost(placed, k_n, unit_n, speed_R):
+    """A placement packed by time (``_pack``) with its grid back in cost (work) units."""
+    if speed_R is None:
+        return placed
+    first_n, slot_n, tok_RB, _, n_slots = placed
+    cost_RB = np.zeros(tok_RB.shape, np.float64)
+    rank_p = np.repeat(first_n, k_n) + np.arange(int(k_n.sum())) \
+        - np.repeat(np.cumsum(k_n) - k_n, k_n)
+    np.add.at(cost_RB, (rank_p, np.repeat(slot_n, k_n)), np.repeat(unit_n, k_n))
+    return first_n, slot_n, tok_RB, cost_RB, n_slots
 
 
 def _step_time(cost_RB: np.ndarray, micro_batch: float) -> float:
@@ -116,9 +145,12 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
     item_m = (offsets[idx_n][owner_m] + np.arange(len(owner_m))
               - (np.cumsum(count_n) - count_n)[owner_m]).astype(np.int64)
     consume_m = first_n[owner_m].astype(np.int32)
+    speed_R = config.speed_R
     enc = plan_encoders(item_cost_M[item_m], samples.item_tokens_M[item_m], consume_m, dp,
-                        costs.reshard_per_token)
+                        costs.reshard_per_token, speed_R=speed_R)
     total = float((unit_n * k_n).sum())
+    fastest = 1.0 if speed_R is None else float(speed_R.max())
+    pooled = dp if speed_R is None else float(speed_R.sum())
     return StepPlan(
         step=step,
         sample_P=sample_P,
@@ -129,7 +161,8 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
         num_micro_batches=int(n_slots),
         mb_cost_RB=cost_RB,
         mb_tokens_RB=tok_RB,
-        lower_bound=max(total / dp, float(unit_n.max()) if len(unit_n) else 0.0),
+        # in time: the work spread by speed, and the costliest sample on the fastest rank
+        lower_bound=max(total / pooled, float(unit_n.max()) / fastest if len(unit_n) else 0.0),
         item_M=item_m,
         item_sample_M=idx_n[owner_m].astype(np.int64),
         encode_rank_M=enc.encode_rank_M,
@@ -137,4 +170,5 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
         encoder_cost_R=enc.encoder_cost_R,
         reshard=enc.reshard,
         displacement_P=np.abs(step - samples.batch_N[sample_P]).astype(np.int32),
+        speed_R=speed_R,
     )

@@ -12,6 +12,7 @@ SP groups are aligned, ranks ``[g*k, (g+1)*k)``, so the trainer can create them 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,6 +84,11 @@ class PlannerConfig:
     window: int = 4  # W global batches planned together
     sp_max: int = 8  # largest SP group (power of two); 1 disables the long-short split
     epsilon: float = 0.05  # per-step token and source-proportion tolerance
+    # each rank's measured relative speed (cost per second, any scale), None: equal ranks. A
+    # rank at half the others' speed takes twice as long for the same cost, and the planner
+    # gives it about half the work; the baselines ignore it (they plan per step by tokens or
+    # cost alone) but their plans are reported with it.
+    rank_speed: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -95,6 +101,15 @@ class PlannerConfig:
             raise ValueError(f"sp_max: must be a power of two >= 1, got {self.sp_max}")
         if not 0 <= self.epsilon < 1:
             raise ValueError(f"epsilon: must be in [0, 1), got {self.epsilon}")
+        if self.rank_speed is not None and (
+                len(self.rank_speed) != self.dp
+                or not all(math.isfinite(v) and v > 0 for v in self.rank_speed)):
+            raise ValueError(f"rank_speed: one finite speed > 0 per rank ({self.dp}), got "
+                             f"{list(self.rank_speed)}")
+
+    @property
+    def speed_R(self) -> np.ndarray | None:
+        return None if self.rank_speed is None else np.asarray(self.rank_speed, np.float64)
 
 
 @dataclass
@@ -121,27 +136,40 @@ class StepPlan:
     encoder_cost_R: np.ndarray | None = None  # float64 [R]: predicted encoder cost per rank
     reshard: bool = False  # False: the plan decided moving embeddings does not pay
     displacement_P: np.ndarray | None = None  # int32: |step - batch of the sample|
+    # float64 [R]: the ranks' relative speeds the plan is judged by (PlannerConfig.rank_speed);
+    # None: equal. Costs above are work; a rank's time is its cost / its speed.
+    speed_R: np.ndarray | None = None
 
     @property
     def rank_cost_R(self) -> np.ndarray:
         return self.mb_cost_RB.sum(axis=1)
 
     @property
+    def mb_time_RB(self) -> np.ndarray:
+        """Predicted time of each rank's micro-batch, in cost units of a speed-1 rank."""
+        return self.mb_cost_RB if self.speed_R is None \
+            else self.mb_cost_RB / self.speed_R[:, None]
+
+    @property
+    def rank_time_R(self) -> np.ndarray:
+        return self.mb_time_RB.sum(axis=1)
+
+    @property
     def imbalance(self) -> float:
-        """max/mean of the per-rank cost (1.0 is perfect)."""
-        cost = self.rank_cost_R
-        mean = cost.mean()
-        return float(cost.max() / mean) if mean > 0 else 1.0
+        """max/mean of the per-rank time (1.0 is perfect; the cost when ranks are equal)."""
+        time_R = self.rank_time_R
+        mean = time_R.mean()
+        return float(time_R.max() / mean) if mean > 0 else 1.0
 
     @property
     def fsdp_time(self) -> float:
         """Step time when ranks synchronise every micro-batch: sum over slots of the max."""
-        return float(self.mb_cost_RB.max(axis=0).sum()) if self.mb_cost_RB.size else 0.0
+        return float(self.mb_time_RB.max(axis=0).sum()) if self.mb_cost_RB.size else 0.0
 
     @property
     def ddp_time(self) -> float:
-        """Step time when ranks synchronise once per step: the max rank cost."""
-        return float(self.rank_cost_R.max()) if self.mb_cost_RB.size else 0.0
+        """Step time when ranks synchronise once per step: the max rank time."""
+        return float(self.rank_time_R.max()) if self.mb_cost_RB.size else 0.0
 
     def samples(self) -> np.ndarray:
         return np.unique(self.sample_P)

@@ -30,7 +30,8 @@ from typing import Protocol, Union, runtime_checkable
 from omniscale.errors import UserError
 
 __all__ = ["ACTIONS", "MAX_COST", "PLAN_STREAM", "REPORT_KINDS", "Action", "Lane",
-           "PlaneService", "Reason", "Reply", "RequestError", "check_costs", "check_stragglers",
+           "PlaneService", "Reason", "Reply", "RequestError", "check_costs", "check_speeds",
+           "check_stragglers",
            "client_methods", "cost_in_range", "refusal", "suspect_sample"]
 
 
@@ -102,6 +103,18 @@ def check_stragglers(step: int, ranks: list, slowdown: list) -> None:
         raise RequestError(f"stragglers: step >= 0, distinct ranks >= 0 and as many finite "
                            f"slowdowns > 0, got step {step}, ranks {ranks!r}, slowdown "
                            f"{slowdown!r}"[:500], Reason.INVALID)
+
+
+MAX_SPEED_RATIO = 100.0  # a rank 100x slower than the fastest is broken, not slow: refuse
+
+
+def check_speeds(step: int, speeds: list) -> None:
+    if step < 0 or not all(math.isfinite(v) and v > 0 for v in speeds) or \
+            (speeds and max(speeds) > MAX_SPEED_RATIO * min(speeds)):
+        raise RequestError(f"speeds: step >= 0 and one finite speed > 0 per data rank (the "
+                           f"slowest at least 1/{MAX_SPEED_RATIO:g} of the fastest; [] for "
+                           f"equal ranks), got step {step}, speeds {speeds!r}"[:500],
+                           Reason.INVALID)
 
 
 def suspect_sample(sample) -> tuple[str, str, str, int]:
@@ -207,6 +220,12 @@ class StragglersRequest:
     slowdown: list[float]
     together = Together(("ranks", "slowdown"), "stragglers: 'ranks' (a list of integers) and "
                         "'slowdown' (a list of numbers) are required")
+
+
+@dataclass(frozen=True)
+class SpeedsRequest:
+    step: int
+    speeds: list[float]
 
 
 # -- the field types a request may use ---------------------------------------------------------
@@ -409,6 +428,10 @@ ACTIONS: dict[str, Action] = {a.name: a for a in (
     Action("stragglers", "report_stragglers", "the data ranks the trainer finds computing "
            "much slower than planned, as of a step (kept in memory for status, not logged): "
            "{step, ranks: [int], slowdown: [float]}", StragglersRequest, "{step, ranks: int}"),
+    Action("speeds", "set_speeds", "the data ranks' measured relative speeds as of a step "
+           "(the trainer's honest compute clock): plans from the first step no rank has been "
+           "served give each rank work in proportion; logged: {step, speeds: [float] "
+           "([] for equal)}", SpeedsRequest, "{applies_at_step, speeds}"),
     Action("reports", "reports", "every record of one kind of report in the plane's log, read "
            "by the plane (what a launcher lists after a run): {kind: corrupt|suspect}",
            ReportsRequest, "{kind, records: [the log's records]}; clients return the records",

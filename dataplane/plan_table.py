@@ -68,7 +68,7 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
     out = {}
     for j, (plan, step, dp, side) in enumerate(zip(plans, steps, dps, sides)):
         cost_R = plan.rank_cost_R
-        step_max = float(cost_R.max()) if len(cost_R) else 0.0
+        step_max = plan.ddp_time  # time: the ranks' speeds count (equal: the costliest rank)
         for r in range(dp):
             meta = {"step": step, "rank": r, "dp": dp,
                     "num_micro_batches": plan.num_micro_batches,

@@ -23,6 +23,7 @@ from omniscale.dataplane.actions import (
     Reason,
     RequestError,
     check_costs,
+    check_speeds,
     check_stragglers,
     suspect_sample,
 )
@@ -411,6 +412,37 @@ class DataPlane:
                             "suspect, quarantined", step, event["reason"], len(wanted))
             return {"step": step, "samples": len(event["samples"])}
 
+    def set_speeds(self, step: int, speeds: list) -> dict:
+        """The data ranks' relative speeds as the trainer measured them up to ``step``
+        (``tools.train.rank_speeds``; ``[]``: equal again). From the first step no rank has
+        been served, plans give each rank work in proportion to its speed (the planner; a
+        baseline is placed as before and only reported with them); logged, so a restart or an
+        audit replays the same plans (``plane_state.PlaneState.respeed_from``)."""
+        with self.lock:
+            check_speeds(step, speeds)
+            at = max(self.state.next_step, self.served_max + 1)
+            dp = self.state.dp_at(at)
+            if speeds and len(speeds) != dp:
+                raise RequestError(f"speeds: {len(speeds)} speeds for step {at}, which is "
+                                   f"planned for {dp} data ranks", Reason.INVALID)
+            top = max(speeds, default=1.0)
+            relative = [round(v / top, 4) for v in speeds]  # the fastest is 1
+            self.state.respeed_from(at, relative)
+            try:
+                self.state.plan_through(self._horizon())
+            except Exception as e:  # noqa: BLE001 -- whatever broke, the change is refused
+                self._reopen()
+                raise RequestError(f"speeds: refused, step {at} does not plan with them "
+                                   f"({_one_line(e)})", Reason.UNPLANNABLE) from None
+            try:
+                self._log({"t": "speeds", "step": at, "speeds": relative, "as_of": step})
+            except BaseException:
+                self._reopen()
+                raise
+            log.info("rank speeds from step %d (measured to step %d): %s", at, step,
+                     ", ".join(f"{v:.2f}" for v in relative) or "equal")
+            return {"applies_at_step": at, "speeds": relative}
+
     def report_stragglers(self, step: int, ranks: list, slowdown: list) -> dict:
         """The trainer's stragglers as of ``step`` (``tools.train.stragglers``): data ranks
         computing much slower than their plans predict, each with its slowdown; ``[]`` once
@@ -436,6 +468,9 @@ class DataPlane:
             status["corrupt_recent"] = list(self.state.corrupt.recent)
             status["suspect"] = self.state.suspects.status()
             status["stragglers"] = dict(self.stragglers)
+            changes = self.state.speed_changes
+            status["rank_speeds"] = {"step": changes[-1][0], "speeds": changes[-1][1]} \
+                if changes else None
             if self.ray_namespace is not None:  # trainers' decoding pools go there too
                 status["ray_namespace"] = self.ray_namespace
             return status

@@ -81,9 +81,10 @@ class PlaneConfig:
                           **{name: float(self.costs.get(name, 0.0)) for name in SCALARS})
         return costs.forward_only(self.frozen_encoders) if self.frozen_encoders else costs
 
-    def planner(self, dp: int, window: int) -> PlannerConfig:
+    def planner(self, dp: int, window: int,
+                speeds: tuple[float, ...] | None = None) -> PlannerConfig:
         return PlannerConfig(dp=dp, micro_batch_tokens=self.micro_batch_tokens, window=window,
-                             sp_max=self.sp_max, epsilon=self.epsilon)
+                             sp_max=self.sp_max, epsilon=self.epsilon, rank_speed=speeds)
 
     @property
     def sample_cap(self) -> int:

@@ -15,6 +15,12 @@ adds the service (validation, the log, locking) around it.
 Elasticity: a change of the number of ranks keeps the global batches; the steps of a drawn
 window not yet committed are re-planned onto the new ranks (windows.replan_tail) and later
 windows are planned for them from the start.
+
+Rank speeds (``speeds`` records, the trainer's measurements): from their step on, the ranks'
+relative speeds the planner gives work by. A window is drawn with the speeds in force before
+its first step; a change at a step inside it re-plans its tail from there (each step keeps its
+samples), so a slowed rank gets less work within a step or two, not a window later. The same
+rule drawing live and replaying the log gives the same plans.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from omniscale.plan import fingerprint, step_fingerprint
 
 log = logging.getLogger(__name__)
 
-RECORD_KINDS = ("start", "commit", "rank", "reload", "costs", "dp", "corrupt", "suspect")
+RECORD_KINDS = ("start", "commit", "rank", "reload", "costs", "dp", "corrupt", "suspect",
+                "speeds")
 
 
 @dataclass
@@ -75,6 +82,8 @@ class PlaneState:
         self.rank_commits: dict[int, set[int]] = {}
         self.committed_fps: dict[int, list[str]] = {}
         self.dp_changes: list[list[int]] = [[0, config.dp]]
+        # [step, speeds or None (equal)]: the ranks' relative speeds from that step on
+        self.speed_changes: list[list] = []
         self.reloads: list[list] = []  # [window, spec ref], in order
         # [window, linear, quadratic]: refits of the cost model, applied from that window on.
         self.cost_changes: list[list] = []
@@ -105,6 +114,7 @@ class PlaneState:
         state.rank_commits = {int(s): set(r) for s, r in snap["rank_commits"].items()}
         state.committed_fps = {int(s): list(f) for s, f in snap["committed_fps"].items()}
         state.dp_changes = [list(c) for c in snap["dp_changes"]]
+        state.speed_changes = [list(c) for c in snap.get("speed_changes", [])]  # older: none
         state.reloads = [list(r) for r in snap["reloads"]]
         state.cost_changes = [list(c) for c in snap["cost_changes"]]
         state.corrupt = CorruptLedger.from_state(snap["corrupt"])
@@ -121,7 +131,8 @@ class PlaneState:
         return {
             "step": step, "window": k, "window_size": self.config.window,
             "start": self.starts[k].to_json(), "sample_cap": self.cap,
-            "dp_changes": self.dp_changes, "reloads": [r for r in self.reloads if r[0] > k],
+            "dp_changes": self.dp_changes, "speed_changes": self.speed_changes,
+            "reloads": [r for r in self.reloads if r[0] > k],
             "cost_changes": [c for c in self.cost_changes if c[0] > k],
             "committed_fps": {str(s): f for s, f in self.committed_fps.items()},
             "committed_ahead": sorted(s for s in self.committed if s >= step),
@@ -159,6 +170,8 @@ class PlaneState:
             self.cost_changes.append([record["window"], record["linear"], record["quadratic"]])
         elif kind == "dp":
             self.resize_from(record["step"], record["dp"])
+        elif kind == "speeds":
+            self.respeed_from(record["step"], record["speeds"])
         elif kind == "corrupt":
             self.corrupt.record(record, applied=False)
         elif kind == "suspect":
@@ -193,11 +206,30 @@ class PlaneState:
         # Ranks' commits of re-planned steps were of plans that no longer exist: void them.
         self.rank_commits = {s: r for s, r in self.rank_commits.items() if s < step}
         for window in self.windows.values():
-            window.resize(step, dp, self.costs_of(window.k), self.config)
+            window.resize(step, dp, self.costs_of(window.k), self.config,
+                          self.speeds_at(step, dp))
+
+    def respeed_from(self, step: int, speeds: list[float] | None) -> None:
+        """The ranks' speeds from ``step`` on (module docstring): the drawn window holding it
+        re-plans its tail from ``step``, later drawn windows are drawn again."""
+        self.speed_changes.append([step, None if not speeds else [float(v) for v in speeds]])
+        k = step // self.config.window
+        window = self.windows.get(k)
+        if window is not None and step < window.end_step:
+            window.resize(step, self.dp_at(step), self.costs_of(k), self.config,
+                          self.speeds_at(step, self.dp_at(step)))
+        if k + 1 < self.next_window:
+            self.rewind_to(k + 1)
 
     # -- planning -------------------------------------------------------------------------
     def dp_at(self, step: int) -> int:
         return [dp for s, dp in self.dp_changes if s <= step][-1]
+
+    def speeds_at(self, step: int, dp: int, before: bool = False) -> tuple[float, ...] | None:
+        """The ranks' relative speeds in force at ``step`` (``before``: set before it), None
+        when equal or measured for another number of ranks than ``dp``."""
+        now = [v for s, v in self.speed_changes if (s < step if before else s <= step)]
+        return tuple(now[-1]) if now and now[-1] is not None and len(now[-1]) == dp else None
 
     def costs_of(self, k: int) -> Costs:
         """The cost model window ``k`` was planned with (a resize re-plans with the same)."""
@@ -236,15 +268,19 @@ class PlaneState:
             return
         samples = window_samples(batches, self.spec.media)
         first = k * W
-        plans = plan_policy(samples, self.costs, self.config.planner(self.dp_at(first),
-                                                                      len(batches)),
+        dp = self.dp_at(first)
+        plans = plan_policy(samples, self.costs,
+                            self.config.planner(dp, len(batches),
+                                                self.speeds_at(first, dp, before=True)),
                             self.config.balance)
         window = Window(k, first, start.mixer_state, self.spec_ref,
-                        [r for b in batches for r in b], samples, plans,
-                        [self.dp_at(first)] * len(plans))
-        for step, dp in self.dp_changes:
-            if first < step < window.end_step and dp != window.dp_of_step[step - first]:
-                window.resize(step, dp, self.costs, self.config)
+                        [r for b in batches for r in b], samples, plans, [dp] * len(plans))
+        respeeds = {s for s, _ in self.speed_changes if first <= s < window.end_step}
+        for step in sorted(respeeds | {s for s, _ in self.dp_changes
+                                       if first < s < window.end_step}):
+            dp = self.dp_at(step)
+            if step in respeeds or dp != window.dp_of_step[step - first]:
+                window.resize(step, dp, self.costs, self.config, self.speeds_at(step, dp))
         self.windows[k] = window
 
     def _apply_reload(self, ref: dict) -> None:
@@ -327,7 +363,8 @@ class PlaneState:
                     if (window.first_step + j, 0) not in window.tables]
             dps = [window.dp_of_step[j] for j in todo]
             sides = [best_baseline(window.samples, j, self.costs_of(window.k),
-                                   self.config.planner(dp, len(window.plans)))
+                                   self.config.planner(dp, len(window.plans), self.speeds_at(
+                                       window.first_step + j, dp)))
                      if self.config.balance == "omniscale" else None
                      for j, dp in zip(todo, dps)]
             window.tables.update(window_rank_tables(

@@ -104,6 +104,7 @@ def _baseline_step(samples: WindowSamples, idx_n: np.ndarray, step: int, costs: 
         plan = BASELINES[policy](sub, costs, one_step)
     else:
         plan = BASELINES[policy + SPLIT_SUFFIX](sub, costs, one_step, sp_size_N=sizes_n)
+    plan.speed_R = config.speed_R  # placed blind to speed, judged by it like the planner's
     return _to_window(plan, samples, idx_n, item_m, step)
 
 
@@ -123,7 +124,7 @@ def best_baseline(samples: WindowSamples, step: int, costs: Costs,
     for policy in policies:
         plan = _baseline_step(samples, idx_n, step, costs, config, policy,
                               None if sizes_N is None else sizes_N[idx_n])
-        cost = float(plan.rank_cost_R.max()) if len(plan.rank_cost_R) else 0.0
+        cost = plan.ddp_time  # in time: the ranks' speeds count (equal: the costliest rank)
         if not best or cost < best["baseline_step_cost"]:
             best = {"baseline": policy, "baseline_step_cost": cost}
     return best
@@ -185,13 +186,16 @@ class Window:
     def end_step(self) -> int:
         return self.first_step + len(self.plans)
 
-    def resize(self, step: int, dp: int, costs: Costs, config) -> None:
-        """Re-plan the steps from ``step`` on (those in this window) for ``dp`` ranks."""
+    def resize(self, step: int, dp: int, costs: Costs, config,
+               speeds: tuple[float, ...] | None = None) -> None:
+        """Re-plan the steps from ``step`` on (those in this window) for ``dp`` ranks of
+        relative ``speeds`` (None: equal)."""
         local = max(step - self.first_step, 0)
         if local >= len(self.plans):
             return
         self.plans = replan_tail(self.plans, self.samples, local, costs,
-                                 config.planner(dp, len(self.plans) - local), config.balance)
+                                 config.planner(dp, len(self.plans) - local, speeds),
+                                 config.balance)
         self.dp_of_step[local:] = [dp] * (len(self.plans) - local)
         self.tables = {key: t for key, t in self.tables.items() if key[0] < step}
         self.prints = {key: f for key, f in self.prints.items() if key[0] < step}

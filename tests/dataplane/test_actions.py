@@ -45,6 +45,7 @@ EXAMPLES = {
     "report_corrupt": lambda c: c.report_corrupt(2, 0, "text", "s.tar", "k", "bad"),
     "report_suspect": lambda c: c.report_suspect(2, [SAMPLE], "spike"),
     "stragglers": lambda c: c.report_stragglers(2, [1], [2.5]),
+    "speeds": lambda c: c.set_speeds(1, [1.0, 0.5]),  # from the first step no rank was served
     "reports": lambda c: (c.reports("corrupt"), c.reports("suspect")),  # those reported above
 }
 WRONG = {int: "x", float: "x", str: 5, list: "x"}  # a value of another type, per field type
@@ -94,6 +95,7 @@ def test_every_action_is_reachable_through_both_clients_alike(planes):
             assert got == _outcome(remote, b.url, call), name
             outcomes[name] = got[0]
     assert outcomes["plan"] == outcomes["commit_many"] == outcomes["stragglers"] == "ok"
+    assert outcomes["speeds"] == "ok"
     assert outcomes["costs"] == outcomes["snapshot"] == "refused"
 
 

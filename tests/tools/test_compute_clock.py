@@ -67,7 +67,10 @@ def _ranked(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     model = dm.build()
     apply_fsdp(model, ParallelDims(world_size=world).build_mesh("cpu"))
-    clock = ComputeClock("cpu")
+    # CPU time: the truth is CPU time, and the runnable clock (the default) also counts the
+    # turns the busy thread and the suite's other tests take on the cores, which is right for
+    # a rank (the next test) but not comparable with this truth
+    clock = ComputeClock("cpu", kind="cpu")
     _step(model, WORK[rank])  # warm-up
     # the truth: a balanced step of each workload (nothing to wait for, no other thread)
     truth = [_fastest_step(model, WORK[r], clock)[2] for r in (0, 1)]
@@ -90,3 +93,42 @@ def test_compute_clock_measures_each_ranks_work_not_its_waiting():
     # within 30% of the truth (a full CI run beside it once stretched a rank's clock by 22%);
     # the wall clock's ratio, below 1.3, stays well outside
     assert abs(measured / true_ratio - 1) <= 0.3, (measured, true_ratio, ranks)
+
+
+def test_runnable_clock_counts_a_noisy_neighbour_and_leaves_out_waiting():
+    """A neighbour spinning on this process's core halves its share of the core: the step
+    takes twice as long, and the runnable clock (the default on Linux) must say so -- CPU time
+    alone stays about the same, which would tell a planner the rank is as fast as ever. A wait
+    (as in a collective: the thread sleeps) must not count on either clock."""
+    import os
+    import subprocess
+    import sys
+
+    mine = os.sched_getaffinity(0)
+    core = min(mine)
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {%d}); "
+         "print('ready', flush=True)\nwhile True: pass" % core],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert spinner.stdout.readline().strip() == "ready"
+        os.sched_setaffinity(0, {core})
+        runnable, cpu = ComputeClock("cpu"), ComputeClock("cpu", kind="cpu")
+        assert runnable.kind == "runnable"
+        waited = threading.Event()
+        runnable.start()
+        cpu.start()
+        total = 0
+        for i in range(3_000_000):  # about 0.3 s of one core's work
+            total += i
+        waited.wait(0.3)  # blocked, as in a collective: not runnable
+        wall, seconds = runnable.stop()
+        _, cpu_seconds = cpu.stop()
+    finally:
+        os.sched_setaffinity(0, mine)
+        spinner.kill()
+        spinner.wait()
+    working = wall - 0.3  # the loop's wall time, shared with the neighbour
+    assert seconds <= working + 0.05, (seconds, wall)  # the wait is left out
+    assert seconds >= 0.85 * working, (seconds, wall)  # the neighbour's turns count
+    assert cpu_seconds <= 0.75 * working, (cpu_seconds, wall)  # CPU time cannot see them

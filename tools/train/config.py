@@ -106,6 +106,11 @@ class DataSection(_Strict):
     # send it to the plane -- not in deterministic mode, where plans must not depend on timing
     # (the fit is then only logged), so that a resumed run replays bit for bit.
     refit_costs_every: int = Field(50, ge=0)
+    # Give each data rank work in proportion to its measured speed (rank_speeds: its compute
+    # clock against its plans' cost): a slowed rank -- a noisy neighbour, a throttled or older
+    # GPU -- gets less, and its share back when it recovers. Off in deterministic mode, as
+    # the refit (the speeds are still measured and logged).
+    plan_by_rank_speed: bool = True
     # who places samples on ranks: the planner, or a baseline policy through the same plane
     # (to measure the planner's gain on this very run)
     balance: Literal[POLICIES] = "omniscale"  # type: ignore[valid-type] (plane_config.POLICIES)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -89,8 +90,30 @@ def ensure_data(cfg: RunConfig) -> None:
               f"{bad[0]}")
 
 
+CPU_BIND = "OMNISCALE_CPU_BIND"  # "0,1": rank i runs on CPU i (of the list, cycling)
+
+
+def cpu_bind(value: str | None) -> list[int] | None:
+    """The CPUs of ``OMNISCALE_CPU_BIND`` (as ``srun --cpu-bind=map_cpu``: one per rank, the
+    list cycling), None when unset; a bad list is one line naming the variable."""
+    if not value:
+        return None
+    try:
+        cpus = [int(c) for c in value.split(",")]
+    except ValueError:
+        cpus = []
+    allowed = os.sched_getaffinity(0)
+    if not cpus or any(c not in allowed for c in cpus):
+        raise UserError(f"{CPU_BIND}={value}: expected a comma-separated list of CPUs this "
+                        f"process may use ({', '.join(map(str, sorted(allowed)))})")
+    return cpus
+
+
 def _spawned(rank: int, world: int, job: RankJob, env: dict[str, str]) -> None:
     adopt_environment(env)
+    cpus = cpu_bind(env.get(CPU_BIND))
+    if cpus:  # before torch sizes its thread pool: this rank's CPU alone
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     try:
         train_rank(rank, world, job)
     except UserError as e:
@@ -162,6 +185,7 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
     for stale in run_dir.glob("error-rank*.txt"):
         stale.unlink()
     layout(cfg, nproc)  # an impossible layout: one line now, before any process starts
+    cpu_bind(os.environ.get(CPU_BIND))  # a bad CPU list: one line now, too
     if plane is not None:
         check_plane(plane, plane_token, data_ranks(cfg, nproc), start, cfg.parallel.sp,
                     cfg.data.balance)

@@ -123,7 +123,9 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
     run_dir = Path(job.run_dir)
     device = device_of(cfg, rank)
     cfg = cfg.on_device(device.type)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # a share of the machine's cores, no more than this rank may use (OMNISCALE_CPU_BIND)
+    torch.set_num_threads(max(1, min((os.cpu_count() or 1) // world,
+                                     len(os.sched_getaffinity(0)))))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     init_process_group(device, job, rank, world, cfg.watchdog.collective_timeout_s)

@@ -3,9 +3,10 @@
 Everything a trainer rank says to the plane or asks of it goes through its session: the plan
 source its loader takes plans from (:meth:`PlaneSession.plans`), the corrupt samples the
 loader reports (:meth:`PlaneSession.report`), the commits of the steps it trained, the guard's
-suspect samples, the cost model's refits, the stragglers, the checkpoint's snapshot, status,
-and at the end of a run the reports the launcher lists (:meth:`PlaneSession.write_reports`).
-A loader gets a plan source and a reporter and never connects to the plane itself.
+suspect samples, the cost model's refits, the stragglers, the ranks' speeds, the checkpoint's
+snapshot, status, and at the end of a run the reports the launcher lists
+(:meth:`PlaneSession.write_reports`). A loader gets a plan source and a reporter and never
+connects to the plane itself.
 
 Two connections per rank: the plan lane of the plan source (the hot path, on its own
 thread) and one control client for everything else. Rank 0 of an embedded plane calls it in
@@ -169,6 +170,13 @@ class PlaneSession:
 
     def report_stragglers(self, step: int, ranks: list[int], slowdown: list[float]) -> dict:
         return self._ask(lambda c: c.report_stragglers(step, ranks, slowdown))
+
+    def tell_speeds(self, tracker, writer: bool, deterministic: bool) -> dict | None:
+        """The ranks' speeds, when they changed (``rank_speeds.SpeedTracker.tell``)."""
+        return tracker.tell(self, writer, deterministic)
+
+    def set_speeds(self, step: int, speeds: list[float]) -> dict:
+        return self._ask(lambda c: c.set_speeds(step, speeds))
 
     def snapshot(self, step: int) -> dict:
         """The plane's snapshot of ``step`` (a checkpoint's; ``{step, path}``)."""

@@ -116,6 +116,7 @@ def _timing(env, state, record: StepRecord, costs: list[float], secs: list[float
         for line in lines:
             print(line, flush=True)
     state.fit.update(costs, secs)
+    slow.update(state.speeds.observe(record.step, costs, secs))  # rank_speeds.SpeedTracker
     step_s = max(s + w for s, w in zip(walls, waits))
     return {"step_s": step_s, "data_wait_frac": max(waits) / max(step_s, 1e-9),
             "predicted_step_s": predicted, "measured_step_s": max(secs),

@@ -40,6 +40,7 @@ from omniscale.tools.train.cost_model import CostFit, CostRefit
 from omniscale.tools.train.faults import NO_FAULTS, Faults
 from omniscale.tools.train.guard import UpdateGuard, guarded_update, seeded
 from omniscale.tools.train.media_step import encode_and_reshard
+from omniscale.tools.train.rank_speeds import SpeedTracker
 from omniscale.tools.train.records import StepRecord, StepSums, step_record
 from omniscale.tools.train.step_audit import StepAudit
 from omniscale.tools.train.stragglers import StragglerTracker
@@ -93,6 +94,7 @@ class RunState:
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
     stragglers: StragglerTracker = dataclasses.field(default_factory=StragglerTracker)
+    speeds: SpeedTracker = dataclasses.field(default_factory=SpeedTracker)  # for the planner
 
     @classmethod
     def start(cls, env: StepEnv, run_dir: Path, start_step: int) -> RunState:

@@ -123,6 +123,10 @@ class Trainer:
         target mix, the cost refit, peak memory, the checkpoint the last row's step starts, the
         Ray decoding pools (``pools``: ``RayRankLoader.pool_stats``)."""
         env, cfg = self.env, self.cfg
+        if rows and cfg.data.plan_by_rank_speed:  # the planner gives a slow rank less work
+            sent = self.session.tell_speeds(self.state.speeds, env.writer, cfg.deterministic)
+            if sent is not None:
+                rows[-1]["rank_speeds_sent"] = sent
         for row in rows:
             step = row["step"]
             if env.device.type == "cuda":  # this rank's peak since the start (GiB)
