@@ -1,7 +1,11 @@
 """Plans fetched ahead: a background thread keeps the next ``depth`` plans of one rank ready.
 
 A plan fetch is a network round trip to the plane; doing it on the trainer's critical path
-would add that latency to every step. The thread fetches steps in order into a bounded queue.
+would add that latency to every step. The thread fetches steps in order, each once there is
+room for it: at most ``depth`` plans are fetched and not yet taken. A plan fetched is a plan
+the plane can no longer change, so fetching no further ahead than that keeps the steps the
+plane may still re-plan (a slowed rank's speeds, ``dataplane.plane.DataPlane.set_speeds``)
+as near as the loader's own read-ahead allows.
 The plane refuses steps too far past the last commit (it has not planned them yet): that is
 back-pressure, not an error, so the thread waits and asks again, with backoff, until the
 trainer commits: it asks at once when its rank's plane session says a commit was
@@ -57,7 +61,8 @@ class PlanPrefetcher:
         self.on_plan = on_plan  # called with each plan as it arrives (cache prefetch)
         self.stop = stop or threading.Event()
         self._commit_seen = threading.Event()  # a commit acknowledged since the last refusal
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._room = threading.Semaphore(depth)  # plans that may be fetched and not taken
+        self._queue: queue.Queue = queue.Queue()  # bounded by _room (+ END or a refusal)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"omniscale-plans-{rank}")
         self._thread.start()
@@ -71,9 +76,14 @@ class PlanPrefetcher:
                 if self.stop.is_set():
                     return END
                 continue
-            if isinstance(item, BaseException):
-                raise item
-            return item
+            return self._taken(item)
+
+    def _taken(self, item):
+        if isinstance(item, BaseException):
+            raise item
+        if item is not END:
+            self._room.release()
+        return item
 
     def committed(self, *_) -> None:
         """A commit of this rank was acknowledged: a step refused as too far ahead may be
@@ -86,17 +96,16 @@ class PlanPrefetcher:
             item = self._queue.get_nowait()
         except queue.Empty:
             return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return self._taken(item)
 
     def _put(self, item) -> bool:
+        self._queue.put(item)
+        return not self.stop.is_set()
+
+    def _wait_for_room(self) -> bool:
         while not self.stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.5)
+            if self._room.acquire(timeout=0.5):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def _run(self) -> None:
@@ -104,7 +113,7 @@ class PlanPrefetcher:
         client = connect(self.url, token=self.token, stream=True)
         delay = 0.01
         try:
-            while not self.stop.is_set():
+            while self._wait_for_room():
                 self._commit_seen.clear()  # set by a commit acknowledged from here on
                 try:
                     plan = decode_plan(client.get_plan(self.next_step, self.rank))
@@ -115,6 +124,7 @@ class PlanPrefetcher:
                     if e.reason == Reason.TOO_FAR_AHEAD:  # wait for the trainer's commits
                         if not self._commit_seen.wait(delay):  # other ranks' commits: backoff
                             delay = min(delay * 2, 0.5)
+                        self._room.release()  # the room waits for this step still
                         continue
                     self._put(e)
                     return

@@ -270,7 +270,9 @@ def make_loader(cfg: RunConfig, session: PlaneSession, spec, job: RankJob):
     """The rank's loader, fed by its plane session's plan source and reporting to it:
     DataLoader worker processes (``data.loader: workers``) or per-source Ray actor pools
     (``ray``: the job's, in its Ray cluster, ``loaders.ray_cluster``)."""
-    args = (session.plans(job.start_step, cfg.data.prefetch_steps), session.report,
+    # one plan fetched ahead of the loader's own read-ahead: a fetch is milliseconds, and
+    # every plan fetched is one the plane can no longer re-plan (a slowed rank's speeds)
+    args = (session.plans(job.start_step, 1), session.report,
             session.rank, spec.locations, spec.tokenizer, spec.media)
     # The omni step reshards encoder outputs, so a rank decodes only the media it encodes.
     kw = dict(num_workers=cfg.data.workers, prefetch_steps=cfg.data.prefetch_steps,

@@ -1,0 +1,102 @@
+"""Rank speeds (tools/train/rank_speeds.py): measured per rank from the plans' costs and the
+compute clock, smoothed, told to the plane when they change -- and, in a real run where a
+process outside the trainer takes half of one rank's core, that rank's share of the work
+falls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from omniscale.dataplane.client import PlaneError
+from omniscale.dataplane.journal import Journal
+from omniscale.tools.train.launch import train
+from omniscale.tools.train.rank_speeds import SpeedTracker
+from tests.tools.train_runs import read_metrics
+
+
+class _Plane:
+    def __init__(self, fail: bool = False):
+        self.told, self.fail = [], fail
+
+    def set_speeds(self, step, speeds):
+        if self.fail:
+            raise PlaneError("speeds: unknown action\nmore")
+        self.told.append((step, speeds))
+        return {"applies_at_step": step + 2, "speeds": speeds}
+
+
+def test_one_odd_step_moves_nothing_two_do():
+    tracker, plane = SpeedTracker(), _Plane()
+    for step in range(3):  # equal ranks: cost 10 in 1 s each
+        assert tracker.observe(step, [10.0, 10.0], [1.0, 1.0]) == {"rank_speed": [1.0, 1.0]}
+        assert tracker.tell(plane, writer=True, deterministic=False) is None
+    tracker.observe(3, [10.0, 10.0], [1.0, 2.0])  # one slow step: the median holds
+    assert tracker.tell(plane, writer=True, deterministic=False) is None
+    fields = tracker.observe(4, [10.0, 5.0], [1.0, 1.0])  # two: rank 1 at half speed
+    assert fields == {"rank_speed": [1.0, 0.5]}
+    assert tracker.tell(plane, writer=True, deterministic=False) == \
+        {"applies_at_step": 6, "speeds": [1.0, 0.5]}
+    tracker.observe(5, [10.0, 5.2], [1.0, 1.0])  # within 10% of what the plane has
+    assert tracker.tell(plane, writer=True, deterministic=False) is None
+    for step in (6, 7):  # recovered: equal again, said once
+        tracker.observe(step, [10.0, 9.8], [1.0, 1.0])
+    tracker.tell(plane, writer=True, deterministic=False)
+    assert plane.told == [(4, [1.0, 0.5]), (7, [])]
+
+
+def test_only_rank_0_tells_and_not_in_deterministic_mode():
+    for writer, deterministic in ((False, False), (True, True)):
+        tracker, plane = SpeedTracker(window=1), _Plane()
+        tracker.observe(0, [10.0, 10.0], [1.0, 3.0])
+        assert tracker.tell(plane, writer, deterministic) is None and plane.told == []
+
+
+def test_an_idle_rank_says_nothing_and_a_refusing_plane_costs_one_line(capsys):
+    tracker = SpeedTracker(window=1)
+    assert tracker.observe(0, [10.0, 0.0], [1.0, 0.1]) == {}  # rank 1 had no work
+    tracker.observe(1, [10.0, 10.0], [1.0, 2.0])
+    assert tracker.tell(_Plane(fail=True), writer=True, deterministic=False) is None
+    assert capsys.readouterr().out == \
+        "rank speeds: the plane was not told (speeds: unknown action)\n"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin ranks to")
+def test_a_rank_sharing_its_core_with_a_noisy_neighbour_gets_less_work(demo, tmp_path,
+                                                                         monkeypatch):
+    """Ranks pinned to a CPU each (``OMNISCALE_CPU_BIND``), and a process spinning on rank 1's
+    CPU from the start: rank 1 runs at about half speed. Its speed is measured (the runnable
+    clock sees the neighbour; CPU time would not), the plane is told, and from the step it
+    applies rank 1 is planned a clearly smaller share of the work than rank 0."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    monkeypatch.setenv("OMNISCALE_CPU_BIND", ",".join(map(str, cpus)))
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import os; os.sched_setaffinity(0, {%d}); "
+         "print('ready', flush=True)\nwhile True: pass" % cpus[1]],
+        stdout=subprocess.PIPE, text=True)
+    run = tmp_path / "run"
+    sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
+            "data.global_batch_tokens": 8192, "data.micro_batch_tokens": 2048,
+            "optim.warmup_steps": 1, "output_dir": run, "steps": 9, "checkpoint_every": 9,
+            "deterministic": False}
+    try:
+        assert spinner.stdout.readline().strip() == "ready"
+        train("configs/demo_omni.yaml", nproc=2, progress=False,
+              sets=[f"{k}={v}" for k, v in sets.items()])
+    finally:
+        spinner.kill()
+        spinner.wait()
+    rows = read_metrics(run / "metrics.jsonl")
+    sent = [r["rank_speeds_sent"] for r in rows if "rank_speeds_sent" in r]
+    assert sent and sent[0]["speeds"][1] < 0.8, [r.get("rank_speed") for r in rows]
+    applies = sent[0]["applies_at_step"]
+    # measured over the first steps, applied after the plans the loader holds: one fetched,
+    # one being decoded, data.prefetch_steps (2) decoded
+    assert applies <= 6, sent
+    later = [r["rank_predicted_cost"] for r in rows if r["step"] >= applies]
+    assert later and all(c[1] < 0.8 * c[0] for c in later), later
+    logged = [r for _, r in Journal(run / "plane", readonly=True).records() if r["t"] == "speeds"]
+    assert logged[0]["step"] == applies and logged[0]["speeds"] == sent[0]["speeds"]
