@@ -28,6 +28,7 @@ import torch
 from omniscale.balancer.cost import fit, nonnegative_lstsq
 from omniscale.balancer.cost_file import cost_document
 from omniscale.errors import UserError
+from omniscale.tools.calibrate_layout import measure as measure_layout
 
 MIN_SEQ = 16  # the shortest sequence of the grid (tokens)
 
@@ -190,11 +191,29 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     started = time.perf_counter()
     try:
-        return _measure(cfg, spec, device, repeats, held_out, progress) | {
-            "nproc": nproc, "threads": torch.get_num_threads(),
-            "elapsed_s": round(time.perf_counter() - started, 1)}
+        result = _measure(cfg, spec, device, repeats, held_out, progress) | {
+            "nproc": nproc, "threads": torch.get_num_threads()}
     finally:
         torch.set_num_threads(threads)
+    if nproc > 1:
+        progress(f"layout: micro-batches and the reshard on {nproc} sharded ranks")
+        with_layout(result, measure_layout(config, list(sets), nproc, max(repeats, 5)))
+    return result | {"elapsed_s": round(time.perf_counter() - started, 1)}
+
+
+def with_layout(result: dict, layout: dict) -> None:
+    """The run's layout's prices into the cost document (``calibrate_layout``): a micro-batch's
+    fixed cost as the sharded run pays it (the one-process fit's is kept beside it), and the
+    collectives' per-token prices -- the reshard's measured, the SP all-to-alls' derived from
+    it (Ulysses moves q, k, v and the output, each ``d_model`` wide at most, per layer, and as
+    many gradients back: 4 × layers times the reshard's rows per token; ``CommModel``)."""
+    llm = result["llm"]
+    llm["per_micro_batch_one_process"] = llm["per_micro_batch"]
+    llm["per_micro_batch"] = max(layout["per_micro_batch"], llm["per_micro_batch"])
+    result["collectives"] = {"reshard_per_token": layout["reshard_per_token"],
+                             "sp_comm_per_token": 4 * layout["layers"]
+                             * layout["reshard_per_token"]}
+    result["layout"] = layout
 
 
 def _measure(cfg, spec, device, repeats: int, held_out: int, progress) -> dict:

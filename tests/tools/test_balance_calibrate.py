@@ -95,3 +95,35 @@ def test_a_bad_cost_file_is_one_line(tmp_path):
     costs = config.cost_model(1.0, 0.0)
     assert (costs.micro_batch, costs.reshard_per_token, costs.sp_comm_per_token) == \
         (0.25, 1e-6, 0.0)
+
+
+def test_layout_prices_micro_batches_and_moved_items_on_sharded_ranks(demo, tmp_path):
+    """``calibrate_layout.measure`` on two gloo processes with the model sharded as the trainer
+    shards it: a step of more one-token micro-batches takes longer (FSDP's gathers and
+    reduce-scatter are paid per micro-batch), the reshard's all-to-all takes longer with more
+    rows, and the cost document carries both prices to the planner."""
+    from omniscale.tools.balance_calibrate import with_layout
+    from omniscale.tools.calibrate_layout import measure
+
+    sets = [f"data.spec={demo / 'mix.yaml'}", "data.micro_batch_tokens=1024",
+            "eval.enabled=false"]
+    layout = measure("configs/demo_omni.yaml", sets, nproc=2, repeats=3)
+    seconds = layout["micro_batch_seconds"]
+    assert seconds["4"] > seconds["1"] > 0, layout
+    moved = layout["reshard_seconds"]
+    assert moved["16384"] > moved["0"] > 0, layout
+    # the fitted prices: never negative (on two busy workers a slope may come out 0)
+    assert layout["per_micro_batch"] >= 0 and layout["reshard_per_token"] >= 0
+    doc = {"llm": {"alpha": 1e-4, "beta": 0.0, "gamma": 0.0, "per_micro_batch": 1e-9},
+           "encoders": {}}
+    with_layout(doc, layout)
+    assert doc["llm"]["per_micro_batch"] == layout["per_micro_batch"]
+    assert doc["llm"]["per_micro_batch_one_process"] == 1e-9
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(doc))
+    config = PlaneConfig(dp=2, global_batch_tokens=8192, **read_cost_file(path))
+    costs = config.cost_model(config.cost_linear, config.cost_quadratic)
+    assert costs.micro_batch == layout["per_micro_batch"]
+    assert costs.reshard_per_token == layout["reshard_per_token"]
+    assert costs.sp_comm_per_token == pytest.approx(4 * layout["layers"]
+                                                    * layout["reshard_per_token"])

@@ -1,7 +1,11 @@
 """End-to-end balancing benchmark: the same training run once per placement policy.
 
-    .venv/bin/python tools/bench/e2e.py [--steps 12] [--warmup 4] [--rounds 3] [--nproc 2]
-        [--scale small] [--out docs/bench/e2e.json]
+    .venv/bin/python tools/bench/e2e.py [--workload even|uneven] [--steps 12] [--warmup 4]
+        [--rounds 3] [--nproc 2] [--scale small] [--out docs/bench/e2e.json]
+
+Workloads: ``even`` (the default; below) and ``uneven`` (``tools/bench/e2e_uneven.py``: the same
+runs with rank 1 slowed mid-run by a process pinned to its CPU; 30 steps, the neighbour from
+step 8 to 22, figures over steps 14-21; ``docs/bench/e2e_uneven.json``).
 
 Each run is ``omniscale train configs/demo_omni.yaml --nproc 2`` with ``data.balance`` set to
 the policy and everything else equal: model (the tiny omni preset), seed, steps, data (the
@@ -23,6 +27,7 @@ imbalance. The headline is the median over rounds of ours / the best baseline of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -34,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
+from omniscale.tools.bench import e2e_uneven  # noqa: E402
 from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
 POLICIES = ("omniscale", "token_lpt", "kk_cost", "first_fit", "strided")
@@ -53,22 +59,31 @@ def prepare(data: Path, scale: str) -> Path:
     return every_source_spec(demo, data / f"every-{scale}.yaml")
 
 
-def run(policy: str, spec: Path, out: Path, args) -> dict:
+def run(policy: str, spec: Path, out: Path, args, sets: dict | None = None,
+        env: dict | None = None, during=None) -> dict:
+    """One training run with ``data.balance`` = ``policy``; ``sets``: more ``--set``
+    overrides, ``env``: its environment, ``during``: a context manager factory given the
+    run's metrics file, entered while it runs (the uneven workload's neighbour)."""
     sets = {"data.spec": spec, "data.balance": policy, "steps": args.steps,
             "checkpoint_every": args.steps, "output_dir": out, "eval.enabled": "false",
             "parallel.sp": 2, "parallel.dp_shard": 1, "data.workers": args.workers,
             "data.global_batch_tokens": args.global_batch_tokens,
             "data.micro_batch_tokens": args.micro_batch_tokens, "optim.warmup_steps": 2,
-            "deterministic": "true"}
+            "deterministic": "true", **(sets or {})}
     if args.costs != "flops":
         sets["data.costs"] = args.costs
     cmd = [sys.executable, "-m", "omniscale", "train", "configs/demo_omni.yaml", "--nproc",
            str(args.nproc), "--no-progress"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{policy}: omniscale train failed:\n{done.stderr[-2000:]}")
+    with contextlib.ExitStack() as stack:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)
+        if during is not None:
+            stack.enter_context(during(out / "metrics.jsonl"))
+        _, stderr = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"{policy}: omniscale train failed:\n{stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = rows[args.warmup:]
     seconds = sum(r["step_s"] for r in measured)
@@ -99,10 +114,12 @@ def calibrate(spec: Path, args) -> dict:
         raise SystemExit(f"omniscale balance calibrate failed:\n{done.stderr[-2000:]}")
     doc = json.loads(Path(args.costs).read_text())
     print("\n".join(done.stdout.strip().splitlines()[-5:]), flush=True)
-    return {"llm": {k: doc["llm"][k] for k in ("alpha", "beta", "gamma", "per_micro_batch",
-                                               "r2", "mape", "held_out")},
+    return {"llm": {k: doc["llm"].get(k) for k in ("alpha", "beta", "gamma", "per_micro_batch",
+                                                   "per_micro_batch_one_process", "r2",
+                                                   "mape", "held_out")},
             "encoders": {k: {f: v[f] for f in ("alpha", "beta", "gamma", "r2", "mape")}
                          for k, v in doc["encoders"].items()},
+            "collectives": doc.get("collectives"), "layout": doc.get("layout"),
             "elapsed_s": doc.get("elapsed_s"), "threads": doc.get("threads")}
 
 
@@ -114,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "omniscale-bench")
     ap.add_argument("--scale", default="small", choices=("tiny", "small", "medium"))
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=None, help="default: 12 (uneven: 30)")
     ap.add_argument("--warmup", type=int, default=4,
                     help="steps left out (a whole window: the planner moves samples within it)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -129,8 +146,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-reshard", action="store_true",
                     help="diagnostic: price moving an encoder output at 1 s per token in the "
                          "cost file, so every item is encoded where it is consumed")
+    ap.add_argument("--workload", choices=("even", "uneven"), default="even")
+    ap.add_argument("--slow-from", type=int, default=8,
+                    help="uneven: the step the neighbour starts at")
+    ap.add_argument("--slow-until", type=int, default=22,
+                    help="uneven: the step it stops at (past --steps: never)")
+    ap.add_argument("--settle", type=int, default=6,
+                    help="uneven: steps after --slow-from left out of the figures")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    uneven = args.workload == "uneven"
+    if args.steps is None:
+        args.steps = 30 if uneven else 12
+    slow_until = args.slow_until if args.slow_until < args.steps else None
     started = provenance()
     policies = args.policies.split(",")
     spec = prepare(args.data, args.scale)
@@ -151,28 +179,48 @@ def main(argv: list[str] | None = None) -> dict:
             order = policies[r % len(policies):] + policies[:r % len(policies)]
             runs = {}
             for policy in order:
-                runs[policy] = run(policy, spec, Path(tmp) / f"r{r}-{policy}", args)
+                out = Path(tmp) / f"r{r}-{policy}"
+                if uneven:
+                    runs[policy] = run(policy, spec, out, args, sets=e2e_uneven.SETS,
+                                       env=e2e_uneven.environment(),
+                                       during=lambda m: e2e_uneven.Neighbour(
+                                           m, args.slow_from, slow_until))
+                    rows = [json.loads(line) for line in
+                            (out / "metrics.jsonl").read_text().splitlines()]
+                    runs[policy].update(e2e_uneven.analyse(rows, args.slow_from, slow_until,
+                                                           args.settle, args.warmup))
+                else:
+                    runs[policy] = run(policy, spec, out, args)
+                got = runs[policy]
                 print(f"round {r + 1}/{args.rounds} {policy:10s} "
-                      f"{runs[policy]['tokens_per_s']:8.0f} tok/s  step "
-                      f"{runs[policy]['step_s_median']:.3f} s  imbalance measured "
-                      f"{runs[policy]['imbalance_measured']:.3f} predicted "
-                      f"{runs[policy]['imbalance_predicted']:.3f}", flush=True)
+                      f"{got['tokens_per_s']:8.0f} tok/s  step {got['step_s_median']:.3f} s  "
+                      f"imbalance measured {got['imbalance_measured']:.3f} predicted "
+                      f"{got['imbalance_predicted']:.3f}" + (
+                          f"  ideal {got['ideal_fraction']:.3f}  recovered in "
+                          f"{got['recovery_steps']} steps" if uneven else ""), flush=True)
             baselines = [p for p in policies if p != OURS]
             best = max(baselines, key=lambda p: runs[p]["tokens_per_s"]) if baselines else None
             ratio = runs[OURS]["tokens_per_s"] / runs[best]["tokens_per_s"] \
                 if best and OURS in runs else None
             rounds.append({"order": order, "runs": runs, "best_baseline": best,
                            "ratio_vs_best_baseline": ratio})
-    summary = {p: {k: statistics.median(r["runs"][p][k] for r in rounds)
-                   for k in ("tokens_per_s", "step_s_median", "imbalance_measured",
-                             "imbalance_predicted")} for p in policies}
+    keys = ("tokens_per_s", "step_s_median", "imbalance_measured", "imbalance_predicted") + (
+        ("ideal_fraction", "step_s_before", "step_s_slowed", "rank1_speed_measured")
+        if uneven else ())
+    summary = {p: {k: statistics.median(r["runs"][p][k] for r in rounds) for k in keys}
+               for p in policies}
     ratios = [r["ratio_vs_best_baseline"] for r in rounds if r["ratio_vs_best_baseline"]]
     result = {"command": " ".join(["tools/bench/e2e.py"] + (argv or sys.argv[1:])),
               **started, "scale": args.scale, "nproc": args.nproc, "steps": args.steps,
               "warmup": args.warmup, "global_batch_tokens": args.global_batch_tokens,
               "micro_batch_tokens": args.micro_batch_tokens, "sp": 2,
               "costs": args.costs, "calibration": calibration,
-              "no_reshard": args.no_reshard, "rounds": rounds,
+              "no_reshard": args.no_reshard, "workload": args.workload,
+              **({"neighbour": e2e_uneven.describe(args.slow_from, slow_until),
+                  "settle": args.settle, "figures_over_steps": [
+                      args.slow_from + args.settle, (slow_until or args.steps) - 1],
+                  "planned_by_speed": [OURS], "settings": e2e_uneven.SETS} if uneven else {}),
+              "rounds": rounds,
               "median": summary,
               "ratio_vs_best_baseline": _spread(ratios) if ratios else None}
     for p in policies:

@@ -1,0 +1,154 @@
+"""The end-to-end bench's uneven-ranks workload: one rank made slower, mid-run, by a process
+outside the trainer.
+
+Each rank is pinned to a CPU of its own (``OMNISCALE_CPU_BIND``). When the run's metrics show
+step ``slow_from - 1`` done, a *neighbour* starts: a Python busy loop pinned to rank 1's CPU,
+which then gets about half of that core -- a noisy neighbour, as a shared host or a throttled
+device would give. At step ``slow_until`` it stops. Nothing inside the trainer knows: the
+planner sees rank 1's speed only through its compute clock (runnable time on CPU: the turns
+the neighbour takes count, waiting for rank 0 does not) and the speeds rank 0 tells the plane.
+Every policy runs the same way; the baselines' plans are reported with the same speeds, but
+they do not plan by them (they place each step by tokens or cost alone).
+
+Per run: tokens/s over the slowed steps once settled (``settle`` steps after the change), the
+measured time imbalance there, the fraction of a perfect speed-proportional split's tokens/s
+it reaches (per step: the measured per-rank speeds, cost / compute seconds, give the ideal
+compute time Σ cost / Σ speed; the step's other time -- optimizer, waits, data -- is kept as
+measured), and the steps until the step time recovered (within 10% of its settled level after
+the change; of its level before the change once the neighbour left). ``settings.deterministic``
+is off for every policy: plans that follow measured speeds depend on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+NEIGHBOUR_CODE = ("import os; os.sched_setaffinity(0, {%d}); print('ready', flush=True)\n"
+                  "while True: pass")
+SETS = {"deterministic": "false"}  # speed-aware plans are off in deterministic mode
+RECOVERED = 1.10  # a step within 10% of the level it recovers to
+
+
+def cpus() -> list[int]:
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        raise SystemExit("the uneven workload pins two ranks to a CPU each: needs 2 CPUs")
+    return mine[:2]
+
+
+def environment() -> dict[str, str]:
+    """The runs' environment: rank i on CPU i."""
+    return {**os.environ, "OMNISCALE_CPU_BIND": ",".join(map(str, cpus()))}
+
+
+def describe(slow_from: int, slow_until: int | None) -> dict:
+    cpu = cpus()[1]
+    return {"what": f"a Python busy loop pinned to CPU {cpu}, rank 1's (rank 0 on CPU "
+                    f"{cpus()[0]}): about half that core", "code": NEIGHBOUR_CODE % cpu,
+            "from_step": slow_from, "until_step": slow_until}
+
+
+class Neighbour:
+    """Starts the busy loop when the run reaches ``slow_from`` and stops it at ``slow_until``:
+    a thread that follows the run's ``metrics.jsonl`` (rank 0 writes a row per step)."""
+
+    def __init__(self, metrics: Path, slow_from: int, slow_until: int | None) -> None:
+        self.metrics, self.slow_from, self.slow_until = metrics, slow_from, slow_until
+        self.process: subprocess.Popen | None = None
+        self.started_after = self.stopped_after = None  # the last step done at the time
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def __enter__(self) -> "Neighbour":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._done.set()
+        self._thread.join()
+        self._stop()
+
+    def _last_step(self) -> int:
+        try:
+            lines = self.metrics.read_text().splitlines()
+        except FileNotFoundError:
+            return -1
+        return json.loads(lines[-1])["step"] if lines else -1
+
+    def _follow(self) -> None:
+        while not self._done.wait(0.05):  # a bench following a run, not a test's sync
+            last = self._last_step()
+            if self.process is None and self.started_after is None and \
+                    last >= self.slow_from - 1:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", NEIGHBOUR_CODE % cpus()[1]],
+                    stdout=subprocess.PIPE, text=True)
+                self.process.stdout.readline()  # 'ready': spinning
+                self.started_after = last
+            if self.process is not None and self.slow_until is not None and \
+                    last >= self.slow_until - 1:
+                self._stop()
+                self.stopped_after = last
+
+    def _stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+def _ideal_step(row: dict) -> float:
+    """The step with its compute spread in proportion to the ranks' measured speeds."""
+    costs, secs = row["rank_predicted_cost"], row["rank_compute_s"]
+    speeds = [c / s for c, s in zip(costs, secs) if c > 0 and s > 0]
+    if len(speeds) < len(costs):
+        return row["step_s"]
+    return row["step_s"] - max(secs) + sum(costs) / sum(speeds)
+
+
+def _recovery(step_s: list[float], start: int, level: float) -> int | None:
+    """Steps from ``start`` until the first step within RECOVERED of ``level``."""
+    for k, s in enumerate(step_s[start:]):
+        if s <= RECOVERED * level:
+            return k
+    return None
+
+
+def analyse(rows: list[dict], slow_from: int, slow_until: int | None, settle: int,
+            warmup: int) -> dict:
+    """One run's figures (module docstring) from its metrics rows."""
+    end = slow_until if slow_until is not None else len(rows)
+    settled = [r for r in rows if slow_from + settle <= r["step"] < end]
+    if not settled:
+        raise SystemExit(f"uneven workload: no settled steps between {slow_from + settle} "
+                         f"and {end} (steps {len(rows)})")
+    step_s = [r["step_s"] for r in rows]
+    seconds = sum(r["step_s"] for r in settled)
+    before = statistics.median(step_s[warmup:slow_from]) if slow_from > warmup else None
+    level = statistics.median(r["step_s"] for r in settled)
+    result = {
+        "tokens_per_s": sum(r["tokens"] for r in settled) / seconds,
+        "ideal_fraction": sum(_ideal_step(r) for r in settled) / seconds,
+        "imbalance_measured": statistics.mean(r["imbalance_measured"] for r in settled),
+        "step_s_before": before, "step_s_slowed": level,
+        "recovery_steps": _recovery(step_s, slow_from, level),
+        "rank1_speed_measured": statistics.median(
+            (r["rank_predicted_cost"][1] / r["rank_compute_s"][1]) /
+            (r["rank_predicted_cost"][0] / r["rank_compute_s"][0]) for r in settled),
+        "steps": [{"step": r["step"], "step_s": round(r["step_s"], 3),
+                   "rank1_share": round(r["rank_predicted_cost"][1]
+                                        / max(sum(r["rank_predicted_cost"]), 1e-12), 3),
+                   "rank_speed": r.get("rank_speed"),
+                   "micro_batches": r["micro_batches"]} for r in rows],
+        "speeds_sent": [{"after_step": r["step"], **r["rank_speeds_sent"]} for r in rows
+                        if "rank_speeds_sent" in r],
+    }
+    if slow_until is not None and before is not None:
+        result["recovery_after_release_steps"] = _recovery(step_s, slow_until, before)
+    return result
