@@ -9,6 +9,11 @@ SP groups go first because they are the least flexible: a group of k must sit on
 `[g*k, (g+1)*k)`. Whole samples then fill around them by LPT (largest first onto the least
 loaded rank, within 4/3 of optimal), and a bounded local search moves or swaps samples off the
 most loaded rank while that lowers it.
+The least (and most) loaded rank or group comes from a tournament tree (`balancer.ranktree`)
+rather than a scan of the ranks, so a step of N samples costs O(N log R) on equal ranks (the
+scans made it O(N·R) and the local search O(R² log R): seconds at 16,384 ranks); the trees
+pick the same ranks as the scans, lowest index on ties. With speeds, LPT still scans (a
+sample's finish time on a rank depends on both load and speed).
 
 Shape suffixes: N samples of the step, R ranks, G SP groups.
 """
@@ -18,21 +23,24 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from omniscale.balancer.ranktree import build, build2, least_within, smallest, update, update2
+
 
 @njit(cache=True)
 def lpt(cost_N, order_N, load_R):
     """Each sample, in `order_N` (largest first), onto the least-loaded rank (lowest index on
-    ties). Updates `load_R` in place and returns the rank of every sample (-1 if not in order)."""
+    ties). Updates `load_R` in place and returns the rank of every sample (-1 if not in order).
+    A tournament tree finds the rank (`balancer.ranktree`): O(N log R), the same ranks as a scan."""
     rank_N = np.full(len(cost_N), -1, np.int64)
-    n_ranks = len(load_R)
+    if len(order_N) == 0:
+        return rank_N
+    key_P, win_V = build(load_R)
     for o in range(len(order_N)):
         i = order_N[o]
-        best = 0
-        for r in range(1, n_ranks):
-            if load_R[r] < load_R[best]:
-                best = r
+        best = win_V[1]
         rank_N[i] = best
         load_R[best] += cost_N[i]
+        update(key_P, win_V, best, load_R[best])
     return rank_N
 
 
@@ -59,6 +67,8 @@ def lpt_capped(cost_N, tokens_N, order_N, load_R, tok_R, cap, inv_speed_R, unifo
     """`lpt` (`lpt_speeds` unless `uniform`) among the ranks whose tokens stay within `cap`
     (the least-filled rank when none has room). Updates `load_R` and `tok_R` in place;
     returns every sample's rank."""
+    if uniform:
+        return _lpt_capped_uniform(cost_N, tokens_N, order_N, load_R, tok_R, cap)
     rank_N = np.full(len(cost_N), -1, np.int64)
     n_ranks = len(load_R)
     for o in range(len(order_N)):
@@ -68,18 +78,35 @@ def lpt_capped(cost_N, tokens_N, order_N, load_R, tok_R, cap, inv_speed_R, unifo
         for r in range(n_ranks):
             if tok_R[r] + tokens_N[i] > cap:
                 continue
-            if best < 0:
-                best = r
-            elif uniform:
-                if load_R[r] < load_R[best]:
-                    best = r
-            elif load_R[r] + c * inv_speed_R[r] < load_R[best] + c * inv_speed_R[best]:
+            if best < 0 or load_R[r] + c * inv_speed_R[r] < load_R[best] + c * inv_speed_R[best]:
                 best = r
         if best < 0:
             best = int(np.argmin(tok_R))
         rank_N[i] = best
         load_R[best] += c * inv_speed_R[best]
         tok_R[best] += tokens_N[i]
+    return rank_N
+
+
+@njit(cache=True)
+def _lpt_capped_uniform(cost_N, tokens_N, order_N, load_R, tok_R, cap):
+    """`lpt_capped` on equal ranks with two tournament trees (loads, tokens): the least-loaded
+    rank with room is a pruned descent (`ranktree.least_within`), not a scan of every rank."""
+    rank_N = np.full(len(cost_N), -1, np.int64)
+    if len(order_N) == 0:
+        return rank_N
+    load_key, load_win = build(load_R)
+    tok_key, tok_win = build(tok_R.astype(np.float64))
+    for o in range(len(order_N)):
+        i = order_N[o]
+        best = least_within(load_key, load_win, tok_key, tok_win, float(cap - tokens_N[i]))
+        if best < 0:  # no rank has room: the least filled (lowest index on ties)
+            best = tok_win[1]
+        rank_N[i] = best
+        load_R[best] += cost_N[i]
+        tok_R[best] += tokens_N[i]
+        update(load_key, load_win, best, load_R[best])
+        update(tok_key, tok_win, best, float(tok_R[best]))
     return rank_N
 
 
@@ -107,54 +134,49 @@ def local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners,
 @njit(cache=True)
 def _local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners, tokens_N, tok_R,
                   cap, inv_R, uniform):
+    # Per iteration the most loaded rank and the least loaded ones come from tournament trees
+    # and the samples of a rank from per-rank lists: O(log R + the samples on the ranks
+    # involved), where a sort of the ranks and a scan of every sample made the 2R + 16
+    # iterations O(R² log R). Candidates are tried in the same order as that scan (partners by
+    # (load, index), samples by index), so the moves made are the same.
     capped = cap >= 0
-    n = len(cost_N)
     n_ranks = len(load_R)
     if n_ranks < 2:
         return 0
     n_partners = min(n_partners, n_ranks - 1)
-    is_partner_R = np.zeros(n_ranks, np.bool_)
-    mine = np.empty(n, np.int64)
+    member_RC, count_R = _members_by_rank(rank_N, movable_N, n_ranks)
+    low_key, low_win = build(load_R)
+    high_key, high_win = build(-load_R)  # a max tree: the min of the negated loads
+    partner_K = np.empty(max(n_partners, 1), np.int64)
     made = 0
     for _ in range(max_iters):
-        r = np.argmax(load_R)
+        r = high_win[1]
         top = load_R[r]
         tiny = 1e-12 * max(abs(top), 1e-300)
-        order_R = np.argsort(load_R, kind="mergesort")
-        is_partner_R[:] = False
-        low = -1
-        k = 0
-        for q in order_R:
-            if q != r and k < n_partners:
-                is_partner_R[q] = True
-                if low < 0:
-                    low = q
-                k += 1
-        n_mine = 0
-        for i in range(n):
-            if rank_N[i] == r and movable_N[i]:
-                mine[n_mine] = i
-                n_mine += 1
+        n_found = smallest(low_key, low_win, n_partners, r, partner_K)
+        low = partner_K[0] if n_found else -1
+        mine = np.sort(member_RC[r, :count_R[r]])
         best_new = top
         best_i = -1
         best_j = -1
         best_q = low
-        for q in order_R:  # moves: to `low` alone when ranks are equal (the best of them)
-            if q == r or not is_partner_R[q] or (uniform and q != low):
+        for k in range(n_found):  # moves: to `low` alone when ranks are equal (the best of them)
+            q = partner_K[k]
+            if uniform and q != low:
                 continue
-            for m in range(n_mine):
-                i = mine[m]
+            for i in mine:
                 if capped and tok_R[q] + tokens_N[i] > cap:
                     continue
                 new = max(top - cost_N[i] * inv_R[r], load_R[q] + cost_N[i] * inv_R[q])
                 if new < best_new - tiny:
                     best_new, best_i, best_j, best_q = new, i, -1, q
-        for j in range(n):
+        theirs = np.empty(0, np.int64)
+        for k in range(n_found):
+            q = partner_K[k]
+            theirs = np.concatenate((theirs, member_RC[q, :count_R[q]]))
+        for j in np.sort(theirs):
             q = rank_N[j]
-            if not movable_N[j] or not is_partner_R[q]:
-                continue
-            for m in range(n_mine):
-                i = mine[m]
+            for i in mine:
                 d = cost_N[i] - cost_N[j]
                 if d <= 0:
                     continue
@@ -174,6 +196,8 @@ def _local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners, toke
             if capped:
                 tok_R[r] -= tokens_N[best_i]
                 tok_R[q] += tokens_N[best_i]
+            _leave(member_RC, count_R, r, best_i)
+            member_RC = _join(member_RC, count_R, q, best_i)
         else:
             q = rank_N[best_j]
             d = cost_N[best_i] - cost_N[best_j]
@@ -185,8 +209,54 @@ def _local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners, toke
                 dt = tokens_N[best_i] - tokens_N[best_j]
                 tok_R[r] -= dt
                 tok_R[q] += dt
+            _leave(member_RC, count_R, r, best_i)
+            _leave(member_RC, count_R, q, best_j)
+            member_RC = _join(member_RC, count_R, q, best_i)
+            member_RC = _join(member_RC, count_R, r, best_j)
+        for x in (r, q):
+            update(low_key, low_win, x, load_R[x])
+            update(high_key, high_win, x, -load_R[x])
         made += 1
     return made
+
+
+@njit(cache=True)
+def _members_by_rank(rank_N, movable_N, n_ranks):
+    """The movable samples of each rank (row r of [R, C], the first count_R[r] entries)."""
+    count_R = np.zeros(n_ranks, np.int64)
+    for i in range(len(rank_N)):
+        if movable_N[i]:
+            count_R[rank_N[i]] += 1
+    member_RC = np.empty((n_ranks, max(1, count_R.max()) + 2), np.int64)
+    count_R[:] = 0
+    for i in range(len(rank_N)):
+        if movable_N[i]:
+            member_RC[rank_N[i], count_R[rank_N[i]]] = i
+            count_R[rank_N[i]] += 1
+    return member_RC, count_R
+
+
+@njit(cache=True)
+def _leave(member_RC, count_R, r, i):
+    """Sample i off rank r's list (order within a list does not matter: it is sorted when
+    read)."""
+    for c in range(count_R[r]):
+        if member_RC[r, c] == i:
+            count_R[r] -= 1
+            member_RC[r, c] = member_RC[r, count_R[r]]
+            return
+
+
+@njit(cache=True)
+def _join(member_RC, count_R, r, i):
+    """Sample i onto rank r's list; the lists widen (doubled) when a row is full."""
+    if count_R[r] == member_RC.shape[1]:
+        wider = np.empty((member_RC.shape[0], 2 * member_RC.shape[1]), np.int64)
+        wider[:, :member_RC.shape[1]] = member_RC
+        member_RC = wider
+    member_RC[r, count_R[r]] = i
+    count_R[r] += 1
+    return member_RC
 
 
 def place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_speed_R=None):
@@ -194,36 +264,96 @@ def place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_speed_R=None):
     group `[g*k, (g+1)*k)` whose most loaded rank is least loaded (then least total load,
     then lowest g). Returns the group's first rank per sample (-1 for samples not placed).
     With speeds (`inv_speed_R`), a slice takes its group's slowest rank's time on every rank
-    of the group (the Ulysses all-to-alls pace the group) and `load_R` is in time."""
+    of the group (the Ulysses all-to-alls pace the group) and `load_R` is in time.
+    The group sizes of the samples in `order_N` must be powers of two at most len(load_R)."""
     inv = np.ones(len(load_R)) if inv_speed_R is None \
         else np.ascontiguousarray(inv_speed_R, np.float64)
+    k_O = np.asarray(sp_size_N)[np.asarray(order_N, np.int64)]
+    if len(k_O) and ((k_O < 1).any() or (k_O & (k_O - 1)).any() or k_O.max() > len(load_R)):
+        raise ValueError(f"place_sp_groups: SP group sizes must be powers of two <= "
+                         f"{len(load_R)} ranks, got {sorted(set(k_O.tolist()))}")
     return _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv)
 
 
 @njit(cache=True)
+def _level(k):
+    """log2 of a power of two."""
+    lv = 0
+    while (1 << lv) < k:
+        lv += 1
+    return lv
+
+
+@njit(cache=True)
+def _group_key(load_R, g, k):
+    """(most loaded rank, summed load) of group g of size k, summed in rank order."""
+    mx = -np.inf
+    sm = 0.0
+    for r in range(g * k, (g + 1) * k):
+        mx = max(mx, load_R[r])
+        sm += load_R[r]
+    return mx, sm
+
+
+@njit(cache=True)
 def _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_R):
+    # One tournament tree per group size in use, over that size's aligned groups keyed by
+    # (most loaded rank, summed load): the best group is the root, where a scan of every
+    # group cost O(R) per split sample. Placing a sample changes the groups of every size
+    # that overlap its ranks; each is re-keyed from its ranks (summed in rank order, as the
+    # scan summed) and its tree path updated.
     first_N = np.full(len(unit_cost_N), -1, np.int64)
     n_ranks = len(load_R)
+    if len(order_N) == 0:
+        return first_N
+    n_levels = _level(n_ranks + 1)
+    used_L = np.zeros(n_levels + 1, np.bool_)
+    for o in range(len(order_N)):
+        used_L[_level(sp_size_N[order_N[o]])] = True
+    size_L = np.zeros(n_levels + 1, np.int64)  # leaves of each level's tree
+    off_L = np.zeros(n_levels + 2, np.int64)
+    for lv in range(n_levels + 1):
+        if used_L[lv]:
+            size = 1
+            while size < n_ranks >> lv:
+                size *= 2
+            size_L[lv] = size
+        off_L[lv + 1] = off_L[lv] + size_L[lv]
+    major = np.empty(off_L[-1], np.float64)
+    minor = np.empty(off_L[-1], np.float64)
+    win = np.empty(2 * off_L[-1], np.int64)
+    for lv in range(n_levels + 1):
+        if not used_L[lv]:
+            continue
+        k = 1 << lv
+        n_groups = n_ranks >> lv
+        mx_G = np.empty(n_groups, np.float64)
+        sm_G = np.empty(n_groups, np.float64)
+        for g in range(n_groups):
+            mx_G[g], sm_G[g] = _group_key(load_R, g, k)
+        o, size = off_L[lv], size_L[lv]
+        major[o:o + size], minor[o:o + size], win[2 * o:2 * o + 2 * size] = \
+            build2(mx_G, sm_G, size)
     for o in range(len(order_N)):
         i = order_N[o]
         k = sp_size_N[i]
-        best = -1
-        best_max = np.inf
-        best_sum = np.inf
-        for g in range(n_ranks // k):
-            mx = -np.inf
-            sm = 0.0
-            for r in range(g * k, (g + 1) * k):
-                mx = max(mx, load_R[r])
-                sm += load_R[r]
-            if mx < best_max or (mx == best_max and sm < best_sum):
-                best, best_max, best_sum = g, mx, sm
-        first_N[i] = best * k
+        lv = _level(k)
+        best = win[2 * off_L[lv] + 1]  # the root of this size's tree
+        a = best * k
+        first_N[i] = a
         slowest = 0.0
-        for r in range(best * k, (best + 1) * k):
+        for r in range(a, a + k):
             slowest = max(slowest, inv_R[r])
-        for r in range(best * k, (best + 1) * k):
+        for r in range(a, a + k):
             load_R[r] += unit_cost_N[i] * slowest
+        for lv2 in range(n_levels + 1):
+            if not used_L[lv2]:
+                continue
+            k2 = 1 << lv2
+            lo, hi = off_L[lv2], off_L[lv2] + size_L[lv2]
+            for g in range(a // k2, min((a + k - 1) // k2, (n_ranks >> lv2) - 1) + 1):
+                mx, sm = _group_key(load_R, g, k2)
+                update2(major[lo:hi], minor[lo:hi], win[2 * lo:2 * hi], g, mx, sm)
     return first_N
 
 
@@ -251,7 +381,9 @@ def assign_ranks(unit_cost_N: np.ndarray, sp_size_N: np.ndarray, dp: int,
     sp_order = index_N[split_N][np.lexsort((index_N[split_N], -unit_cost_N[split_N],
                                             -sp_size_N[split_N]))]
     first_N = place_sp_groups(unit_cost_N, sp_size_N, sp_order, load_R, inv_R)
-    whole_order = index_N[~split_N][np.lexsort((index_N[~split_N], -unit_cost_N[~split_N]))]
+    # costliest first, ties by index: a stable sort of the negated costs (a lexsort with the
+    # index as a second key gives the same order at twice the time)
+    whole_order = index_N[~split_N][np.argsort(-unit_cost_N[~split_N], kind="stable")]
     iters = 2 * dp + 16 if search_iters is None else search_iters
     inv_search = None if uniform else inv_R
     if token_cap is None:

@@ -47,7 +47,7 @@ def plan_encoders(item_cost_M: np.ndarray, item_tokens_M: np.ndarray,
     local_R = np.bincount(consume_rank_M, weights=item_cost_M, minlength=dp)
     if m == 0:
         return EncoderPlan(consume_rank_M.copy(), local_R, False, 0.0, 0.0)
-    order_M = np.lexsort((np.arange(m), -item_cost_M))
+    order_M = np.argsort(-item_cost_M, kind="stable")  # costliest first, ties by index
     balanced_R = np.zeros(dp, np.float64)
     if speed_R is None:
         encode_rank_M = lpt(item_cost_M, order_M, balanced_R).astype(np.int32)

@@ -172,19 +172,24 @@ def _grow(tok_RB, cost_RB, height_B):
 
 
 @njit(cache=True)
-def _fill(first_N, sp_size_N, slice_tokens_N, unit_cost_N, n_ranks, budget, n_open):
-    """Greedy fill (module docstring) of a grid starting with `n_open` open slots, then the
-    local search. Returns slot_N, tok_RB, cost_RB, slots opened."""
+def _fill_order(unit_cost_N, sp_size_N):
+    """The fill's order: widest group first, then costliest, ties by index."""
+    key_N = -unit_cost_N - sp_size_N * (2.0 * np.abs(unit_cost_N).max() + 1.0) \
+        if len(unit_cost_N) else np.zeros(0)
+    return np.argsort(key_N, kind="mergesort")
+
+
+@njit(cache=True)
+def _fill(first_N, sp_size_N, slice_tokens_N, unit_cost_N, n_ranks, budget, n_open, order):
+    """Greedy fill (module docstring) of a grid starting with `n_open` open slots, samples
+    in `order` (`_fill_order`), then the local search. Returns slot_N, tok_RB, cost_RB, slots
+    opened."""
     n = len(first_N)
     cap = n_open + 2
     tok_RB = np.zeros((n_ranks, cap), np.int64)
     cost_RB = np.zeros((n_ranks, cap), np.float64)
     height_B = np.zeros(cap, np.float64)
     slot_N = np.full(n, -1, np.int64)
-    # Widest group first, then costliest, ties by index.
-    key_N = -unit_cost_N - sp_size_N * (2.0 * np.abs(unit_cost_N).max() + 1.0) if n \
-        else np.zeros(0)
-    order = np.argsort(key_N, kind="mergesort")
     for o in range(n):
         i = order[o]
         a = first_N[i]
@@ -248,9 +253,10 @@ def pack(first_N, sp_size_N, slice_tokens_N, unit_cost_N, n_ranks, budget, extra
     best_sum = np.inf
     slot_N, tok_RB, cost_RB, n_open = (np.zeros(0, np.int64), np.zeros((n_ranks, 0), np.int64),
                                        np.zeros((n_ranks, 0), np.float64), 0)
+    order = _fill_order(unit_cost_N, sp_size_N)  # sorted once for every fill
     for m in range(m0, m0 + extra_slots + 1):
         s_N, t_RB, c_RB, n_o = _fill(first_N, sp_size_N, slice_tokens_N, unit_cost_N, n_ranks,
-                                     budget, m)
+                                     budget, m, order)
         total = 0.0
         for b in range(n_o):
             if t_RB[:, b].max() > 0:  # slots empty everywhere are dropped (_compact)

@@ -10,12 +10,14 @@ item order. Each side of the reshard can be derived from the rank's own table
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 
 from omniscale.balancer.types import StepPlan
 from omniscale.media import AUDIO, IMAGE, VIDEO
-from omniscale.plan import rows_to_table, with_metadata
+from omniscale.plan import METADATA_KEY, rows_to_table
 from omniscale.refs import SampleRef, refs_to_table
 
 
@@ -67,17 +69,35 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     out = {}
     for j, (plan, step, dp, side) in enumerate(zip(plans, steps, dps, sides)):
-        cost_R = plan.rank_cost_R
+        # The step's figures once, not once per rank: each sums the whole [R, B] grid, which
+        # per rank made a step's tables O(R²) (seconds at 4,096 ranks).
+        cost_R = plan.rank_cost_R.tolist()
         step_max = plan.ddp_time  # time: the ranks' speeds count (equal: the costliest rank)
+        head, tail = _metadata_text(step, dp, plan.num_micro_batches, {
+            "step_max_cost": step_max, "lower_bound": plan.lower_bound,
+            "imbalance": plan.imbalance, "reshard": plan.reshard, **(side or {})})
         for r in range(dp):
-            meta = {"step": step, "rank": r, "dp": dp,
-                    "num_micro_batches": plan.num_micro_batches,
-                    "predicted_cost": float(cost_R[r]) if len(cost_R) else 0.0,
-                    "step_max_cost": step_max, "lower_bound": plan.lower_bound,
-                    "imbalance": plan.imbalance, "reshard": plan.reshard, **(side or {})}
             at = j * width + r
-            out[(step, r)] = with_metadata(table.slice(int(starts[at]), int(counts[at])), meta)
+            text = f"{head}{r}{tail[0]}{json.dumps(float(cost_R[r]))}{tail[1]}"
+            out[(step, r)] = table.slice(int(starts[at]), int(counts[at])) \
+                .replace_schema_metadata({METADATA_KEY: text})
     return out
+
+
+def _metadata_text(step: int, dp: int, num_micro_batches: int, rest: dict
+                   ) -> tuple[str, tuple[str, str]]:
+    """A step's plan metadata (``omniscale.plan.with_metadata``'s JSON) as the text around the
+    two values that differ per rank, the rank and its predicted cost: (text before the rank,
+    (text between it and the cost, text after the cost)). Serialising the whole dict per rank
+    was most of a step's table time at thousands of ranks; the text is the same, key order
+    included: step, rank, dp, num_micro_batches, predicted_cost, then ``rest``."""
+    assert not {"step", "rank", "dp", "num_micro_batches", "predicted_cost"} & set(rest)
+    head = json.dumps({"step": step, "rank": 0})
+    head = head[:head.rindex("0")]
+    middle = json.dumps({"dp": dp, "num_micro_batches": num_micro_batches,
+                         "predicted_cost": 0.0})
+    after = json.dumps(rest)
+    return head, (", " + middle[1:middle.rindex("0.0")], (", " + after[1:]) if rest else "}")
 
 
 def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N: np.ndarray

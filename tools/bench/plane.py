@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench/plane.py [--quick | --full] [--out bench-plane.json]
     .venv/bin/python tools/bench/plane.py --serving-only [--seconds 10] [--rate 5000]
+    .venv/bin/python tools/bench/plane.py --planning-only [--plan-ranks 1024,4096,16384]
 
 Memory. Synthetic sources (tools/bench/plane_data.py): 1,000 sources x 10 shards x 1,000
 samples by default, 100 shards with ``--full`` (the issue's scale), 100 x 10 x 1,000 with
@@ -38,9 +39,11 @@ processes (from /proc) and the 1-minute load average before it; ``load_avg_at_st
 the first run, so without this benchmark's own threads) says whether other work shared the
 cores, which makes latencies noisy.
 
-Planning. The plane's own draw + plan + per-rank tables for a 1,024-rank job, 8 samples per
-rank per step, window 4: windows (and steps) per second against the one step per second the
-job consumes.
+Planning. The plane's own work for jobs of 1,024 and 4,096 ranks (``--full``: 16,384 too;
+``--plan-ranks``), 8 samples per rank per step, window 4, by phase: draw, plan, the best
+baseline's prediction, every rank's table, every rank's fingerprint (a whole-step commit
+checks them): steps per second against the 2 steps/s a job consumes, and the plane's memory
+at that size (RSS growth per window held). ``--planning-only`` runs this part alone.
 """
 
 from __future__ import annotations
@@ -339,24 +342,85 @@ def serving(spec: Path, tmp: Path, clients: int, seconds: float, mode: str = "la
             "load_avg_before": load_before[0], "load_avg_after": os.getloadavg()[0]}
 
 
-def planning(spec: Path, tmp: Path, windows: int) -> dict:
+PLAN_RANKS = (1024, 4096)  # the planning runs' job sizes (--full adds 16,384)
+JOB_STEPS_PER_S = 2.0  # a job's consumption the plane must stay ahead of (issue #44 item 5)
+
+
+def planning(spec: Path, tmp: Path, windows: int, dp: int = 1024) -> dict:
+    """The plane's own work for a ``dp``-rank job, 8 samples per rank per step, window 4,
+    timed by phase per window: the draw (the mixer's global batches and the window's arrays),
+    the plan (``plan_policy``), the best baseline's prediction beside each step
+    (``best_baseline``), every rank's table (``window_rank_tables``) and every rank's
+    fingerprint (what a whole-step commit checks). The first window (numba's compile or cache
+    load, once per process) is timed apart. Memory: the process's RSS growth per window held
+    with its tables, and the estimate for the windows a plane holds (``plan_ahead`` + 2)."""
+    from omniscale.dataplane import plane_state
     from omniscale.dataplane.plane import DataPlane, PlaneConfig
 
-    dp, W = 1024, 4
-    config = PlaneConfig(dp=dp, window=W, global_batch_samples=8 * dp, micro_batch_tokens=16384,
-                         plan_ahead=0)
-    plane = DataPlane(spec, tmp / "state-planning", config)  # plans window 0 (warms numba)
-    start = time.perf_counter()
-    first = plane.next_window
-    plane.state.plan_through((first + windows) * W - 1)  # draws windows first .. first+windows-1
-    planned = time.perf_counter() - start
-    for k in range(first, first + windows):
-        for step in range(k * W, (k + 1) * W):
-            plane.state.table(step, 0)  # builds every rank's table of the step
-    total = time.perf_counter() - start
+    W = 4
+    spent: dict[str, float] = {}
+    wrapped = {}
+    for name, phase in (("plan_policy", "plan"), ("best_baseline", "baselines"),
+                        ("window_rank_tables", "tables")):
+        fn = wrapped[name] = getattr(plane_state, name)
+
+        def timed(*a, _fn=fn, _phase=phase, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[_phase] = spent.get(_phase, 0.0) + time.perf_counter() - t0
+        setattr(plane_state, name, timed)
+    try:
+        config = PlaneConfig(dp=dp, window=W, global_batch_samples=8 * dp,
+                             micro_batch_tokens=16384, plan_ahead=0)
+        rss0 = rss_bytes()
+        start = time.perf_counter()
+        plane = DataPlane(spec, tmp / f"state-planning-{dp}", config)  # draws window 0
+        first_window = time.perf_counter() - start
+        rss1 = rss_bytes()
+        spent.clear()
+        first = plane.next_window
+        start = time.perf_counter()
+        plane.state.plan_through((first + windows) * W - 1)  # windows first .. +windows-1
+        drawn = time.perf_counter() - start
+        for k in range(first, first + windows):
+            for step in range(k * W, (k + 1) * W):
+                plane.state.table(step, 0)  # builds every rank's table of the step
+        start = time.perf_counter()
+        for k in range(first, first + windows):
+            for step in range(k * W, (k + 1) * W):
+                for rank in range(dp):
+                    plane.state.fingerprint(step, rank)
+        prints = time.perf_counter() - start
+        rss2 = rss_bytes()
+    finally:
+        for name, fn in wrapped.items():
+            setattr(plane_state, name, fn)
+    per = {"draw": (drawn - spent.get("plan", 0.0)) / windows,
+           **{phase: spent.get(phase, 0.0) / windows
+              for phase in ("plan", "baselines", "tables")},
+           "fingerprints": prints / windows}
+    serve = sum(v for k, v in per.items() if k != "fingerprints")
+    total = serve + per["fingerprints"]
+    window_bytes = (rss2 - rss1) / windows
+    held = PlaneConfig(dp=dp, global_batch_samples=8 * dp).plan_ahead + 2  # the default
     return {"dp": dp, "samples_per_step": 8 * dp, "window": W, "windows": windows,
-            "plan_s_per_window": planned / windows, "total_s_per_window": total / windows,
-            "windows_per_s": windows / total, "steps_per_s": windows * W / total}
+            "first_window_s": first_window, "s_per_window": per,
+            "plan_s_per_window": per["plan"], "serve_s_per_window": serve,
+            "total_s_per_window": total, "windows_per_s": 1.0 / total,
+            "steps_per_s": W / total, "steps_per_s_without_fingerprints": W / serve,
+            "job_steps_per_s": JOB_STEPS_PER_S,
+            "fetches_per_s_needed": JOB_STEPS_PER_S * dp,
+            "memory": {"rss_before_bytes": rss0, "rss_first_window_bytes": rss1,
+                       "rss_after_bytes": rss2, "bytes_per_window": window_bytes,
+                       "windows_held": held,
+                       "plane_bytes_estimate": rss1 + window_bytes * held,
+                       "method": "RSS of this process (the plane in-process, no clients): "
+                                 "growth per planned window with every rank's tables and "
+                                 f"fingerprints, times the {held} windows a plane holds "
+                                 "(plan_ahead 2 + the current + the previous) on top of the "
+                                 "RSS with its first window planned: an upper estimate"}}
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -369,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="keep the synthetic sources here (reused if present)")
     parser.add_argument("--serving-only", action="store_true",
                         help="only the serving runs (100 sources; no memory, no planning)")
+    parser.add_argument("--planning-only", action="store_true",
+                        help="only the planning runs (100 sources; no memory, no serving)")
+    parser.add_argument("--plan-ranks", help="comma-separated job sizes of the planning runs "
+                        "(default 1024,4096; with --full 1024,4096,16384)")
     parser.add_argument("--seconds", type=float, help="measured seconds per serving run "
                         "(default 10, --quick 3)")
     parser.add_argument("--warmup", type=float, help="unmeasured seconds before each serving "
@@ -395,7 +463,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--modes: a subset of {','.join(MODES)} with action and lane")
     if args.clients % args.procs:
         parser.error("--clients must be a multiple of --procs")
-    scale = "quick" if args.quick or args.serving_only else "full" if args.full else "default"
+    if args.serving_only and args.planning_only:
+        parser.error("--serving-only and --planning-only exclude each other")
+    plan_ranks = [int(x) for x in args.plan_ranks.split(",")] if args.plan_ranks \
+        else [*PLAN_RANKS, *((16384,) if args.full else ())]
+    scale = "quick" if args.quick or args.serving_only or args.planning_only \
+        else "full" if args.full else "default"
     sources, shards, per_shard = SCALES[scale]
     seconds = args.seconds or (3.0 if args.quick else 10.0)
     warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)
@@ -418,14 +491,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: load average {out['load_avg_at_start']:.1f} on "
                   f"{os.cpu_count()} CPUs: other work shares the cores, latencies are noisy",
                   flush=True)
-        if not args.serving_only:
+        if not (args.serving_only or args.planning_only):
             out["memory"] = memory(spec, tmp)
         srv = {"rate": args.rate, "closed": {}, "paced": {},
                "note": "closed loop: throughput target; its latency is information (Little's "
                        "law: N back-to-back clients at mean latency L fetch N/L per second). "
                        "paced: open loop at `rate` fetches/s in aggregate, latency from each "
                        "fetch's due time: the latency target"}
-        for load, rate in (("closed", 0.0), ("paced", args.rate)):
+        for load, rate in () if args.planning_only else (("closed", 0.0), ("paced", args.rate)):
             for mode in modes:
                 r = serving(small, tmp, args.clients, seconds, mode, rate, warmup, args.procs)
                 srv[load][mode] = r
@@ -434,9 +507,18 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['plane_cpu_us_per_fetch']:.0f} us, clients "
                       f"{r['clients_cpu_us_per_fetch']:.0f} us; load {r['load_avg_before']:.1f})",
                       flush=True)
-        out["serving"] = srv
+        if not args.planning_only:
+            out["serving"] = srv
         if not args.serving_only:
-            out["planning"] = planning(small, tmp, 2 if args.quick else 5)
+            out["planning"] = []
+            for dp in plan_ranks:  # fewer windows for the big jobs: each is seconds
+                windows = 1 if args.quick or dp > 4096 else 2 if dp > 1024 else 5
+                out["planning"].append(planning(small, tmp, windows, dp))
+                p = out["planning"][-1]
+                print(f"planning {dp} ranks: {p['steps_per_s']:.2f} steps/s "
+                      f"({', '.join(f'{k} {v:.2f} s' for k, v in p['s_per_window'].items())}"
+                      f" per window), plane ~{p['memory']['plane_bytes_estimate'] / 2**20:,.0f}"
+                      " MiB", flush=True)
     out["load_avg_at_end"] = os.getloadavg()[0]
     out["rows"] = report(out)
     print_table(out["rows"])

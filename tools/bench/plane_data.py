@@ -1,11 +1,12 @@
 """Synthetic sources for the plane benchmark: many source indexes written fast, no payloads.
 
-Each source gets ``_index.parquet`` as ``omniscale data index`` writes it (loaders/index_schema:
-the index schema, one row group per shard, per-shard ``rows``/``row_group`` in the metadata)
-with random but valid text rows: one tar member per sample, ``llm_tokens`` in
-``[1, max_tokens]``, no media, no corrupt rows. The columns are built as Arrow arrays directly,
-so a thousand sources of 100 x 1,000 samples take minutes, not hours. The plane reads only
-these files, so nothing else needs to exist.
+Each source gets ``_index.parquet`` as ``omniscale data index`` writes it
+(``omniscale/index_schema.py``, version 4: the index schema, one row group per shard,
+per-shard ``rows``/``row_group`` in the metadata) with random but valid text rows: one tar
+member per sample, ``llm_tokens`` in ``[1, max_tokens]``, every token a target, no media, no
+corrupt rows. The columns are built as Arrow arrays directly, so a thousand sources of
+100 x 1,000 samples take minutes, not hours. The plane reads only these files, so nothing
+else needs to exist.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def write_source(source_dir: Path, shards: int, per_shard: int, max_tokens: int,
         "text_tokens": pa.array(tokens_N), "image_patches": _empty_lists(n),
         "video_patches": _empty_lists(n), "audio_frames": _empty_lists(n),
         "llm_tokens": pa.array(tokens_N), "text_ids": pa.nulls(n, pa.list_(pa.int32())),
-        "error": pa.nulls(n, pa.string())}
+        "error": pa.nulls(n, pa.string()),
+        # index v4: plain text trains on every token; null text_targets means "all of them"
+        "target_tokens": pa.array(tokens_N), "text_targets": pa.nulls(n, pa.list_(pa.int32()))}
     meta = {"version": INDEX_VERSION, "format": "webdataset",
             "shards": {f"{stem}.tar": {"rows": per_shard, "row_group": i}
                        for i, stem in enumerate(stems)}}
