@@ -32,6 +32,28 @@ The policies (their ``+split`` rule for SP groups in brackets):
   gets the same number of samples, ±1), first-fit-decreasing packing [groups first, each onto
   the aligned group whose costliest rank is cheapest; whole samples partitioned by KK, the
   costliest part onto the least loaded rank].
+
+Static layouts (``STATIC_LAYOUTS``): what a user of a system with a fixed parallel layout runs,
+no per-sample split decision at all.
+
+- ``static_sp``: every sequence sharded over an aligned SP group of k ranks, k the largest
+  power of two ≤ ``sp_max`` and ≤ ``dp`` (torchtitan's context parallelism, VeOmni's and
+  DeepSpeed's Ulysses SP: the SP degree is a property of the job, not of the sample).
+  Each rank holds ⌈L/k⌉ tokens of every sample and pays c/k plus its all-to-all. Samples go
+  to the dp/k groups by LPT on tokens, longest first, and are packed first-fit-decreasing
+  under the per-rank budget (at least as good as those systems' own packers: fewest slots).
+  Its media items are placed by the planner's own encoder plan (``plan_encoders``: LPT over
+  every rank, embeddings moved only when that pays by ``costs.reshard_per_token``), as VeOmni
+  shards its vision tower's input over the SP group; encoding everything on slice 0's rank
+  would pile a group's media on one rank. It answers to ``static_sp+split`` too, because
+  ``dataplane.windows.plan_policy`` asks for that name whenever ``sp_max`` > 1; the split it
+  is then given is ignored (the layout decides every group size). With ``sp_max`` = 1, k = 1:
+  the static layout without SP, where a sample longer than the budget cannot run -- it is
+  placed alone in its micro-batch and counted as a budget violation, as the no-split
+  baselines are. A real run without SP cannot train such a sample at all: the data plane
+  truncates text to the budget and skips longer media samples (its ``max_sample_tokens``),
+  so on long-tailed data "no SP" trains different data and is no baseline for a run that
+  keeps the long documents whole.
 """
 
 from __future__ import annotations
@@ -43,7 +65,8 @@ import numba
 import numpy as np
 
 from omniscale.balancer.assign import lpt, place_sp_groups
-from omniscale.balancer.split import choose_sp_size, slot_share, unit_cost
+from omniscale.balancer.encoder_plan import plan_encoders
+from omniscale.balancer.split import choose_sp_size, largest_sp_size, slot_share, unit_cost
 from omniscale.balancer.stream import item_costs, llm_costs
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
 
@@ -156,13 +179,41 @@ def kk_cost_split(samples: WindowSamples, costs, config: PlannerConfig,
     return _pack_groups(samples, costs, config, first_N, k_N, slice_N, order_N, True)
 
 
+def static_sp(samples: WindowSamples, costs, config: PlannerConfig,
+              sp_size_N=None) -> StepPlan:
+    """Every sample sharded over an aligned SP group of k = ``largest_sp_size(sp_max, dp)``
+    ranks (the ``dp mod k`` ranks past the last group stay idle, as a job whose world is no
+    multiple of its SP degree leaves them); samples to groups by LPT on tokens (longest
+    first), first-fit-decreasing packing under the per-rank budget; items encoded by the
+    planner's encoder plan. ``sp_size_N`` is ignored: a static layout takes no split
+    decision (module docstring)."""
+    n, dp = samples.num_samples, config.dp
+    k = largest_sp_size(config.sp_max, dp)
+    k_N = np.full(n, k, np.int64)
+    slice_N = np.asarray(slice_tokens(samples.tokens_N, k_N), np.int64)
+    order_N = np.argsort(-slice_N, kind="stable")
+    first_N = _lpt(slice_N.astype(np.float64), order_N, dp // k) * k
+    mb_N = _pack(slice_N, first_N, k_N, order_N, dp, config.micro_batch_tokens, True)
+    plan = assemble(samples, costs, config, first_N, mb_N, k_N)
+    enc = plan_encoders(item_costs(samples, costs), samples.item_tokens_M, plan.consume_rank_M,
+                        dp, costs.reshard_per_token)
+    plan.encode_rank_M, plan.encoder_cost_R = enc.encode_rank_M, enc.encoder_cost_R
+    plan.reshard = enc.reshard
+    return plan
+
+
 BASELINES_NO_SPLIT = MappingProxyType({
     "strided": strided, "first_fit": first_fit, "token_lpt": token_lpt, "kk_cost": kk_cost})
 SPLIT_SUFFIX = "+split"
 BASELINES_SPLIT = MappingProxyType({
     "strided" + SPLIT_SUFFIX: strided_split, "first_fit" + SPLIT_SUFFIX: first_fit_split,
     "token_lpt" + SPLIT_SUFFIX: token_lpt_split, "kk_cost" + SPLIT_SUFFIX: kk_cost_split})
-BASELINES = MappingProxyType({**BASELINES_NO_SPLIT, **BASELINES_SPLIT})
+# static layouts: no split decision (module docstring); not in the per-step families above,
+# which the simulator and the per-step best baseline compare under our split
+STATIC_LAYOUTS = MappingProxyType({"static_sp": static_sp})
+# every policy by the name plan_policy asks for: a static layout also under its "+split" name
+BASELINES = MappingProxyType({**BASELINES_NO_SPLIT, **BASELINES_SPLIT, **STATIC_LAYOUTS,
+                              **{name + SPLIT_SUFFIX: fn for name, fn in STATIC_LAYOUTS.items()}})
 
 
 def may_split(name: str) -> bool:
@@ -295,14 +346,10 @@ def assemble(samples: WindowSamples, costs, config: PlannerConfig, rank_N: np.nd
 
 @numba.njit(cache=True)
 def _lpt(weight_N, order_N, ranks):
-    """Rank of each sample when taken in ``order_N`` onto the least-loaded rank (lowest id)."""
-    load_R = np.zeros(ranks, np.float64)
-    rank_N = np.zeros(len(weight_N), np.int64)
-    for i in order_N:
-        r = np.argmin(load_R)
-        rank_N[i] = r
-        load_R[r] += weight_N[i]
-    return rank_N
+    """Rank of each sample when taken in ``order_N`` onto the least-loaded rank (lowest id;
+    0 for a sample not in ``order_N``): ``assign.lpt``, O(N log R) where a scan of the ranks
+    per sample was O(N·R)."""
+    return np.maximum(lpt(weight_N, order_N, np.zeros(ranks, np.float64)), 0)
 
 
 @numba.njit(cache=True)
@@ -317,7 +364,13 @@ def _pack(tokens_N, first_N, k_N, order_N, ranks, budget, first):
     all of them. A sample over the budget gets a slot of its own; nothing else joins it.
     """
     n = len(tokens_N)
-    load_RB = np.zeros((ranks, max(1, n)), np.int64)
+    # Slots per rank: one per piece it holds is plenty to start (a grid of ranks × samples
+    # was 1 GB at 4,096 ranks); a group's new slot may lie past that, so the grid widens.
+    pieces_R = np.zeros(ranks, np.int64)
+    for i in order_N:
+        for r in range(first_N[i], first_N[i] + k_N[i]):
+            pieces_R[r] += 1
+    load_RB = np.zeros((ranks, max(1, pieces_R.max() + 1 if ranks else 1)), np.int64)
     used_R = np.zeros(ranks, np.int64)
     mb_N = np.zeros(n, np.int64)
     for i in order_N:
@@ -325,6 +378,10 @@ def _pack(tokens_N, first_N, k_N, order_N, ranks, budget, first):
         top = 0
         for r in range(a, a + k):
             top = max(top, used_R[r])
+        if top >= load_RB.shape[1]:
+            wider = np.zeros((ranks, 2 * load_RB.shape[1]), np.int64)
+            wider[:, :load_RB.shape[1]] = load_RB
+            load_RB = wider
         slot = -1
         for b in range(top - 1 if not first and top else 0, top):
             fits = True

@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omniscale.balancer.baselines import BASELINES, may_split, split_sizes
+from omniscale.balancer.baselines import (
+    BASELINES,
+    BASELINES_NO_SPLIT,
+    BASELINES_SPLIT,
+    may_split,
+    split_sizes,
+)
 from omniscale.balancer.metrics import (
     displacement,
     exactly_once,
@@ -48,7 +54,9 @@ from omniscale.balancer.stream import (
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
 
 OURS = "omniscale"
-ALL_POLICIES = (OURS, *BASELINES)
+# ours and the per-step baselines (the static layouts of baselines.STATIC_LAYOUTS, which
+# take no split decision, are compared end to end: tools/bench/e2e_long_tail.py)
+ALL_POLICIES = (OURS, *BASELINES_NO_SPLIT, *BASELINES_SPLIT)
 
 
 @dataclass(frozen=True)

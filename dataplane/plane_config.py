@@ -14,9 +14,10 @@ from omniscale.media import MEDIA_KINDS
 
 MAX_DP = 1 << 16
 # the planner and the baselines of balancer.baselines (dataplane.windows.plan_policy)
-# our planner, then the baselines of balancer/baselines.py by name (written out: importing
-# the baselines costs the CLI numba at start-up; tests/dataplane/test_plane.py holds them equal)
-POLICIES = ("omniscale", "strided", "first_fit", "token_lpt", "kk_cost")
+# our planner, then the per-step baselines of balancer/baselines.py by name, then its static
+# layouts (written out: importing the baselines costs the CLI numba at start-up;
+# tests/dataplane/test_plane.py holds them equal)
+POLICIES = ("omniscale", "strided", "first_fit", "token_lpt", "kk_cost", "static_sp")
 
 
 @dataclass(frozen=True)

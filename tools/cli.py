@@ -49,7 +49,8 @@ def _train(args: argparse.Namespace) -> int:
 # tools/bench/all.py's BENCHES, in order: a copy, since --help must work where tools/bench is
 # absent (tests/tools/test_bench_all.py checks it)
 BENCH_NAMES = ("balance", "linear_ce_memory", "hf_load_memory", "kernels", "model", "attention",
-               "commit", "loader", "ray_loader", "remote", "plane", "e2e", "gpu_check")
+               "commit", "loader", "ray_loader", "remote", "plane", "e2e", "e2e_long_tail",
+               "gpu_check")
 
 
 def build_parser() -> argparse.ArgumentParser:

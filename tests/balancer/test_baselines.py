@@ -12,6 +12,7 @@ from omniscale.balancer.baselines import (
     BASELINES,
     BASELINES_NO_SPLIT,
     BASELINES_SPLIT,
+    STATIC_LAYOUTS,
     _strided_groups,
     assemble,
     karmarkar_karp_equal,
@@ -64,7 +65,7 @@ def check_plan(plan, samples: WindowSamples, dp: int, costs=COSTS) -> None:
     assert np.array_equal(plan.encode_rank_M, slice0_N[plan.item_sample_M])
 
 
-@pytest.mark.parametrize("name", sorted(BASELINES))
+@pytest.mark.parametrize("name", sorted({**BASELINES_NO_SPLIT, **BASELINES_SPLIT}))
 @pytest.mark.parametrize("dist,n,dp", [("lognormal", 128, 8), ("omni", 300, 16),
                                        ("uniform", 5, 8), ("bimodal", 1000, 64)])
 def test_every_sample_once_equal_micro_batch_counts(name, dist, n, dp):
@@ -74,7 +75,8 @@ def test_every_sample_once_equal_micro_batch_counts(name, dist, n, dp):
 
 
 def test_no_split_and_split_variants_are_labelled():
-    assert set(BASELINES) == set(BASELINES_NO_SPLIT) | set(BASELINES_SPLIT)
+    assert set(BASELINES) == (set(BASELINES_NO_SPLIT) | set(BASELINES_SPLIT) | set(STATIC_LAYOUTS)
+                              | {name + "+split" for name in STATIC_LAYOUTS})
     assert {name + "+split" for name in BASELINES_NO_SPLIT} == set(BASELINES_SPLIT)
     assert not any(may_split(name) for name in BASELINES_NO_SPLIT)
     assert all(may_split(name) for name in BASELINES_SPLIT)

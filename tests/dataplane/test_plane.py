@@ -112,11 +112,11 @@ def test_baseline_policies_plan_through_the_same_plane(demo, tmp_path, policy):
 def test_policy_names_are_the_planner_and_every_baseline():
     import typing
 
-    from omniscale.balancer.baselines import BASELINES_NO_SPLIT
+    from omniscale.balancer.baselines import BASELINES_NO_SPLIT, STATIC_LAYOUTS
     from omniscale.dataplane.plane_config import POLICIES
     from omniscale.tools.train.config import DataSection
 
-    assert POLICIES == ("omniscale", *BASELINES_NO_SPLIT)
+    assert POLICIES == ("omniscale", *BASELINES_NO_SPLIT, *STATIC_LAYOUTS)
     assert typing.get_args(DataSection.model_fields["balance"].annotation) == POLICIES
     with pytest.raises(UserError, match="^--balance lpt: choose one of omniscale, strided, "):
         dataclasses.replace(CONFIG, balance="lpt")
