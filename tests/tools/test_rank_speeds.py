@@ -65,38 +65,45 @@ def test_an_idle_rank_says_nothing_and_a_refusing_plane_costs_one_line(capsys):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin ranks to")
-def test_a_rank_sharing_its_core_with_a_noisy_neighbour_gets_less_work(demo, tmp_path,
-                                                                         monkeypatch):
-    """Ranks pinned to a CPU each (``OMNISCALE_CPU_BIND``), and a process spinning on rank 1's
-    CPU from the start: rank 1 runs at about half speed. Its speed is measured (the runnable
-    clock sees the neighbour; CPU time would not), the plane is told, and from the step it
-    applies rank 1 is planned a clearly smaller share of the work than rank 0."""
+def test_a_rank_sharing_its_core_with_noisy_neighbours_gets_less_work(demo, tmp_path,
+                                                                        monkeypatch):
+    """Ranks pinned to a CPU each (``OMNISCALE_CPU_BIND``), and two processes spinning on rank
+    1's CPU from the start: rank 1 gets about a third of its core (less than rank 0 even when
+    the suite's other tests load both cores). Its speed is measured (the runnable clock sees
+    the neighbours; CPU time would not), the plane is told, and the steps planned with those
+    speeds give rank 1 the smaller share of the work, about in proportion."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     monkeypatch.setenv("OMNISCALE_CPU_BIND", ",".join(map(str, cpus)))
-    spinner = subprocess.Popen(
+    spinners = [subprocess.Popen(
         [sys.executable, "-c", "import os; os.sched_setaffinity(0, {%d}); "
          "print('ready', flush=True)\nwhile True: pass" % cpus[1]],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True) for _ in range(2)]
     run = tmp_path / "run"
     sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
             "data.global_batch_tokens": 8192, "data.micro_batch_tokens": 2048,
             "optim.warmup_steps": 1, "output_dir": run, "steps": 9, "checkpoint_every": 9,
             "deterministic": False}
     try:
-        assert spinner.stdout.readline().strip() == "ready"
+        assert all(s.stdout.readline().strip() == "ready" for s in spinners)
         train("configs/demo_omni.yaml", nproc=2, progress=False,
               sets=[f"{k}={v}" for k, v in sets.items()])
     finally:
-        spinner.kill()
-        spinner.wait()
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     rows = read_metrics(run / "metrics.jsonl")
     sent = [r["rank_speeds_sent"] for r in rows if "rank_speeds_sent" in r]
-    assert sent and sent[0]["speeds"][1] < 0.8, [r.get("rank_speed") for r in rows]
-    applies = sent[0]["applies_at_step"]
+    told = next((s for s in sent if s["speeds"]), None)
+    assert told is not None and told["speeds"][0] == 1.0 and told["speeds"][1] < 0.9, \
+        [r.get("rank_speed") for r in rows]
     # measured over the first steps, applied after the plans the loader holds: one fetched,
     # one being decoded, data.prefetch_steps (2) decoded
-    assert applies <= 6, sent
-    later = [r["rank_predicted_cost"] for r in rows if r["step"] >= applies]
-    assert later and all(c[1] < 0.8 * c[0] for c in later), later
+    applies = told["applies_at_step"]
+    assert applies <= 7, sent
+    until = next((s["applies_at_step"] for s in sent if s["applies_at_step"] > applies), 9)
+    planned = [r["rank_predicted_cost"] for r in rows if applies <= r["step"] < until]
+    ratio = sum(c[1] for c in planned) / sum(c[0] for c in planned)
+    assert ratio < min(0.95, told["speeds"][1] + 0.1), (ratio, told, planned)
     logged = [r for _, r in Journal(run / "plane", readonly=True).records() if r["t"] == "speeds"]
-    assert logged[0]["step"] == applies and logged[0]["speeds"] == sent[0]["speeds"]
+    assert [(r["step"], r["speeds"]) for r in logged] == \
+        [(s["applies_at_step"], s["speeds"]) for s in sent]
