@@ -37,8 +37,7 @@ def audit_state_dir(state_dir: str | Path) -> dict:
         step = record["step"]
         plane.plan_through(step)
         window, local = plane.window_of(step)
-        dp = window.dp_of_step[local]
-        if [plane.fingerprint(step, r) for r in range(dp)] != record["fp"]:
+        if plane.step_fingerprints(step) != record["fp"]:
             mismatched.append(step)
         # A sample reported corrupt was not trained; its replacement was, at this step.
         swaps = dict(plane.corrupt.replaced_at(step))

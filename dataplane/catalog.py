@@ -18,12 +18,12 @@ it and dropped when it leaves. Rows the indexer marked corrupt (``error`` column
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from omniscale.dataplane.shard_slice import ShardSlice
 from omniscale.errors import UserError
 from omniscale.index_schema import (
     INDEX_VERSION,
@@ -32,7 +32,7 @@ from omniscale.index_schema import (
     read_shard,
 )
 from omniscale.location import Location
-from omniscale.refs import SampleRef
+from omniscale.refs import SAMPLE_FIELDS, SampleRef, make_ref
 
 PLANE_READS = range(2, INDEX_VERSION + 1)  # index versions the plane can plan from
 
@@ -41,21 +41,6 @@ _COLUMNS = ["key", "offset", "size", "members", "text_tokens", "image_patches",
             "video_patches", "audio_frames", "llm_tokens", "error"]
 # Tags that keep the shard-order and row-order seed streams apart.
 _SHARD_ORDER, _ROW_ORDER = 0, 1
-
-
-@dataclass
-class _OpenShard:
-    """The index slice of the shard the cursor is in, as Python lists, in index row order."""
-
-    epoch: int
-    shard_pos: int
-    shard: str
-    order: np.ndarray  # row indices in this epoch's seeded order
-    columns: dict[str, list]
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.order)
 
 
 class SourceState:
@@ -95,7 +80,8 @@ class SourceState:
                                      for s, e in metadata["shards"].items()}}
         self.shards: tuple[str, ...] = tuple(sorted(self._metadata["shards"]))
         self.samples_total = sum(e["rows"] for e in self._metadata["shards"].values())
-        self._open: _OpenShard | None = None
+        self._open: ShardSlice | None = None
+        self._quarantine_version = 0  # bumped whenever the quarantine changes
         self._shard_order: tuple[int, np.ndarray] | None = None  # (epoch, permutation)
         self._peeked: tuple | None = None  # (sample_pos, shard_pos, epoch, ref) of peek()
         self.load_state_dict(self._initial_state())
@@ -112,10 +98,10 @@ class SourceState:
         if peeked is not None and peeked[0] == self.sample_pos and peeked[1] == self.shard_pos \
                 and peeked[2] == self.epoch:
             return peeked[3]
-        row = self._settle()
-        if row is None:
+        pos = self._settle()
+        if pos is None:
             return None
-        ref = self._ref(row)
+        ref = self._open.refs(np.array([pos]), self.source_id, self.name)[0]
         # The cursor now rests on a servable row: until it moves (or the quarantine or state
         # changes) _settle would return that same row, so the ref is reused.
         self._peeked = (self.sample_pos, self.shard_pos, self.epoch, ref)
@@ -132,9 +118,49 @@ class SourceState:
         self.served_tokens += ref.llm_tokens
         return ref
 
+    def settle(self) -> bool:
+        """:meth:`peek`'s effect on the cursor without building the ref: True if a sample is
+        servable (the cursor rests on it in the open shard), False once exhausted."""
+        return self._settle() is not None
+
+    def ahead(self) -> tuple[np.ndarray, np.ndarray]:
+        """The LLM tokens and target tokens of the servable samples from the cursor to the end
+        of the open shard, in order (call :meth:`settle` first): the mixer decides a batch's
+        draws from these before any ref is built."""
+        o = self._open
+        k = o.next_ok(self.sample_pos)
+        return o.llm_K[k:], o.target_K[k:]
+
+    def take(self, n: int) -> list[SampleRef]:
+        """The next ``n`` samples (fewer if the source runs out), consumed: exactly ``n`` calls
+        of :meth:`next`, a shard's run of rows at a time."""
+        return list(map(make_ref, *self.take_fields(n)))
+
+    def take_fields(self, n: int) -> list[list]:
+        """:meth:`take`'s refs as a list per SampleRef field (``ShardSlice.fields``)."""
+        out: list[list] = [[] for _ in range(len(SAMPLE_FIELDS))]
+        while n > 0:
+            pos = self._settle()
+            if pos is None:
+                break
+            o = self._open
+            k = o.next_ok(pos)
+            pos_K = o.ok_K[k:k + n]
+            last = int(pos_K[-1])
+            self._skip(o, pos, last)  # the rows between the samples taken
+            self.sample_pos = last + 1
+            self.served_samples += len(pos_K)
+            self.served_tokens += int(o.llm_K[k:k + n].sum())
+            for column, values in zip(out, o.fields(pos_K, self.source_id, self.name)):
+                column += values
+            n -= len(pos_K)
+        self._peeked = None
+        return out
+
     def quarantine(self, shard: str, key: str) -> None:
         """Skip ``(shard, key)`` from now on, in this epoch and every later one."""
         self.quarantined.add((str(shard), str(key)))
+        self._quarantine_version += 1
         self._peeked = None
 
     def shard_order(self, epoch: int) -> np.ndarray:
@@ -159,8 +185,9 @@ class SourceState:
         return 0 if self._open is None else self._open.num_rows
 
     def _settle(self) -> int | None:
-        """Move the cursor onto the next servable row and return its index in the open shard;
-        None (and ``exhausted`` set) when there is none."""
+        """Move the cursor onto the next servable row and return its position in the open
+        shard (``sample_pos``); None (and ``exhausted`` set) when there is none. Rows passed
+        over are counted by why they were skipped, as they would be one at a time."""
         rolled = 0
         while not self.exhausted:
             if self.shard_pos >= len(self.shards):
@@ -178,60 +205,38 @@ class SourceState:
                 self._close()
                 self.shard_pos, self.sample_pos = self.shard_pos + 1, 0
                 continue
-            row = int(opened.order[self.sample_pos])
-            if opened.columns["error"][row] is not None:
-                self.skipped_corrupt += 1
-            elif (shard, opened.columns["key"][row]) in self.quarantined:
-                self.skipped_quarantined += 1
-            elif self._too_long_with_media(opened.columns, row):
-                self.skipped_too_long += 1
-            else:
-                return row
-            self.sample_pos += 1
+            k = opened.next_ok(self.sample_pos)
+            pos = int(opened.ok_K[k]) if k < len(opened.ok_K) else opened.num_rows
+            self._skip(opened, self.sample_pos, pos)
+            self.sample_pos = pos
+            if pos < opened.num_rows:
+                return pos
         return None
 
-    def _too_long_with_media(self, c: dict, row: int) -> bool:
-        """Over ``max_tokens`` with media: cutting it would cut media, so it is skipped
-        (text-only samples are truncated instead, see :meth:`_ref`)."""
-        return (self.max_tokens is not None and (c["llm_tokens"][row] or 0) > self.max_tokens
-                and bool(c["image_patches"][row] or c["video_patches"][row]
-                         or c["audio_frames"][row]))
+    def _skip(self, o: ShardSlice, start: int, stop: int) -> None:
+        """Count the rows at positions [start, stop) of the open shard as skipped."""
+        if stop > start:
+            corrupt, quarantined, too_long = o.skipped(start, stop)
+            self.skipped_corrupt += corrupt
+            self.skipped_quarantined += quarantined
+            self.skipped_too_long += too_long
 
-    def _load(self, shard: str) -> _OpenShard:
-        """The cursor's shard, read from the index unless it is already the open one."""
+    def _load(self, shard: str) -> ShardSlice:
+        """The cursor's shard, read from the index unless it is already the open one, with
+        its rows classified for the current quarantine."""
         o = self._open
-        if o is not None and (o.epoch, o.shard_pos, o.shard) == (self.epoch, self.shard_pos,
-                                                                 shard):
-            return o
-        self._close()
-        names = _COLUMNS + ["target_tokens"] * self._targets
-        table = read_shard(self.path, shard, self._metadata, columns=names)
-        columns = {name: table.column(name).to_pylist() for name in names}
-        order = self.row_order(self.epoch, self.shard_pos, table.num_rows)
-        self._open = _OpenShard(self.epoch, self.shard_pos, shard, order, columns)
-        return self._open
+        if o is None or (o.epoch, o.shard_pos, o.shard) != (self.epoch, self.shard_pos, shard):
+            self._close()
+            names = _COLUMNS + ["target_tokens"] * self._targets
+            table = read_shard(self.path, shard, self._metadata, columns=names)
+            order = self.row_order(self.epoch, self.shard_pos, table.num_rows)
+            o = self._open = ShardSlice(self.epoch, self.shard_pos, shard, order, table,
+                                        self.max_tokens)
+        o.classify(self.quarantined, self._quarantine_version)
+        return o
 
     def _close(self) -> None:
         self._open = None
-
-    def _ref(self, row: int) -> SampleRef:
-        c, o = self._open.columns, self._open
-        llm, text = c["llm_tokens"][row] or 0, c["text_tokens"][row] or 0
-        # an index before version 4 has no target counts: its text tokens stand in
-        target = (c["target_tokens"][row] if "target_tokens" in c else None)
-        target = text if target is None else target
-        if self.max_tokens is not None and llm > self.max_tokens:  # text only: truncated
-            llm = text = self.max_tokens
-            target = min(target, llm)
-        return SampleRef(
-            source_id=self.source_id, source=self.name, shard=o.shard, key=c["key"][row],
-            offset=c["offset"][row], size=c["size"][row],
-            members=tuple((m["name"], m["offset"], m["size"]) for m in c["members"][row] or ()),
-            llm_tokens=llm, text_tokens=text,
-            image_patches=tuple(c["image_patches"][row] or ()),
-            video_patches=tuple(c["video_patches"][row] or ()),
-            audio_frames=tuple(c["audio_frames"][row] or ()), epoch=self.epoch,
-            target_tokens=target)
 
     # --- state -------------------------------------------------------------------------------
 
@@ -257,6 +262,7 @@ class SourceState:
         self.epoch, self.shard_pos = int(state["epoch"]), int(state["shard_pos"])
         self.sample_pos, self.exhausted = int(state["sample_pos"]), bool(state["exhausted"])
         self.quarantined = {(str(s), str(k)) for s, k in state["quarantine"]}
+        self._quarantine_version += 1
         for counter in ("served_samples", "served_tokens", "skipped_corrupt",
                         "skipped_quarantined", "skipped_too_long"):
             setattr(self, counter, int(state.get(counter, 0)))

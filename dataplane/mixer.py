@@ -37,16 +37,21 @@ positive weight is left, the batch drawn so far is returned and the next call ra
 from __future__ import annotations
 
 import bisect
+import gc
 import math
+from contextlib import contextmanager
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 
 from omniscale.dataplane.catalog import Catalog
+from omniscale.dataplane.draw_kernel import DONE, FULL, MOVED, NEED, draw
 from omniscale.dataplane.schedule import Schedule
-from omniscale.refs import SampleRef
+from omniscale.refs import SAMPLE_FIELDS, SampleRef, make_ref
 
 ACCOUNTING = ("samples", "tokens", "target_tokens")
-_FEW = 16  # up to this many live sources, a pick runs on Python floats rather than arrays
+_LLM = SAMPLE_FIELDS.index("llm_tokens")
 
 
 class MixtureExhausted(Exception):
@@ -88,7 +93,6 @@ class Mixer:
         self._starts = [seg[1] for seg in self._segs]
         self._active: np.ndarray | None = None
         self._weights_cache: tuple | None = None
-        self._w_list: list[float] = []
         self._invalidate()
 
     @classmethod
@@ -103,112 +107,122 @@ class Mixer:
         """Global batch ``step`` (which must be the next one), as refs in draw order.
 
         Raises :class:`MixtureExhausted` if not even one sample can be drawn.
+
+        The draws are decided by :func:`draw_kernel.draw` from the sources' next samples'
+        token counts and consumed a source's run at a time (``SourceState.take_fields``);
+        between its stops this does what picking one sample at a time did at that point --
+        peek the live sources that have nothing known ahead (retiring the exhausted, in id
+        order), re-read the weights where the schedule's row may change -- so the batch, the
+        accounting and every source's cursor end exactly as they did.
         """
         if step != self.step:
             raise ValueError(f"next_batch: expected step {self.step}, got {step} (batches are "
                              "drawn in order; restore a state to go back)")
+        with _gc_paused():
+            return self._draw_batch(step)
+
+    def _draw_batch(self, step: int) -> list[SampleRef]:
         # The catalog may have changed between batches (a reload, a restore, a quarantine and
         # replacement draw): the active mask is recomputed once here, then only on a retire.
         self._invalidate()
-        batch: list[SampleRef] = []
-        batch_tokens = 0
-        peeked: dict[int, SampleRef] = {}  # per source, valid within this call
-        self._peeked_live = None  # the live set every source of which is in ``peeked``
-        self._drawn = -1  # the source drawn since, the one missing from ``peeked``
+        N = len(self.names)
         samples = self.accounting == "samples"
-        while self.batch_samples is None or len(batch) < self.batch_samples:
-            choice = self._choose(peeked)
-            if choice is None:
-                if not batch:
-                    raise MixtureExhausted(f"step {step}: every source with a positive weight "
-                                           "is exhausted")
-                break
-            i, ref, w_N = choice
-            if self.batch_tokens is not None and batch and \
-                    batch_tokens + ref.llm_tokens > self.batch_tokens:
-                break
-            self._sources[i].next()  # the peeked ref: both read one cursor
-            peeked.pop(i)
-            self._drawn = i
-            u = 1.0 if samples else float(self._units(ref))
-            self.target_N += w_N * u
-            self.realized_N[i] += u
-            self.tokens += ref.llm_tokens
-            self.samples += 1
-            batch_tokens += ref.llm_tokens
-            batch.append(ref)
-            if self.batch_tokens is not None and batch_tokens >= self.batch_tokens:
-                break
-        self.step += 1
-        return batch
-
-    def _units(self, ref: SampleRef) -> int:
-        """A sample's units under token accounting: its tokens, or its target tokens."""
-        return ref.target_tokens if self.accounting == "target_tokens" else ref.llm_tokens
-
-    def _choose(self, peeked: dict[int, SampleRef]) -> tuple[int, SampleRef, np.ndarray] | None:
-        """The next source by earliest deadline, its next sample and the weights in force;
-        None when no source can be drawn. Exhausted sources found on the way leave the mix."""
+        # Tokens per sample are needed while drawing only when something depends on them;
+        # otherwise a source's known samples are just a count (the rest of its open shard).
+        values = not samples or self.batch_tokens is not None or self.schedule.unit == "tokens"
+        K = max(64, min(1024, (1 << 20) // max(N, 1))) if values else 0
+        llm_NK = np.zeros((N, K), np.int64)
+        unit_NK = np.zeros((N, K), np.int64)
+        pos_N, end_N = np.zeros(N, np.int64), np.zeros(N, np.int64)
+        settled = np.zeros(N, bool)  # peeked since drawn last: the cursor rests on a sample
+        chunks: list[list[list[list]]] = [[] for _ in range(N)]  # per source: taken fields
+        picks: list[np.ndarray] = []
+        drawn, batch_tokens = 0, 0
+        room = -1 if self.batch_samples is None else self.batch_samples
+        picks_P = np.empty(room if room >= 0 else 4096, np.int64)
         while True:
             w_N, live = self._weights_live()
             if not live:
-                return None
-            # Peek every live source not peeked yet, in id order (the first exhausted one
-            # retires): after a draw from an unchanged live set that is only the drawn one.
-            todo = (self._drawn,) if live == self._peeked_live else live
-            for i in todo:
-                if i not in peeked:
-                    ref = self._sources[i].peek()
-                    if ref is None:
-                        self._retire(i, w_N)
-                        break
-                    peeked[i] = ref
+                break
+            status, n, batch_tokens, _, attempted, need = draw(
+                self.target_N, self.realized_N, w_N, self._live_L, samples, values, llm_NK,
+                unit_NK, pos_N, end_N, room - drawn if room >= 0 else len(picks_P),
+                -1 if self.batch_tokens is None else self.batch_tokens, drawn, batch_tokens,
+                self.tokens, self._key_until(), picks_P)
+            if attempted:
+                settled[self._live_L] = True
+            if n:
+                drawn += n
+                picks.append(picks_P[:n].copy())
+                self._consume(picks[-1], chunks)
+                if status in (DONE, MOVED):
+                    settled[picks[-1][-1]] = False  # drawn, and not peeked since
+            if status == FULL or (status == DONE and (
+                    drawn == room or (self.batch_tokens is not None
+                                      and batch_tokens >= self.batch_tokens))):
+                break
+            if status == NEED:
+                self._peek(need, w_N, values, llm_NK, unit_NK, pos_N, end_N)
+        if not drawn:
+            raise MixtureExhausted(f"step {step}: every source with a positive weight is "
+                                   "exhausted")
+        for i in np.flatnonzero(settled).tolist():
+            if self._sources[i] is not None:
+                self._sources[i].settle()
+        self.step += 1
+        return _interleave(np.concatenate(picks), chunks)
+
+    def _consume(self, picks_P: np.ndarray, chunks: list) -> None:
+        """Take the drawn samples from their sources: their fields, tokens and counts."""
+        count_N = np.bincount(picks_P, minlength=len(self.names))
+        for i in np.flatnonzero(count_N).tolist():
+            fields = self._sources[i].take_fields(int(count_N[i]))
+            chunks[i].append(fields)
+            self.tokens += sum(fields[_LLM])
+        self.samples += len(picks_P)
+
+    def _peek(self, need: int, w_N: np.ndarray, values: bool, llm_NK: np.ndarray,
+              unit_NK: np.ndarray, pos_N: np.ndarray, end_N: np.ndarray) -> None:
+        """Peek the live sources with nothing known ahead, in id order from ``need`` (the
+        first of them): load what each has ahead in its open shard, or retire it when it is
+        exhausted (then the weights change: the caller re-reads them)."""
+        for i in self._weights_live()[1]:
+            if i < need or pos_N[i] < end_N[i]:
+                continue
+            source = self._sources[i]
+            if not source.settle():
+                self._retire(i, w_N)
+                return
+            llm_K, target_K = source.ahead()
+            if values:
+                m = min(len(llm_K), llm_NK.shape[1])
+                llm_NK[i, :m] = llm_K[:m]
+                unit_NK[i, :m] = target_K[:m] if self.accounting == "target_tokens" \
+                    else llm_K[:m]
             else:
-                self._peeked_live = live
-                i = self._pick(live, w_N, peeked)
-                return i, peeked[i], w_N
+                m = len(llm_K)
+            pos_N[i], end_N[i] = 0, m
 
-    def _pick(self, live: tuple[int, ...], w_N: np.ndarray, peeked: dict[int, SampleRef]
-              ) -> int:
-        if self.accounting == "samples":
-            bound = 1.0
-        else:
-            bound = float(max(max(self._units(peeked[i]) for i in live), 1))
-        if len(live) > _FEW:
-            return self._pick_arrays(w_N, bound)
-        # Few sources: the same elementwise IEEE arithmetic as the array version
-        # (d = T - R (+ w), (B - d) / w), on Python floats, without numpy's per-call cost.
-        target, realized, w = self.target_N.tolist(), self.realized_N.tolist(), self._w_list
-        samples = self.accounting == "samples"
-        # A deficit a rounding error below 0 is 0: floats must not flip which sources qualify.
-        floor = -1e-9 * bound
-        best, best_i, top, top_i = math.inf, -1, -math.inf, -1
-        for i in live:
-            d = target[i] - realized[i]
-            if samples:
-                d = d + w[i]  # this draw's share of the target, counted before choosing
-            if d > top:  # the largest deficit, first of ties (used if none qualifies)
-                top, top_i = d, i
-            if d >= floor:
-                deadline = (bound - d) / w[i]
-                if best_i < 0 or deadline < best:  # strict: the first of ties, the lowest id
-                    best, best_i = deadline, i
-        if best_i >= 0:
-            return best_i
-        return top_i if top_i >= 0 else live[0]
-
-    def _pick_arrays(self, w_N: np.ndarray, bound: float) -> int:
-        live = self._live_L
-        d_N = self.target_N - self.realized_N
-        if self.accounting == "samples":
-            d_N = d_N + w_N  # this draw's share of the target, counted before choosing
-        d_L, w_L = d_N[live], w_N[live]
-        # A deficit a rounding error below 0 is 0: floats must not flip which sources qualify.
-        ok_L = d_L >= -1e-9 * bound
-        if not ok_L.any():
-            return int(live[np.argmax(d_L)])
-        deadline_L = np.where(ok_L, (bound - d_L) / w_L, np.inf)
-        return int(live[np.argmin(deadline_L)])  # argmin: first of ties, the lowest id
+    def _key_until(self) -> float:
+        """Where the schedule's row may next change: the draw position (the step, or the
+        tokens drawn) from which ``_row_key`` may differ from now (inf: not in this batch).
+        Only a bound: stopping earlier just re-reads the same cached row."""
+        if self.schedule.unit == "steps":
+            return math.inf  # the step is the same all batch
+        x, starts = self.tokens, self._starts
+        seg = self._seg_of(x)
+        later = [s for s in starts[seg + 1:] if s > x]
+        nxt = later[0] if later else math.inf
+        kind, start, end, at = self._segs[seg]
+        if kind == "const":
+            return nxt
+        if kind == "step":
+            return min(nxt, at) if x < at else nxt
+        if end == math.inf or x >= end:  # t stays 0, or stays 1
+            return nxt
+        if x <= start:  # a ramp not begun: t is 0 until the tokens pass its start
+            return min(nxt, math.floor(start) + 1)
+        return x + 1  # within a ramp every token moves t
 
     def weights(self) -> np.ndarray:
         """The schedule's weights at the current position over the sources still in the mix,
@@ -234,7 +248,6 @@ class Mixer:
         live = tuple(np.flatnonzero(w_N > 0).tolist())
         self._weights_cache = (key, w_N, live)
         self._live_L = np.array(live, dtype=np.int64)
-        self._w_list = w_N.tolist()
         return w_N, live
 
     def _row_key(self, x: float) -> tuple:
@@ -313,3 +326,32 @@ class Mixer:
         return {n: {"target": float(t), "realized": float(r), "target_share": float(t) / total,
                     "realized_share": float(r) / total}
                 for n, t, r in zip(self.names, self.target_N, self.realized_N)}
+
+
+def _interleave(picks_P: np.ndarray, chunks: list[list[list[list]]]) -> list[SampleRef]:
+    """The batch in draw order: draw p is the next of source ``picks_P[p]``'s samples (each
+    source's taken fields in order, in ``chunks``). The refs are made here, all at once and
+    in batch order, so they lie in memory in the order everything after walks them (the
+    window's arrays and tables, and the garbage collector, which walked refs scattered
+    among the draw's temporaries at a third of the speed)."""
+    at_P = np.empty(len(picks_P), np.int64)
+    at_P[np.argsort(picks_P, kind="stable")] = np.arange(len(picks_P))
+    at = at_P.tolist()
+    runs = [run for source_runs in chunks for run in source_runs]  # by source, as taken
+    fields = [list(map(list(chain.from_iterable(map(itemgetter(f), runs))).__getitem__, at))
+              for f in range(len(SAMPLE_FIELDS))]
+    return list(map(make_ref, *fields))
+
+
+@contextmanager
+def _gc_paused():
+    """No garbage collection while a batch's refs are built: they hold no cycles, but tens of
+    thousands of new objects set off collections that walk every ref the plane holds, again
+    and again (a third of a 4,096-rank window's draw). Collection resumes after, as before."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from omniscale.balancer.types import StepPlan
 from omniscale.media import AUDIO, IMAGE, VIDEO
-from omniscale.plan import METADATA_KEY, rows_to_table
+from omniscale.plan import METADATA_KEY, rows_to_table, slice_fingerprints
 from omniscale.refs import SampleRef, refs_to_table
 
 
@@ -37,12 +37,15 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
 
 
 def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_N: np.ndarray,
-                       steps: list[int], dps: list[int], sides: list[dict | None]
+                       steps: list[int], dps: list[int], sides: list[dict | None],
+                       prints: dict[tuple[int, int], str] | None = None
                        ) -> dict[tuple[int, int], pa.Table]:
     """:func:`rank_tables` of several steps of one window, by (step, rank), built at once:
     every row of every step, in (step, rank) order (a stable sort), in one table whose slices
     are the ranks' tables. The tens of Arrow calls a table costs whatever its size were most
-    of a step's plan on small steps; here they are paid once per window."""
+    of a step's plan on small steps; here they are paid once per window.
+    ``prints``: filled with each table's ``plan.fingerprint``, read from the one table (what a
+    commit checks; slice by slice it cost as much as building the tables)."""
     first_item_N = np.asarray(first_item_N, np.int64)
     # The steps' samples, once each, as a ref table the rows take from.
     used_U = np.unique(np.concatenate([np.asarray(p.sample_P, np.int64) for p in plans]
@@ -67,6 +70,11 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
     width = max(dps)
     counts = np.bincount(j_X * width + rows["rank"], minlength=len(plans) * width)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    if prints is not None:
+        keys = [(step, r) for step, dp in zip(steps, dps) for r in range(dp)]
+        at_K = np.array([j * width + r for j, dp in enumerate(dps) for r in range(dp)],
+                        np.int64)
+        prints.update(zip(keys, slice_fingerprints(table, starts[at_K], counts[at_K])))
     out = {}
     for j, (plan, step, dp, side) in enumerate(zip(plans, steps, dps, sides)):
         # The step's figures once, not once per rank: each sums the whole [R, B] grid, which

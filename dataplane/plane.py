@@ -270,7 +270,7 @@ class DataPlane:
             self._check_planned(step, "step {step} was never planned (the mixture is "
                                        "exhausted after step {last})")
             dp = self.state.dp_at(step)
-            prints = [self.state.fingerprint(step, r) for r in range(dp)]
+            prints = self.state.step_fingerprints(step)
             if rank is None:
                 if plan_fp is None:
                     raise RequestError(f"step {step}: a whole-step commit needs plan_fp, the "

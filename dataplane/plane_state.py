@@ -35,6 +35,7 @@ import pyarrow as pa
 from omniscale.balancer.cost import Costs
 from omniscale.dataplane.catalog import Catalog
 from omniscale.dataplane.corrupt import CorruptLedger
+from omniscale.dataplane.gc_pause import collector_paused
 from omniscale.dataplane.journal import Journal
 from omniscale.dataplane.mixer import Mixer, MixtureExhausted
 from omniscale.dataplane.plan_table import window_rank_tables
@@ -242,6 +243,10 @@ class PlaneState:
             self._draw_window(self.next_window)
 
     def _draw_window(self, k: int) -> None:
+        with collector_paused():
+            self._draw_window_now(k)
+
+    def _draw_window_now(self, k: int) -> None:
         W = self.config.window
         for window, ref in self.reloads:
             if window == k and ref != self.spec_ref:
@@ -359,19 +364,23 @@ class PlaneState:
         on that are not built yet are built with it, at once (``window_rank_tables``)."""
         window, local = self.window_of(step)
         if (step, rank) not in window.tables:
-            todo = [j for j in range(local, len(window.plans))
-                    if (window.first_step + j, 0) not in window.tables]
-            dps = [window.dp_of_step[j] for j in todo]
-            sides = [best_baseline(window.samples, j, self.costs_of(window.k),
-                                   self.config.planner(dp, len(window.plans), self.speeds_at(
-                                       window.first_step + j, dp)))
-                     if self.config.balance == "omniscale" else None
-                     for j, dp in zip(todo, dps)]
-            window.tables.update(window_rank_tables(
-                [window.plans[j] for j in todo], window.refs,
-                window.samples.item_offsets_N1[:-1], [window.first_step + j for j in todo],
-                dps, sides))
+            with collector_paused():
+                self._build_tables(window, local)
         return window.tables[(step, rank)]
+
+    def _build_tables(self, window: Window, local: int) -> None:
+        todo = [j for j in range(local, len(window.plans))
+                if (window.first_step + j, 0) not in window.tables]
+        dps = [window.dp_of_step[j] for j in todo]
+        sides = [best_baseline(window.samples, j, self.costs_of(window.k),
+                               self.config.planner(dp, len(window.plans), self.speeds_at(
+                                   window.first_step + j, dp)))
+                 if self.config.balance == "omniscale" else None
+                 for j, dp in zip(todo, dps)]
+        window.tables.update(window_rank_tables(
+            [window.plans[j] for j in todo], window.refs,
+            window.samples.item_offsets_N1[:-1], [window.first_step + j for j in todo],
+            dps, sides, prints=window.prints))
 
     def fingerprint(self, step: int, rank: int) -> str:
         """``plan_table.fingerprint`` of ``table(step, rank)``, computed once per plan."""
@@ -379,6 +388,11 @@ class PlaneState:
         if (step, rank) not in window.prints:
             window.prints[(step, rank)] = fingerprint(self.table(step, rank))
         return window.prints[(step, rank)]
+
+    def step_fingerprints(self, step: int) -> list[str]:
+        """:meth:`fingerprint` of every rank of ``step`` (built with the tables)."""
+        window, local = self.window_of(step)
+        return [self.fingerprint(step, r) for r in range(window.dp_of_step[local])]
 
 
 def _copy(state: dict) -> dict:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 import pyarrow as pa
@@ -29,28 +31,40 @@ from omniscale.refs import SampleRef
 
 
 def window_samples(batches: list[list[SampleRef]], geometry: MediaGeometry) -> WindowSamples:
-    """The window's samples in batch order; items in the order plan_table.item_kinds gives."""
+    """The window's samples in batch order; items in the order plan_table.item_kinds gives.
+
+    Column at a time (a Python loop per ref and item was a tenth of a 4,096-rank window):
+    each sample's items are its images, then videos, then audio clips, at
+    ``item_offsets_N1[n]`` on."""
     refs = [ref for batch in batches for ref in batch]
+    N = len(refs)
     batch_N = np.repeat(np.arange(len(batches), dtype=np.int32), [len(b) for b in batches])
-    sizes, kinds, tokens, counts = [], [], [], []
+    lists = [list(map(attrgetter(name), refs))
+             for name in ("image_patches", "video_patches", "audio_frames")]
+    count_KN = np.array([np.fromiter(map(len, values), np.int64, N) for values in lists],
+                        np.int64).reshape(3, N)
+    offsets_N1 = np.concatenate([[0], np.cumsum(count_KN.sum(axis=0), dtype=np.int64)]
+                                ).astype(np.int64)
+    M = int(offsets_N1[-1])
+    size_M, kind_M, tokens_M = np.zeros(M, np.int64), np.zeros(M, np.int8), np.zeros(M, np.int64)
+    first_N = offsets_N1[:-1].copy()  # where each sample's items of the next kind begin
     merge = geometry.merge_size ** 2
-    for ref in refs:
-        counts.append(len(ref.image_patches) + len(ref.video_patches) + len(ref.audio_frames))
-        for kind, values in ((0, ref.image_patches), (1, ref.video_patches)):
-            sizes += values
-            kinds += [kind] * len(values)
-            tokens += [v // merge for v in values]
-        sizes += ref.audio_frames
-        kinds += [2] * len(ref.audio_frames)
-        tokens += [audio_tokens(f) for f in ref.audio_frames]
+    for kind, values in enumerate(lists):
+        count_N = count_KN[kind]
+        total = int(count_N.sum())
+        if total:
+            flat = np.fromiter(chain.from_iterable(values), np.int64, total)
+            # item j of a sample's items of this kind sits at first_N + j
+            starts = np.cumsum(count_N) - count_N
+            at = np.repeat(first_N - starts, count_N) + np.arange(total)
+            size_M[at], kind_M[at] = flat, kind
+            tokens_M[at] = audio_tokens(flat) if kind == 2 else flat // merge
+        first_N += count_N
     return WindowSamples(
-        tokens_N=np.array([r.llm_tokens for r in refs], np.int64),
-        source_N=np.array([r.source_id for r in refs], np.int32),
-        batch_N=batch_N,
-        item_offsets_N1=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
-        item_size_M=np.array(sizes, np.int64),
-        item_kind_M=np.array(kinds, np.int8),
-        item_tokens_M=np.array(tokens, np.int64))
+        tokens_N=np.fromiter(map(attrgetter("llm_tokens"), refs), np.int64, N),
+        source_N=np.array(list(map(attrgetter("source_id"), refs)), np.int32),
+        batch_N=batch_N, item_offsets_N1=offsets_N1, item_size_M=size_M, item_kind_M=kind_M,
+        item_tokens_M=tokens_M)
 
 
 def subset(samples: WindowSamples, idx_n: np.ndarray, batch_n: np.ndarray
@@ -58,9 +72,11 @@ def subset(samples: WindowSamples, idx_n: np.ndarray, batch_n: np.ndarray
     """The samples ``idx_n`` alone (with new batch numbers), and the window item id of each of
     the subset's items."""
     off = samples.item_offsets_N1
+    idx_n = np.asarray(idx_n, np.int64)
     count_n = off[idx_n + 1] - off[idx_n]
-    item_m = np.concatenate([np.arange(off[i], off[i + 1]) for i in idx_n]).astype(np.int64) \
-        if len(idx_n) else np.zeros(0, np.int64)
+    # each sample's run of item ids, concatenated: a run starts at off[i], at its place in m
+    item_m = np.repeat(off[idx_n] - (np.cumsum(count_n) - count_n), count_n) + \
+        np.arange(int(count_n.sum()), dtype=np.int64)
     return WindowSamples(
         tokens_N=samples.tokens_N[idx_n], source_N=samples.source_N[idx_n],
         batch_N=batch_n.astype(np.int32),
@@ -89,9 +105,25 @@ def plan_policy(samples: WindowSamples, costs: Costs, config: PlannerConfig,
 def _window_split(samples: WindowSamples, costs: Costs, config: PlannerConfig
                   ) -> np.ndarray | None:
     """The planner's long-short split decided over the whole window (what every baseline is
-    given), or None when nothing may split."""
-    return split_sizes(samples, costs, config, n_steps=config.window) \
-        if config.sp_max > 1 else None
+    given), or None when nothing may split.
+
+    The plane asks :func:`best_baseline` once per step of a window, each time for the same
+    window-wide split: the last one is kept (with the samples it was computed for, so their
+    identity cannot be reused) and given again while the samples, costs and settings are the
+    same ones (a tenth of a 4,096-rank window's baselines otherwise)."""
+    global _last_split
+    if config.sp_max <= 1:
+        return None
+    last = _last_split
+    if last is not None and last[0] is samples and last[1] == costs and last[2] == config:
+        return last[3]
+    sizes_N = split_sizes(samples, costs, config, n_steps=config.window)
+    sizes_N.flags.writeable = False  # shared by the calls that get it again
+    _last_split = (samples, costs, config, sizes_N)
+    return sizes_N
+
+
+_last_split: tuple | None = None  # (samples, costs, config, split) of _window_split's last
 
 
 def _baseline_step(samples: WindowSamples, idx_n: np.ndarray, step: int, costs: Costs,

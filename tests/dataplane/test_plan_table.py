@@ -8,7 +8,7 @@ import pytest
 
 from omniscale.dataplane.plan_table import rank_tables, window_rank_tables
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
-from omniscale.plan import plan_metadata
+from omniscale.plan import fingerprint, plan_metadata
 from tests.loaders.pipeline_fixtures import all_modalities_spec
 
 CONFIGS = {
@@ -29,9 +29,11 @@ def test_a_window_at_once_equals_its_steps_one_by_one(demo, tmp_path, name):
         steps = [window.first_step + j for j in range(n)]
         sides = [{"baseline_cost": float(j)} for j in range(n)]  # any side metadata
         first_item_N = window.samples.item_offsets_N1[:-1]
+        prints: dict = {}
         at_once = window_rank_tables(window.plans, window.refs, first_item_N, steps,
-                                     window.dp_of_step, sides)
-        assert len(at_once) == sum(window.dp_of_step)
+                                     window.dp_of_step, sides, prints=prints)
+        assert len(at_once) == len(prints) == sum(window.dp_of_step)
+        assert all(prints[key] == fingerprint(table) for key, table in at_once.items())
         for j, step in enumerate(steps):
             alone = rank_tables(window.plans[j], window.refs, first_item_N, step,
                                 window.dp_of_step[j], sides[j])
