@@ -210,6 +210,7 @@ def with_layout(result: dict, layout: dict) -> None:
     llm = result["llm"]
     llm["per_micro_batch_one_process"] = llm["per_micro_batch"]
     llm["per_micro_batch"] = max(layout["per_micro_batch"], llm["per_micro_batch"])
+    llm["per_step"] = layout["per_step"]  # clip + AdamW: no plan changes it, a step pays it
     result["collectives"] = {"reshard_per_token": layout["reshard_per_token"],
                              "sp_comm_per_token": 4 * layout["layers"]
                              * layout["reshard_per_token"]}

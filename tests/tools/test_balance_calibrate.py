@@ -114,11 +114,13 @@ def test_layout_prices_micro_batches_and_moved_items_on_sharded_ranks(demo, tmp_
     assert moved["16384"] > moved["0"] > 0, layout
     # the fitted prices: never negative (on two busy workers a slope may come out 0)
     assert layout["per_micro_batch"] >= 0 and layout["reshard_per_token"] >= 0
+    assert layout["per_step"] > 0  # an AdamW update is never free
     doc = {"llm": {"alpha": 1e-4, "beta": 0.0, "gamma": 0.0, "per_micro_batch": 1e-9},
            "encoders": {}}
     with_layout(doc, layout)
     assert doc["llm"]["per_micro_batch"] == layout["per_micro_batch"]
     assert doc["llm"]["per_micro_batch_one_process"] == 1e-9
+    assert doc["llm"]["per_step"] == layout["per_step"]
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(doc))
     config = PlaneConfig(dp=2, global_batch_tokens=8192, **read_cost_file(path))

@@ -115,7 +115,7 @@ def calibrate(spec: Path, args) -> dict:
     doc = json.loads(Path(args.costs).read_text())
     print("\n".join(done.stdout.strip().splitlines()[-5:]), flush=True)
     return {"llm": {k: doc["llm"].get(k) for k in ("alpha", "beta", "gamma", "per_micro_batch",
-                                                   "per_micro_batch_one_process", "r2",
+                                                   "per_micro_batch_one_process", "per_step", "r2",
                                                    "mape", "held_out")},
             "encoders": {k: {f: v[f] for f in ("alpha", "beta", "gamma", "r2", "mape")}
                          for k, v in doc["encoders"].items()},
