@@ -1,5 +1,5 @@
-"""Every table of benchmark figures in README.md names the committed JSON it comes from, and every
-number in it is in that JSON.
+"""Every table of benchmark figures in README.md and the docs pages names the committed JSON it
+comes from, and every number in it is in that JSON.
 
 A table of figures is marked by an HTML comment on the line before it, ``<!-- figures:
 docs/bench/NAME.json -->``; a table with figure-like cells (a time, a rate, a ratio) that is
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = re.compile(r"<!--\s*(figures|not figures):?\s*([^>]*?)\s*-->")
@@ -73,27 +75,32 @@ def shown(token: str, numbers: set[float]) -> bool:
     return False
 
 
-def test_every_table_of_figures_names_its_json_and_matches_it():
-    text = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_of_figures_names_its_json_and_matches_it(page):
+    text = page.read_text()
+    name = str(page.relative_to(ROOT))
     problems = []
     for line, table, marker in tables(text):
         figures = [c for c in cells(table) if FIGURE.search(c)]
         if marker is None:
             if figures:
-                problems.append(f"README.md:{line}: a table of figures ({figures[0].strip()!r}) "
+                problems.append(f"{name}:{line}: a table of figures ({figures[0].strip()!r}) "
                                 "without <!-- figures: docs/bench/X.json -->")
             continue
         kind, what = MARK.search(marker).groups()
         if kind == "not figures":
-            assert what, f"README.md:{line}: say why the table is not figures"
+            assert what, f"{name}:{line}: say why the table is not figures"
             continue
         path = ROOT / what
-        assert path.is_file(), f"README.md:{line}: {what} does not exist"
+        assert path.is_file(), f"{name}:{line}: {what} does not exist"
         numbers = numbers_of(json.loads(path.read_text()), set())
         for cell in cells(table):
             for token in NUMBER.findall(cell):
                 if not shown(token, numbers):
-                    problems.append(f"README.md:{line}: {token} (in {cell.strip()!r}) is not "
+                    problems.append(f"{name}:{line}: {token} (in {cell.strip()!r}) is not "
                                     f"in {what}")
     assert not problems, "\n".join(problems)
 

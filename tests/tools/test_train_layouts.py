@@ -1,6 +1,6 @@
 """``parallel:`` in the run config reaches the whole layout through ``omniscale train``
 (parallel/parallelize.py): HSDP with encoders on their own mesh, activation checkpointing,
-bf16, and the README's examples are configs the trainer accepts.
+bf16, and the docs' examples are configs the trainer accepts.
 
 Each multi-process layout is compared with one process on the loss and every parameter's
 gradient (``debug.dump_grads_at_step``). The aux router loss is off where the packings differ
@@ -26,12 +26,19 @@ from tests.tools.train_runs import run_omni as _run
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def readme_yaml_blocks() -> list[str]:
-    return re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+# the pages whose YAML blocks are run configs (mixing-spec.md's are specs, tested there)
+RUN_CONFIG_PAGES = ("README.md", "docs/parallel.md", "docs/training.md", "docs/guides")
 
 
-def test_every_readme_yaml_block_is_a_run_config():
-    blocks = readme_yaml_blocks()
+def docs_yaml_blocks() -> list[str]:
+    pages = [p for name in RUN_CONFIG_PAGES for p in sorted(
+        [ROOT / name] if name.endswith(".md") else (ROOT / name).rglob("*.md"))]
+    return [block for page in pages
+            for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S)]
+
+
+def test_every_run_config_yaml_block_of_the_docs_is_a_run_config():
+    blocks = docs_yaml_blocks()
     assert any("parallel:" in b for b in blocks)
     for block in blocks:
         RunConfig.model_validate(yaml.safe_load(block))  # raises on a key the trainer lacks
