@@ -12,12 +12,12 @@ marker (``special_tokens``: ``<image>`` …), so the template puts the marker wh
 had the item and the sequence layout (``loaders.sequence``) expands it to the item's block.
 The text equals transformers' ``apply_chat_template`` on the flattened messages.
 
-Targets: by default only what each assistant message adds -- the characters between the
-rendering of the messages before it with the generation prompt, and the rendering that
-includes it (its content and the template's end of turn). Templates that rewrite earlier turns
-(so that a longer conversation does not start with the rendering of a shorter one) cannot be
-split this way: such a sample is refused with the reason. ``train_on_prompt`` makes the whole
-text a target.
+Targets: by default only what each assistant message adds (``loaders.chat_turns``): what the
+template's ``{% generation %}`` blocks render, Hugging Face's assistant mask, when it has them;
+otherwise each assistant turn from the end of the generation prompt before it to its end of
+turn, found also when the template renders the last turn differently from earlier ones
+(Qwen3's reasoning). A sample whose turns still cannot be told apart is refused with the
+reason. ``train_on_prompt`` makes the whole text a target.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from omniscale.errors import UserError
 from omniscale.layout import DEFAULT_SPECIAL_TOKENS, SpecialTokens
+from omniscale.loaders.chat_turns import assistant_spans, render_text
 from omniscale.loaders.probe import Corrupt
 
 # ChatML (Qwen's turn format): every turn, its role, its content, an end-of-turn token.
@@ -146,68 +147,11 @@ def render(messages, chat: ChatFormat, special: SpecialTokens = DEFAULT_SPECIAL_
     """The conversation's text and target spans (module docstring); :class:`Corrupt` for a
     malformed conversation or one the template cannot split into turns."""
     flat, media = flatten(messages, special)
-    text = _render(chat, flat, False)
     if chat.train_on_prompt:
+        text = render_text(chat, flat, False)
         return Rendered(text, ((0, len(text)),), media)
-    spans = []
-    for i, message in enumerate(flat):
-        if message["role"] != "assistant":
-            continue
-        prompt = _render(chat, flat[:i], True)
-        turn = _render(chat, flat[:i + 1], False)
-        if not turn.startswith(prompt) or not text.startswith(turn):
-            raise Corrupt(f"message {i}: the template renders earlier turns differently once "
-                          "later ones follow, so the assistant's turn cannot be told apart "
-                          "(train_on_prompt: true trains on the whole text)")
-        if len(turn) > len(prompt):
-            spans.append((len(prompt), len(turn)))
-    if not spans:
-        raise Corrupt("no assistant message: nothing to train on")
-    return Rendered(text, tuple(spans), media)
-
-
-def _render(chat: ChatFormat, messages: list[dict], add_generation_prompt: bool) -> str:
-    import jinja2
-
-    try:
-        return _compiled(chat.template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=chat.bos_token, eos_token=chat.eos_token)
-    except jinja2.TemplateError as e:
-        raise Corrupt(f"chat template ({chat.name}): {e}") from None
-
-
-_COMPILED: dict[str, object] = {}
-
-
-def _compiled(template: str):
-    """The template compiled once per process, in a sandbox (templates from model hubs are
-    untrusted code), with what Hugging Face templates expect: blocks trimmed, and
-    ``raise_exception`` / ``tojson`` / ``strftime_now``."""
-    found = _COMPILED.get(template)
-    if found is not None:
-        return found
-    from datetime import datetime
-
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, \
-        sort_keys=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii,
-                                    separators=separators, sort_keys=sort_keys)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        compiled = env.from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise UserError(f"chat template: not valid Jinja (line {e.lineno}: {e.message})"
-                        ) from None
-    _COMPILED[template] = compiled
-    return compiled
+    text, spans = assistant_spans(chat, flat)
+    return Rendered(text, spans, media)
 
 
 def token_targets(offsets: list[tuple[int, int]], spans) -> list[tuple[int, int]]:
