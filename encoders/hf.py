@@ -20,6 +20,8 @@ tower saved alone (``qwen2_vl_vision``, ``qwen2_audio_encoder``, a bare ``Whispe
 ``out_dim``: the LLM width. By default the checkpoint's own (Qwen2-VL's merger output, Qwen2-
 Audio's text width); another width leaves the last projection (``merger.fc2``, ``projector``)
 freshly initialised, as it is for Whisper, which has no projector (there ``out_dim`` is needed).
+The reader names that projection (``TowerReader.fresh``), so a trainer can refuse to start one
+from scratch unless asked (``model.fresh_projector``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from omniscale.encoders.audio import AudioConfig, AudioEncoder
-from omniscale.encoders.hf_files import CONFIG, CheckpointDir, read_config
+from omniscale.encoders.hf_files import CONFIG, INDEX, SINGLE, CheckpointDir, read_config
 from omniscale.encoders.vision import QWEN2_VL, VisionConfig, VisionEncoder
 from omniscale.errors import UserError
 
@@ -73,7 +75,7 @@ def vision_from_hf(path: str | Path, out_dim: int | None = None
 
 
 def vision_source(path: str | Path, out_dim: int | None = None
-                  ) -> tuple[VisionConfig, int, Reader]:
+                  ) -> tuple[VisionConfig, int, "TowerReader"]:
     """The config, output width and tensor reader of a Qwen2-VL checkpoint's vision tower
     (:func:`vision_from_hf`; a trainer fills its sharded tower with the reader)."""
     directory = Path(path)
@@ -100,12 +102,13 @@ def vision_source(path: str | Path, out_dim: int | None = None
                     n_layers=hf["depth"], n_heads=hf["num_heads"],
                     ffn_dim=int(hf["embed_dim"] * hf["mlp_ratio"]), rope_theta=float(theta))
     width = hf["hidden_size"]
-    ckpt = CheckpointDir(directory)
+    ckpt = _weights(directory)
     prefix = ckpt.prefix(prefixes, "patch_embed.proj.weight")
     keep = out_dim in (None, width)
     specs = [t for t in vision_tensors(config, prefix)
              if keep or not t.ours.startswith("merger.fc2.")]
-    return config, out_dim or width, tower_reader(ckpt, specs, None if keep else "merger.fc2")
+    return config, out_dim or width, tower_reader(ckpt, specs, None if keep else "merger.fc2",
+                                                  width)
 
 
 def audio_from_hf(path: str | Path, out_dim: int | None = None
@@ -117,7 +120,7 @@ def audio_from_hf(path: str | Path, out_dim: int | None = None
 
 
 def audio_source(path: str | Path, out_dim: int | None = None
-                 ) -> tuple[AudioConfig, int, Reader]:
+                 ) -> tuple[AudioConfig, int, "TowerReader"]:
     """The config, output width and tensor reader of an audio checkpoint
     (:func:`audio_from_hf`)."""
     directory = Path(path)
@@ -141,7 +144,7 @@ def audio_source(path: str | Path, out_dim: int | None = None
     if hf["activation_function"] != "gelu":
         raise UserError(f"{config_path}: activation_function {hf['activation_function']!r} is "
                         "not supported (gelu)")
-    ckpt = CheckpointDir(directory)
+    ckpt = _weights(directory)
     if head is None and (directory / AUDIO_PROJECTOR).is_file():  # audio_to_hf_dir's
         ckpt.add(directory / AUDIO_PROJECTOR)
         head, width = ("",), ckpt.shape("linear.weight")[0]
@@ -156,7 +159,8 @@ def audio_source(path: str | Path, out_dim: int | None = None
     keep_head = head is not None and out_dim in (None, width)
     if keep_head:
         specs += _projector_tensors(ckpt.prefix(head, "linear.weight"))
-    return config, out_dim or width, tower_reader(ckpt, specs, None if keep_head else "projector")
+    return config, out_dim or width, tower_reader(ckpt, specs,
+                                                  None if keep_head else "projector", width)
 
 
 # ---- writing ----------------------------------------------------------------------------
@@ -311,6 +315,34 @@ def _read_config(directory: Path) -> tuple[dict, Path]:
     return read_config(directory), directory / CONFIG
 
 
+class ConfigOnly(CheckpointDir):
+    """A checkpoint directory holding ``config.json`` but no weights (none downloaded yet):
+    enough for the tower's config and shapes -- a model built on the meta device, a layout
+    checked -- while reading any tensor is one line naming the directory. Without it, the
+    trainer's layout check would need the weights' listing before it needs the weights."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config = read_config(self.path)
+        self.listing, self.where = self.path / CONFIG, {}
+
+    def prefix(self, candidates: tuple[str, ...], probe: str) -> str:
+        return candidates[0]  # no tensor to probe; a read fails in _file before names matter
+
+    def _file(self, name: str) -> Path:
+        if name in self.where:  # a part saved beside the config (``add``)
+            return super()._file(name)
+        raise UserError(f"{self.path}: no {SINGLE} or {INDEX}: its {CONFIG} gives the tower's "
+                        f"shapes, not its weights (tensor {name})")
+
+
+def _weights(directory: Path) -> CheckpointDir:
+    """The checkpoint's tensors, or :class:`ConfigOnly` when it holds none."""
+    if (directory / SINGLE).is_file() or (directory / INDEX).is_file():
+        return CheckpointDir(directory)
+    return ConfigOnly(directory)
+
+
 def _tower(cls, path: str | Path, config, width: int, read: Reader):
     """A tower of ``config`` projecting to ``width``, filled from ``read``; with its config."""
     encoder = _build(Path(path) / CONFIG, cls, config, width)
@@ -346,22 +378,34 @@ def _line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def tower_reader(ckpt: CheckpointDir, specs: list[Tensor], fresh: str | None = None) -> Reader:
+class TowerReader:
     """``read(name, shape)``: our tensor ``name`` made of its spec's HF tensors (each read
-    alone, shape-checked first); None for tensors under ``fresh`` (a module name), which keep
-    their initial values. A tensor no spec maps is our bug, not the checkpoint's."""
-    by_name = {spec.ours: spec for spec in specs}
+    alone, shape-checked first); None for tensors under ``fresh`` (a module name: the
+    projection the checkpoint cannot give), which keep their initial values. ``own_width``:
+    the LLM width the checkpoint's own projection maps to (None: it has none). A tensor no
+    spec maps is our bug, not the checkpoint's."""
 
-    def read(name: str, shape: tuple[int, ...], first_expert: int = 0) -> torch.Tensor | None:
-        if fresh and name.startswith(fresh + "."):
+    def __init__(self, ckpt: CheckpointDir, specs: list[Tensor], fresh: str | None = None,
+                 own_width: int | None = None):
+        self.ckpt, self.fresh, self.own_width = ckpt, fresh, own_width
+        self.by_name = {spec.ours: spec for spec in specs}
+
+    def __call__(self, name: str, shape: tuple[int, ...], first_expert: int = 0
+                 ) -> torch.Tensor | None:
+        if self.fresh and name.startswith(self.fresh + "."):
             return None
-        if name not in by_name:
+        if name not in self.by_name:
             raise RuntimeError(f"no HF tensor maps to {name}")
-        spec = by_name[name]
-        pieces = [torch.zeros(part) if hf is None else ckpt.get(hf, part)
+        spec = self.by_name[name]
+        pieces = [torch.zeros(part) if hf is None else self.ckpt.get(hf, part)
                   for hf, part in zip(spec.parts, _part_shapes(spec, shape))]
         return torch.cat([p.reshape(-1, *shape[1:]) for p in pieces]).view(shape)
-    return read
+
+
+def tower_reader(ckpt: CheckpointDir, specs: list[Tensor], fresh: str | None = None,
+                 own_width: int | None = None) -> TowerReader:
+    """The :class:`TowerReader` of a checkpoint's tower."""
+    return TowerReader(ckpt, specs, fresh, own_width)
 
 
 @torch.no_grad()

@@ -76,7 +76,9 @@ def _add_train(commands) -> None:
     train.add_argument("--nproc", type=int, default=1,
                        help="processes on this machine (1: in this process)")
     train.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue RUN_DIR from its latest checkpoint")
+                       help="continue RUN_DIR from its latest checkpoint; `auto`: the "
+                            "config's output_dir if it holds a checkpoint, else a fresh start "
+                            "(what a requeued job runs)")
     train.add_argument("--set", action="append", metavar="KEY=VALUE",
                        help="override a config key (dotted, YAML value); repeatable")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -203,3 +203,18 @@ def test_plane_serve_refuses_a_bad_cost_model_in_one_line(flags, message, tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "state").exists()  # refused before anything started
+
+
+@pytest.mark.parametrize("given,passed", [
+    (["cfg.yaml", "--set", "steps=2"], ["cfg.yaml", "--set", "steps=2", "--resume", "auto"]),
+    (["cfg.yaml", "--resume", "runs/x"], ["cfg.yaml", "--resume", "runs/x"]),
+    (["cfg.yaml", "--resume=runs/x", "--set", "a=b c"], ["cfg.yaml", "--resume=runs/x",
+                                                         "--set", "a=b c"]),
+])
+def test_a_requeued_slurm_node_resumes_unless_told_otherwise(given, passed):
+    """A requeued job reruns slurm_node.sh with the same arguments: `--resume auto` is added
+    (the run continues from its newest checkpoint, or starts) unless the user named one."""
+    script = f'source "{LAUNCH}/slurm_node.sh"; with_auto_resume "$@" | xargs -0 printf "%s\\n"'
+    done = subprocess.run(["bash", "-c", script, "-", *given], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.splitlines() == passed

@@ -93,7 +93,8 @@ def test_a_run_starts_from_the_checkpoint_s_weights(demo, qwen3_moe, towers, tmp
           sets=_sets(demo, tmp_path / "r", qwen3_moe, steps=1,
                      **{"optim.lr": 1e-30, "optim.min_lr": 0.0,
                         "model.init_from.vision": vl_path,
-                        "model.init_from.audio": whisper_path}))
+                        "model.init_from.audio": whisper_path,
+                        "model.fresh_projector": True}))  # Whisper has none
     model, mcfg = _trained(tmp_path / "r")
     assert (mcfg.vision.norm, mcfg.audio.layout) == ("layer", "whisper")
     for ours, theirs in ((model.vision.blocks[0].qkv.weight, vl.model.visual.blocks[0].attn.qkv),

@@ -155,3 +155,22 @@ def _union(rows) -> tuple:
     for row in rows:
         samples.update(row["mix_samples"])
     return sum(r["tokens"] for r in rows), dict(samples)
+
+
+def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(
+        demo, part, straight, tmp_path):
+    """``--resume auto`` (what a requeued Slurm job runs): the config's output_dir with a
+    checkpoint continues bit for bit; an empty one starts fresh; no CONFIG is one line."""
+    from omniscale.errors import UserError
+
+    run = shutil.copytree(part, tmp_path / "run")
+    result = train(CONFIG, resume="auto", sets=_sets(demo, run, LAST), progress=False)
+    assert result["start_step"] == FIRST
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == [r["loss"] for r in straight]
+
+    fresh = tmp_path / "fresh"
+    result = train(CONFIG, resume="auto", sets=_sets(demo, fresh, 2), progress=False)
+    assert result["start_step"] == 0 and result["steps"] == 2
+    with pytest.raises(UserError, match=r"^--resume auto: give CONFIG.yaml too"):
+        train(None, resume="auto", progress=False)

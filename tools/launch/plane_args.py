@@ -3,9 +3,10 @@
 ``python -m omniscale.tools.launch.plane_args --world N CONFIG.yaml [train args ...]``
 
 An external plane must plan as the run's embedded plane would (``tools.train.launch
-.check_plane`` refuses another ``--dp``, a larger ``--sp-max``, another ``--balance`` or
-another next step): the flags come from the functions the trainer itself uses
-(``load_config`` with the same ``--set``, ``layout``, ``plane_config``). ``--world``: the
+.check_plane`` refuses another ``--dp``, a larger ``--sp-max``, any other planning setting --
+batch and micro-batch tokens, window, policy, frozen towers, cost model -- or another next
+step): the flags come from the function the trainer itself checks with (``load_config`` with
+the same ``--set``, ``loop.planning_config``). ``--world``: the
 job's processes over all nodes (the plane's ``--dp`` is their data ranks, ``world / (tp·pp)``).
 The other arguments are those of ``omniscale train`` (unknown to this helper, ignored).
 
@@ -32,11 +33,9 @@ from omniscale.errors import UserError
 def serve_flags(cfg, run_dir, world: int, restore_step: int | None = None) -> list[str]:
     """``plane serve`` arguments for ``cfg`` (a ``RunConfig`` whose data is prepared) on
     ``world`` processes; every value is one list item."""
-    from omniscale.tools.train.loop import layout, plane_config
+    from omniscale.tools.train.loop import planning_config
 
-    _, mcfg, dims, groups = layout(cfg, world)  # an impossible layout: one line, as in training
-    cost = mcfg.cost_coefficients() if mcfg is not None else None  # as loop._train_rank's
-    config = plane_config(cfg, dims.dp_sp, cost, groups.frozen_kinds)
+    config = planning_config(cfg, world)
     flags = ["--spec", cfg.data.spec, "--state-dir", str(run_dir / "plane"),
              "--dp", config.dp, "--sp-max", config.sp_max, "--balance", config.balance,
              "--window", config.window, "--global-batch-tokens", config.global_batch_tokens,
@@ -57,7 +56,7 @@ def serve_flags(cfg, run_dir, world: int, restore_step: int | None = None) -> li
 def main(argv: list[str] | None = None) -> int:
     from omniscale.tools.cli import EXIT_USER_ERROR, build_parser
     from omniscale.tools.train import checkpoint
-    from omniscale.tools.train.launch import ensure_data, resolve_config
+    from omniscale.tools.train.launch import ensure_data, resolve_config, resume_dir
 
     own = argparse.ArgumentParser(prog="plane_args", add_help=False)
     own.add_argument("--world", type=int, required=True,
@@ -67,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ours.world < 1:
             raise UserError(f"--world {ours.world}: must be >= 1")
-        cfg, run_dir = resolve_config(train_args.config, train_args.resume,
-                                      list(train_args.set or []))
+        resume = resume_dir(train_args.config, train_args.resume, list(train_args.set or []))
+        cfg, run_dir = resolve_config(train_args.config, resume, list(train_args.set or []))
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the flags only
             ensure_data(cfg)
-        found = checkpoint.latest(run_dir) if train_args.resume else None
+        found = checkpoint.latest(run_dir) if resume else None
         flags = serve_flags(cfg, run_dir, ours.world, found[0] if found else None)
     except UserError as e:
         print(f"plane_args: error: {e}", file=sys.stderr)

@@ -144,6 +144,18 @@ main() {
         PYTHON=$PYTHON RDZV_ID="omniscale-$SLURM_JOB_ID" "$HERE/torchrun.sh" "$@"
 }
 
+# A requeued job (node failure, preemption) runs this script again with the same arguments:
+# without --resume of the user's, `--resume auto` continues the run from its newest
+# checkpoint, or starts it when there is none yet.
+with_auto_resume() {
+    local arg
+    for arg in "$@"; do
+        [[ "$arg" == --resume || "$arg" == --resume=* ]] && { printf '%s\0' "$@"; return; }
+    done
+    printf '%s\0' "$@" --resume auto
+}
+
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then  # sourced (a test of first_host): functions only
-    main "$@"
+    mapfile -d '' args < <(with_auto_resume "$@")
+    main "${args[@]}"
 fi

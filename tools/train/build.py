@@ -27,12 +27,32 @@ from omniscale.encoders.vision import VisionConfig
 from omniscale.errors import UserError
 from omniscale.geometry import MediaGeometry
 from omniscale.loaders.decode_text import tokenizer_size
-from omniscale.tools.train.config import RunConfig
+from omniscale.tools.train.config import AUTO, RunConfig
+
+AUTO_PRESET = "tiny"  # the preset of a tower model.vision / model.audio "auto" builds
+
+
+def resolve_towers(cfg: RunConfig, spec) -> None:
+    """``model.vision`` / ``model.audio`` set to ``auto`` made explicit from the run's mixing
+    spec (a ``MixSpec``): the tiny preset when a source feeds that tower
+    (``spec_media.spec_towers``), else None. The launcher resolves before it writes
+    RUN_DIR/config.yaml, so whatever later reads the run (resume, evaluation, export) builds
+    the towers it trained."""
+    from omniscale.tools.train.spec_media import spec_towers
+
+    m = cfg.model
+    if AUTO not in (m.vision, m.audio):
+        return
+    needed = spec_towers(spec)
+    for kind in ("vision", "audio"):
+        if getattr(m, kind) == AUTO:
+            setattr(m, kind, AUTO_PRESET if kind in needed else None)
 
 
 def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> ModelConfig:
     """The ModelConfig of ``cfg.model``: preset + overrides, encoders on the spec's geometry,
-    and a vocabulary that holds every id of the tokenizer (rounded up to 64)."""
+    and a vocabulary that holds every id of the tokenizer (rounded up to 64). A tower left
+    ``auto`` (no :func:`resolve_towers` with the spec) is built with the tiny preset."""
     m = cfg.model
     try:
         base = _hf_backbone(m.init_from.backbone) if m.init_from.backbone else \
@@ -49,16 +69,18 @@ def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> Mod
         if unknown:
             raise ValueError(f"encoder_overrides: unknown encoder(s) {sorted(unknown)}")
         if m.init_from.vision:  # the checkpoint's tower: its shapes, layout and geometry
-            overrides["vision"] = _hf_tower("vision", m.init_from.vision, base.d_model, enc)
+            overrides["vision"] = _hf_tower("vision", m.init_from.vision, base.d_model, enc,
+                                            geometry, m.fresh_projector)
         elif m.vision:
             overrides["vision"] = VisionConfig.preset(
-                m.vision, patch_size=geometry.patch_size,
+                _preset(m.vision), patch_size=geometry.patch_size,
                 temporal_patch_size=geometry.temporal_patch_size, merge_size=geometry.merge_size,
                 **enc.get("vision", {}))
         if m.init_from.audio:
-            overrides["audio"] = _hf_tower("audio", m.init_from.audio, base.d_model, enc)
+            overrides["audio"] = _hf_tower("audio", m.init_from.audio, base.d_model, enc,
+                                           geometry, m.fresh_projector)
         elif m.audio:
-            overrides["audio"] = AudioConfig.preset(m.audio, n_mels=geometry.n_mels,
+            overrides["audio"] = AudioConfig.preset(_preset(m.audio), n_mels=geometry.n_mels,
                                                     **enc.get("audio", {}))
         for name in ("vision", "audio"):
             if overrides.get(name) is not None:
@@ -72,12 +94,42 @@ def model_config(cfg: RunConfig, geometry: MediaGeometry, tokenizer_path) -> Mod
     return config
 
 
-def _hf_tower(kind: str, path: str, width: int, enc: dict):
+def _preset(name: str) -> str:
+    return AUTO_PRESET if name == AUTO else name
+
+
+# the media geometry each tower kind fixes, as (the tower config's field, the spec's media: key)
+TOWER_GEOMETRY = {"vision": (("patch_size", "patch_size"),
+                             ("temporal_patch_size", "temporal_patch_size"),
+                             ("merge_size", "merge_size")),
+                  "audio": (("n_mels", "n_mels"),)}
+
+
+def _hf_tower(kind: str, path: str, width: int, enc: dict, geometry: MediaGeometry,
+              fresh_projector: bool):
     """The config of a Hugging Face vision or audio tower (``encoders.hf``), projecting to
-    ``width`` (the decoder's); ``encoder_overrides`` that change no shape still apply."""
+    ``width`` (the decoder's); ``encoder_overrides`` that change no shape still apply. The
+    checkpoint fixes the media geometry (Qwen2-VL: patch 14, temporal 2, merge 2; Whisper:
+    80 mel bins): a spec whose ``media:`` differs is one line naming both, and a projector
+    the checkpoint cannot give is one line unless ``model.fresh_projector``."""
     from omniscale.encoders import hf
 
-    config = getattr(hf, f"{kind}_source")(path, width)[0]
+    config, _, read = getattr(hf, f"{kind}_source")(path, width)
+    where = f"model.init_from.{kind} {path}"
+    wrong = [(ours, theirs) for ours, theirs in TOWER_GEOMETRY[kind]
+             if getattr(config, ours) != getattr(geometry, theirs)]
+    if wrong:
+        tower = ", ".join(f"{theirs}: {getattr(config, ours)}" for ours, theirs in wrong)
+        spec = ", ".join(f"{theirs}: {getattr(geometry, theirs)}" for _, theirs in wrong)
+        raise UserError(f"{where}: the tower's geometry is {{{tower}}} but the spec's media: "
+                        f"has {{{spec}}} (set media: {{{tower}}} in the mixing spec and "
+                        f"re-index)")
+    if read.fresh is not None and not fresh_projector:
+        has = ("has no projector" if read.own_width is None
+               else f"projects to width {read.own_width}")
+        raise UserError(f"{where}: the tower {has}, the decoder is {width} wide: its "
+                        f"{read.fresh} would start untrained (model.fresh_projector: true to "
+                        f"train one from scratch)")
     return dataclasses.replace(config, **enc.get(kind, {}))
 
 

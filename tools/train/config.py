@@ -64,22 +64,46 @@ class SpecialTokensSection(_Strict):
         return self.model_dump(exclude_none=True)
 
 
+AUTO = "auto"  # model.vision / model.audio: a tower only for a spec with media of its kind
+
+
 class ModelSection(_Strict):
     preset: Literal["tiny", "small", "1b", "30b_a3b"] = "tiny"  # unused with init_from.backbone
     overrides: dict = Field(default_factory=dict)  # ModelConfig fields (moe: a dict of MoEConfig)
-    vision: str | None = "tiny"  # encoders.vision.VisionConfig preset (None: no vision encoder)
-    audio: str | None = "tiny"  # encoders.audio.AudioConfig preset
+    # The vision tower (images and clips): an encoders.vision.VisionConfig preset (tiny, small,
+    # base), always built; None: none; auto: the tiny preset, built only when data.spec has a
+    # source with images or clips (tools.train.spec_media: an image_caption or video_caption
+    # source, or an interleaved or conversation source whose index holds them). A tower
+    # model.init_from.vision gives is built whatever this says. A run writes the resolved value
+    # to RUN_DIR/config.yaml.
+    vision: str | None = AUTO
+    # The audio tower: an encoders.audio.AudioConfig preset, None or auto, as model.vision
+    # (auto: built only when data.spec has audio_caption sources or indexed audio)
+    audio: str | None = AUTO
     encoder_overrides: dict = Field(default_factory=dict)  # {"vision": {...}, "audio": {...}}
+    # A Hugging Face tower (model.init_from.vision / audio) whose projection to the LLM does
+    # not fit the decoder's width -- another width, or none at all (Whisper) -- gets a
+    # projector initialised from scratch, which must then be trained before the tower helps.
+    # Off: such a run stops with one line naming the tower and both widths; on: allowed.
+    fresh_projector: bool = False
     dit: str = "tiny"  # backbone.dit.DiTConfig preset of the video_gen task
     init_from: InitFromSection = Field(default_factory=InitFromSection)
     special_tokens: SpecialTokensSection = Field(default_factory=SpecialTokensSection)
 
 
 class DataSection(_Strict):
-    spec: str = "demo/mix.yaml"  # relative paths: to the current directory
-    eval_spec: str | None = "demo/eval.yaml"
-    demo: bool = True  # generate + index the demo (tools.demo) when ``spec`` is missing
-    demo_scale: Literal["tiny", "small", "medium"] = "tiny"
+    # The mixing spec to train on (docs/mixing-spec.md); relative paths: to the current
+    # directory. Required by `omniscale train`: a run without one, or with one that does not
+    # exist, stops with one line (demo data: `make demo`, or `omniscale data demo DIR` and
+    # data.spec: DIR/mix.yaml, or data.demo: true).
+    spec: str | None = None
+    # The held-out mixing spec evaluation reads (None: no held-out evaluation)
+    eval_spec: str | None = None
+    # Generate and index the demo dataset (tools.demo) into data.spec's directory when
+    # data.spec is missing -- for the demo configs (configs/demo_*.yaml); off, a missing
+    # data.spec is an error, never a silent switch to generated data
+    demo: bool = False
+    demo_scale: Literal["tiny", "small", "medium"] = "tiny"  # with data.demo: its size
     global_batch_tokens: int = Field(12288, gt=0)
     micro_batch_tokens: int = Field(8192, gt=0)
     window: int = Field(4, ge=1)
@@ -103,13 +127,16 @@ class DataSection(_Strict):
     # None: the pools fit the nodes there are)
     ray_autoscale_cpus: float | None = Field(None, gt=0)
     # Refit the balancer's cost model from measured step times every N steps (0: never) and
-    # send it to the plane -- not in deterministic mode, where plans must not depend on timing
-    # (the fit is then only logged), so that a resumed run replays bit for bit.
+    # send it to the plane. Under deterministic (true by default on CPU) the fit is computed
+    # and logged (cost_refit in the metrics rows) but never sent: plans must depend on the
+    # data alone so that a resumed run replays bit for bit; `omniscale train` says so in one
+    # line at the start. For a refit that moves the plans, set deterministic: false.
     refit_costs_every: int = Field(50, ge=0)
     # Give each data rank work in proportion to its measured speed (rank_speeds: its compute
     # clock against its plans' cost): a slowed rank -- a noisy neighbour, a throttled or older
-    # GPU -- gets less, and its share back when it recovers. Off in deterministic mode, as
-    # the refit (the speeds are still measured and logged).
+    # GPU -- gets less, and its share back when it recovers. Under deterministic the speeds
+    # are measured and logged but the plane is not told (as for the refit above, and said in
+    # the same start line).
     plan_by_rank_speed: bool = True
     # who places samples on ranks: the planner, or a baseline policy through the same plane
     # (to measure the planner's gain on this very run)
@@ -159,7 +186,7 @@ class OptimSection(_Strict):
 
 
 class ParallelSection(_Strict):
-    """The run's layout (``parallel.mesh.ParallelDims``: the README's "Choosing a layout") and
+    """The run's layout (``parallel.mesh.ParallelDims``: docs/parallel.md, "Choosing a layout") and
     how each rank runs its part (``parallel.parallelize.Settings``)."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -345,10 +372,15 @@ class RunConfig(_Strict):
     # row per step all the same; a checkpoint logs first). Default: every step on CPU, every
     # 10th on a GPU (reading the metrics waits for the device: once per interval)
     log_every: int | None = Field(None, ge=1)
-    output_dir: str = "runs/demo_omni"
-    # torch.use_deterministic_algorithms: bit-exact resume. Default: on for CPU runs, off on
-    # GPUs (there it slows kernels, fills new tensors with NaN and warns on every cuBLAS call
-    # unless CUBLAS_WORKSPACE_CONFIG is set)
+    # the run directory (checkpoints, metrics, plane state); a fresh run refuses one that
+    # holds checkpoints
+    output_dir: str = "runs/train"
+    # torch.use_deterministic_algorithms and plans that depend on the data alone: bit-exact
+    # resume. Default: on for CPU runs, off on GPUs (there it slows kernels, fills new tensors
+    # with NaN and warns on every cuBLAS call unless CUBLAS_WORKSPACE_CONFIG is set). On, the
+    # timing-driven planning is measured and logged only: data.refit_costs_every does not
+    # send its fit and data.plan_by_rank_speed does not send the speeds (one line at start
+    # says which of them this run turns off).
     deterministic: bool | None = None
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
@@ -373,6 +405,24 @@ class RunConfig(_Strict):
         return self.model_copy(update={
             "deterministic": (not gpu) if self.deterministic is None else self.deterministic,
             "log_every": (10 if gpu else 1) if self.log_every is None else self.log_every})
+
+    def deterministic_notice(self) -> str | None:
+        """One line naming what deterministic mode turns off in this run (the timing-driven
+        planning its ``data`` asks for), or None; on a config with the device filled in
+        (:meth:`on_device`)."""
+        if not self.deterministic:
+            return None
+        off = []
+        if self.data.refit_costs_every:
+            off.append(f"data.refit_costs_every={self.data.refit_costs_every} fits the cost "
+                       f"model but does not send it")
+        if self.data.plan_by_rank_speed:
+            off.append("data.plan_by_rank_speed measures the ranks' speeds but does not plan "
+                       "by them")
+        if not off:
+            return None
+        return (f"omniscale train: deterministic: {' and '.join(off)} (plans depend on the "
+                f"data alone, for a bit-exact resume; deterministic: false to use them)")
 
 
 def apply_set(raw: dict, assignment: str) -> None:
@@ -432,11 +482,23 @@ def load_config(path: str | Path | None, sets: list[str] = (), name: str | None 
         raise UserError(f"{label}: {_where(err)}: {msg}{got}{more}") from None
 
 
+DEMO_DATA = ("demo data: `make demo`, or `omniscale data demo DIR` then data.spec: "
+             "DIR/mix.yaml, or data.demo: true to generate it at data.spec")
+MISSING_SPEC = f"data.spec: not set: name the mixing spec to train on ({DEMO_DATA})"
+
+
+def missing_spec(path) -> str:
+    """The one line for a ``data.spec`` that does not exist (data.demo off)."""
+    return f"data.spec: {path}: no such file ({DEMO_DATA})"
+
+
 def run_spec(cfg: RunConfig, path):
     """The mixing spec at ``path`` as this run reads it: ``model.special_tokens`` named over
     the spec's own (the launcher indexes with them too: ``launch.ensure_data``)."""
     from omniscale.dataplane.spec import load_spec
 
+    if path is None:
+        raise UserError(MISSING_SPEC)
     spec = load_spec(path)
     named = cfg.model.special_tokens.named()
     if not named:

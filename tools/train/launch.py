@@ -13,6 +13,7 @@ as one line (it is written to ``RUN_DIR/error-rankR.txt`` and the launcher raise
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -23,11 +24,34 @@ import yaml
 
 from omniscale.errors import UserError
 from omniscale.tools.train import checkpoint
-from omniscale.tools.train.config import RunConfig, load_config, run_spec
+from omniscale.tools.train.build import resolve_towers
+from omniscale.tools.train.config import (
+    MISSING_SPEC,
+    RunConfig,
+    load_config,
+    missing_spec,
+    run_spec,
+)
 from omniscale.tools.train.fork_server import adopt_environment, launch_environment, start_method
-from omniscale.tools.train.loop import RankJob, layout, mesh_dims, train_rank
+from omniscale.tools.train.loop import RankJob, layout, train_rank
 from omniscale.tools.train.torchrun import torchrun_layout, under_torchrun
 from omniscale.tools.train.trackers import check_trackers
+
+AUTO_RESUME = "auto"  # --resume auto: continue the config's run if it has a checkpoint
+
+
+def resume_dir(config: str | None, resume: str | None, sets: list[str]) -> str | None:
+    """What ``--resume`` names: ``auto`` is the run directory the config's ``output_dir``
+    names when it holds a complete checkpoint (a requeued job continues), else None (a fresh
+    start, which then refuses nothing); any other value as given (``./auto`` for a directory
+    so named)."""
+    if resume != AUTO_RESUME:
+        return resume
+    if config is None:
+        raise UserError("--resume auto: give CONFIG.yaml too (its output_dir is the run "
+                        "directory to continue)")
+    cfg, _ = load_config(config, sets)
+    return cfg.output_dir if checkpoint.latest(Path(cfg.output_dir)) is not None else None
 
 
 def resolve_config(config: str | None, resume: str | None, sets: list[str]
@@ -55,10 +79,12 @@ def ensure_data(cfg: RunConfig) -> None:
     """Absolute spec paths; the demo (generated and indexed) when the spec is missing."""
     from omniscale.loaders.index import index_paths
 
+    if cfg.data.spec is None:
+        raise UserError(MISSING_SPEC)
     spec = Path(cfg.data.spec).resolve()
     if not spec.exists():
         if not cfg.data.demo:
-            raise UserError(f"data.spec: {cfg.data.spec}: no such file")
+            raise UserError(missing_spec(cfg.data.spec))
         from omniscale.tools.demo import generate
 
         generate(spec.parent, scale=cfg.data.demo_scale, progress=False)
@@ -88,6 +114,7 @@ def ensure_data(cfg: RunConfig) -> None:
     if bad:
         print(f"omniscale train: {len(bad)} corrupt member(s) skipped by the index; first: "
               f"{bad[0]}")
+    resolve_towers(cfg, run_spec(cfg, spec))  # model.vision/audio auto: RUN_DIR/config.yaml says
 
 
 CPU_BIND = "OMNISCALE_CPU_BIND"  # "0,1": rank i runs on CPU i (of the list, cycling)
@@ -121,39 +148,59 @@ def _spawned(rank: int, world: int, job: RankJob, env: dict[str, str]) -> None:
         raise SystemExit(2) from None
 
 
-def data_ranks(cfg: RunConfig, nproc: int) -> int:
-    """The ranks an external plane must plan for (``ParallelDims.dp_sp``: TP and PP peers
-    share one)."""
-    return mesh_dims(cfg, nproc).dp_sp
+# Every setting an external plane plans with that must be the run's: (PlaneConfig field, the
+# `plane serve` flag, where the run takes it from). dp and sp_max are checked apart (their
+# messages say how the run's value is derived); snapshot_every is the plane's own business.
+PLANNING_SETTINGS = (
+    ("balance", "--balance", "data.balance"),
+    ("micro_batch_tokens", "--micro-batch-tokens", "data.micro_batch_tokens"),
+    ("global_batch_tokens", "--global-batch-tokens", "data.global_batch_tokens"),
+    ("global_batch_samples", "--global-batch-samples", "none (the run counts tokens)"),
+    ("window", "--window", "data.window"),
+    ("max_sample_tokens", "--max-sample-tokens", "none (what an SP group holds)"),
+    ("frozen_encoders", "--frozen-encoders", "optim.groups' frozen towers"),
+    ("costs", "--costs", "data.costs"),
+    ("cost_linear", "--cost-linear", "data.costs, else the model's FLOPs (alpha/beta)"),
+    ("cost_quadratic", "--cost-quadratic", "data.costs, else the model's FLOPs (1)"),
+)
 
 
-def check_plane(url: str, token: str | None, nproc: int, start: int, sp: int = 1,
-                balance: str = "omniscale") -> None:
-    """An external plane must plan for this job: ``nproc`` data ranks, sequence-parallel groups no
-    larger than ``parallel.sp``, the run's placement policy, next step = the step the trainer
-    starts at."""
+def check_plane(url: str, token: str | None, cfg: RunConfig, world: int, start: int) -> None:
+    """An external plane must plan for this job as its embedded plane would: ``world``
+    processes' data ranks, sequence-parallel groups no larger than ``parallel.sp``, every
+    planning setting (:data:`PLANNING_SETTINGS`) equal to the run's, next step = the step the
+    trainer starts at. A mismatch is one line naming both values (``plane_args`` prints the
+    flags that fit)."""
     from omniscale.dataplane.client import PlaneClient
+    from omniscale.tools.train.loop import planning_config
 
+    expected = json.loads(json.dumps(dataclasses.asdict(planning_config(cfg, world))))
     try:
         with PlaneClient(url, token=token, timeout=10.0, retry_for=30.0) as client:
             status = client.status()
     except Exception as e:  # noqa: BLE001 -- unreachable, refused, bad token: one line
         raise UserError(f"--plane {url}: {str(e).splitlines()[0]}") from None
     config = status.get("config", {})
-    if status["dp"] != nproc:
+    if status["dp"] != expected["dp"]:
         raise UserError(f"--plane {url}: the plane plans for --dp {status['dp']}, this run for "
-                        f"{nproc} (--nproc / (tp·pp))")
-    if config.get("sp_max", 1) > sp:
+                        f"{expected['dp']} (--nproc / (tp·pp))")
+    if config.get("sp_max", 1) > cfg.parallel.sp:
         raise UserError(f"--plane {url}: the plane may split samples over {config['sp_max']} "
-                        f"ranks (--sp-max), this run's parallel.sp is {sp}")
-    if config.get("balance", "omniscale") != balance:
-        raise UserError(f"--plane {url}: the plane places samples with --balance "
-                        f"{config.get('balance', 'omniscale')}, this run's data.balance is "
-                        f"{balance}")
+                        f"ranks (--sp-max), this run's parallel.sp is {cfg.parallel.sp}")
+    for field, flag, source in PLANNING_SETTINGS:
+        if config.get(field) != expected[field]:
+            raise UserError(f"--plane {url}: the plane's {flag} is {_shown(config.get(field))}, "
+                            f"this run's is {_shown(expected[field])} ({source}); start the "
+                            "plane with the flags `python -m omniscale.tools.launch.plane_args "
+                            "--world N CONFIG.yaml ...` prints")
     if status["next_step"] != start:
         raise UserError(f"--plane {url}: the plane's next step is {status['next_step']}, the "
                         f"run starts at step {start} (restart the plane with --restore-step "
                         f"{start})")
+
+
+def _shown(value) -> str:
+    return "none" if value is None or value == [] else json.dumps(value)
 
 
 def train(config: str | None, nproc: int = 1, resume: str | None = None,
@@ -165,6 +212,7 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: must be >= 1")
     rank, world = torchrun_layout(nproc, plane) if under_torchrun() else (0, 1)
+    resume = resume_dir(config, resume, list(sets))
     cfg, run_dir = resolve_config(config, resume, list(sets))
     check_trackers(cfg)  # metrics.wandb without the package: one line before anything starts
     if rank == 0:
@@ -173,12 +221,17 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
                                                             sort_keys=False))
     else:  # rank 0 prepares the data before it joins the group; the others wait there
+        if cfg.data.spec is None:
+            raise UserError(MISSING_SPEC)
         cfg.data.spec = str(Path(cfg.data.spec).resolve())
     found = checkpoint.latest(run_dir) if resume is not None else None
     start = found[0] if found else 0
     if start >= cfg.steps:
         raise UserError(f"--resume {run_dir}: already at step {start} of steps={cfg.steps} "
                         f"(--set steps=N to train on)")
+    notice = cfg.on_device(_device_type(cfg)).deterministic_notice()
+    if notice and rank == 0:
+        print(notice, flush=True)
     if world > 1:  # under torchrun: this process is one rank
         return _train_one_rank(cfg, run_dir, rank, world, start, found, progress, plane,
                                plane_token)
@@ -187,8 +240,7 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
     layout(cfg, nproc)  # an impossible layout: one line now, before any process starts
     cpu_bind(os.environ.get(CPU_BIND))  # a bad CPU list: one line now, too
     if plane is not None:
-        check_plane(plane, plane_token, data_ranks(cfg, nproc), start, cfg.parallel.sp,
-                    cfg.data.balance)
+        check_plane(plane, plane_token, cfg, nproc, start)
     with tempfile.TemporaryDirectory(prefix="omniscale-pg-") as tmp, \
             job_ray_cluster(cfg, run_dir) as ray_address:
         job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
@@ -199,6 +251,14 @@ def train(config: str | None, nproc: int = 1, resume: str | None = None,
         else:
             _spawn(job, nproc, run_dir)
     return _finish(cfg, run_dir, start, plane, plane_token)
+
+
+def _device_type(cfg: RunConfig) -> str:
+    """The ranks' device type (``loop.device_of``), for the defaults that depend on it."""
+    import torch
+
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    return auto if cfg.parallel.device == "auto" else cfg.parallel.device
 
 
 @contextlib.contextmanager
@@ -224,8 +284,7 @@ def _train_one_rank(cfg, run_dir: Path, rank: int, world: int, start: int, found
                     plane, plane_token) -> dict:
     """One rank of a torchrun launch (``tools.train.torchrun``); rank 0 evaluates after."""
     if rank == 0 and plane is not None:
-        check_plane(plane, plane_token, data_ranks(cfg, world), start, cfg.parallel.sp,
-                    cfg.data.balance)
+        check_plane(plane, plane_token, cfg, world, start)
     job = RankJob(cfg.model_dump(mode="json"), str(run_dir), cfg.data.spec, start,
                   str(found[1]) if found else None, "env://", progress,
                   plane_url=plane, plane_token=plane_token)

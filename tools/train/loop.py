@@ -25,7 +25,12 @@ from omniscale.dataplane.plane import PlaneConfig
 from omniscale.errors import UserError
 from omniscale.loaders.pipeline import RankLoader
 from omniscale.tools.train import checkpoint, collectives, optim_groups
-from omniscale.tools.train.build import build_optimizer, init_weights, model_config
+from omniscale.tools.train.build import (
+    build_optimizer,
+    init_weights,
+    model_config,
+    resolve_towers,
+)
 from omniscale.tools.train.config import RunConfig, run_spec
 from omniscale.tools.train.faults import Faults
 from omniscale.tools.train.held_out import HeldOut, evaluates_in_ranks
@@ -71,6 +76,15 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
                        global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp,
                        snapshot_every=cfg.checkpoint_every, balance=d.balance,
                        frozen_encoders=tuple(frozen_kinds), **extra)
+
+
+def planning_config(cfg: RunConfig, world: int) -> PlaneConfig:
+    """The plane settings a run on ``world`` processes plans with: its embedded plane's
+    (``plane_config`` with the layout's data ranks, the model's cost and the frozen towers),
+    what an external plane must match (``launch.check_plane``, ``plane_args``)."""
+    _, mcfg, dims, groups = layout(cfg, world)  # an impossible layout: one line
+    cost = mcfg.cost_coefficients() if mcfg is not None else None  # as _train_rank's
+    return plane_config(cfg, dims.dp_sp, cost, groups.frozen_kinds)
 
 
 def device_of(cfg: RunConfig, rank: int) -> torch.device:
@@ -207,6 +221,7 @@ def layout(cfg: RunConfig, world: int):
     if hf and not task.init_from_hf:
         raise UserError(f"model.init_from: the {task.name} task's model has no Hugging Face "
                         f"counterpart (omni and lm start from Qwen3 / Qwen3-MoE)")
+    resolve_towers(cfg, spec)  # model.vision/audio auto (the launcher's ranks: done already)
     mcfg = model_config(cfg, spec.media, spec.tokenizer) if task.language_model else None
     return spec, mcfg, parallel_dims(cfg, world, mcfg), optim_groups.check(cfg, spec, mcfg)
 
