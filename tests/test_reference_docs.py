@@ -40,6 +40,12 @@ def test_every_config_key_is_listed_once_with_its_default():
         assert keys[key] == shown, (key, keys[key], shown)
 
 
+def test_every_key_has_a_description():
+    page = reference_docs.config_reference()
+    bare = [line for line in page.splitlines() if line.startswith("- **") and "): " not in line]
+    assert not bare, f"{len(bare)} keys without a comment in tools/train/config.py: {bare[:3]}"
+
+
 def test_a_comment_in_the_code_is_the_description():
     page = reference_docs.config_reference()
     # the comment above data.window_bytes-like fields and an end-of-line one (config.py)

@@ -23,6 +23,7 @@ import tokenize
 from pathlib import Path
 
 from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"config": ROOT / "docs" / "reference" / "config.md",
@@ -59,8 +60,8 @@ def _fields_of(cls: type[BaseModel]) -> dict[str, tuple[str, str]]:
 
 
 def _default(value) -> str:
-    if isinstance(value, BaseModel):
-        return ""
+    if value is PydanticUndefined:
+        return "none: required"
     if isinstance(value, str):
         return f'`"{value}"`'
     return f"`{value!r}`"
@@ -78,12 +79,14 @@ def _bounds(field) -> str:
     return ", ".join(out)
 
 
-def _model_of(annotation) -> type[BaseModel] | None:
-    """The config class a field holds (a section, or the items of a list of them)."""
+def _model_of(annotation) -> tuple[type[BaseModel] | None, bool]:
+    """The config class a field holds -- a section, an optional one, or the items of a list of
+    them -- and whether it is a list."""
+    listed = getattr(annotation, "__origin__", None) is list
     for candidate in (annotation, *getattr(annotation, "__args__", ())):
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
+            return candidate, listed
+    return None, False
 
 
 def _section(cls: type[BaseModel], instance, prefix: str, out: list[str]) -> None:
@@ -93,7 +96,7 @@ def _section(cls: type[BaseModel], instance, prefix: str, out: list[str]) -> Non
     for name, field in cls.model_fields.items():
         key = f"{prefix}{name}"
         annotation, text = written.get(name, (str(field.annotation), ""))
-        model = _model_of(field.annotation)
+        model, listed = _model_of(field.annotation)
         value = getattr(instance, name) if instance is not None else field.get_default(
             call_default_factory=True)
         if model is not None and isinstance(value, BaseModel):
@@ -103,8 +106,8 @@ def _section(cls: type[BaseModel], instance, prefix: str, out: list[str]) -> Non
         kind = f"`{annotation}`" + (f", {bounds}" if bounds else "")
         default = _default(value)
         rows.append(f"- **`{key}`** ({kind}; default {default}){': ' + text if text else ''}")
-        if model is not None:  # a list of sections: its items' keys
-            nested.append((model, None, f"{key}[].", ""))
+        if model is not None:  # a list of sections, or one that is off by default
+            nested.append((model, None, f"{key}[]." if listed else f"{key}.", ""))
     out += rows
     for model, value, key_prefix, text in nested:
         out += ["", f"## `{key_prefix.rstrip('.')}`", ""]

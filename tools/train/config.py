@@ -35,8 +35,8 @@ class InitFromSection(_Strict):
     an earlier run of this model (``run``), e.g. fine-tuning from the main demo."""
 
     backbone: str | None = None  # Qwen3-MoE / Qwen3: the decoder's shapes and weights
-    vision: str | None = None
-    audio: str | None = None
+    vision: str | None = None  # Qwen2-VL: the vision tower (sets the media geometry)
+    audio: str | None = None  # Whisper / Qwen2-Audio: the audio tower
     # a run directory (its newest checkpoint) or one checkpoint directory: every weight, no
     # optimizer state or step (a new run; `--resume` continues one)
     run: str | None = None
@@ -53,11 +53,11 @@ class SpecialTokensSection(_Strict):
     ``special_tokens:`` (a role left unset keeps the spec's; the spec's defaults are
     ``<pad> <eos> <image> <video> <audio>``). Texts mark media with these names."""
 
-    pad: str | None = Field(None, min_length=1)
-    eos: str | None = Field(None, min_length=1)
-    image: str | None = Field(None, min_length=1)
-    video: str | None = Field(None, min_length=1)
-    audio: str | None = Field(None, min_length=1)
+    pad: str | None = Field(None, min_length=1)  # padding
+    eos: str | None = Field(None, min_length=1)  # end of a sample
+    image: str | None = Field(None, min_length=1)  # an image's marker and placeholder
+    video: str | None = Field(None, min_length=1)  # a clip's marker and placeholder
+    audio: str | None = Field(None, min_length=1)  # an audio clip's marker
 
     def named(self) -> dict[str, str]:
         """The roles this run names, {role: token}."""
@@ -104,18 +104,18 @@ class DataSection(_Strict):
     # data.spec is an error, never a silent switch to generated data
     demo: bool = False
     demo_scale: Literal["tiny", "small", "medium"] = "tiny"  # with data.demo: its size
-    global_batch_tokens: int = Field(12288, gt=0)
-    micro_batch_tokens: int = Field(8192, gt=0)
-    window: int = Field(4, ge=1)
+    global_batch_tokens: int = Field(12288, gt=0)  # tokens a step trains over all ranks
+    micro_batch_tokens: int = Field(8192, gt=0)  # a micro-batch's token budget on a rank
+    window: int = Field(4, ge=1)  # global batches the plane draws and plans together
     workers: int = Field(1, ge=0)  # decode processes per rank (0: decode in the loader thread)
-    prefetch_steps: int = Field(2, ge=1)
+    prefetch_steps: int = Field(2, ge=1)  # steps of batches a rank's loader reads ahead
     # Sources in object stores (s3://…): a node-local cache of their shards' bytes, shared by
     # the node's ranks and workers (None: read ranges straight from the store), its size cap,
     # and how many steps ahead the plans are fetched to fill it (the plane knows them)
     cache_dir: str | None = None
-    cache_bytes: int = Field(8 << 30, gt=0)
-    cache_prefetch_steps: int = Field(4, ge=0)
-    policy: Literal["skip", "fail"] = "skip"
+    cache_bytes: int = Field(8 << 30, gt=0)  # the node cache's size cap (bytes)
+    cache_prefetch_steps: int = Field(4, ge=0)  # steps of plans fetched ahead to fill it
+    policy: Literal["skip", "fail"] = "skip"  # a corrupt sample: skip and report, or stop
     loader: Literal["workers", "ray"] = "workers"  # DataLoader processes, or Ray source pools
     # The job's Ray cluster: None starts one on this machine for the job (the launcher's),
     # "auto" joins the one running here, HOST:PORT a remote head's
@@ -151,9 +151,9 @@ class ParamGroup(_Strict):
     name (``vision.blocks.0.qkv.weight``) matches the glob ``match`` train at ``lr_scale`` times
     the scheduled learning rate, or not at all (``frozen``). The first matching entry wins."""
 
-    match: str = Field(min_length=1)
+    match: str = Field(min_length=1)  # a glob over parameter names (required)
     lr_scale: float | None = Field(None, gt=0)  # None: 1 (an entry that shields a subset)
-    frozen: bool = False
+    frozen: bool = False  # not trained at all (no optimizer state)
 
     @model_validator(mode="after")
     def _frozen_has_no_rate(self):
@@ -168,13 +168,13 @@ class ParamGroup(_Strict):
 
 
 class OptimSection(_Strict):
-    lr: float = Field(3e-3, gt=0)
-    min_lr: float = Field(3e-4, ge=0)
-    warmup_steps: int = Field(10, ge=0)
+    lr: float = Field(3e-3, gt=0)  # peak learning rate (AdamW)
+    min_lr: float = Field(3e-4, ge=0)  # where the cosine decay ends
+    warmup_steps: int = Field(10, ge=0)  # linear warm-up from 0 to lr
     decay_steps: int | None = Field(None, ge=1)  # cosine length (None: train.steps)
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.1, ge=0)  # on matrices; norms and biases none
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's
+    grad_clip: float = Field(1.0, gt=0)  # the global gradient norm's clip
     # per-parameter learning-rate scales and freezing, first match wins (ParamGroup)
     groups: list[ParamGroup] = Field(default_factory=list)
 
@@ -189,7 +189,7 @@ class ParallelSection(_Strict):
     """The run's layout (``parallel.mesh.ParallelDims``: docs/parallel.md, "Choosing a layout") and
     how each rank runs its part (``parallel.parallelize.Settings``)."""
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when there is one
     dp_replicate: int = Field(1, ge=1)  # HSDP: replicas (e.g. nodes), each FSDP over dp_shard
     dp_shard: int = -1  # FSDP shard group; -1: the ranks the other axes leave
     tp: int = Field(1, ge=1)  # tensor parallelism (heads and FFN widths split)
@@ -198,12 +198,13 @@ class ParallelSection(_Strict):
     # micro-batch is split over an aligned group of up to sp ranks (a power of two)
     sp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)  # pipeline stages
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # the pipeline's schedule
     # micro-batches per schedule run (lm task): a step's run in chunks of this many, the last
     # filled with padding; more shrinks the pipeline bubble, each is padded to the budget
     pp_microbatches: int = Field(4, ge=1)
     encoder_dp_shard: int = -1  # the encoders' own FSDP group (-1: every rank)
-    encoder_tp: int = Field(1, ge=1)
+    encoder_tp: int = Field(1, ge=1)  # tensor parallelism of the encoders
+    # recompute activations in backward: none, selective (attention kept) or full blocks
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     # bf16: bf16 parameters for compute, fp32 gradient reduction and master weights; auto:
     # bf16 on CUDA, fp32 on CPU
@@ -243,7 +244,7 @@ class ParallelSection(_Strict):
 
 
 class EvalSection(_Strict):
-    enabled: bool = True
+    enabled: bool = True  # held-out evaluation of data.eval_spec (needs one)
     max_samples: int = Field(32, ge=1)  # per caption source
     # held-out evaluation every N steps during training, on the sharded model (0: only after
     # training); results in the metrics rows and the report
@@ -255,9 +256,9 @@ class GuardSection(_Strict):
     finite, or whose loss is above ``spike_factor`` times the median of the last
     ``spike_window`` applied steps, is not applied; its samples go to the plane as suspect."""
 
-    enabled: bool = True
-    spike_factor: float = Field(5.0, gt=1)
-    spike_window: int = Field(50, ge=1)
+    enabled: bool = True  # off: every step is applied
+    spike_factor: float = Field(5.0, gt=1)  # a loss above this x the recent median: a spike
+    spike_window: int = Field(50, ge=1)  # applied steps the median is over
     min_history: int = Field(10, ge=1)  # no spike verdict before this many applied steps
     max_skipped_steps: int = Field(3, ge=1)  # in a row: then the run stops with one line
 
@@ -273,7 +274,7 @@ class WatchdogSection(_Strict):
     # a rank whose compute seconds exceed the plan's prediction for it by this factor (the
     # cost model fitted over all ranks) for ``straggler_steps`` steps in a row is named
     straggler_factor: float = Field(1.5, gt=1)
-    straggler_steps: int = Field(5, ge=1)
+    straggler_steps: int = Field(5, ge=1)  # steps in a row before a straggler is named
 
 
 class ProfileSection(_Strict):
@@ -293,16 +294,16 @@ class WandbSection(_Strict):
     """Weights & Biases (the ``wandb`` package, an optional extra): the same rows as
     metrics.jsonl and TensorBoard."""
 
-    project: str = Field(min_length=1)
-    entity: str | None = None
+    project: str = Field(min_length=1)  # the W&B project (required)
+    entity: str | None = None  # team or user (default: the login's)
     name: str | None = None  # default: the run directory's name
-    group: str | None = None
-    tags: list[str] = Field(default_factory=list)
-    mode: Literal["online", "offline", "disabled"] = "online"
+    group: str | None = None  # runs shown together
+    tags: list[str] = Field(default_factory=list)  # labels on the run
+    mode: Literal["online", "offline", "disabled"] = "online"  # offline: synced later
 
 
 class MetricsSection(_Strict):
-    wandb: WandbSection | None = None
+    wandb: WandbSection | None = None  # the rows in Weights & Biases too (None: not)
 
 
 class CheckpointSection(_Strict):
@@ -321,39 +322,39 @@ class PoisonSection(_Strict):
     """A test's fault (``debug.poison``): at ``step``, ``rank``'s loss becomes NaN (``nan``)
     or ``factor`` times itself (``spike``) before the backward pass."""
 
-    step: int = Field(ge=0)
-    rank: int = Field(0, ge=0)
-    kind: Literal["nan", "spike"] = "nan"
-    factor: float = Field(100.0, gt=1)
+    step: int = Field(ge=0)  # the step whose loss is poisoned
+    rank: int = Field(0, ge=0)  # the rank whose loss
+    kind: Literal["nan", "spike"] = "nan"  # NaN, or a spike of factor x the loss
+    factor: float = Field(100.0, gt=1)  # the spike's
 
 
 class HangSection(_Strict):
     """A test's hang (``debug.hang``): ``rank`` sleeps ``seconds`` inside step ``step``."""
 
-    step: int = Field(ge=0)
-    rank: int = Field(0, ge=0)
-    seconds: float = Field(3600.0, gt=0)
+    step: int = Field(ge=0)  # the step that hangs
+    rank: int = Field(0, ge=0)  # the rank that hangs
+    seconds: float = Field(3600.0, gt=0)  # how long it sleeps
 
 
 class SlowRankSection(_Strict):
     """A test's straggler (``debug.slow_rank``): data rank ``rank`` computes ``seconds``
     longer at every step from ``from_step`` (``faults.Faults.in_compute``)."""
 
-    rank: int = Field(0, ge=0)
-    seconds: float = Field(gt=0)
-    from_step: int = Field(0, ge=0)
+    rank: int = Field(0, ge=0)  # the slow data rank
+    seconds: float = Field(gt=0)  # extra compute seconds a step
+    from_step: int = Field(0, ge=0)  # from this step on
 
 
 class DebugSection(_Strict):
     # Write every parameter's gradient (before clipping, gathered from the FSDP shards) at
     # this step to RUN_DIR/grads-step-N.pt (tools.train.faults.Faults.before_clip; omni and lm).
     dump_grads_at_step: int | None = Field(None, ge=0)
-    poison: PoisonSection | None = None
+    poison: PoisonSection | None = None  # a test's bad loss (None: none)
     # a test's kill -9 of rank 0 while it saves the checkpoint of this step: after every
     # other file, before meta.json (synchronous saves)
     kill_in_save: int | None = Field(None, ge=1)
-    hang: HangSection | None = None
-    slow_rank: SlowRankSection | None = None
+    hang: HangSection | None = None  # a test's hang (None: none)
+    slow_rank: SlowRankSection | None = None  # a test's straggler (None: none)
     # tools.train.step_audit: inside each step's compute, a tensor created without naming its
     # device is a meta tensor (unusable) and a collective refuses a tensor off the step's
     # device -- a CPU run finds what would stop a GPU run at step 0
@@ -364,10 +365,10 @@ class DebugSection(_Strict):
 
 
 class RunConfig(_Strict):
-    task: Literal["omni", "lm", "video_gen"] = "omni"
-    seed: int = 0
-    steps: int = Field(100, ge=1)
-    checkpoint_every: int = Field(50, ge=1)
+    task: Literal["omni", "lm", "video_gen"] = "omni"  # what the run trains (docs/training.md)
+    seed: int = 0  # weights' initialisation and every drawn number
+    steps: int = Field(100, ge=1)  # optimizer steps the run trains in all
+    checkpoint_every: int = Field(50, ge=1)  # steps between checkpoints
     # metrics stay on the device and are reduced and written once per log_every steps (one
     # row per step all the same; a checkpoint logs first). Default: every step on CPU, every
     # 10th on a GPU (reading the metrics waits for the device: once per interval)
