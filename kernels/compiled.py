@@ -1,4 +1,4 @@
-"""torch.compile'd references for CPU, for the ops where tools/bench/kernels.py measured
+"""torch.compile'd references for CPU, for the ops where tools/bench/kernel_ops.py measured
 compile beating eager forward+backward (README, Kernels): the reference's several elementwise
 passes fuse into one loop. Same signatures as kernels/reference.py; each op compiles once per
 process on first call (and again for new shapes, dynamically after the first change).

@@ -5,7 +5,7 @@ it imports neither Triton nor torch.compile machinery; the registry imports a mo
 is first resolved to it.
 
 Triton is chosen on CUDA, and on CPU only under ``TRITON_INTERPRET=1`` (tests). "compiled"
-(kernels/compiled.py) exists only for the ops where tools/bench/kernels.py showed compile
+(kernels/compiled.py) exists only for the ops where tools/bench/kernel_ops.py showed compile
 beating eager on CPU; it is used when asked for by name (``prefer="compiled"``), never by
 default, because compiling costs seconds per new shape (see README, Kernels). Plain-torch
 backends that beat the reference on CPU are its default there: "chunked" (kernels/fused.py)

@@ -11,7 +11,9 @@ that cannot run here; it is listed, never silently skipped.
 The stand-ins the guides name: ``demo/`` (the tiny demo: its tokenizer and sources), tiny
 Hugging Face checkpoints under ``models/`` built by transformers (no downloads), the local S3
 server (``$GUIDE_S3_ENDPOINT``, a fresh bucket ``$GUIDE_BUCKET``, its credentials in the
-environment).
+environment), this checkout (``$GUIDE_REPO``: its demo config) and two free local ports
+(``$GUIDE_PORT``, ``$GUIDE_METRICS_PORT``). A block that starts a process in the background
+ends it itself; the whole page runs under a time limit.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import free_port
 from tests.s3_fixtures import new_bucket, s3_fixture, s3_server_fixture  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +105,8 @@ def test_every_command_block_of_the_guide_runs(page, demo_root, s3, tmp_path):
     for i, (body, _) in enumerate(runnable):
         script += [f'echo "### block {i + 1}" >&2', body]
     env = {**os.environ, "GUIDE_S3_ENDPOINT": s3.endpoint, "GUIDE_BUCKET": bucket,
+           "GUIDE_REPO": str(ROOT), "GUIDE_PORT": str(free_port()),
+           "GUIDE_METRICS_PORT": str(free_port()),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-c", "\n".join(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)

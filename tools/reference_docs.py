@@ -1,7 +1,9 @@
-"""The generated reference pages: every key of the run config (``docs/reference/config.md``) and
-every command of the CLI (``docs/reference/cli.md``), written from the code so they cannot drift.
+"""The generated reference pages: every key of the run config (``docs/reference/config.md``),
+every command of the CLI (``docs/reference/cli.md``) and the benchmarks page
+(``docs/benchmarks.md``, from the committed bench JSONs: tools/bench/docs_page.py), written
+from the code and the data so they cannot drift.
 
-    python -m omniscale.tools.reference_docs            # write both pages
+    python -m omniscale.tools.reference_docs            # write the pages
     python -m omniscale.tools.reference_docs --check    # exit 1 naming a page that is stale
 
 A config key's description is the comment the code gives it in ``tools/train/config.py`` (the
@@ -27,7 +29,8 @@ from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"config": ROOT / "docs" / "reference" / "config.md",
-         "cli": ROOT / "docs" / "reference" / "cli.md"}
+         "cli": ROOT / "docs" / "reference" / "cli.md",
+         "benchmarks": ROOT / "docs" / "benchmarks.md"}
 HELP_WIDTH = 100  # argparse wraps help at the terminal's width: fixed, so the page is stable
 
 
@@ -163,7 +166,10 @@ def cli_reference() -> str:
 
 
 def pages() -> dict[Path, str]:
-    return {PAGES["config"]: config_reference(), PAGES["cli"]: cli_reference()}
+    from omniscale.tools.bench.docs_page import benchmarks_page
+
+    return {PAGES["config"]: config_reference(), PAGES["cli"]: cli_reference(),
+            PAGES["benchmarks"]: benchmarks_page()}
 
 
 def main(argv: list[str] | None = None) -> int:

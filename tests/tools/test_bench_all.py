@@ -96,7 +96,7 @@ def test_headlines_from_the_committed_bench_json():
     e2e = by_metric(headline_rows("e2e", e2e_json))
     speed = e2e["training tokens/s: ours vs the best baseline policy (median of rounds)"]
     assert speed["ratio"] == e2e_json["ratio_vs_best_baseline"]["median"]
-    assert speed["target"] == ">= 1.25" and speed["met"] is (speed["ratio"] >= 1.25)
+    assert speed["target"] == ">= 0.98" and speed["met"] is (speed["ratio"] >= 0.98)
 
 
 def test_model_headlines_from_the_committed_bench_json():
@@ -112,11 +112,15 @@ def test_model_headlines_from_the_committed_bench_json():
     model = by_metric(headline_rows("model", model_json))
     for r in results:
         key = f"{r['preset']} {r['batch']}"
+        if "hf_best" in r:  # HF's fastest way to run the batch, bucketed and padded included
+            best = model[f"{key}: ratio vs HF's fastest ({r['hf_best']})"]
+            assert best["value"] == r["ratio_vs_hf_best_default"] and best["target"] == ">= 1.2"
+            ways = [k[:-len("_tokens_per_s")] for k in r if k.startswith("hf")
+                    and k.endswith("_tokens_per_s") and k != "hf_best_tokens_per_s"]
+            assert r["hf_best_tokens_per_s"] == max(r[f"{w}_tokens_per_s"] for w in ways)
         if r["batch"] == "equal":
             equal = model[f"{key}: tokens/s ours vs HF Qwen3-MoE"]
             assert equal["ratio"] == r["ratio"] and equal["met"] == (r["ratio"] >= 1.2)
-            best = model[f"{key}: ratio vs the faster HF experts implementation"]
-            assert best["value"] == r["ratio_vs_hf_best_default"] and best["target"] == ">= 1.2"
             assert model[f"{r['preset']}: parameters, total"]["value"] == r["params_total"]
             assert model[f"{r['preset']}: parameters, active per token"]["value"] \
                 == r["params_active"]
@@ -137,9 +141,12 @@ def test_headlines_of_plane_and_gpu_kernels_from_canned_json():
                       {"what": "serving: latency p50 / p99", "baseline": "-",
                        "measured": "p50 1 ms", "value": "25 ms", "target": "p99 <= 20 ms",
                        "met": False}]}
-    rows = headline_rows("plane", plane, quick=True)  # plane's own --quick: still judged
+    rows = headline_rows("plane", plane)
     assert [(r["value"], r["target"], r["met"]) for r in rows] == [
         ("22.5x", ">= 20x", True), ("25 ms", "p99 <= 20 ms", False)]
+    # --quick shrinks plane's sizes below its own --quick: its verdicts are shown, not judged
+    rows = headline_rows("plane", plane, quick=True)
+    assert [r["met"] for r in rows] == ["n/a (quick sizes)"] * 2
 
     gpu = {"rows": [{"op": "rms_norm", "ms": {"reference": 2.0, "eager": 1.6, "compiled": 1.0,
                                               "triton": 0.5},

@@ -269,7 +269,7 @@ def test_report_assembles_one_json_and_the_kernels_json_bench_all_reads(tmp_path
     for op, ms in (("rms_norm", {"reference": 2.0, "triton": 0.5}),
                    ("swiglu", {"reference": 3.0, "triton": 1.5})):
         (work / "kernels" / f"{op}.json").write_text(json.dumps({
-            "device": "cuda", "command": f"tools/bench/kernels.py --ops {op}",
+            "device": "cuda", "command": f"tools/bench/kernel_ops.py --ops {op}",
             "rows": [{"op": op, "ms": ms, "peak_fraction": {"triton": 0.5},
                       "metric": "HBM bandwidth"}]}))
     (work / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "kernel_registry_cuda": {

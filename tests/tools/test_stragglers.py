@@ -124,23 +124,24 @@ def test_the_plane_keeps_the_stragglers_in_memory_and_status_names_them(plane, c
 
 
 def test_a_slow_rank_in_a_real_run_is_named_from_its_nth_slow_step(demo, tmp_path):
-    """Data rank 1 computes 1.5 s longer from step 2 (inside the compute clock); with
-    ``straggler_steps=2`` it is a straggler from step 3. The bound is 1.25x, not the default
+    """Data rank 1 computes 3 s longer from step 2 (inside the compute clock); with
+    ``straggler_steps=2`` it is a straggler from step 3. The bound is 1.2x, not the default
     1.5x: with two ranks the cost fit's k takes in the slow rank too, so once the plan gives
-    both ranks equal work a rank taking s + 1.5 s against its peer's s is judged at
-    2(s + 1.5)/(2s + 1.5) of its prediction -- 1.48x at the tiny model's s = 0.8 s, 1.33x at
-    s = 1.5 s under load -- and the fast rank always under 1x."""
+    both ranks equal work a rank taking s + 3 s against its peer's s is judged at
+    2(s + 3)/(2s + 3) of its prediction -- 1.65x at the tiny model's s = 0.8 s, 1.33x at
+    s = 3 s and still 1.23x at s = 5 s on a loaded machine (1.5 s extra fell under 1.25x
+    there in a full suite run) -- and the fast rank always under 1x."""
     run = tmp_path / "run"
     sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
             "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 2048,
             "optim.warmup_steps": 1, "output_dir": run, "steps": 5, "checkpoint_every": 5,
-            "watchdog.straggler_steps": 2, "watchdog.straggler_factor": 1.25,
-            "debug.slow_rank": "{rank: 1, seconds: 1.5, from_step: 2}"}
+            "watchdog.straggler_steps": 2, "watchdog.straggler_factor": 1.2,
+            "debug.slow_rank": "{rank: 1, seconds: 3.0, from_step: 2}"}
     train("configs/demo_omni.yaml", nproc=2, progress=False,
           sets=[f"{k}={v}" for k, v in sets.items()])
     rows = read_metrics(run / "metrics.jsonl")
     assert [r.get("stragglers") for r in rows] == [None, None, None, [1], [1]]
     assert rows[0]["rank_slowdown"] is None  # no cost fit before the first step
-    assert all(r["rank_slowdown"][1] > 1.25 for r in rows[2:])
+    assert all(r["rank_slowdown"][1] > 1.2 for r in rows[2:])
     # (the printed line is the tracker's, tested above: a rank forked from a fork server
     # started by an earlier test writes to that server's stdout, which capfd does not see)

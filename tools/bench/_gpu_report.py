@@ -8,7 +8,7 @@ the trainer's config keys, and the one JSON the run reports in.
 
 ``assemble`` reads what the stages left in the work directory (each stage's exit status and
 seconds in stages.tsv, then the JSON or JUnit XML each one wrote), writes
-OUT/gpu_check.json and OUT/kernels_h200.json (tools/bench/kernels.py's format, rows of every op:
+OUT/gpu_check.json and OUT/kernels_h200.json (tools/bench/kernel_ops.py's format, rows of every op:
 what ``omniscale bench all`` reads), and prints the headline figures.
 """
 
@@ -121,7 +121,7 @@ def read_json(path: Path):
 
 
 def kernel_rows(folder: Path) -> dict | None:
-    """The per-op JSONs of tools/bench/kernels.py merged into its own format."""
+    """The per-op JSONs of tools/bench/kernel_ops.py merged into its own format."""
     parts = [read_json(p) for p in sorted(folder.glob("*.json"))] if folder.exists() else []
     parts = [p for p in parts if p]
     if not parts:

@@ -45,11 +45,7 @@ from pathlib import Path
 
 import torch
 
-# Run as a script, this folder is sys.path[0], and its kernels.py would stand in for the
-# `kernels` package transformers looks for: the repository's root takes its place.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: our packages
 
 from omniscale.backbone.config import ModelConfig  # noqa: E402
 from omniscale.backbone.hf import config_to_hf  # noqa: E402

@@ -118,16 +118,19 @@ BENCHES: dict[str, Bench] = {
             Metric("sharded load: peak bytes beyond the rank's shards",
                    value="sharded_beyond_shards_bytes"))),
     "kernels": Bench(
-        "kernels.py", quick_args=("--warmup", "1", "--reps", "3"), metrics=KERNEL_ROWS),
+        "kernel_ops.py", quick_args=("--ops", "rms_norm,moe_permute", "--warmup", "1", "--reps",
+                                      "3"), metrics=KERNEL_ROWS),
     "model": Bench(
-        "model.py", quick_args=("--presets", "tiny", "--warmup", "1", "--iters", "3"),
+        "model.py", quick_args=("--presets", "tiny", "--tokens", "512", "--warmup", "1",
+                                "--iters", "2"),
         metrics=(
             Metric("{preset} {batch}: tokens/s ours vs HF Qwen3-MoE", each="results",
                    value="ours_tokens_per_s", baseline="hf_tokens_per_s", ratio="ratio",
                    target=Goal(">=", 1.2), where=("batch", "equal")),
-            Metric("{preset} {batch}: ratio vs the faster HF experts implementation",
-                   each="results", value="ratio_vs_hf_best_default", target=Goal(">=", 1.2),
-                   where=("batch", "equal")),
+            # the headline: HF's fastest way to run the batch (either experts implementation;
+            # on mixed lengths padded or bucketed too, whichever HF runs fastest)
+            Metric("{preset} {batch}: ratio vs HF's fastest ({hf_best})", each="results",
+                   value="ratio_vs_hf_best_default", target=Goal(">=", 1.2)),
             Metric("{preset} {batch}: tokens/s ours vs HF packed (block-causal)",
                    each="results", value="ours_tokens_per_s", baseline="hf_tokens_per_s",
                    ratio="ratio", where=("batch", "mixed")),
@@ -149,8 +152,8 @@ BENCHES: dict[str, Bench] = {
                         "an fsync per record (s)", each="rows", value="group_commit_s",
                         baseline="fsync_each_s", ratio="speedup"),)),
     "loader": Bench(
-        "loader.py", quick_args=("--steps", "8", "--rounds", "2", "--sources", "10", "100",
-                                 "--workloads", "mixed"),
+        "loader.py", quick_args=("--steps", "4", "--rounds", "1", "--workers", "1", "--sources",
+                                 "10", "--workloads", "mixed"),
         metrics=(
             Metric("{workload} samples/s: RankLoader vs the faster of webdataset and "
                    "Megatron-Energon (median of paired rounds)", each="workloads",
@@ -169,7 +172,7 @@ BENCHES: dict[str, Bench] = {
             Metric("RSS growth MiB per worker, {kind}, {sources} sources",
                    each="memory_per_worker", value="rss_growth_mib"))),
     "ray_loader": Bench(
-        "ray_loader.py", quick_args=("--steps", "4", "--rounds", "2"),
+        "ray_loader.py", quick_args=("--steps", "4", "--rounds", "1", "--workers", "1"),
         metrics=(
             Metric("samples/s: Ray decoding pools vs DataLoader workers (median of rounds)",
                    value="median.ray.samples_per_s",
@@ -177,7 +180,8 @@ BENCHES: dict[str, Bench] = {
             Metric("loader start to the first step, s: Ray pools vs DataLoader workers",
                    value="median.ray.start_s", baseline="median.workers.start_s"))),
     "remote": Bench(
-        "remote.py", quick_args=("--steps", "4", "--rounds", "1", "--latency-ms", "20"),
+        "remote.py", quick_args=("--steps", "2", "--rounds", "1", "--workers", "1",
+                                 "--latency-ms", "20", "--scale", "tiny"),
         metrics=(
             Metric("samples/s from a local S3 server at 20 ms/request, cold cache + plan "
                    "prefetch vs local disk (median of rounds)", each="latencies",
@@ -191,21 +195,30 @@ BENCHES: dict[str, Bench] = {
                    "vs local disk", each="latencies", value="warm.samples_per_s",
                    baseline="local.samples_per_s", ratio="warm.ratio.median"))),
     "plane": Bench(
-        "plane.py", quick_args=("--quick",), quick_is_own_flag=True, missed_exit_code=1,
+        # its own --quick, and shorter still: memory at 1, 2, 4 processes a side, serving 1 s
+        # of 64 clients in 2 processes for the two transports PlaneClient has, planning 1,024
+        # ranks only
+        "plane.py", quick_args=("--quick", "--memory-procs", "1,2,4", "--seconds", "1",
+                                "--warmup", "0.5", "--clients", "64", "--procs", "2",
+                                "--modes", "action,lane", "--plan-ranks", "1024"),
+        missed_exit_code=1,
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
                         target="target", met="met"),)),
     "e2e": Bench(
-        "e2e.py", quick_args=("--rounds", "1", "--steps", "6", "--warmup", "2", "--scale",
-                              "tiny", "--policies", "omniscale,token_lpt"),
+        "e2e.py", quick_args=("--rounds", "1", "--steps", "3", "--warmup", "1", "--scale",
+                              "tiny", "--policies", "omniscale,token_lpt", "--costs", "flops",
+                              "--global-batch-tokens", "8192"),
         metrics=(
             Metric("training tokens/s: ours vs the best baseline policy (median of rounds)",
                    value="median.omniscale.tokens_per_s", ratio="ratio_vs_best_baseline.median",
-                   target=Goal(">=", 1.25)),
+                   target=Goal(">=", 0.98)),  # issue #44: never slower than the best baseline
             Metric("measured imbalance (compute clock) of our plans",
                    value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)))),
     "e2e_long_tail": Bench(
-        "e2e_long_tail.py", quick_args=("--rounds", "1", "--steps", "8", "--warmup", "4",
-                                        "--scale", "tiny"),
+        "e2e_long_tail.py", quick_args=("--rounds", "1", "--steps", "4", "--warmup", "0",
+                                        "--scale", "tiny", "--costs", "flops", "--policies",
+                                        "omniscale,static_sp", "--retries", "0",
+                                        "--wait-quiet-s", "0"),
         metrics=(
             Metric("long-tailed training tokens/s: ours vs the static SP layout (median of "
                    "rounds)", value="median.omniscale.tokens_per_s_real",

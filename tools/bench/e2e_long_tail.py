@@ -1,7 +1,7 @@
 """End-to-end long-tailed workload (issue #44, item 3): where splitting long samples pays.
 
     .venv/bin/python tools/bench/e2e_long_tail.py [--steps 12] [--warmup 4] [--rounds 2]
-        [--scale small] [--costs calibrate|FILE] [--out docs/bench/e2e_long_tail.json]
+        [--scale small] [--costs calibrate|FILE|flops] [--out docs/bench/e2e_long_tail.json]
 
 The same 2-process CPU training run as ``tools/bench/e2e.py`` (``omniscale train
 configs/demo_omni.yaml --nproc 2``, one run per placement policy, its ``run``, ``calibrate``
@@ -350,7 +350,10 @@ class Contention:
 
 def wait_quiet(max_share: float, limit_s: float, probe_s: float = 3.0) -> dict:
     """Wait (up to ``limit_s``) until other processes take under ``max_share`` of the CPUs
-    over a ``probe_s`` probe; how long it waited and the last probe's share."""
+    over a ``probe_s`` probe; how long it waited and the last probe's share (None: no
+    wait asked for, no probe)."""
+    if limit_s <= 0:
+        return {"waited_s": 0.0, "share_before": None}
     t0 = time.perf_counter()
     while True:
         with Contention() as c:
@@ -358,6 +361,10 @@ def wait_quiet(max_share: float, limit_s: float, probe_s: float = 3.0) -> dict:
         waited = time.perf_counter() - t0
         if c.share < max_share or waited >= limit_s:
             return {"waited_s": round(waited, 1), "share_before": round(c.share, 3)}
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -383,8 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
     ap.add_argument("--costs", default="calibrate",
                     help="the cost model of every run: calibrate (time the model on this "
-                         "workload first, the default), or a cost file of `omniscale balance "
-                         "calibrate`")
+                         "workload first, the default), a cost file of `omniscale balance "
+                         "calibrate`, or flops (no calibration and no prediction: --quick)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--max-foreign", type=float, default=0.1,
                     help="a run during which other processes took more than this share of "
@@ -430,10 +437,12 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             print(f"other processes took {contention.share:.0%} of the CPUs while "
                   "calibrating", flush=True)
-    prediction = predict(spec, args.costs, args)
-    print("predicted (same windows, this cost model): " + "  ".join(
-        f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in prediction["policies"].items()),
-        flush=True)
+    # FLOP-based costs are no seconds: nothing to predict step times with
+    prediction = predict(spec, None if args.costs == "flops" else args.costs, args)
+    predicted = prediction.get("policies", {})
+    print("predicted (same windows, this cost model): " + ("  ".join(
+        f"{p} {v['tokens_per_s']:.0f} tok/s" for p, v in predicted.items())
+        or prediction.get("skipped", "-")), flush=True)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="omniscale-e2e-long-") as tmp:
         for r in range(args.rounds):
@@ -447,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
                     with Contention() as contention:
                         stats = run(policy, spec, out, args)
                     stats.update(_measured(_rows(out)[args.warmup:args.steps],
-                                           prediction["policies"].get(policy)),
+                                           predicted.get(policy)),
                                  foreign_cpu_share=round(contention.share, 3), **quiet)
                     print(f"round {r + 1}/{args.rounds} {policy:10s} "
                           f"{stats[RATE]:8.0f} tok/s  step {stats['step_s_median']:.3f} s  "
@@ -502,13 +511,13 @@ def main(argv: list[str] | None = None) -> dict:
               "targets": targets}
     for p in policies:
         s = summary[p]
-        pred = prediction["policies"].get(p, {}).get("tokens_per_s")
-        print(f"{p:10s} {s[RATE]:8.0f} tok/s (predicted {pred:8.0f})  step "
+        pred = predicted.get(p, {}).get("tokens_per_s")
+        print(f"{p:10s} {s[RATE]:8.0f} tok/s (predicted {_fmt(pred, '8.0f')})  step "
               f"{s['step_s_median']:.3f} s  imbalance measured {s['imbalance_measured']:.3f}")
     agree = targets.pop("model_agreement")
     for key, t in targets.items():
-        print(f"ours {key.replace('_', ' ')}: {t['measured_median']:.3f}x measured (median of "
-              f"{len(rounds)} rounds), {t['predicted']:.3f}x predicted; target "
+        print(f"ours {key.replace('_', ' ')}: {_fmt(t['measured_median'], '.3f')}x measured "
+              f"(median of {len(rounds)} rounds), {_fmt(t['predicted'], '.3f')}x predicted; target "
               f">= {t['target']}: {'held' if t['held'] else 'MISSED'}")
     print(f"ours measured/predicted: {agree['measured_over_predicted']:.3f} over the measured "
           f"steps (median of {len(rounds)} rounds; steps {agree['step_min']:.2f}-"

@@ -27,7 +27,7 @@
 #   train_summary  tokens/s, TFLOP/s, MFU, peak memory (tools/bench/_gpu_train_summary.py)
 #   hf_step      the same shapes and token counts through transformers' Qwen3-MoE
 #                (tools/bench/_hf_step.py): tokens/s of each and the ratio
-#   kernels      tools/bench/kernels.py per op (reference / eager / compiled / Triton)
+#   kernels      tools/bench/kernel_ops.py per op (reference / eager / compiled / Triton)
 #   train_syncs  a 3-step run with debug.count_host_syncs: host syncs per micro-batch (by op
 #                and line), apart from the timed run (the count hooks every op)
 # Then the report: $OUT/gpu_check.json, $OUT/kernels_h200.json, the runs' metrics and config,
@@ -133,8 +133,8 @@ stage() {  # NAME LIMIT_S COMMAND...: one stage, its exit status and seconds in 
     return $rc
 }
 
-kernel_ops() {  # the ops tools/bench/kernels.py times on CUDA (its own default list)
-    "$PY" -c "import torch; from omniscale.tools.bench.kernels import cases; \
+kernel_ops() {  # the ops tools/bench/kernel_ops.py times on CUDA (its own default list)
+    "$PY" -c "import torch; from omniscale.tools.bench.kernel_ops import cases; \
 print(' '.join(cases('cpu', torch.float32)))"
 }
 
@@ -149,7 +149,7 @@ kernels() {
     # one process per op: a slow compile costs that op alone; --foreground keeps each in the
     # stage's process group, so the stage's own limit ends it too
     for op in $(kernel_ops); do
-        timeout --foreground -k 5 60 "$PY" tools/bench/kernels.py --device "$DEVICE" \
+        timeout --foreground -k 5 60 "$PY" tools/bench/kernel_ops.py --device "$DEVICE" \
             --ops "$op" --reps 10 --warmup 2 --out "$WORK/kernels/$op.json" \
             || { rc=1; echo "kernels: $op failed"; }
     done
@@ -187,7 +187,7 @@ quiet() {  # COMMAND...: its output only when it fails
 dry_kernels() {
     local ops
     ops=$(kernel_ops) && [ -n "$ops" ] && echo "ops: $ops" \
-        && quiet "$PY" tools/bench/kernels.py --help
+        && quiet "$PY" tools/bench/kernel_ops.py --help
 }
 
 dry_gpu_tests() {

@@ -7,16 +7,16 @@
 Memory. Synthetic sources (tools/bench/plane_data.py): 1,000 sources x 10 shards x 1,000
 samples by default, 100 shards with ``--full`` (the issue's scale), 100 x 10 x 1,000 with
 ``--quick``. A job of 64 ranks x 4 loader workers has 256 loader processes. Both sides are
-measured as real processes, by PSS (shared pages split between the processes sharing them),
-at 1, 2, 4 and 8 processes, and extrapolated to 256 by a straight line fitted to each side's
-totals (least squares): ours is ``omniscale plane serve`` for 64 ranks (after it planned ahead
-and served every rank's plans) plus K trainer-side processes each holding a PlaneClient that
-fetched its plans; the baseline is K per-rank loader processes each holding every source's
-state the way per-rank loaders do (every source's reader state and the index slice its cursor
-reads, opened: the plane catalog's per-source state, in every process). Whole processes on
-both sides, interpreter and pyarrow included: the figure is what a job's loader processes
-cost in total, not only the state. The fit and its extrapolation are reported with the
-measured points.
+measured as real processes, by PSS (shared pages split between the processes sharing them), at
+1, 2, 4 and 8 processes (``--memory-procs``), and extrapolated to 256 by a straight line fitted
+to each side's totals (least squares): ours is ``omniscale plane serve`` for 64 ranks (after it
+planned ahead and served every rank's plans) plus K trainer-side processes each holding a
+PlaneClient that fetched its plans; the baseline is K per-rank loader processes each holding
+every source's state the way per-rank loaders do (every source's reader state and the index
+slice its cursor reads, opened: the plane catalog's per-source state, in every process). Whole
+processes on both sides, interpreter and pyarrow included: the figure is what a job's loader
+processes cost in total, not only the state. The fit and its extrapolation are reported with
+the measured points.
 
 Serving. A plane for 256 ranks; 256 clients (4 processes x 64 threads, one PlaneClient each)
 fetch their rank's plans of already-planned steps 0-7; every client first fetches each of its
@@ -254,7 +254,7 @@ def _fit(points: dict[int, int], at: int) -> dict:
             "processes": at, "extrapolated_bytes": float(intercept + slope * at)}
 
 
-def memory(spec: Path, tmp: Path) -> dict:
+def memory(spec: Path, tmp: Path, procs: tuple[int, ...] = MEMORY_PROCS) -> dict:
     processes = RANKS * WORKERS
     plane, url = serve(spec, tmp / "state-memory", RANKS, RANKS * 16)
     ours: dict[int, int] = {}
@@ -265,7 +265,7 @@ def memory(spec: Path, tmp: Path) -> dict:
             for step in range(4):
                 for rank in range(RANKS):
                     client.get_plan(step, rank)
-        for k in MEMORY_PROCS:
+        for k in procs:
             clients, _ = _held([self_command("--role", "client", url, str(r))
                                 for r in range(k)])
             ours[k] = pss_bytes(plane.popen.pid) + sum(pss_bytes(c.popen.pid) for c in clients)
@@ -276,7 +276,7 @@ def memory(spec: Path, tmp: Path) -> dict:
         plane.stop()
     replicas: dict[int, int] = {}
     bare: dict[int, int] = {}
-    for k in MEMORY_PROCS:
+    for k in procs:
         for role, points in (("replica", replicas), ("bare", bare)):
             children, reports = _held([self_command("--role", role, str(spec))
                                        for _ in range(k)])
@@ -291,8 +291,9 @@ def memory(spec: Path, tmp: Path) -> dict:
     per = bare_fit["bytes_per_process"]
     base_state = (base_fit["bytes_per_process"] - per) * processes
     ours_state = plane_bytes + max(ours_fit["bytes_per_process"] - per, 0.0) * processes
-    return {"method": "PSS of real processes at 1, 2, 4, 8 per side, least-squares line, "
-                      f"extrapolated to {processes} processes", "plane_bytes": plane_bytes,
+    return {"method": f"PSS of real processes at {', '.join(map(str, procs))} per side, "
+                      f"least-squares line, extrapolated to {processes} processes",
+            "plane_bytes": plane_bytes,
             "ours": ours_fit, "baseline": base_fit, "bare": bare_fit,
             "replica_state_bytes": state_bytes,
             "ratio": base_fit["extrapolated_bytes"] / ours_fit["extrapolated_bytes"],
@@ -445,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=SERVE_RANKS)
     parser.add_argument("--procs", type=int, default=PROCS,
                         help="client processes (the clients are split among them)")
+    parser.add_argument("--memory-procs", default=",".join(map(str, MEMORY_PROCS)),
+                        help="processes per side the memory line is fitted to (at least 2 "
+                             "counts)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="transports to measure (action is the baseline; lane is ours)")
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)  # child processes
@@ -460,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not {"action", "lane"} <= set(modes) or not set(modes) <= set(MODES):
         parser.error(f"--modes: a subset of {','.join(MODES)} with action and lane")
+    try:
+        memory_procs = tuple(sorted({int(x) for x in args.memory_procs.split(",")}))
+    except ValueError:
+        memory_procs = ()
+    if len(memory_procs) < 2 or memory_procs[0] < 1:
+        parser.error(f"--memory-procs {args.memory_procs}: two or more positive counts, "
+                     "comma-separated")
     if args.clients % args.procs:
         parser.error("--clients must be a multiple of --procs")
     if args.serving_only and args.planning_only:
@@ -491,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{os.cpu_count()} CPUs: other work shares the cores, latencies are noisy",
                   flush=True)
         if not (args.serving_only or args.planning_only):
-            out["memory"] = memory(spec, tmp)
+            out["memory"] = memory(spec, tmp, memory_procs)
         srv = {"rate": args.rate, "closed": {}, "paced": {},
                "note": "closed loop: throughput target; its latency is information (Little's "
                        "law: N back-to-back clients at mean latency L fetch N/L per second). "

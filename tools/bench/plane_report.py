@@ -65,9 +65,10 @@ def report(out: dict) -> list[dict]:
         mib = 2 ** 20
         base, ours = mem["baseline"], mem["ours"]
         n = base["processes"]
+        counts = sorted(int(k) for k in base.get("measured", {})) or [1, 8]  # --memory-procs
         rows.append(
             {"what": f"memory, {n} loader processes: per-rank state / (plane + clients), "
-                     "fitted from 1-8 real processes",
+                     f"fitted from {counts[0]}-{counts[-1]} real processes",
              "baseline": f"{base['extrapolated_bytes'] / mib:,.0f} MiB "
                          f"({base['bytes_per_process'] / mib:.1f} MiB/process)",
              "measured": f"{ours['extrapolated_bytes'] / mib:,.0f} MiB "

@@ -1,7 +1,7 @@
 """Kernel benchmark: each fused op's implementations against its torch reference, in one run.
 
-    .venv/bin/python tools/bench/kernels.py --device cpu  --out docs/bench/kernels_cpu.json
-    .venv/bin/python tools/bench/kernels.py --device cuda --out docs/bench/kernels_h200.json
+    .venv/bin/python tools/bench/kernel_ops.py --device cpu  --out docs/bench/kernels_cpu.json
+    .venv/bin/python tools/bench/kernel_ops.py --device cuda --out docs/bench/kernels_h200.json
 
 Every implementation is named as the registry names it: ``reference`` (kernels/reference.py,
 plain torch autograd), ``eager`` (kernels/eager.py: one autograd node, hand-written backward; the
@@ -209,7 +209,7 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            **started, "command": " ".join(["tools/bench/kernels.py", *sys.argv[1:]]),
+            **started, "command": " ".join(["tools/bench/kernel_ops.py", *sys.argv[1:]]),
             "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "peak_bytes_s": PEAK_BYTES_S, "peak_flop_s": PEAK_FLOP_S, "rows": rows}, indent=1))
         print(f"wrote {args.out}")
