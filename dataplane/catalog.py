@@ -31,6 +31,7 @@ from omniscale.index_schema import (
     read_index_metadata,
     read_shard,
 )
+from omniscale.layout import SpecialTokens
 from omniscale.location import Location
 from omniscale.refs import SAMPLE_FIELDS, SampleRef, make_ref
 
@@ -74,6 +75,11 @@ class SourceState:
                             f"the plane reads {min(PLANE_READS)} to {max(PLANE_READS)}; re-run "
                             f"`omniscale data index {self.path}`")
         self._targets = metadata.get("version") >= 4  # has the target_tokens column
+        # The names the index counted tokens with (a media marker is no text token, so other
+        # names give other counts): what this source is planned with. None: no tokenizer
+        # made the index (hand-made refs).
+        self.special_tokens = (SpecialTokens(**metadata.get("special_tokens", {}))
+                               if metadata.get("tokenizer_sha256") else None)
         # Only the shard names, rows and row groups are kept (read_shard needs the latter).
         self._metadata = {"shards": {s: {"rows": int(e.get("rows", 0)),
                                          "row_group": e.get("row_group")}

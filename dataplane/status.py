@@ -42,6 +42,9 @@ def plane_status(plane, now: float) -> dict:
         "mixture_through_step": mixer.step - 1,
         "mixture": mixture,
         "sources": [{"source": n, **s} for n, s in mixer.catalog.stats().items()],
+        # each source's index's special tokens: its samples' token counts depend on them
+        "special_tokens": {s.name: None if s.special_tokens is None
+                           else dataclasses.asdict(s.special_tokens) for s in mixer.catalog},
         "recent_steps": recent,
         "next_step_rank_cost": next_rank_cost,
         "clients": _clients(plane.clients, now),

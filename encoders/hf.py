@@ -50,6 +50,8 @@ WHISPER_DEFAULTS = dict(num_mel_bins=80, encoder_layers=4, encoder_attention_hea
                         activation_function="gelu")
 QWEN2_AUDIO_DEFAULTS = dict(WHISPER_DEFAULTS, num_mel_bins=128, encoder_layers=32,
                             encoder_attention_heads=20, encoder_ffn_dim=5120, d_model=1280)
+# Qwen2Config's width: Qwen2-Audio-7B(-Instruct)'s published text_config leaves it out
+QWEN2_TEXT_DEFAULTS = dict(hidden_size=4096)
 VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu"}
 AUDIO_PROJECTOR = "projector.safetensors"  # an exported audio tower's projection to the LLM
 
@@ -134,7 +136,7 @@ def audio_source(path: str | Path, out_dim: int | None = None
         hf, layout = {**QWEN2_AUDIO_DEFAULTS, **raw.get("audio_config", {})}, "qwen2_audio"
         prefixes = ("audio_tower.", "model.audio_tower.")
         head = ("multi_modal_projector.", "model.multi_modal_projector.")
-        width = raw.get("text_config", {}).get("hidden_size")
+        width = {**QWEN2_TEXT_DEFAULTS, **raw.get("text_config", {})}["hidden_size"]
     elif model_type == "qwen2_audio_encoder":
         hf, layout = {**QWEN2_AUDIO_DEFAULTS, **raw}, "qwen2_audio"
         prefixes, head = ("",), None

@@ -12,8 +12,11 @@ The other arguments are those of ``omniscale train`` (unknown to this helper, ig
 
 The plane reads the spec's indexes when it starts, so the data is prepared here as the
 trainer's rank 0 would (the demo generated when the spec is missing, indexes brought up to
-date; cheap when current). The plane's state goes to ``RUN_DIR/plane``, where the embedded
-plane keeps it; with ``--resume`` the plane restores the checkpoint's step.
+date; cheap when current) -- with the run's special tokens (``model.special_tokens`` over
+the spec's), which the plane then plans with (its token counts are the indexes'; no flag
+names them, and ``check_plane`` refuses a plane whose indexes were made with others). The
+plane's state goes to ``RUN_DIR/plane``, where the embedded plane keeps it; with ``--resume``
+the plane restores the checkpoint's step.
 
 The plane starts from the cost model the embedded plane would: ``data.costs``'s calibration
 (``--costs``), else the model's own FLOPs per sequence (``--cost-linear α/β --cost-quadratic

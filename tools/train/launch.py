@@ -168,9 +168,9 @@ PLANNING_SETTINGS = (
 def check_plane(url: str, token: str | None, cfg: RunConfig, world: int, start: int) -> None:
     """An external plane must plan for this job as its embedded plane would: ``world``
     processes' data ranks, sequence-parallel groups no larger than ``parallel.sp``, every
-    planning setting (:data:`PLANNING_SETTINGS`) equal to the run's, next step = the step the
-    trainer starts at. A mismatch is one line naming both values (``plane_args`` prints the
-    flags that fit)."""
+    planning setting (:data:`PLANNING_SETTINGS`) equal to the run's, every source's index
+    made with the run's special tokens, next step = the step the trainer starts at. A
+    mismatch is one line naming both values (``plane_args`` prints the flags that fit)."""
     from omniscale.dataplane.client import PlaneClient
     from omniscale.tools.train.loop import planning_config
 
@@ -193,10 +193,31 @@ def check_plane(url: str, token: str | None, cfg: RunConfig, world: int, start: 
                             f"this run's is {_shown(expected[field])} ({source}); start the "
                             "plane with the flags `python -m omniscale.tools.launch.plane_args "
                             "--world N CONFIG.yaml ...` prints")
+    _check_special_tokens(url, status, cfg)
     if status["next_step"] != start:
         raise UserError(f"--plane {url}: the plane's next step is {status['next_step']}, the "
                         f"run starts at step {start} (restart the plane with --restore-step "
                         f"{start})")
+
+
+def _check_special_tokens(url: str, status: dict, cfg: RunConfig) -> None:
+    """The plane budgets a sample with its index's token count, which leaves the media
+    markers out: an index made with other special tokens than the run's (its spec's, or
+    ``omniscale data index`` without the run's ``model.special_tokens``) plans other steps."""
+    mine = dataclasses.asdict(run_spec(cfg, cfg.data.spec).special_tokens)
+    planned = status.get("special_tokens")
+    if planned is None:
+        raise UserError(f"--plane {url}: the plane does not say which special tokens it plans "
+                        "with (an older OmniScale?); this run's are "
+                        f"{_shown(mine)} (model.special_tokens over the spec's special_tokens:)")
+    for source, theirs in planned.items():
+        if theirs is not None and theirs != mine:  # None: no tokenizer counted that source
+            raise UserError(f"--plane {url}: the plane plans source {source!r} with special "
+                            f"tokens {_shown(theirs)} (its index's), this run's are "
+                            f"{_shown(mine)} (model.special_tokens over the spec's "
+                            "special_tokens:); restart the plane with the flags `python -m "
+                            "omniscale.tools.launch.plane_args --world N CONFIG.yaml ...` "
+                            "prints (it indexes with the run's)")
 
 
 def _shown(value) -> str:
