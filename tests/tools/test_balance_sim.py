@@ -152,7 +152,8 @@ def test_bandwidth_changes_only_what_communication_costs(capsys):
 def assert_fair_comparison(result: dict) -> None:
     """The JSON of tools/bench/balance.py --quick: baselines with and without the split, a
     bandwidth sweep, the headline against the best baseline that may split, and where the
-    figures come from. (The run itself: tests/tools/test_bench_all.py, through `bench all`.)"""
+    figures come from. (The run itself: tests/tools/test_bench_all_quick.py, through
+    `bench all`.)"""
     assert result["quick"] and len(result["git_commit"] or "x" * 40) == 40
     assert len(result["load_avg_at_start"]) == 3 and "noisy" in result["timing_note"]
     assert result["bandwidths"] == ["free", "200 GB/s", "25 GB/s", "12.5 GB/s"]

@@ -118,8 +118,8 @@ BENCHES: dict[str, Bench] = {
             Metric("sharded load: peak bytes beyond the rank's shards",
                    value="sharded_beyond_shards_bytes"))),
     "kernels": Bench(
-        "kernel_ops.py", quick_args=("--ops", "rms_norm,moe_permute", "--warmup", "1", "--reps",
-                                      "3"), metrics=KERNEL_ROWS),
+        "kernel_ops.py", quick_args=("--ops", "rms_norm", "--warmup", "1", "--reps", "2"),
+        metrics=KERNEL_ROWS),
     "model": Bench(
         "model.py", quick_args=("--presets", "tiny", "--tokens", "512", "--warmup", "1",
                                 "--iters", "2"),
@@ -152,7 +152,7 @@ BENCHES: dict[str, Bench] = {
                         "an fsync per record (s)", each="rows", value="group_commit_s",
                         baseline="fsync_each_s", ratio="speedup"),)),
     "loader": Bench(
-        "loader.py", quick_args=("--steps", "4", "--rounds", "1", "--workers", "1", "--sources",
+        "loader.py", quick_args=("--steps", "2", "--rounds", "1", "--workers", "1", "--sources",
                                  "10", "--workloads", "mixed"),
         metrics=(
             Metric("{workload} samples/s: RankLoader vs the faster of webdataset and "
@@ -172,7 +172,7 @@ BENCHES: dict[str, Bench] = {
             Metric("RSS growth MiB per worker, {kind}, {sources} sources",
                    each="memory_per_worker", value="rss_growth_mib"))),
     "ray_loader": Bench(
-        "ray_loader.py", quick_args=("--steps", "4", "--rounds", "1", "--workers", "1"),
+        "ray_loader.py", quick_args=("--steps", "2", "--rounds", "1", "--workers", "1"),
         metrics=(
             Metric("samples/s: Ray decoding pools vs DataLoader workers (median of rounds)",
                    value="median.ray.samples_per_s",
@@ -195,17 +195,17 @@ BENCHES: dict[str, Bench] = {
                    "vs local disk", each="latencies", value="warm.samples_per_s",
                    baseline="local.samples_per_s", ratio="warm.ratio.median"))),
     "plane": Bench(
-        # its own --quick, and shorter still: memory at 1, 2, 4 processes a side, serving 1 s
-        # of 64 clients in 2 processes for the two transports PlaneClient has, planning 1,024
+        # its own --quick, and shorter still: memory at 1 and 2 processes a side, serving 0.5 s
+        # of 32 clients in 2 processes for the two transports PlaneClient has, planning 1,024
         # ranks only
-        "plane.py", quick_args=("--quick", "--memory-procs", "1,2,4", "--seconds", "1",
-                                "--warmup", "0.5", "--clients", "64", "--procs", "2",
+        "plane.py", quick_args=("--quick", "--memory-procs", "1,2", "--seconds", "0.5",
+                                "--warmup", "0.2", "--clients", "32", "--procs", "2",
                                 "--modes", "action,lane", "--plan-ranks", "1024"),
         missed_exit_code=1,
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
                         target="target", met="met"),)),
     "e2e": Bench(
-        "e2e.py", quick_args=("--rounds", "1", "--steps", "3", "--warmup", "1", "--scale",
+        "e2e.py", quick_args=("--rounds", "1", "--steps", "2", "--warmup", "0", "--scale",
                               "tiny", "--policies", "omniscale,token_lpt", "--costs", "flops",
                               "--global-batch-tokens", "8192"),
         metrics=(
