@@ -24,7 +24,7 @@ def _report(args: argparse.Namespace) -> int:
 def _bench_all(args: argparse.Namespace) -> int:
     from omniscale.tools.bench.all import run_all, select
 
-    return run_all(select(args.only), args.quick, Path(args.out))
+    return run_all(select(args.only), args.quick, Path(args.out), write_docs=args.write_docs)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -114,6 +114,10 @@ def _add_bench(commands) -> None:
                            help="each bench's quick mode (or smaller sizes where it has none)")
     bench_all.add_argument("--only", metavar="NAME,...",
                            help=f"run only these ({', '.join(BENCH_NAMES)})")
+    bench_all.add_argument("--write-docs", action="store_true",
+                           help="write each bench's committed JSON under docs/bench (full "
+                                "sizes, a clean tree; the docs' tables are then regenerated "
+                                "from them)")
     bench_all.add_argument("--out", default="bench-results.json", metavar="FILE",
                            help="collected JSON (default bench-results.json); the Markdown "
                                 "table goes beside it as .md")

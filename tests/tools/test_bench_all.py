@@ -240,3 +240,34 @@ def test_only_selects_in_registry_order_and_rejects_unknown_names():
     assert bench_all.select("plane, balance") == ["balance", "plane"]
     with pytest.raises(UserError, match="unknown bench 'nope'"):
         bench_all.select("balance,nope")
+
+
+def test_write_docs_runs_full_sizes_into_the_committed_json_from_a_clean_tree(
+        tmp_path, monkeypatch, capsys):
+    from omniscale.tools.bench import provenance
+
+    metric = (Metric("speed-up", value="ours"),)
+    script = tmp_path / "full.py"
+    script.write_text("import argparse, json, sys\n"
+                      "p = argparse.ArgumentParser(); p.add_argument('--out'); "
+                      "p.add_argument('--small', action='store_true'); p.add_argument('--rounds')\n"
+                      "a = p.parse_args(); assert not a.small\n"
+                      "json.dump({'ours': 2.0, 'argv': sys.argv[1:]}, open(a.out, 'w'))\n")
+    script = str(script)
+    benches = {"full": Bench(script, metrics=metric, quick_args=("--small",),
+                             full_args=("--rounds", "3"), docs_json="full_cpu.json")}
+    docs = tmp_path / "docs-bench"
+    docs.mkdir()
+    monkeypatch.setattr(bench_all, "DOCS_BENCH", docs)
+    out = tmp_path / "r.json"
+    # a dirty tree (or none) and --quick are refused, in one line, before anything runs
+    for dirty, quick, message in ((True, False, "commit first"), (None, False, "commit first"),
+                                  (False, True, "--write-docs --quick")):
+        monkeypatch.setattr(provenance, "provenance", lambda d=dirty: {"git_dirty": d})
+        with pytest.raises(UserError, match=message):
+            bench_all.run_all(["full"], quick, out, benches, write_docs=True)
+    assert list(docs.iterdir()) == []
+    monkeypatch.setattr(provenance, "provenance", lambda: {"git_dirty": False})
+    assert bench_all.run_all(["full"], False, out, benches, write_docs=True) == 0
+    written = json.loads((docs / "full_cpu.json").read_text())
+    assert written["argv"] == ["--rounds", "3", "--out", str(docs / "full_cpu.json")]

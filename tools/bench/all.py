@@ -10,6 +10,10 @@ written down once, in :data:`BENCHES`: a JSON path per column, so a bench's JSON
 table cannot drift apart unnoticed (tests/tools/test_bench_all.py reads the committed JSON in
 docs/bench through it).
 
+``--write-docs`` runs each bench at the sizes its committed JSON is measured at
+(``Bench.full_args``) and has it write that JSON under docs/bench (``Bench.docs_json``), from
+a clean tree only, so every cited figure comes from one commit.
+
 ``--quick`` passes a bench's own quick flag where it has one; benches without one get smaller
 sizes here, and then their targets (set for the full sizes) are shown but not judged. A bench
 that fails is recorded with the last line of its stderr and the rest still run; the exit status
@@ -32,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(REPO))
 BENCH_DIR = REPO / "tools" / "bench"
+DOCS_BENCH = REPO / "docs" / "bench"  # the committed JSONs the docs' tables are built from
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,10 @@ class Bench:
     missed_exit_code: int | None = None  # the exit status meaning "ran, some target missed"
     needs_cuda: bool = False
     json_in_out_dir: str | None = None  # a shell script writing this file under $OUT, no --out
+    # the committed JSON under docs/bench (default NAME.json) and the arguments its figures are
+    # measured with (`bench all --write-docs` runs them and writes it)
+    docs_json: str | None = None
+    full_args: tuple[str, ...] = ()
 
 
 KERNEL_ROWS = (
@@ -119,10 +128,11 @@ BENCHES: dict[str, Bench] = {
                    value="sharded_beyond_shards_bytes"))),
     "kernels": Bench(
         "kernel_ops.py", quick_args=("--ops", "rms_norm", "--warmup", "1", "--reps", "2"),
+        docs_json="kernels_cpu.json", full_args=("--device", "cpu"),
         metrics=KERNEL_ROWS),
     "model": Bench(
         "model.py", quick_args=("--presets", "tiny", "--tokens", "512", "--warmup", "1",
-                                "--iters", "2"),
+                                "--iters", "2"), full_args=("--warmup", "3", "--iters", "15"),
         metrics=(
             Metric("{preset} {batch}: tokens/s ours vs HF Qwen3-MoE", each="results",
                    value="ours_tokens_per_s", baseline="hf_tokens_per_s", ratio="ratio",
@@ -144,6 +154,7 @@ BENCHES: dict[str, Bench] = {
                    value="params_active", where=("batch", "equal")))),
     "attention": Bench(
         "attention.py", quick_args=("--reps", "3", "--cases", "tiny 4x512,small 4x512"),
+        docs_json="attention_cpu.json",
         metrics=(Metric("{case} fwd+bwd ms: blocked vs SDPA", each="rows", value="ms.blocked",
                         baseline="ms.sdpa", ratio="speedup"),)),
     "commit": Bench(
@@ -208,6 +219,7 @@ BENCHES: dict[str, Bench] = {
         "e2e.py", quick_args=("--rounds", "1", "--steps", "2", "--warmup", "0", "--scale",
                               "tiny", "--policies", "omniscale,token_lpt", "--costs", "flops",
                               "--global-batch-tokens", "8192"),
+        full_args=("--rounds", "3"),
         metrics=(
             Metric("training tokens/s: ours vs the best baseline policy (median of rounds)",
                    value="median.omniscale.tokens_per_s", ratio="ratio_vs_best_baseline.median",
@@ -219,6 +231,7 @@ BENCHES: dict[str, Bench] = {
                                         "--scale", "tiny", "--costs", "flops", "--policies",
                                         "omniscale,static_sp", "--retries", "0",
                                         "--wait-quiet-s", "0"),
+        full_args=("--rounds", "2", "--costs", "calibrate", "--wait-quiet-s", "60"),
         metrics=(
             Metric("long-tailed training tokens/s: ours vs the static SP layout (median of "
                    "rounds)", value="median.omniscale.tokens_per_s_real",
@@ -229,6 +242,7 @@ BENCHES: dict[str, Bench] = {
                    ratio="measured.ratio_vs_best_per_step.median", target=Goal(">=", 1.0)))),
     "gpu_check": Bench(
         "gpu_check.sh", needs_cuda=True, json_in_out_dir="kernels_h200.json",
+        docs_json="kernels_h200.json",
         metrics=KERNEL_ROWS),
 }
 
@@ -344,19 +358,33 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def bench_command(bench: Bench, quick: bool, scratch: Path) -> tuple[list[str], dict, Path]:
-    """(argv, extra environment, where its JSON will be)."""
+def docs_json(name: str, bench: Bench) -> str:
+    """The file name of the bench's committed JSON under docs/bench."""
+    return bench.docs_json or f"{name}.json"
+
+
+def bench_command(bench: Bench, quick: bool, scratch: Path,
+                  out: Path | None = None) -> tuple[list[str], dict, Path]:
+    """(argv, extra environment, where its JSON will be); ``out``: write it there (a path
+    relative to the repository, as the JSON's own command line then shows it) rather than in
+    the scratch directory."""
     script = BENCH_DIR / bench.script
-    extra = list(bench.quick_args) if quick else []
+    extra = list(bench.quick_args) if quick else list(bench.full_args)
     if bench.json_in_out_dir:
         return (["bash", str(script), *extra], {"OUT": str(scratch), "PYTHON": sys.executable},
                 scratch / bench.json_in_out_dir)
-    out = scratch / "result.json"
-    return [sys.executable, str(script), *extra, "--out", str(out)], {}, out
+    if out is None:
+        out = scratch / "result.json"
+    return [sys.executable, str(script), *extra, "--out", str(out)], {}, REPO / out
 
 
-def run_bench(name: str, bench: Bench, quick: bool, scratch: Path) -> dict:
-    argv, extra_env, json_path = bench_command(bench, quick, scratch)
+def run_bench(name: str, bench: Bench, quick: bool, scratch: Path,
+              write_docs: bool = False) -> dict:
+    out = None
+    if write_docs:  # relative to the repository, as the JSON's own command line then shows it
+        out = DOCS_BENCH / docs_json(name, bench)
+        out = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+    argv, extra_env, json_path = bench_command(bench, quick, scratch, out)
     env = dict(os.environ, **extra_env)
     # Some scripts import the repository's packages without putting the root on sys.path.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -373,6 +401,8 @@ def run_bench(name: str, bench: Bench, quick: bool, scratch: Path) -> dict:
             json_error = f"its JSON is not valid ({e})"
     ran = proc.returncode == 0 or proc.returncode == bench.missed_exit_code
     if ran and isinstance(result, dict):
+        if write_docs and bench.json_in_out_dir:  # a script writing under $OUT: copied over
+            (DOCS_BENCH / docs_json(name, bench)).write_text(json_path.read_text())
         record["status"] = "ok" if proc.returncode == 0 else "targets missed"
         record["result"] = result
         record["headlines"] = headline_rows(name, result, quick, bench)
@@ -405,14 +435,24 @@ def last_line(text: str) -> str:
 
 
 def run_all(names: list[str], quick: bool, out: Path,
-            benches: dict[str, Bench] = BENCHES) -> int:
-    """Run the named benches in turn; returns 1 if any failed, else 0."""
+            benches: dict[str, Bench] = BENCHES, write_docs: bool = False) -> int:
+    """Run the named benches in turn; returns 1 if any failed, else 0. ``write_docs``: each
+    bench writes its committed JSON (docs/bench) at its full sizes, from a clean tree."""
+    from omniscale.errors import UserError
+
     markdown = out.with_suffix(".md")
     if markdown == out:
-        from omniscale.errors import UserError
-
         raise UserError(f"--out {out}: the Markdown table goes to {markdown}; "
                         "give the JSON another name (e.g. bench-results.json)")
+    if write_docs:
+        if quick:
+            raise UserError("--write-docs --quick: the committed figures are the full sizes'")
+        from omniscale.tools.bench.provenance import provenance
+
+        if provenance()["git_dirty"] is not False:
+            raise UserError("--write-docs: commit first -- the committed figures must come "
+                            "from a clean tree (changes under docs/bench/ aside), and this "
+                            "one has uncommitted changes or is no git checkout")
     results = {"quick": quick, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "benches": {}}
     has_cuda = None
     try:
@@ -428,7 +468,7 @@ def run_all(names: list[str], quick: bool, out: Path,
                     continue
             print(f"{prefix}: running ...", flush=True)
             with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as scratch:
-                record = run_bench(name, bench, quick, Path(scratch))
+                record = run_bench(name, bench, quick, Path(scratch), write_docs)
             results["benches"][name] = record
             detail = f": {record['error']}" if record["status"] == "failed" else ""
             print(f"{prefix}: {record['status']} in {record['seconds']:.1f} s{detail}",
@@ -462,6 +502,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each bench's quick mode (or smaller sizes where it has none)")
     parser.add_argument("--only", metavar="NAME,...",
                         help=f"run only these ({', '.join(BENCHES)})")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="write each bench's committed JSON under docs/bench (full sizes, "
+                             "a clean tree; the docs' tables are then regenerated from them)")
     parser.add_argument("--out", default="bench-results.json", metavar="FILE",
                         help="collected JSON (default bench-results.json); the Markdown table "
                              "goes beside it as .md")
@@ -474,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     from omniscale.errors import UserError
 
     try:
-        return run_all(select(args.only), args.quick, Path(args.out))
+        return run_all(select(args.only), args.quick, Path(args.out),
+                       write_docs=args.write_docs)
     except UserError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

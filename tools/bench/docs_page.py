@@ -14,14 +14,10 @@ import json
 import re
 from pathlib import Path
 
-from omniscale.tools.bench.all import BENCHES, format_cell, headline_rows
+from omniscale.tools.bench.all import BENCHES, docs_json, format_cell, headline_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_JSON_DIR = ROOT / "docs" / "bench"
-# The committed JSON of a bench whose file is not named after it (its CPU run; the GPU one is
-# written by gpu_check.sh and lands here when it has run).
-DOCS_JSON = {"kernels": "kernels_cpu.json", "attention": "attention_cpu.json",
-             "gpu_check": "kernels_h200.json"}
 CITING = ("README.md", "docs/*.md", "docs/guides/*.md")
 
 
@@ -75,7 +71,7 @@ def provenance_rows() -> list[str]:
 def headline_sections() -> list[str]:
     out = []
     for name in BENCHES:
-        path = BENCH_JSON_DIR / DOCS_JSON.get(name, f"{name}.json")
+        path = BENCH_JSON_DIR / docs_json(name, BENCHES[name])
         if not path.is_file():
             out += [f"### {name}", "", f"No committed JSON (`docs/bench/{path.name}`): "
                     "not measured on this project's machine yet.", ""]
@@ -111,7 +107,8 @@ def benchmarks_page() -> str:
         "the same data. Run one with the command shown (from the repository root, "
         "`.venv/bin/python tools/bench/...`), or every one with `omniscale bench all` "
         "(`--quick` for a few-minute smoke run whose figures are not the committed ones; the "
-        "suite runs it). The machine is this project's: 2 CPU cores, no GPU "
+        "suite runs it; `--write-docs` rewrites every committed JSON at full sizes from a clean "
+        "tree). The machine is this project's: 2 CPU cores, no GPU "
         "([GPU status](gpu.md)).",
         "",
         "## Where each JSON comes from",
