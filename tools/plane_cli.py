@@ -191,11 +191,21 @@ def _serve_here(args: argparse.Namespace, config) -> int:
 
     plane = DataPlane(args.spec, args.state_dir, config, restore_step=args.restore_step,
                       spec_root=args.spec_root)
-    server = PlaneServer(plane, args.host, args.port, args.token, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key, insecure=args.insecure).start()
+    # Everything that can fail to bind binds before the URL is announced: a script that
+    # waits for the "serving" line never sees a plane that then dies.
+    metrics = _metrics(plane, args)
+    try:
+        _check_bindable(args.host, args.port)
+        server = PlaneServer(plane, args.host, args.port, args.token, tls_cert=args.tls_cert,
+                             tls_key=args.tls_key, insecure=args.insecure).start()
+    except Exception as e:  # noqa: BLE001 -- pyarrow says only "Server did not start properly"
+        if metrics is not None:
+            metrics.shutdown()
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise UserError(f"--host {args.host} --port {args.port}: cannot serve there ({why}): "
+                        "the port in use, or the address not this host's") from None
     print(f"omniscale plane: serving {server.url} (step {plane.next_step}, "
           f"{plane.dp_at(plane.next_step)} ranks, state in {args.state_dir})", flush=True)
-    metrics = _metrics(plane, args)
     _wait_for_signal()
     server.stop()
     if metrics is not None:
@@ -246,12 +256,28 @@ def _serve_on_ray(args: argparse.Namespace, config) -> int:
     return 0
 
 
+def _check_bindable(host: str, port: int) -> None:
+    """Bind ``host:port`` once ourselves (and let go): gRPC reports a port in use only as
+    "Server did not start properly" after lines of its own on stderr."""
+    import socket
+
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's TIME_WAIT
+        probe.bind((host, port))
+
+
 def _metrics(plane, args: argparse.Namespace):
     if args.metrics_port is None:
         return None
     from omniscale.dataplane.metrics import serve_metrics
 
-    server = serve_metrics(plane, args.metrics_host, args.metrics_port)
+    try:
+        server = serve_metrics(plane, args.metrics_host, args.metrics_port)
+    except OSError as e:
+        raise UserError(f"--metrics-host {args.metrics_host} --metrics-port "
+                        f"{args.metrics_port}: cannot serve there ({e.strerror or e})") from None
     print(f"omniscale plane: metrics at {server.url}", flush=True)
     return server
 

@@ -103,8 +103,9 @@ def test_serve_command_with_metrics_port(demo, tmp_path):
         lines.put(None)
     threading.Thread(target=read, daemon=True).start()
     try:
-        url = next_line(lines, r"serving (grpc\+tcp://\S+)").group(1)
+        # the metrics endpoint binds before the URL is announced
         metrics = next_line(lines, r"metrics at (http://127\.0\.0\.1:\d+/metrics)").group(1)
+        url = next_line(lines, r"serving (grpc\+tcp://\S+)").group(1)
         with PlaneClient(url) as client:
             client.get_plan(0, 0)
             client.get_plan(0, 1)
@@ -120,3 +121,27 @@ def test_serve_command_with_metrics_port(demo, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_in_use_is_one_line_before_the_url_is_announced(demo, tmp_path, flag):
+    """A script (the plane guide's, Slurm's) waits for the "serving" line and then connects:
+    a port that cannot be bound must end the plane before that line, in one line."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--port": "0", "--metrics-port": "0", flag: str(port)}
+        done = subprocess.run(
+            [sys.executable, "-m", "omniscale", "plane", "serve", "--spec",
+             str(demo / "mix.yaml"), "--state-dir", str(tmp_path), "--dp", "2",
+             "--global-batch-tokens", "12288", "--micro-batch-tokens", "8192",
+             *[a for k, v in ports.items() for a in (k, v)]],
+            cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode != 0 and "serving" not in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{flag} {port}: cannot serve there" in lines[0], lines
+    assert "Address already in use" in lines[0]

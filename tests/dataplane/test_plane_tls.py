@@ -303,9 +303,10 @@ def test_serve_command_with_tls_a_token_file_and_local_metrics(demo, certs, tmp_
                   "8192", "--sp-max", "2", "--host", "0.0.0.0", "--token-file", str(token_file),
                   "--tls-cert", cert, "--tls-key", key, "--metrics-port", "0"], timeout=60)
     try:
-        port = int(plane.wait_for(r"serving grpc\+tls://0\.0\.0\.0:(\d+)").group(1))
+        # the metrics endpoint binds (and says so) before the URL is announced
         assert re.search(r"^http://127\.0\.0\.1:\d+/metrics$",
                          plane.wait_for(r"metrics at (\S+)").group(1))
+        port = int(plane.wait_for(r"serving grpc\+tls://0\.0\.0\.0:(\d+)").group(1))
         url = f"grpc+tls://127.0.0.1:{port}"
         with PlaneClient(url, token="s3cret", stream=True, tls_root=cert) as client:
             assert client.get_plan(0, 1).num_rows > 0
