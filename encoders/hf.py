@@ -399,7 +399,7 @@ class TowerReader:
         if name not in self.by_name:
             raise RuntimeError(f"no HF tensor maps to {name}")
         spec = self.by_name[name]
-        pieces = [torch.zeros(part) if hf is None else self.ckpt.get(hf, part)
+        pieces = [torch.zeros(part, device="cpu") if hf is None else self.ckpt.get(hf, part)
                   for hf, part in zip(spec.parts, _part_shapes(spec, shape))]
         return torch.cat([p.reshape(-1, *shape[1:]) for p in pieces]).view(shape)
 
