@@ -63,6 +63,19 @@ class Proc:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, for a server a test starts (and may restart on the same
+    port), taken below Linux's ephemeral range (32768-60999): a port from that range can
+    become some other connection's source port in the seconds before the server binds it
+    (seen once in a full suite run, the plane guide's plane unreachable)."""
+    import random
+
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the low range all taken: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

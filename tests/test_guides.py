@@ -91,23 +91,6 @@ def _tiny_checkpoints(models: Path, vocab: int) -> None:
     ).save_pretrained(models / "Qwen2-VL-7B")
 
 
-def _listen_port() -> int:
-    """A free port for a guide's server, below Linux's ephemeral range (32768-60999): a port
-    from that range can be taken as some other connection's source port in the seconds before
-    the guide's server binds it (seen once in a full suite run)."""
-    import random
-    import socket
-
-    for port in random.Random().sample(range(20000, 32000), 200):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
-
-
 @pytest.mark.parametrize("page", GUIDES, ids=lambda p: p.name)
 def test_every_command_block_of_the_guide_runs(page, demo_root, s3, tmp_path):
     pytest.importorskip("transformers")
@@ -123,8 +106,8 @@ def test_every_command_block_of_the_guide_runs(page, demo_root, s3, tmp_path):
     for i, (body, _) in enumerate(runnable):
         script += [f'echo "### block {i + 1}" >&2', body]
     env = {**os.environ, "GUIDE_S3_ENDPOINT": s3.endpoint, "GUIDE_BUCKET": bucket,
-           "GUIDE_REPO": str(ROOT), "GUIDE_PORT": str(_listen_port()),
-           "GUIDE_METRICS_PORT": str(_listen_port()),
+           "GUIDE_REPO": str(ROOT), "GUIDE_PORT": str(free_port()),
+           "GUIDE_METRICS_PORT": str(free_port()),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-c", "\n".join(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
