@@ -115,3 +115,15 @@ def test_every_command_block_of_the_guide_runs(page, demo_root, s3, tmp_path):
                    for log in sorted(tmp_path.glob("*.log")))  # what it ran in the background
     assert done.returncode == 0, (f"{page.name}: {done.stderr[-3000:]}\n--- stdout:\n"
                                   f"{done.stdout[-2000:]}{logs}")
+    if page.name == "operate-plane.md":
+        _the_plane_died_mid_run(tmp_path)
+
+
+def _the_plane_died_mid_run(work: Path) -> None:
+    """The guide's kill -9 must land while the trainers train (its audit and `wait` then prove
+    nothing was lost or repeated, and that the trainers rode out the restart): the restarted
+    plane resumed at a step before the run's last, and the run trained every step once."""
+    restarted = re.findall(r"serving \S+ \(step (\d+)", (work / "plane.log").read_text())
+    assert restarted and 0 < int(restarted[0]) < 10, restarted
+    rows = [json.loads(line) for line in (work / "runs/ft/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(10))

