@@ -4,6 +4,7 @@ encoder mesh, FSDP over 2 gloo ranks, so the clipped gradients span two meshes."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.parallel.multiproc import run_ranks
@@ -61,24 +62,30 @@ def test_clipping_over_two_meshes_matches_torch_on_the_whole_model():
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _adam_steps(rank, world, foreach):
+IMPLEMENTATIONS = {"loop": {"foreach": False}, "foreach": {"foreach": True},
+                   "fused": {"fused": True}}
+
+
+def _adam_steps(rank, world, how):
     """Two AdamW steps of the omni model FSDP-sharded over its two meshes."""
     from omniscale.parallel import ParallelDims, apply_fsdp
 
     dims = ParallelDims(world_size=world)
     model = apply_fsdp(_model(), dims.build_mesh("cpu"),
                        encoder_mesh=dims.build_encoder_mesh("cpu"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **IMPLEMENTATIONS[how])
     for _ in range(2):
         _fill_grads(model)
         optimizer.step()
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
-def test_foreach_adamw_over_two_meshes_equals_the_per_tensor_loop():
-    """What the trainer's optimizer does on GPUs (foreach) against what it does on CPU."""
-    loop, fused = run_ranks(_adam_steps, 2, False)[0], run_ranks(_adam_steps, 2, True)[0]
-    assert loop.keys() == fused.keys()
+@pytest.mark.parametrize("how", ["fused", "foreach"])
+def test_fused_and_foreach_adamw_over_two_meshes_equal_the_per_tensor_loop(how):
+    """What the trainer's optimizer does (fused, tools/train/build.py) and torch's GPU default
+    (foreach) against the per-tensor loop, over DTensors of two meshes."""
+    loop, other = run_ranks(_adam_steps, 2, "loop")[0], run_ranks(_adam_steps, 2, how)[0]
+    assert loop.keys() == other.keys()
     for name, p in loop.items():
-        torch.testing.assert_close(fused[name], p, rtol=1e-6, atol=1e-7,
+        torch.testing.assert_close(other[name], p, rtol=1e-6, atol=1e-7,
                                    msg=lambda m, n=name: f"{n}: {m}")
