@@ -1,7 +1,8 @@
 """The generated reference pages: every key of the run config (``docs/reference/config.md``),
-every command of the CLI (``docs/reference/cli.md``) and the benchmarks page
-(``docs/benchmarks.md``, from the committed bench JSONs: tools/bench/docs_page.py), written
-from the code and the data so they cannot drift.
+every command of the CLI (``docs/reference/cli.md``), the benchmarks page
+(``docs/benchmarks.md``, from the committed bench JSONs: tools/bench/docs_page.py) and the
+mutation table of the testing page (``docs/testing.md``, from docs/bench/mutation.json:
+tools/bench/mutation_table.py), written from the code and the data so they cannot drift.
 
     python -m omniscale.tools.reference_docs            # write the pages
     python -m omniscale.tools.reference_docs --check    # exit 1 naming a page that is stale
@@ -30,7 +31,8 @@ from pydantic_core import PydanticUndefined
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"config": ROOT / "docs" / "reference" / "config.md",
          "cli": ROOT / "docs" / "reference" / "cli.md",
-         "benchmarks": ROOT / "docs" / "benchmarks.md"}
+         "benchmarks": ROOT / "docs" / "benchmarks.md",
+         "testing": ROOT / "docs" / "testing.md"}  # only its mutation table is generated
 HELP_WIDTH = 100  # argparse wraps help at the terminal's width: fixed, so the page is stable
 
 
@@ -165,11 +167,22 @@ def cli_reference() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def testing_page() -> str:
+    """docs/testing.md as written by hand, its mutation table from docs/bench/mutation.json."""
+    import json
+
+    from omniscale.tools.bench.mutation_table import fill
+
+    report = ROOT / "docs" / "bench" / "mutation.json"
+    return fill(PAGES["testing"].read_text(),
+                json.loads(report.read_text()) if report.is_file() else None)
+
+
 def pages() -> dict[Path, str]:
     from omniscale.tools.bench.docs_page import benchmarks_page
 
     return {PAGES["config"]: config_reference(), PAGES["cli"]: cli_reference(),
-            PAGES["benchmarks"]: benchmarks_page()}
+            PAGES["benchmarks"]: benchmarks_page(), PAGES["testing"]: testing_page()}
 
 
 def main(argv: list[str] | None = None) -> int:
