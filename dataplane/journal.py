@@ -64,7 +64,8 @@ def decode_record(line: bytes) -> dict | None:
         return None
     body = line[20:-1]
     try:
-        if line[19:20] != b":" or int(line[6:14], 16) != zlib.crc32(body):
+        # the checksum as written, byte for byte: int() would also take " 1f", "+1f", "1F"
+        if line[19:20] != b":" or line[6:14] != b"%08x" % zlib.crc32(body):
             return None
         record = json.loads(body)
     except ValueError:

@@ -2,19 +2,33 @@
 (the verdict is an all-reduce): a non-finite gradient norm with a finite loss is not applied,
 the skip streak restarts after an applied step, and a resumed run's guard judges its first
 step against the losses of the steps before the crash, as the uninterrupted run's guard did
-(issue #46, item 1). The router-bias rule is in ``test_guard_router_bias.py`` (a real run)."""
+(issue #46, item 1). The edges after them (a streak from the first step, a step with one or no
+target tokens, the median's index, a resume at step 1 or without metrics, the stop line, which
+rank reports suspects) are each a case the mutation run (issue #46, item 3) found no test for.
+The router-bias rule is in ``test_guard_router_bias.py`` (a real run)."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from omniscale.errors import UserError
+from omniscale.refs import SampleRef
 from omniscale.tools.train.config import GuardSection, load_config
-from omniscale.tools.train.guard import UpdateGuard, guarded_update, seeded
+from omniscale.tools.train.guard import (
+    UpdateGuard,
+    guarded_update,
+    report_suspects,
+    seeded,
+    step_samples,
+)
 from omniscale.tools.train.step import RunState, StepEnv
 
 FINITE_NORM = torch.tensor(0.5)
@@ -136,3 +150,108 @@ def test_the_first_step_after_a_resume_is_judged_against_the_history(tmp_path):
     # a fresh run (step 0) has no history: the same loss is applied
     fresh = RunState.start(env, tmp_path, start_step=0).guard
     assert _judge(fresh, 5.5) is None
+
+
+# -- edges ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("limit", [1, 2, 300])  # 300: past the ints CPython keeps one copy of
+def test_a_run_skipping_from_its_first_step_stops_at_exactly_the_limit(limit):
+    """No step applied before the skips (nothing reset the streak): the run stops at the
+    ``limit``-th skip, not one earlier or later, and stays stopped if judged again."""
+    guard = UpdateGuard(GuardSection(max_skipped_steps=limit))
+    for _ in range(limit - 1):
+        assert _judge(guard, math.nan) is not None and not guard.stops_run
+    assert _judge(guard, math.nan) is not None and guard.stops_run
+    with pytest.raises(UserError, match=f"^guard: {limit} steps in a row not applied"):
+        guard.stop(limit - 1, "loss nan", Path("run"))
+    assert _judge(guard, math.inf) is not None and guard.stops_run  # past the limit: still
+
+
+@pytest.mark.parametrize("target_tokens", [0, 1])
+def test_the_loss_of_a_step_with_one_or_no_target_tokens_is_its_sum(target_tokens):
+    """A loss sum of 6 over 1 target token is a mean loss of 6, and so is one over none (the
+    divisor's floor of 1 keeps it finite): both are above 5 x the median 1 of the history."""
+    guard = UpdateGuard(GuardSection(min_history=1), [1.0])
+    reason = guard.judge(torch.tensor(6.0), target_tokens, FINITE_NORM)
+    assert reason == "loss 6 above 5 x the median 1 of the last 1 steps"
+
+
+@pytest.mark.parametrize("history", [[100.0, 3.0, 1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0],
+                                     [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]])
+def test_the_spike_threshold_is_spike_factor_times_the_upper_median(history):
+    """Histories of distinct values, not in order: the median the guard uses is
+    ``statistics.median_high`` (for an even count, the upper of the two middle values), so a
+    loss just below 5 x it is applied and one just above is not."""
+    median = statistics.median_high(history)
+    cfg = GuardSection(min_history=1)
+    assert _judge(UpdateGuard(cfg, history), 5 * median - 0.5) is None
+    reason = _judge(UpdateGuard(cfg, history), 5 * median + 0.5)
+    assert reason is not None and f"the median {median:g} of the last {len(history)}" in reason
+
+
+def test_the_stop_line_names_the_plane_state_dir_of_the_run(tmp_path):
+    guard = UpdateGuard(GuardSection(max_skipped_steps=1))
+    assert _judge(guard, math.nan) is not None and guard.stops_run
+    with pytest.raises(UserError) as stopped:
+        guard.stop(7, "loss nan", tmp_path / "run")
+    message = str(stopped.value)
+    assert "(step 7: loss nan)" in message and "\n" not in message
+    assert f"state dir {tmp_path / 'run' / 'plane'})" in message
+
+
+def test_a_resume_at_step_1_judges_its_first_step_against_step_0(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    guard = seeded(GuardSection(min_history=1), metrics, 1)
+    assert _judge(guard, 5.5) is not None  # 5.5 > 5 x step 0's loss 1.0
+
+
+def test_a_resumed_run_without_metrics_starts_with_no_history(tmp_path):
+    """A run dir whose metrics.jsonl is gone (or never written) resumes with an empty
+    history, as a fresh run does: no spike verdict until ``min_history`` applied steps."""
+    guard = seeded(GuardSection(min_history=1), tmp_path / "metrics.jsonl", 5)
+    assert list(guard.losses) == []
+    assert _judge(guard, 100.0) is None
+
+
+def _ref(key: str, epoch: int = 0) -> SampleRef:
+    return SampleRef(source_id=0, source="text", shard="shard-0.jsonl", key=key, offset=0,
+                     size=10, epoch=epoch)
+
+
+# One rank's part of a step: a micro-batch with a padding slot (None), a placeholder
+# micro-batch (no refs at all) and a sample seen again in a later epoch.
+BATCH = SimpleNamespace(micro_batches=[
+    SimpleNamespace(seq_refs=[_ref("a"), None, _ref("b")]),
+    SimpleNamespace(seq_refs=None),
+    SimpleNamespace(seq_refs=[_ref("a", epoch=1)]),
+])
+BATCH_SAMPLES = [("text", "shard-0.jsonl", "a", 0), ("text", "shard-0.jsonl", "a", 1),
+                 ("text", "shard-0.jsonl", "b", 0)]
+
+
+def test_step_samples_lists_every_sample_of_the_step_and_no_padding():
+    assert step_samples(BATCH) == set(BATCH_SAMPLES)
+
+
+class FakePlane:
+    """``PlaneSession.report_suspect``'s side: what it was told."""
+
+    def __init__(self) -> None:
+        self.reports = []
+
+    def report_suspect(self, step, samples, reason):
+        self.reports.append((step, samples, reason))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_reports_a_skipped_steps_samples(rank, capsys):
+    """Every rank gathers (a collective); rank 0 alone tells the plane, once, so the plane
+    hears each suspect sample once however many ranks there are."""
+    plane = FakePlane()
+    report_suspects(plane, 4, BATCH, "loss nan", rank)
+    if rank == 0:
+        samples = [dict(zip(("source", "shard", "key", "epoch"), s)) for s in BATCH_SAMPLES]
+        assert plane.reports == [(4, samples, "loss nan")]
+        assert "its 3 samples reported to the plane as suspect" in capsys.readouterr().out
+    else:
+        assert plane.reports == [] and capsys.readouterr().out == ""
