@@ -38,6 +38,47 @@ def test_every_bench_script_is_registered():
     assert scripts == {b.script for b in BENCHES.values()}
 
 
+# Committed JSONs no bench of the registry writes, and why.
+NOT_WRITTEN_BY_A_BENCH = {
+    "calibrate_demo_omni.json": "written by `omniscale balance calibrate` (the demo's cost file)",
+    "demo_runs.json": "the README's demo runs, measured by hand",
+    "balance_scale_before.json": "the planner's code before the scale work (commit 07a44fa)",
+}
+
+
+RENAMED = {"kernels.py": "kernel_ops.py"}  # it shadowed the `kernels` package transformers imports
+
+
+def test_every_committed_json_is_written_by_a_bench_with_the_arguments_it_records():
+    """`bench all --write-docs` can regenerate every cited figure: each committed JSON has its
+    bench (or a variant) in the registry, and the arguments the registry gives that bench are
+    the ones the JSON's own command line recorded."""
+    from omniscale.tools.bench.all import docs_json
+
+    writers = {docs_json(name, bench): bench for name, bench in BENCHES.items()}
+    for path in sorted(DOCS.glob("*.json")):
+        if path.name in NOT_WRITTEN_BY_A_BENCH:
+            continue
+        assert path.name in writers, f"{path.name}: no bench in the registry writes it"
+        bench = writers[path.name]
+        command = json.loads(path.read_text()).get("command")
+        if command is None or bench.json_in_out_dir:
+            continue  # predates recording its command / a shell script under $OUT
+        recorded = command.split()
+        script = RENAMED.get(Path(recorded[0]).name, Path(recorded[0]).name)
+        assert script == bench.script, (path.name, command)
+        args = list(bench.full_args)
+        for i, flag in enumerate(args):
+            if not flag.startswith("--"):
+                continue
+            assert flag in recorded, f"{path.name}: {command!r} lacks {flag} of the registry"
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+            if value is not None:
+                assert recorded[recorded.index(flag) + 1] == value, (path.name, flag, command)
+        if bench.variant_of:
+            assert bench.script == BENCHES[bench.variant_of].script
+
+
 def test_the_cli_names_every_bench_in_order():
     from omniscale.tools import cli
 

@@ -50,7 +50,8 @@ def _marks(name: str) -> list:
 
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in BENCHES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n, b in BENCHES.items()
+                                  if not b.variant_of])  # a variant's script runs as its bench
 def test_the_bench_runs_in_quick_mode_on_cpu(name, scratch, tmp_path):
     env = dict(os.environ, TMPDIR=str(scratch))
     # ... but torch.compile's cache where it always is ($TMPDIR/torchinductor_USER, before
