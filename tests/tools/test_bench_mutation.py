@@ -1,15 +1,23 @@
 """The mutation driver's own logic (``tools/bench/mutation.py``), without a real mutation run:
-the module -> tests mapping, the reproducible sample, the JSON of a run (on a hand-checked
-module with a stand-in test runner), the restore-by-hash safety and the work copy."""
+the module -> tests mapping, the reproducible sample, the JSON of a run and ``--check``'s
+estimate (on a hand-checked module with a stand-in test runner), the restore-by-hash safety, the
+work copy, and the fork runner on tiny test files (pytest's exit codes, the project imported in
+each child and never in the server, a hang killed with its process group)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import importlib
 import json
 import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -176,6 +184,11 @@ def test_tests_that_fail_unmutated_or_miss_the_canary_stop_the_module(tiny_modul
                                 lambda *a: Outcome("survived", 1.0),
                                 max_mutants=100, seed=0, log=lambda line: None)
     assert "work copy" in blind["error"] and "survivors" not in blind
+    outcomes = iter([Outcome("survived", 1.0), Outcome("error", 1.0, "no such option", 4)])
+    broken = mutation.run_module("pkg/tiny.py", tiny_module, lambda *a: next(outcomes),
+                                 max_mutants=100, seed=0, log=lambda line: None)
+    assert broken["error"] == ("the canary's run was no test failure (error, pytest's exit "
+                               "code 4): no such option") and "survivors" not in broken
     assert (tiny_module / "pkg" / "tiny.py").read_text() == TINY
 
 
@@ -249,3 +262,150 @@ def test_the_plugin_hands_over_the_prebuilt_demo_only_when_told(monkeypatch, tmp
     assert fixture.cached_result == (tmp_path, None, None)
     other = SimpleNamespace(argname="demo", cache_key=lambda request: None, cached_result=None)
     assert mutation.pytest_fixture_setup(other, None) is None
+
+
+def test_check_reports_the_baseline_the_canary_and_the_time_of_a_run(tiny_module):
+    calls: list[str] = []
+    stand_in = _stand_in_runner(tiny_module, calls)
+
+    def timed(tests, deselect, timeout):  # the stand-in's outcomes, 30 s, then 20, then 10
+        outcome = stand_in(tests, deselect, timeout)
+        return dataclasses.replace(outcome, seconds=(30.0, 20.0, 10.0)[len(calls) - 1])
+
+    lines: list[str] = []
+    results = mutation.check(["pkg/tiny.py"], tiny_module,
+                             lambda module: contextlib.nullcontext(timed),
+                             max_mutants=5, log=lines.append)
+    result = results["pkg/tiny.py"]
+    # no mutant ran: the module as it is, with the canary, as it is again
+    assert calls == [TINY, TINY + mutation.CANARY, TINY]
+    assert (result["baseline_seconds"], result["canary_seconds"],
+            result["baseline_again_seconds"]) == (30.0, 20.0, 10.0)
+    assert (result["generated"], result["sampled"]) == (7, 5) and "error" not in result
+    assert result["estimate_seconds"] == 5 * 10  # 5 mutants at the faster baseline's 10 s
+    assert lines == ["pkg/tiny.py: baseline 30.0 s, again 10.0 s, canary killed (20.0 s), "
+                     "7 mutants, 5 to run: about 0.8 min"]
+    assert (tiny_module / "pkg" / "tiny.py").read_text() == TINY
+
+
+# The fork runner, on a stand-in of the work copy: the `omniscale` package (its __init__ stamped
+# with the pid of the process that imports it) and this driver, which every run loads as a
+# pytest plugin, and tiny test files.
+FORK_TESTS = {
+    "test_passes.py": "def test_sum():\n    assert 1 + 1 == 2\n",
+    "test_fails.py": "def test_sum():\n    assert 1 + 1 == 3\n",
+    "test_none.py": "X = 1\n",
+    "test_fresh_import.py": (
+        "import os\n\nimport omniscale\n\n\n"
+        "def test_omniscale_is_the_copys_imported_in_this_process():\n"
+        "    assert omniscale.__file__ == os.path.join(os.getcwd(), 'omniscale', '__init__.py')\n"
+        "    assert omniscale.IMPORTED_BY_PID == os.getpid()\n"),
+    # a conftest that does not import (as the loaders' do with a module the demo imports broken)
+    "broken/conftest.py": "raise RuntimeError('mutation canary')\n",
+    "broken/test_in_broken.py": "def test_sum():\n    assert 1 + 1 == 2\n",
+    # a test file that does not import (as one does with a module it imports broken)
+    "test_unimportable.py": ("raise RuntimeError('mutation canary')\n\n\n"
+                             "def test_sum():\n    assert 1 + 1 == 2\n"),
+    # starts a process (same group), writes both pids down, then never returns
+    "test_hangs.py": (
+        "import os, subprocess, sys, threading\n\n\n"
+        "def test_hangs():\n"
+        "    helper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "    with open('pids.tmp', 'w') as f:\n"
+        "        f.write(f'{os.getpid()} {helper.pid}')\n"
+        "    os.replace('pids.tmp', 'pids')\n"
+        "    threading.Event().wait()\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def fork_work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("fork_work")
+    shutil.copytree(REPO / "omniscale", work / "omniscale",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(work / "omniscale" / "__init__.py", "a") as init:
+        init.write("\nIMPORTED_BY_PID = __import__('os').getpid()\n")
+    (work / "tools" / "bench").mkdir(parents=True)
+    (work / "tools" / "__init__.py").write_text("")
+    shutil.copy(REPO / "tools" / "bench" / "mutation.py", work / "tools" / "bench")
+    # what omniscale/__init__ needs to see a checkout (and map `omniscale.tools` to tools/)
+    (work / "pyproject.toml").write_text("")
+    (work / "dataplane").mkdir()
+    (work / "dataplane" / "__init__.py").write_text("")
+    for name, text in FORK_TESTS.items():
+        (work / name).parent.mkdir(exist_ok=True)
+        (work / name).write_text(text)
+    return work
+
+
+@pytest.fixture(scope="module")
+def fork_runner(fork_work):
+    env = {**os.environ, "PYTHONPATH": str(fork_work), "PYTHONDONTWRITEBYTECODE": "1"}
+    with mutation.ForkRunner(fork_work, env) as runner:  # the real preload: torch and the rest
+        yield runner
+
+
+def test_the_fork_runner_answers_with_pytests_exit_code(fork_runner):
+    passed = fork_runner(("test_passes.py",), (), 120)
+    assert (passed.status, passed.code) == ("survived", pytest.ExitCode.OK)
+    failed = fork_runner(("test_fails.py",), (), 120)
+    assert (failed.status, failed.code) == ("killed", pytest.ExitCode.TESTS_FAILED)
+    assert "assert (1 + 1) == 3" in failed.tail  # pytest's own report of the failure
+    none = fork_runner(("test_none.py",), (), 120)
+    assert (none.status, none.code) == ("error", pytest.ExitCode.NO_TESTS_COLLECTED)
+    # a deselected failure is not run
+    both = fork_runner(("test_passes.py", "test_fails.py"), ("test_fails.py::test_sum",), 120)
+    assert (both.status, both.code) == ("survived", pytest.ExitCode.OK)
+
+
+def test_tests_that_do_not_import_kill_but_another_usage_error_does_not(fork_runner):
+    conftest = fork_runner(("broken/test_in_broken.py",), (), 120)
+    assert (conftest.status, conftest.code) == ("killed", pytest.ExitCode.USAGE_ERROR)
+    assert "RuntimeError: mutation canary" in conftest.tail
+    by_file = fork_runner(("test_unimportable.py",), (), 120)
+    assert (by_file.status, by_file.code) == ("killed", pytest.ExitCode.INTERRUPTED)
+    # the same file named by node id: pytest calls it a usage error
+    by_node = fork_runner(("test_unimportable.py::test_sum",), (), 120)
+    assert (by_node.status, by_node.code) == ("killed", pytest.ExitCode.USAGE_ERROR)
+    usage = fork_runner(("test_absent.py",), (), 120)  # pytest: file or directory not found
+    assert (usage.status, usage.code) == ("error", pytest.ExitCode.USAGE_ERROR)
+
+
+def test_each_child_imports_omniscale_itself_from_the_copy(fork_runner):
+    outcome = fork_runner(("test_fresh_import.py",), (), 120)
+    assert outcome.status == "survived", outcome.tail
+
+
+def test_a_server_that_imported_the_project_refuses_to_run(fork_work, capfd):
+    env = {**os.environ, "PYTHONPATH": str(fork_work), "PYTHONDONTWRITEBYTECODE": "1"}
+    with pytest.raises(RuntimeError, match="server exited"):
+        mutation.ForkRunner(fork_work, env, preload=("omniscale",))
+    assert "the server imported the project's modules: ['omniscale']" in capfd.readouterr().err
+
+
+def _ended(pid: int, within: float) -> bool:
+    """Whether process ``pid`` has ended (or ends within ``within`` seconds: a SIGKILL is
+    delivered, not instant)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], within)[0])
+    finally:
+        os.close(fd)
+
+
+def test_a_hung_child_is_killed_at_the_timeout_with_what_it_started(fork_runner, fork_work):
+    started = time.monotonic()
+    outcome = fork_runner(("test_hangs.py",), (), 3)
+    assert outcome.status == "timed_out" and outcome.code is None
+    assert 3 <= time.monotonic() - started < 30
+    child, helper = map(int, (fork_work / "pids").read_text().split())
+    try:
+        assert _ended(child, 10) and _ended(helper, 10)
+    finally:
+        if not _ended(helper, 0):
+            os.kill(helper, signal.SIGKILL)
+    after = fork_runner(("test_passes.py",), (), 120)  # the server goes on
+    assert after.status == "survived"

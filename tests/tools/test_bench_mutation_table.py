@@ -61,3 +61,11 @@ def test_fill_replaces_only_between_the_markers():
     assert fill(filled, None) == filled
     with pytest.raises(ValueError, match="markers"):
         fill("# Testing\n", None)
+
+
+def test_a_survivor_the_slow_tests_kill_counts_as_killed():
+    # as before, but the open "needs a test" survivor is killed by the module's slow tests
+    survivors = [SURVIVORS[0], {**SURVIVORS[1], "slow_tests": "killed"},
+                 {**SURVIVORS[2], "slow_tests": "survived"}]
+    s = score("dataplane/journal.py", _result(survivors=survivors))
+    assert (s["killed"], s["equivalent"], s["open"], s["judged"]) == (17, 1, 1, 18)

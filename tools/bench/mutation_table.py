@@ -4,7 +4,8 @@ and the table of it that the testing page (``docs/testing.md``) shows.
 A survivor's ``reason`` says what it is: empty (nobody has looked), ``needs a test: ...`` (a gap
 in the tests) or anything else, one line on why it cannot change behaviour (equivalent) or is
 acceptable. The score leaves the equivalent ones and the mutants whose test run could not run
-(``errors``) out: killed (a hang counts as killed: the tests noticed) over the rest.
+(``errors``) out: killed (a hang counts as killed: the tests noticed; so does a survivor of a
+module's fast tests that its slow ones kill, ``--recheck-slow``) over the rest.
 
 Targets: at least 85 % in every module, and no unexplained survivor (empty or ``needs a test``)
 in the modules whose failures lose data or training (:data:`CRITICAL`).
@@ -31,10 +32,13 @@ def score(module: str, result: dict) -> dict:
     module's result; ``met`` is None for a module whose run failed (``error``)."""
     if "error" in result:
         return {"error": result["error"], "met": None}
-    survivors = result.get("survivors", [])
+    # a survivor of the fast tests that the slow ones killed (--recheck-slow) is killed
+    slow_killed = [s for s in result.get("survivors", [])
+                   if s.get("slow_tests") in ("killed", "timed_out")]
+    survivors = [s for s in result.get("survivors", []) if s not in slow_killed]
     equivalent = sum(map(explained, survivors))
     open_ = len(survivors) - equivalent
-    killed = result["killed"] + result["timed_out"]
+    killed = result["killed"] + result["timed_out"] + len(slow_killed)
     judged = result["sampled"] - result.get("errors", 0) - equivalent
     share = killed / judged if judged else 1.0
     met = share >= TARGET and (module not in CRITICAL or open_ == 0)
