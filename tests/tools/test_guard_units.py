@@ -180,10 +180,11 @@ def test_the_loss_of_a_step_with_one_or_no_target_tokens_is_its_sum(target_token
 def test_the_spike_threshold_is_spike_factor_times_the_upper_median(history):
     """Histories of distinct values, not in order: the median the guard uses is
     ``statistics.median_high`` (for an even count, the upper of the two middle values), so a
-    loss just below 5 x it is applied and one just above is not."""
+    loss just below 5 x it, or exactly at it, is applied and one just above is not."""
     median = statistics.median_high(history)
     cfg = GuardSection(min_history=1)
     assert _judge(UpdateGuard(cfg, history), 5 * median - 0.5) is None
+    assert _judge(UpdateGuard(cfg, history), 5 * median) is None  # at it, not above: applied
     reason = _judge(UpdateGuard(cfg, history), 5 * median + 0.5)
     assert reason is not None and f"the median {median:g} of the last {len(history)}" in reason
 
