@@ -15,14 +15,13 @@ import errno
 import hashlib
 import json
 import pathlib
-from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from omniscale.errors import UserError
 from omniscale.tools.train import checkpoint, collectives
+from tests.tools.test_checkpoint_manifest import _group  # a real one-rank gloo group
 
 SHARD = "__0_0.distcp"  # one rank's DCP file
 # DCP's notice when it loads in one process (the trainer's own filter, as a pytest mark).
@@ -50,16 +49,6 @@ def _refusal(path) -> str:
         checkpoint.verify(path)
     assert "\n" not in str(refused.value)
     return str(refused.value)
-
-
-@contextmanager
-def _group(tmp):
-    """A real one-rank gloo process group (save and finish are collective: barriers)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # -- verify ------------------------------------------------------------------------------------
