@@ -32,7 +32,7 @@ def test_every_bench_script_is_registered():
     """A new tools/bench script must be added to BENCHES, or `bench all` would skip it
     (`_name.py`: a helper another bench runs), or be named in OUTSIDE_BENCH_ALL."""
     scripts = {p.name for p in (REPO / "tools" / "bench").glob("*.py")
-               if "__main__" in p.read_text() and p.name != "all.py"
+               if 'if __name__ == "__main__"' in p.read_text() and p.name != "all.py"
                and not p.name.startswith("_") and p.name not in OUTSIDE_BENCH_ALL}
     scripts |= {p.name for p in (REPO / "tools" / "bench").glob("*.sh")}
     assert scripts == {b.script for b in BENCHES.values()}

@@ -6,6 +6,7 @@ each child and never in the server, a hang killed with its process group)."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import hashlib
@@ -24,8 +25,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from omniscale.tools.bench import mutation
-from omniscale.tools.bench.mutation import Mutant, Outcome
+from omniscale.tools.bench import mutation, mutation_plugin
+from omniscale.tools.bench.mutation import Mutant
+from omniscale.tools.bench.mutation_coverage import LineTests, statement_site
+from omniscale.tools.bench.mutation_jobs import share
+from omniscale.tools.bench.mutation_runners import Coverage, ForkRunner, Outcome, runner_in
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,7 +139,7 @@ def test_a_run_counts_and_lists_what_the_tests_miss(tiny_module):
     calls: list[str] = []
     before = hashlib.sha256(TINY.encode()).hexdigest()
     result = mutation.run_module("pkg/tiny.py", tiny_module, _stand_in_runner(tiny_module, calls),
-                                 max_mutants=100, seed=0, log=lambda line: None)
+                                 max_mutants=100, seed=0, select="all", log=lambda line: None)
     # hand-checked: `<` has 7 replacements; only `<=` passes both checks, `is not` "hangs"
     assert result["generated"] == result["sampled"] == 7
     assert (result["killed"], result["survived"], result["timed_out"], result["errors"]) == \
@@ -143,7 +147,7 @@ def test_a_run_counts_and_lists_what_the_tests_miss(tiny_module):
     assert result["survivors"] == [{
         "file": "pkg/tiny.py", "line": 2, "column": 13,
         "operator": "core/ReplaceComparisonOperator_Lt_LtE", "occurrence": 0,
-        "diff": "-    return a < b\n+    return a <= b", "reason": ""}]
+        "diff": "-    return a < b\n+    return a <= b", "tests_run": "all", "reason": ""}]
     assert result["tests"] == ["tests/test_tiny.py"] and result["timeout_seconds"] > 0
     json.dumps(result)  # the report is JSON as it is
     # the baseline ran the module as it is, the canary could not import, then 7 mutants
@@ -156,14 +160,14 @@ def test_a_reason_given_before_is_kept_for_the_same_mutation(tiny_module):
     key = ("pkg/tiny.py", "core/ReplaceComparisonOperator_Lt_LtE",
            "-    return a < b\n+    return a <= b")
     result = mutation.run_module("pkg/tiny.py", tiny_module, _stand_in_runner(tiny_module, []),
-                                 max_mutants=100, seed=0, reasons={key: "equal on ints here"},
-                                 log=lambda line: None)
+                                 max_mutants=100, seed=0, select="all",
+                                 reasons={key: "equal on ints here"}, log=lambda line: None)
     assert [s["reason"] for s in result["survivors"]] == ["equal on ints here"]
 
 
 def test_reasons_are_read_back_from_a_previous_report(tiny_module, tmp_path):
     result = mutation.run_module("pkg/tiny.py", tiny_module, _stand_in_runner(tiny_module, []),
-                                 max_mutants=100, seed=0, log=lambda line: None)
+                                 max_mutants=100, seed=0, select="all", log=lambda line: None)
     result["survivors"][0]["reason"] = "equal on ints here"
     unexplained = {**result["survivors"][0], "diff": "-a\n+b", "reason": ""}  # not kept
     result["survivors"].append(unexplained)
@@ -178,15 +182,15 @@ def test_reasons_are_read_back_from_a_previous_report(tiny_module, tmp_path):
 def test_tests_that_fail_unmutated_or_miss_the_canary_stop_the_module(tiny_module):
     failing = mutation.run_module("pkg/tiny.py", tiny_module,
                                   lambda *a: Outcome("killed", 1.0, "boom"),
-                                  max_mutants=100, seed=0, log=lambda line: None)
+                                  max_mutants=100, seed=0, select="all", log=lambda line: None)
     assert "fail unmutated" in failing["error"] and "survivors" not in failing
     blind = mutation.run_module("pkg/tiny.py", tiny_module,
                                 lambda *a: Outcome("survived", 1.0),
-                                max_mutants=100, seed=0, log=lambda line: None)
+                                max_mutants=100, seed=0, select="all", log=lambda line: None)
     assert "work copy" in blind["error"] and "survivors" not in blind
     outcomes = iter([Outcome("survived", 1.0), Outcome("error", 1.0, "no such option", 4)])
     broken = mutation.run_module("pkg/tiny.py", tiny_module, lambda *a: next(outcomes),
-                                 max_mutants=100, seed=0, log=lambda line: None)
+                                 max_mutants=100, seed=0, select="all", log=lambda line: None)
     assert broken["error"] == ("the canary's run was no test failure (error, pytest's exit "
                                "code 4): no such option") and "survivors" not in broken
     assert (tiny_module / "pkg" / "tiny.py").read_text() == TINY
@@ -255,13 +259,13 @@ def test_the_work_copy_is_the_working_tree_outside_the_repository(tmp_path):
 def test_the_plugin_hands_over_the_prebuilt_demo_only_when_told(monkeypatch, tmp_path):
     fixture = SimpleNamespace(argname="demo_root", cache_key=lambda request: None,
                               cached_result=None)
-    monkeypatch.delenv(mutation.DEMO_ENV, raising=False)
-    assert mutation.pytest_fixture_setup(fixture, None) is None  # the suite builds it
-    monkeypatch.setenv(mutation.DEMO_ENV, str(tmp_path))
-    assert mutation.pytest_fixture_setup(fixture, None) == tmp_path
+    monkeypatch.delenv(mutation_plugin.DEMO_ENV, raising=False)
+    assert mutation_plugin.pytest_fixture_setup(fixture, None) is None  # the suite builds it
+    monkeypatch.setenv(mutation_plugin.DEMO_ENV, str(tmp_path))
+    assert mutation_plugin.pytest_fixture_setup(fixture, None) == tmp_path
     assert fixture.cached_result == (tmp_path, None, None)
     other = SimpleNamespace(argname="demo", cache_key=lambda request: None, cached_result=None)
-    assert mutation.pytest_fixture_setup(other, None) is None
+    assert mutation_plugin.pytest_fixture_setup(other, None) is None
 
 
 def test_check_reports_the_baseline_the_canary_and_the_time_of_a_run(tiny_module):
@@ -306,6 +310,20 @@ FORK_TESTS = {
     # a test file that does not import (as one does with a module it imports broken)
     "test_unimportable.py": ("raise RuntimeError('mutation canary')\n\n\n"
                              "def test_sum():\n    assert 1 + 1 == 2\n"),
+    # a module whose lines are run by one test, by a fixture several tests share, at import
+    # and by no test; its tests
+    "tinypkg/__init__.py": "",
+    "tinypkg/calc.py": (
+        "LIMIT = 3\n\n\n"
+        "def clamp(x):\n    return x if x < LIMIT else LIMIT\n\n\n"
+        "def double(x):\n    if x > 100:\n        raise ValueError(x)\n    return x * 2\n\n\n"
+        "def table():\n    return [double(i) for i in range(3)]\n"),
+    "test_calc.py": (
+        "import pytest\n\nfrom tinypkg import calc\n\n\n"
+        "@pytest.fixture(scope='module')\ndef shared_table():\n    return calc.table()\n\n\n"
+        "def test_clamp():\n    assert calc.clamp(5) == 3 and calc.clamp(1) == 1\n\n\n"
+        "def test_double():\n    assert calc.double(2) == 4\n\n\n"
+        "def test_table(shared_table):\n    assert shared_table == [0, 2, 4]\n"),
     # starts a process (same group), writes both pids down, then never returns
     "test_hangs.py": (
         "import os, subprocess, sys, threading\n\n\n"
@@ -327,7 +345,8 @@ def fork_work(tmp_path_factory):
         init.write("\nIMPORTED_BY_PID = __import__('os').getpid()\n")
     (work / "tools" / "bench").mkdir(parents=True)
     (work / "tools" / "__init__.py").write_text("")
-    shutil.copy(REPO / "tools" / "bench" / "mutation.py", work / "tools" / "bench")
+    for name in ("mutation_runners.py", "mutation_plugin.py"):  # the server's, each run's
+        shutil.copy(REPO / "tools" / "bench" / name, work / "tools" / "bench")
     # what omniscale/__init__ needs to see a checkout (and map `omniscale.tools` to tools/)
     (work / "pyproject.toml").write_text("")
     (work / "dataplane").mkdir()
@@ -341,7 +360,7 @@ def fork_work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fork_runner(fork_work):
     env = {**os.environ, "PYTHONPATH": str(fork_work), "PYTHONDONTWRITEBYTECODE": "1"}
-    with mutation.ForkRunner(fork_work, env) as runner:  # the real preload: torch and the rest
+    with ForkRunner(fork_work, env) as runner:  # the real preload: torch and the rest
         yield runner
 
 
@@ -379,7 +398,7 @@ def test_each_child_imports_omniscale_itself_from_the_copy(fork_runner):
 def test_a_server_that_imported_the_project_refuses_to_run(fork_work, capfd):
     env = {**os.environ, "PYTHONPATH": str(fork_work), "PYTHONDONTWRITEBYTECODE": "1"}
     with pytest.raises(RuntimeError, match="server exited"):
-        mutation.ForkRunner(fork_work, env, preload=("omniscale",))
+        ForkRunner(fork_work, env, preload=("omniscale",))
     assert "the server imported the project's modules: ['omniscale']" in capfd.readouterr().err
 
 
@@ -409,3 +428,94 @@ def test_a_hung_child_is_killed_at_the_timeout_with_what_it_started(fork_runner,
             os.kill(helper, signal.SIGKILL)
     after = fork_runner(("test_passes.py",), (), 120)  # the server goes on
     assert after.status == "survived"
+
+
+@pytest.mark.parametrize("kind", ["fork", "subprocess"])
+def test_a_measured_run_names_the_tests_that_execute_each_line(kind, fork_runner, fork_work,
+                                                                tmp_path):
+    runner = fork_runner if kind == "fork" else runner_in(fork_work, {
+        **os.environ, "PYTHONPATH": str(fork_work), "PYTHONDONTWRITEBYTECODE": "1"})
+    source = fork_work / "tinypkg" / "calc.py"
+    data = tmp_path / "coverage"
+    outcome = runner(("test_calc.py",), (), 300, Coverage(str(data), str(source)))
+    assert outcome.status == "survived", outcome.tail
+    measured = LineTests.read(data, source)
+    lines = source.read_text().splitlines()
+    tree = ast.parse(source.read_text())
+
+    def tests_for(text):
+        return measured.tests_for(tree, 1 + lines.index(text))
+
+    assert measured.order == ("test_calc.py::test_clamp", "test_calc.py::test_double",
+                              "test_calc.py::test_table")
+    assert tests_for("    return x if x < LIMIT else LIMIT") == (("test_calc.py::test_clamp",),
+                                                                  "covering")
+    # test_double calls it, and so does the fixture test_table's module shares
+    assert tests_for("    return x * 2") == (None, "run outside a single test")
+    assert tests_for("        raise ValueError(x)") == (None, "no test ran it in its own process")
+    assert tests_for("LIMIT = 3") == (None, "runs at import")
+
+
+def test_covering_selection_finds_what_running_every_test_finds(fork_runner, fork_work,
+                                                                 monkeypatch):
+    monkeypatch.setitem(mutation.MODULE_TESTS, "tinypkg/calc.py",
+                        mutation.ModuleTests(("test_calc.py",)))
+    runs = {select: mutation.run_module("tinypkg/calc.py", fork_work, fork_runner,
+                                        max_mutants=14, seed=1, select=select,
+                                        log=lambda line: None)
+            for select in ("all", "covering")}
+    assert runs["covering"]["sampled"] == runs["all"]["sampled"] == 14
+
+    def survivors(run):
+        return {(s["line"], s["operator"], s["occurrence"]) for s in run["survivors"]}
+
+    assert survivors(runs["covering"]) == survivors(runs["all"]) != set()  # 100 > 101, ...
+    assert runs["covering"]["killed"] == runs["all"]["killed"] > 0
+    assert set(runs["all"]["selections"]) == {"all"}
+    assert runs["covering"]["selections"].get("covering", 0) > 0  # clamp's mutants: one test
+    assert (fork_work / "tinypkg" / "calc.py").read_text() == FORK_TESTS["tinypkg/calc.py"]
+
+
+SITES = """import numba
+X = 1
+
+
+class A:
+    Y = 2
+
+    def f(self, a=X + 1):
+        if a > 1 and \\
+                a < 5:
+            return [a,
+                    a + 1]
+        return None
+
+
+@numba.njit
+def g(a):
+    return a + 1
+"""
+
+
+def test_a_statement_site_is_its_header_and_import_or_compiled_code_runs_every_test():
+    tree = ast.parse(SITES)
+    lines = SITES.splitlines()
+
+    def site(text):
+        line = 1 + lines.index(text)
+        found, why = statement_site(tree, line)
+        return sorted(n - line for n in found), why  # relative to the line asked about
+
+    assert site("X = 1") == ([0], "runs at import")
+    assert site("    Y = 2") == ([0], "runs at import")
+    assert site("    def f(self, a=X + 1):") == ([0], "runs at import")  # its defaults
+    assert site("        if a > 1 and \\") == ([0, 1], "")  # the header, not the body
+    assert site("                a < 5:") == ([-1, 0], "")
+    assert site("                    a + 1]") == ([-1, 0], "")
+    assert site("        return None") == ([0], "")
+    assert site("    return a + 1") == ([0], "compiled")
+
+
+def test_modules_are_shared_among_jobs_longest_first():
+    assert share({"a": 5, "b": 4, "c": 3, "d": 3}, 2) == [["a", "d"], ["b", "c"]]
+    assert share({"a": 1, "b": 1}, 4) == [["a"], ["b"]]  # no empty job

@@ -15,10 +15,14 @@ for every mutant and cannot sample. Each module is tested only with the tests th
 more than ``--max-mutants`` mutants gets a reproducible sample (``--seed``), spread over its
 code sites before any site gets a second mutant.
 
-The tests of a mutant run in a child forked from a process that imported torch, pyarrow,
-Hypothesis and the rest of what they import from outside the project once per module
-(:class:`ForkRunner`, 0.2 s of start-up instead of 5-9 s); ``--runner subprocess`` starts a new
-``python -m pytest`` for each instead.
+Each module's fast tests run once under coverage, and each mutant then runs only those that
+execute its statement (``--select covering``, :mod:`mutation_coverage`; every one for a
+statement run at import, in numba-compiled code, in a shared fixture or in a subprocess);
+``--select all`` runs every fast test for every mutant. The tests of a mutant run in a child
+forked from a process that imported torch, pyarrow, Hypothesis and the rest of what they import
+from outside the project once per module (:mod:`mutation_runners`, 0.2 s of start-up instead
+of 5-9 s); ``--runner subprocess`` starts a new ``python -m pytest`` for each instead.
+``--jobs N`` runs the modules in N drivers side by side (:mod:`mutation_jobs`).
 
 Everything runs in a copy of the repository's files (``--work``), never in the checkout: the
 copy is put first on PYTHONPATH, so ``omniscale`` is imported from it, and each module's run
@@ -44,31 +48,24 @@ import ast
 import contextlib
 import dataclasses
 import difflib
-import gc
 import hashlib
-import importlib
-import importlib.metadata
 import json
 import math
 import os
 import random
-import select
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
+from omniscale.tools.bench.mutation_coverage import LineTests
+from omniscale.tools.bench.mutation_plugin import DEMO_ENV
+from omniscale.tools.bench.mutation_runners import Coverage, ForkRunner, Outcome, runner_in
 
 REPO = Path(__file__).resolve().parents[2]
-PLUGIN = "omniscale.tools.bench.mutation"  # this module, loaded into each test run
-DEMO_ENV = "OMNISCALE_MUTATION_DEMO"  # the prebuilt demo's directory, for the plugin
 CANARY = "\nraise RuntimeError('mutation canary: this module must not import')\n"
 
 
@@ -101,8 +98,9 @@ MODULE_TESTS: dict[str, ModuleTests] = {
          "tests/dataplane/test_commit_many.py"),
         (_RANDOM_KILLS, "tests/dataplane/test_plane_faults.py")),
     "dataplane/restore.py": ModuleTests(
-        ("tests/dataplane/test_restore_edges.py", _DURABILITY),
-        (_RANDOM_KILLS, "tests/tools/test_train_optim_groups.py")),
+        ("tests/dataplane/test_restore_edges.py", _DURABILITY, "tests/dataplane/test_plane.py"),
+        (_RANDOM_KILLS, "tests/dataplane/test_plane_faults.py",
+         "tests/tools/test_train_resume.py", "tests/tools/test_train_optim_groups.py")),
     "dataplane/plane_state.py": ModuleTests(
         ("tests/dataplane/test_plane.py", _DURABILITY, "tests/dataplane/test_plane_speeds.py",
          "tests/dataplane/test_group_commit.py"),
@@ -123,7 +121,7 @@ MODULE_TESTS: dict[str, ModuleTests] = {
         ("tests/tools/test_train_guard.py", "tests/tools/test_guard_router_bias.py")),
     "tools/train/checkpoint.py": ModuleTests(
         ("tests/tools/test_checkpoint_prune.py", "tests/tools/test_checkpoint_rank_verdicts.py",
-         "tests/tools/test_checkpoint_manifest.py"),
+         "tests/tools/test_checkpoint_edges.py", "tests/tools/test_checkpoint_manifest.py"),
         ("tests/tools/test_checkpoint_manifest.py::"
          "test_resume_of_a_changed_checkpoint_is_one_line_and_leaves_the_run",  # 18 s
          "tests/tools/test_checkpoint_crash.py", "tests/tools/test_train_init_run.py")),
@@ -306,257 +304,6 @@ def make_work_copy(repo: Path, work: Path) -> Path:
     return work
 
 
-@dataclasses.dataclass
-class Outcome:
-    status: str  # "killed", "survived", "timed_out" or "error" (pytest could not run them)
-    seconds: float
-    tail: str = ""  # the end of pytest's output
-    code: int | None = None  # pytest's exit code (minus the signal that ended it); None: timed out
-
-
-# pytest's exit codes: 0 all passed, 1 a test failed, 2 interrupted (a collection error: the
-# mutated module does not import); 3-5 mean the run itself is broken (internal error, usage,
-# no tests), which says nothing about the mutant -- but for the two usage errors (4) that are
-# a module that does not import: a conftest.py that imports it (the loaders' and the
-# balancer's import the demo's builder), and a test given by node id (`file::test`) in a file
-# that imports it. The same tests passed the baseline, so it is the mutant.
-_KILLED_CODES = (1, 2)
-_NOT_IMPORTED = ("ImportError while loading conftest",  # pytest's first line then
-                 "ERROR: found no collectors for")  # its last
-_TAIL = 2000  # characters of pytest's output kept
-_HEAD = 500  # and of its start
-
-
-def _outcome(code: int, seconds: float, output: str) -> Outcome:
-    """What pytest's exit code and its output (all of it, or its head and tail) say."""
-    killed = code in _KILLED_CODES or (code == pytest.ExitCode.USAGE_ERROR
-                                       and any(line in output for line in _NOT_IMPORTED))
-    status = "survived" if code == 0 else "killed" if killed else "error"
-    return Outcome(status, seconds, output[-_TAIL:], code)
-
-
-def _pytest_args(tests: tuple[str, ...], deselect: tuple[str, ...]) -> list[str]:
-    """Stop at the first failure; no cache written into the copy; the demo handed over."""
-    return ["-x", "-q", "-p", "no:cacheprovider", "-p", PLUGIN, *tests,
-            *(f"--deselect={d}" for d in deselect)]
-
-
-def runner_in(work: Path, env: dict[str, str]) -> Callable[..., Outcome]:
-    """The subprocess runner (``--runner subprocess``): a new ``python -m pytest`` per run in
-    ``work``, niced (the machine is shared); a timeout kills the whole process group."""
-
-    def run(tests: tuple[str, ...], deselect: tuple[str, ...], timeout: float) -> Outcome:
-        command = [sys.executable, "-m", "pytest", *_pytest_args(tests, deselect)]
-        start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: os.nice(10))
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return Outcome("timed_out", time.perf_counter() - start)
-        finally:  # also on Ctrl-C: no test run outlives the driver
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        return _outcome(proc.returncode, time.perf_counter() - start,
-                        out.decode(errors="replace"))
-    return run
-
-
-# What the mapped tests import that is neither `omniscale` nor `tests`, the seconds each took in
-# `-X importtime` of a collection of every file of MODULE_TESTS on the 2-core machine: torch 2.1
-# and its distributed checkpoint 0.5, pandas 0.3 (the plane's wire), numba 0.2, transformers 0.2
-# (the chat tests), numpy, pyarrow, pydantic, av, ... Hypothesis is imported by its pytest plugin,
-# which the server imports with the others pytest would load (their entry points): a fresh pytest
-# rewrites the asserts of every module of a plugin's package, hypothesis' 1.1 s of a trivial run.
-# No Python thread may run in the server when it forks (checked). Two native ones do: OpenBLAS'
-# pool (numpy), which its own fork handler stops first, and jemalloc's background thread
-# (pyarrow), whose locks jemalloc's fork handler takes, so no child inherits one held.
-PRELOAD = ("numpy", "torch", "torch.distributed.checkpoint", "pyarrow", "pyarrow.compute",
-           "pyarrow.parquet", "pyarrow.flight", "pandas", "numba", "hypothesis", "pydantic",
-           "fsspec", "filelock", "rich.console", "rich.progress", "av", "PIL.Image",
-           "PIL.ImageDraw", "tokenizers", "soundfile", "transformers")
-
-# Started by `python -c` so that no checkout folder lands on sys.path: the server loads this file
-# by path, under a name of its own, and imports nothing of the project.
-_SERVER = ("import importlib.util, sys; "
-           "spec = importlib.util.spec_from_file_location('mutation_server', sys.argv[1]); "
-           "module = importlib.util.module_from_spec(spec); sys.modules[spec.name] = module; "
-           "spec.loader.exec_module(module); module.serve(sys.argv[2:])")
-
-
-class ForkRunner:
-    """The fork runner (the default): one server process per module run imports the heavy
-    third-party modules once (:data:`PRELOAD`), then forks a child per test run that calls
-    ``pytest.main`` in ``work`` and exits with its code. ``omniscale`` and ``tests`` are never
-    imported in the server (it refuses to start if they are), so each child imports them from
-    the copy as it is at that run, mutated. A timeout kills the child's process group; so does
-    Ctrl-C here, and the child's group is killed when it exits too, taking what it started.
-
-    Apart from start-up, a child differs from ``python -m pytest`` in what a fork shares: the
-    string-hash seed of the server (set iteration orders are the same in every child).
-    Python's ``random`` reseeds itself in a child, Hypothesis draws its seed in the child, and
-    numpy's global generator is reseeded there. A child ends with ``os._exit``: no ``atexit``
-    handler runs, and what the tests left running dies with its process group."""
-
-    def __init__(self, work: Path, env: dict[str, str], preload: tuple[str, ...] = PRELOAD,
-                 start_timeout: float = 600):
-        started = time.perf_counter()
-        self._server = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, str(Path(__file__).resolve()), *preload], cwd=work,
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-            preexec_fn=lambda: os.nice(10))  # its children inherit the niceness
-        self._buffer = b""
-        try:
-            ready = self._receive(start_timeout)
-        except BaseException:
-            self.close()
-            raise
-        self.server_pid: int = ready["pid"]
-        self.start_seconds = time.perf_counter() - started
-
-    def __call__(self, tests: tuple[str, ...], deselect: tuple[str, ...],
-                 timeout: float) -> Outcome:
-        start = time.perf_counter()
-        self._server.stdin.write(json.dumps({"args": _pytest_args(tests, deselect)}).encode()
-                                 + b"\n")
-        self._server.stdin.flush()
-        child = self._receive(60)["pid"]
-        try:
-            done = self._receive(timeout)
-        except TimeoutError:
-            self._kill(child)
-            self._receive(60)  # the server has reaped it
-            return Outcome("timed_out", time.perf_counter() - start)
-        except BaseException:  # Ctrl-C, a server that died: no test run outlives the driver
-            self._kill(child)
-            raise
-        return _outcome(done["code"], time.perf_counter() - start, done["output"])
-
-    def close(self) -> None:
-        """Stops the server: its stdin closed, it exits; killed if it does not."""
-        with contextlib.suppress(OSError):
-            self._server.stdin.close()
-        try:
-            self._server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._server.kill()
-            self._server.wait()
-
-    def __enter__(self) -> ForkRunner:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @staticmethod
-    def _kill(child: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child, signal.SIGKILL)
-
-    def _receive(self, timeout: float) -> dict:
-        """The server's next line, as JSON; TimeoutError after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        out = self._server.stdout.fileno()
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([out], [], [], remaining)[0]:
-                raise TimeoutError
-            chunk = os.read(out, 1 << 16)
-            if not chunk:
-                raise RuntimeError(f"the fork runner's server exited "
-                                   f"({self._server.wait()}); its error is above")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-
-def serve(preload: list[str]) -> None:
-    """The fork runner's server, in its own process (:class:`ForkRunner` starts it with the
-    work copy as its directory): requests on stdin, one JSON line each, ``{"args": [...]}``;
-    answers on stdout: ``{"pid": child}`` at once, ``{"code": ..., "output": ...}`` (pytest's
-    output, its head and tail if long) when the child has exited."""
-    sys.path[0] = os.getcwd()  # as `python -m pytest` has it (`-c` put "" there)
-    for name in preload:
-        with contextlib.suppress(ModuleNotFoundError):  # an extra this install lacks
-            importlib.import_module(name)
-    if not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        for plugin in importlib.metadata.entry_points(group="pytest11"):
-            importlib.import_module(plugin.module)
-    _check_nothing_of_the_copy_imported(Path.cwd())
-    # The collector then skips all the server's objects: pytest's gc.collect() at its end took
-    # 0.4 s of a trivial run over torch's heap, and a child copies no page to count references.
-    gc.freeze()
-    answers = sys.stdout
-
-    def answer(**fields) -> None:
-        answers.write(json.dumps(fields) + "\n")
-        answers.flush()  # also: nothing buffered for a child to inherit and write again
-
-    answer(pid=os.getpid())
-    for line in sys.stdin:
-        if threading.active_count() > 1:  # a lock another thread held would stay held
-            raise RuntimeError(f"a thread started in the server: {threading.enumerate()}")
-        with tempfile.TemporaryFile() as output:
-            child = os.fork()
-            if child == 0:
-                _run_child(json.loads(line)["args"], output.fileno())
-            with contextlib.suppress(OSError):  # its group, before the driver can kill it
-                os.setpgid(child, child)
-            answer(pid=child)
-            _, status = os.waitpid(child, 0)
-            with contextlib.suppress(ProcessLookupError):  # what it started and left behind
-                os.killpg(child, signal.SIGKILL)
-            size = os.fstat(output.fileno()).st_size
-            output.seek(0)
-            head = output.read(_HEAD)
-            output.seek(max(size - 4 * _TAIL, len(head)))  # bytes: a character may be 4
-            text = (head + b"\n...\n" * (output.tell() > len(head)) + output.read()).decode(
-                errors="replace")
-        answer(code=os.waitstatus_to_exitcode(status), output=text)
-
-
-def _check_nothing_of_the_copy_imported(work: Path) -> None:
-    """The server imported nothing of the project: a module imported here would be the
-    unmutated one in every child."""
-    def in_work(module) -> bool:
-        file = getattr(module, "__file__", None)  # torch.ops': a name, not a path
-        return isinstance(file, str) and os.path.isabs(file) and \
-            Path(file).resolve().is_relative_to(work)
-
-    work = work.resolve()
-    loaded = sorted(name for name, module in list(sys.modules.items())
-                    if name.partition(".")[0] in ("omniscale", "tests") or in_work(module))
-    if loaded:
-        raise RuntimeError(f"the server imported the project's modules: {loaded[:10]}")
-
-
-def _run_child(args: list[str], output: int) -> None:
-    """A forked child: pytest on ``args`` in its own process group, its output into
-    ``output``; never returns (``os._exit`` with pytest's exit code, 70 if it broke first)."""
-    code = 70
-    try:
-        os.setpgid(0, 0)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(output, 1)
-        os.dup2(output, 2)
-        sys.argv = [str(Path(pytest.__file__).with_name("__main__.py")), *args]
-        if "numpy.random" in sys.modules:  # numpy does not reseed at a fork, as Python does
-            sys.modules["numpy.random"].seed()
-        # the plugins were imported before pytest could rewrite their asserts: it warns, once
-        # per plugin, in every run's output
-        code = int(pytest.main(["-W", "ignore::pytest.PytestAssertRewriteWarning", *args]))
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
 def _tests_for(module: str, slow: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(node ids to run, node ids to deselect) for the fast or the slow run of a module."""
     entry = MODULE_TESTS[module]
@@ -596,11 +343,27 @@ def check_module(module: str, work: Path, runner: Callable[..., Outcome]) -> dic
     return {**result, "timeout_seconds": timeout}
 
 
+def measure_line_tests(module: str, work: Path, runner: Callable[..., Outcome],
+                       timeout: float) -> LineTests | None:
+    """Which fast test of ``module`` executes which of its lines: one run under coverage
+    (:mod:`mutation_coverage`); None if that run did not pass."""
+    data_file = work.parent / f"coverage-{module.replace('/', '-')}"
+    for stale in (data_file, Path(f"{data_file}.tests")):
+        stale.unlink(missing_ok=True)
+    measured = runner(*_tests_for(module, slow=False), timeout,
+                      Coverage(str(data_file), str((work / module).resolve())))
+    if measured.status != "survived":
+        return None
+    return LineTests.read(data_file, work / module)
+
+
 def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_mutants: int,
                seed: int, recheck_slow: bool = False, reasons: dict | None = None,
-               log: Callable[[str], None] = print) -> dict:
+               select: str = "covering", log: Callable[[str], None] = print) -> dict:
     """Mutation results of one module (``module``: a path relative to the repository), run in
-    ``work`` with ``runner(tests, deselect, timeout) -> Outcome``."""
+    ``work`` with ``runner(tests, deselect, timeout) -> Outcome``: each mutant against the
+    fast tests that execute its statement (``select="covering"``) or all of them
+    (``"all"``)."""
     started = time.perf_counter()
     path = work / module
     source = path.read_text(encoding="utf-8")
@@ -609,18 +372,32 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
         return result
     tests, deselect = _tests_for(module, slow=False)
     timeout = result.pop("timeout_seconds")
+    line_tests = None
+    if select == "covering":
+        measure_started = time.perf_counter()
+        line_tests = measure_line_tests(module, work, runner, 3 * timeout)
+        result["coverage_seconds"] = round(time.perf_counter() - measure_started, 1)
+        if line_tests is None:
+            log(f"  {module}: the tests failed under coverage; every mutant runs them all")
+    tree = ast.parse(source)
     generated = enumerate_mutants(source, module)
     picked = sample(generated, max_mutants, seed)
     counts = dict.fromkeys(("killed", "survived", "timed_out", "errors"), 0)
     survivors, errors = [], []
+    selections: dict[str, int] = {}
     for i, mutant in enumerate(picked, 1):
         mutated = mutate(source, mutant)
+        chosen, why = (None, "all") if line_tests is None else \
+            line_tests.tests_for(tree, mutant.line)
+        selections[why] = selections.get(why, 0) + 1
         with applied(path, mutated):
-            outcome = runner(tests, deselect, timeout)
+            outcome = runner(tests, deselect, timeout) if chosen is None else \
+                runner(chosen, (), timeout)
         counts[{"error": "errors"}.get(outcome.status, outcome.status)] += 1
         entry = {"file": module, "line": mutant.line, "column": mutant.column,
                  "operator": mutant.operator, "occurrence": mutant.occurrence,
-                 "diff": line_diff(source, mutated)}
+                 "diff": line_diff(source, mutated),
+                 "tests_run": "all" if chosen is None else len(chosen)}
         if outcome.status == "survived":
             survivors.append({**entry, "reason": ""})
         elif outcome.status == "error":
@@ -636,7 +413,8 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
     for s in survivors:
         s["reason"] = (reasons or {}).get(reason_key(s), "")
     return {**result, "timeout_seconds": round(timeout, 1), "generated": len(generated),
-            "sampled": len(picked), **counts, "seconds": round(time.perf_counter() - started, 1),
+            "sampled": len(picked), **counts, "select": select, "selections": selections,
+            "seconds": round(time.perf_counter() - started, 1),
             "survivors": survivors, "error_mutants": errors}
 
 
@@ -651,17 +429,6 @@ def build_demo(work: Path, env: dict[str, str], demo: Path) -> set[str]:
     files = json.loads(done.stdout.strip().splitlines()[-1])
     return {str(Path(f).resolve().relative_to(work)) for f in files
             if f and Path(f).resolve().is_relative_to(work)}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_fixture_setup(fixturedef, request):
-    """As a pytest plugin (``-p``): the session's ``demo_root`` is the prebuilt demo, when the
-    driver says where it is; otherwise the suite's own fixture builds it."""
-    demo = os.environ.get(DEMO_ENV)
-    if not demo or fixturedef.argname != "demo_root":
-        return None
-    fixturedef.cached_result = (Path(demo), fixturedef.cache_key(request), None)
-    return Path(demo)
 
 
 def load_reasons(path: Path) -> dict:
@@ -736,6 +503,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="fork (default): a process per module imports torch and the rest "
                              "once and forks each test run from it; subprocess: a new "
                              "`python -m pytest` per test run, 5-9 s slower each")
+    parser.add_argument("--select", choices=("covering", "all"), default="covering",
+                        help="covering (default): each mutant runs the fast tests that execute "
+                             "its statement, found by one coverage-measured run per module; "
+                             "all: every fast test for every mutant")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="drivers run side by side, each with its share of the modules in "
+                             "its own copy of the repository (default 1)")
+    parser.add_argument("--reasons-from", type=Path,
+                        help="the report whose survivor reasons are kept (default: --out)")
     parser.add_argument("--recheck-slow", action="store_true",
                         help="run each module's slow tests on the mutants its fast ones miss")
     parser.add_argument("--list", action="store_true",
@@ -755,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     from importlib.metadata import version
 
-    reasons = load_reasons(args.out)
+    if args.jobs > 1 and len(modules) > 1 and not args.check:
+        return _run_in_jobs(args, argv, modules)
+    reasons = load_reasons(args.reasons_from or args.out)
     began = time.perf_counter()
     work = make_work_copy(REPO, args.work / "repo")
     env = {**os.environ, "PYTHONPATH": str(work), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -785,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["tools/bench/mutation.py", *(argv or sys.argv[1:])]),
               **provenance(), "tool": {"name": "cosmic-ray", "version": version("cosmic-ray")},
               "seed": args.seed, "max_mutants": args.max_mutants, "runner": args.runner,
-              "modules": {}}
+              "select": args.select, "jobs": 1, "modules": {}}
     started = time.perf_counter()
     try:
         for module in modules:
@@ -793,17 +571,51 @@ def main(argv: list[str] | None = None) -> int:
             with runner_of(args.runner, work, env_of(module)) as runner:
                 result = run_module(module, work, runner, max_mutants=args.max_mutants,
                                     seed=args.seed, recheck_slow=args.recheck_slow,
-                                    reasons=reasons, log=lambda line: print(line, flush=True))
+                                    reasons=reasons, select=args.select,
+                                    log=lambda line: print(line, flush=True))
             report["modules"][module] = {**result, "demo_prebuilt": module not in demo_imports}
             _write(args.out, report, started)
     except KeyboardInterrupt:
         report["interrupted"] = True
         _write(args.out, report, started)
         return 130
+    _summarize(report)
+    return 0
+
+
+def _summarize(report: dict) -> None:
     for module, r in report["modules"].items():
         print(f"{module}: " + (r.get("error") or f"{r['killed']} killed, {r['survived']} "
               f"survived, {r['timed_out']} timed out of {r['sampled']} ({r['seconds']:.0f} s)"))
-    return 0
+
+
+def _run_in_jobs(args: argparse.Namespace, argv: list[str] | None, modules: list[str]) -> int:
+    """``--jobs N``: :mod:`mutation_jobs` runs the modules in N drivers; one report."""
+    from importlib.metadata import version
+
+    from omniscale.tools.bench.mutation_jobs import run_jobs, share
+    from omniscale.tools.bench.provenance import provenance
+
+    previous = json.loads(args.out.read_text()).get("modules", {}) if args.out.is_file() else {}
+    weights = {m: previous.get(m, {}).get("seconds") or min(
+        len(enumerate_mutants((REPO / m).read_text(), m)), args.max_mutants) for m in modules}
+    settings = [f"--max-mutants={args.max_mutants}", f"--seed={args.seed}",
+                f"--runner={args.runner}", f"--select={args.select}",
+                *(["--recheck-slow"] if args.recheck_slow else [])]
+    report = {"command": " ".join(["tools/bench/mutation.py", *(argv or sys.argv[1:])]),
+              **provenance(), "tool": {"name": "cosmic-ray", "version": version("cosmic-ray")},
+              "seed": args.seed, "max_mutants": args.max_mutants, "runner": args.runner,
+              "select": args.select, "jobs": args.jobs, "modules": {}}
+    started = time.perf_counter()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    merged, finished = run_jobs(share(weights, args.jobs), settings, args.work,
+                                args.reasons_from or args.out)
+    report["modules"] = {m: merged[m] for m in modules if m in merged}
+    if not finished:
+        report["interrupted"] = True
+    _write(args.out, report, started)
+    _summarize(report)
+    return 0 if finished else 130
 
 
 def _write(out: Path, report: dict, started: float) -> None:

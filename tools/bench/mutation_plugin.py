@@ -1,0 +1,70 @@
+"""The pytest plugin ``tools/bench/mutation.py`` loads into each test run of a mutant (``-p``):
+it hands over the demo the driver built once, and, in a run measured by coverage, names the
+coverage context after the test that runs (its node id), so that the driver learns which tests
+execute each line of the mutated module, and writes the tests' order beside the data file.
+
+Lines run outside any one test get the empty context: the imports of collection, and fixtures
+shared by several tests (session, package, module or class scope), whose results later tests
+use without running their lines again."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+DEMO_ENV = "OMNISCALE_MUTATION_DEMO"  # the prebuilt demo's directory
+OUTSIDE_TESTS = ""  # the context of lines no single test owns
+
+_test = OUTSIDE_TESTS  # the node id of the test running now
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef, request):
+    """The session's ``demo_root`` is the prebuilt demo, when the driver says where it is;
+    otherwise the suite's own fixture builds it."""
+    demo = os.environ.get(DEMO_ENV)
+    if not demo or fixturedef.argname != "demo_root":
+        return None
+    fixturedef.cached_result = (Path(demo), fixturedef.cache_key(request), None)
+    return Path(demo)
+
+
+def _measuring():
+    """The coverage measuring this run, or None."""
+    coverage = sys.modules.get("coverage")  # imported only by a measured run
+    return coverage.Coverage.current() if coverage is not None else None
+
+
+def _switch(context: str) -> None:
+    if (measuring := _measuring()) is not None:
+        measuring.switch_context(context)
+
+
+@pytest.hookimpl(wrapper=True, specname="pytest_fixture_setup")
+def pytest_fixture_setup_of_shared(fixturedef, request):  # pytest reads pytest_* only
+    if fixturedef.scope == "function":
+        return (yield)
+    _switch(OUTSIDE_TESTS)
+    try:
+        return (yield)
+    finally:
+        _switch(_test)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _test
+    _test = item.nodeid
+    if (measuring := _measuring()) is not None:
+        measuring.switch_context(_test)
+        with open(f"{measuring.config.data_file}.tests", "a") as order:  # the run's order
+            order.write(_test + "\n")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    global _test
+    _test = OUTSIDE_TESTS
+    _switch(_test)
