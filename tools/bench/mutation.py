@@ -94,9 +94,10 @@ _MIXER_PROPERTIES = (  # Hypothesis over schedules: 24 s and 6 s
 MODULE_TESTS: dict[str, ModuleTests] = {
     "dataplane/journal.py": ModuleTests(
         ("tests/dataplane/test_group_commit.py", "tests/dataplane/test_corrupt.py",
-         "tests/dataplane/test_restore_edges.py", _DURABILITY,
-         "tests/dataplane/test_commit_many.py"),
-        (_RANDOM_KILLS, "tests/dataplane/test_plane_faults.py")),
+         "tests/dataplane/test_restore_edges.py", "tests/dataplane/test_journal_edges.py",
+         _DURABILITY, "tests/dataplane/test_commit_many.py"),
+        (_RANDOM_KILLS, "tests/dataplane/test_plane_faults.py",
+         "tests/tools/test_train_corrupt.py")),
     "dataplane/restore.py": ModuleTests(
         ("tests/dataplane/test_restore_edges.py", _DURABILITY, "tests/dataplane/test_plane.py"),
         (_RANDOM_KILLS, "tests/dataplane/test_plane_faults.py",
