@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,3 +65,67 @@ def test_a_tight_cap_trades_cost_balance_for_tokens():
                                  slice_tokens_N=np.array([1, 4, 4]), token_cap=5)
     assert sorted(load_R) == [3.0, 9.0]
     assert sorted(np.bincount(first, np.array([1, 4, 4]), minlength=2)) == [4, 5]
+
+
+def _lpt_capped_by_the_docstring(cost_N, tokens_N, order_N, load_R, tok_R, cap, inv_R):
+    """`lpt_capped` as its docstring states it, a scan in plain Python: each sample in order
+    onto the rank with room where it finishes first (lowest index on ties), else onto the
+    least-filled rank; samples not in the order get rank -1."""
+    rank_N = [-1] * len(cost_N)
+    for i in order_N:
+        room = [r for r in range(len(load_R)) if tok_R[r] + tokens_N[i] <= cap]
+        if room:
+            best = min(room, key=lambda r: (load_R[r] + cost_N[i] * inv_R[r], r))
+        else:
+            best = min(range(len(load_R)), key=lambda r: (tok_R[r], r))
+        rank_N[i] = best
+        load_R[best] += cost_N[i] * inv_R[best]
+        tok_R[best] += tokens_N[i]
+    return rank_N
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 50)), min_size=1, max_size=40),
+       st.lists(st.sampled_from([1.0, 0.5, 2.0, 4.0]), min_size=1, max_size=6),
+       st.integers(1, 200), st.booleans(), st.randoms(use_true_random=False))
+def test_capped_lpt_on_ranks_of_different_speeds_follows_its_definition(samples, inv_speeds,
+                                                                       cap, uniform, rng):
+    """Costs are integers (as floats) so that sums are exact and ties are real ties; some
+    samples are left out of the order; equal speeds take the tournament-tree path."""
+    from omniscale.balancer.assign import lpt_capped
+
+    cost_N = np.array([float(c) for c, _ in samples])
+    tokens_N = np.array([t for _, t in samples], np.int64)
+    inv_R = np.ones(len(inv_speeds)) if uniform else np.array(inv_speeds)
+    order_N = np.array(rng.sample(range(len(samples)), rng.randint(0, len(samples))), np.int64)
+    load_R, tok_R = np.zeros(len(inv_R)), np.zeros(len(inv_R), np.int64)
+    expected_load, expected_tok = [0.0] * len(inv_R), [0] * len(inv_R)
+    expected = _lpt_capped_by_the_docstring(cost_N, tokens_N, order_N, expected_load,
+                                            expected_tok, cap, inv_R)
+    rank_N = lpt_capped(cost_N, tokens_N, order_N, load_R, tok_R, cap, inv_R, uniform)
+    assert rank_N.tolist() == expected
+    assert load_R.tolist() == expected_load and tok_R.tolist() == expected_tok
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_capped_lpt_by_hand(uniform):
+    from omniscale.balancer.assign import lpt_capped
+
+    def run(cost, tokens, order, cap, inv=(1.0, 1.0)):
+        load_R, tok_R = np.zeros(len(inv)), np.zeros(len(inv), np.int64)
+        rank_N = lpt_capped(np.array(cost, float), np.array(tokens, np.int64),
+                            np.array(order, np.int64), load_R, tok_R, cap, np.array(inv),
+                            uniform)
+        return rank_N.tolist(), load_R.tolist(), tok_R.tolist()
+
+    # room everywhere: the third sample ties (11 either way) and takes rank 0, not the rank
+    # with fewer tokens
+    assert run([10, 10, 1], [5, 1, 1], [0, 1, 2], 100) == ([0, 1, 0], [11.0, 10.0], [6, 1])
+    # a cap of 4 tokens: the second sample has room only on rank 1, the third nowhere, and
+    # goes to the least-filled rank (a tie: rank 0)
+    assert run([1, 1, 1], [3, 3, 3], [0, 1, 2], 4) == ([0, 1, 0], [2.0, 1.0], [6, 3])
+    # a sample left out of the order has no rank
+    assert run([5, 5, 5], [1, 1, 1], [2, 0], 100)[0] == [1, -1, 0]  # sample 2 came first
+    if not uniform:  # rank 1 twice as fast: a sample of cost 4 takes it 2
+        assert run([4, 4, 4], [1, 1, 1], [0, 1, 2], 100, inv=(1.0, 0.5)) == (
+            [1, 0, 1], [4.0, 4.0], [1, 2])
