@@ -560,3 +560,26 @@ def test_a_statement_site_is_its_header_and_import_or_compiled_code_runs_every_t
 def test_modules_are_shared_among_jobs_longest_first():
     assert share({"a": 5, "b": 4, "c": 3, "d": 3}, 2) == [["a", "d"], ["b", "c"]]
     assert share({"a": 1, "b": 1}, 4) == [["a"], ["b"]]  # no empty job
+
+
+def test_an_update_keeps_the_modules_it_did_not_run_and_refuses_another_sample(tmp_path):
+    out = tmp_path / "mutation.json"
+    old = {"seed": 0, "max_mutants": 100, "modules": {
+        "parallel/reshard.py": {"killed": 1}, "dataplane/journal.py": {"killed": 2}}}
+    out.write_text(json.dumps(old))
+    args = SimpleNamespace(update=True, out=out, seed=0, max_mutants=100)
+    base = mutation._previous_for_update(args)
+    new = {"seed": 0, "max_mutants": 100, "modules": {"dataplane/journal.py": {"killed": 3},
+                                                      "balancer/pack.py": {"killed": 4}}}
+    mutation._write(out, new, time.perf_counter(), base)
+    written = json.loads(out.read_text())
+    # the new results win, the others stay, in the mapping's order
+    assert written["modules"] == {"dataplane/journal.py": {"killed": 3},
+                                  "balancer/pack.py": {"killed": 4},
+                                  "parallel/reshard.py": {"killed": 1}}
+    assert written["updated_modules"] == ["dataplane/journal.py", "balancer/pack.py"]
+    with pytest.raises(SystemExit, match="seed 0, this run 1"):
+        mutation._previous_for_update(SimpleNamespace(update=True, out=out, seed=1,
+                                                      max_mutants=100))
+    assert mutation._previous_for_update(SimpleNamespace(update=False, out=out, seed=1,
+                                                         max_mutants=100)) is None

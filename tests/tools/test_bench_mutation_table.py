@@ -41,16 +41,22 @@ def test_under_the_target_is_missed():
 def test_the_table_has_a_row_per_module_and_says_which_did_not_run():
     report = {"seed": 0, "max_mutants": 100, "tool": {"name": "cosmic-ray", "version": "8.7.0"},
               "seconds": 3600, "git_commit": "0123456789abcdef", "git_dirty": False,
+              "command": "tools/bench/mutation.py --jobs 2",
               "modules": {"dataplane/journal.py": _result(survivors=SURVIVORS),
-                          "loaders/chat.py": {"error": "the tests fail unmutated: boom"}}}
+                          "loaders/chat.py": {"error": "the tests fail unmutated: boom"},
+                          # re-run alone later (--update), from a tree with changes
+                          "balancer/pack.py": {**_result(), "git_commit": "fedcba9876543210",
+                                               "git_dirty": True}}}
     rows = table(report)
     journal = next(r for r in rows if "`dataplane/journal.py`" in r)
     assert journal == ("| `dataplane/journal.py` | 140 | 20 | 16 | 1 | 2 | 88.9% | "
-                       ">= 85%, none open | NO |")
+                       ">= 85%, none open | NO | `0123456` |")
     chat = next(r for r in rows if "`loaders/chat.py`" in r)
-    assert "not run: the tests fail unmutated: boom" in chat
-    assert rows[-1] == ("Seed 0, at most 100 mutants per module, cosmic-ray 8.7.0; the run "
-                        "took 60 minutes at commit `0123456789`.")
+    assert "not run: the tests fail unmutated: boom" in chat and chat.endswith("`0123456` |")
+    assert next(r for r in rows if "`balancer/pack.py`" in r).endswith("| `fedcba9`+ |")
+    assert rows[-1] == ("Seed 0, at most 100 mutants per module, cosmic-ray 8.7.0; the last run "
+                        "(`tools/bench/mutation.py --jobs 2`) took 60 minutes. Each row names "
+                        "the commit its module was mutated at (`+` with uncommitted changes).")
 
 
 def test_fill_replaces_only_between_the_markers():

@@ -511,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1,
                         help="drivers run side by side, each with its share of the modules in "
                              "its own copy of the repository (default 1)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the modules of --out this run does not mutate (each module "
+                             "records the commit it was measured at)")
     parser.add_argument("--reasons-from", type=Path,
                         help="the report whose survivor reasons are kept (default: --out)")
     parser.add_argument("--recheck-slow", action="store_true",
@@ -561,10 +564,12 @@ def main(argv: list[str] | None = None) -> int:
     from omniscale.tools.bench.provenance import provenance
 
     # the commit the mutants were made from (a tree with uncommitted changes says so)
+    measured_at = provenance()
     report = {"command": " ".join(["tools/bench/mutation.py", *(argv or sys.argv[1:])]),
-              **provenance(), "tool": {"name": "cosmic-ray", "version": version("cosmic-ray")},
+              **measured_at, "tool": {"name": "cosmic-ray", "version": version("cosmic-ray")},
               "seed": args.seed, "max_mutants": args.max_mutants, "runner": args.runner,
               "select": args.select, "jobs": 1, "modules": {}}
+    base = _previous_for_update(args)
     started = time.perf_counter()
     try:
         for module in modules:
@@ -574,11 +579,13 @@ def main(argv: list[str] | None = None) -> int:
                                     seed=args.seed, recheck_slow=args.recheck_slow,
                                     reasons=reasons, select=args.select,
                                     log=lambda line: print(line, flush=True))
-            report["modules"][module] = {**result, "demo_prebuilt": module not in demo_imports}
-            _write(args.out, report, started)
+            report["modules"][module] = {**result, "demo_prebuilt": module not in demo_imports,
+                                         "git_commit": measured_at["git_commit"],
+                                         "git_dirty": measured_at["git_dirty"]}
+            _write(args.out, report, started, base)
     except KeyboardInterrupt:
         report["interrupted"] = True
-        _write(args.out, report, started)
+        _write(args.out, report, started, base)
         return 130
     _summarize(report)
     return 0
@@ -607,6 +614,7 @@ def _run_in_jobs(args: argparse.Namespace, argv: list[str] | None, modules: list
               **provenance(), "tool": {"name": "cosmic-ray", "version": version("cosmic-ray")},
               "seed": args.seed, "max_mutants": args.max_mutants, "runner": args.runner,
               "select": args.select, "jobs": args.jobs, "modules": {}}
+    base = _previous_for_update(args)
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, _raise_interrupt)
     merged, finished = run_jobs(share(weights, args.jobs), settings, args.work,
@@ -614,15 +622,35 @@ def _run_in_jobs(args: argparse.Namespace, argv: list[str] | None, modules: list
     report["modules"] = {m: merged[m] for m in modules if m in merged}
     if not finished:
         report["interrupted"] = True
-    _write(args.out, report, started)
+    _write(args.out, report, started, base)
     _summarize(report)
     return 0 if finished else 130
 
 
-def _write(out: Path, report: dict, started: float) -> None:
+def _previous_for_update(args: argparse.Namespace) -> dict | None:
+    """``--update``: the report in --out whose other modules are kept; its sample settings
+    must be this run's."""
+    if not args.update or not args.out.is_file():
+        return None
+    previous = json.loads(args.out.read_text())
+    for key in ("seed", "max_mutants"):
+        if previous.get(key) != getattr(args, key):
+            raise SystemExit(f"--update: {args.out} has {key} {previous.get(key)}, this run "
+                             f"{getattr(args, key)}; a table mixes no two samples")
+    return previous
+
+
+def _write(out: Path, report: dict, started: float, base: dict | None = None) -> None:
+    """The report to ``out``; with ``base`` (``--update``), its modules that this run did not
+    mutate kept, in the order of :data:`MODULE_TESTS`."""
     report["seconds"] = round(time.perf_counter() - started, 1)
+    written = report
+    if base is not None:
+        modules = {**base.get("modules", {}), **report["modules"]}
+        written = {**report, "modules": {m: modules[m] for m in MODULE_TESTS if m in modules},
+                   "updated_modules": list(report["modules"])}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.write_text(json.dumps(written, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -49,24 +49,24 @@ def score(module: str, result: dict) -> dict:
 def table(report: dict) -> list[str]:
     """Markdown rows, one per module, then the run's seed, tool and time."""
     rows = ["| module | mutants | run | killed | survived: equivalent | survived: open | "
-            "score | target | met? |", "|---|---|---|---|---|---|---|---|---|"]
+            "score | target | met? | commit |", "|---|---|---|---|---|---|---|---|---|---|"]
     for module, result in report.get("modules", {}).items():
         s = score(module, result)
         target = f">= {TARGET:.0%}" + (", none open" if module in CRITICAL else "")
+        commit = _commit(result, report)
         if s["met"] is None:
             rows.append(f"| `{module}` | - | - | - | - | - | - | {target} | "
-                        f"not run: {s['error'][:80]} |")
+                        f"not run: {s['error'][:80]} | {commit} |")
             continue
         rows.append(f"| `{module}` | {result['generated']} | {result['sampled']} | {s['killed']}"
                     f" | {s['equivalent']} | {s['open']} | {s['score']:.1%} | {target} | "
-                    f"{'yes' if s['met'] else 'NO'} |")
+                    f"{'yes' if s['met'] else 'NO'} | {commit} |")
     tool = report.get("tool", {})
     rows += ["", f"Seed {report.get('seed')}, at most {report.get('max_mutants')} mutants per "
-             f"module, {tool.get('name', '?')} {tool.get('version', '?')}; the run took "
-             f"{report.get('seconds', 0) / 60:.0f} minutes"
-             + (f" at commit `{report['git_commit'][:10]}`"
-                + (" with uncommitted changes" if report.get("git_dirty") else "")
-                if report.get("git_commit") else "") + "."]
+             f"module, {tool.get('name', '?')} {tool.get('version', '?')}; the last run "
+             f"(`{report.get('command', '?')}`) took {report.get('seconds', 0) / 60:.0f} "
+             f"minutes. Each row names the commit its module was mutated at (`+` with "
+             f"uncommitted changes)."]
     if report.get("interrupted"):
         rows.append("The run was interrupted: the modules above are the ones it finished.")
     return rows
@@ -82,3 +82,11 @@ def fill(page: str, report: dict | None) -> str:
     _, tail = rest.split(end, 1)
     body = table(report) if report else ["No committed `docs/bench/mutation.json` yet."]
     return head + start + "\n" + "\n".join(body) + "\n" + end + tail
+
+
+def _commit(result: dict, report: dict) -> str:
+    """The commit a module's mutants were made from: its own (``--update`` runs), else the
+    run's; ``+`` when the tree had uncommitted changes."""
+    commit = result.get("git_commit") or report.get("git_commit") or "?"
+    dirty = result.get("git_dirty", report.get("git_dirty"))
+    return f"`{commit[:7]}`" + ("+" if dirty else "")
