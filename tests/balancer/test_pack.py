@@ -67,3 +67,32 @@ def test_slots_follow_the_heights_other_ranks_set():
     unit = np.array([6.0, 2.0, 2.0, 3.0, 3.0, 2.0, 2.0])
     slot, tok_RB, cost_RB, nb = pack(first, k, tokens, unit, 2, 60)
     assert cost_RB.max(axis=0).sum() == 10.0
+
+
+def test_a_piece_goes_to_the_slot_it_raises_least_then_the_tightest_then_the_lowest():
+    from omniscale.balancer.pack import _best_slot
+
+    def best(cost_rows, heights, tokens_rows=None, a=0, k=1, t=1, c=2.0, budget=10):
+        cost_RB = np.array(cost_rows, np.float64)
+        tok_RB = np.zeros(cost_RB.shape, np.int64) if tokens_rows is None else \
+            np.array(tokens_rows, np.int64)
+        return _best_slot(a, k, t, c, cost_RB.shape[1], tok_RB, cost_RB,
+                          np.array(heights, np.float64), budget)
+
+    # rank 0's piece of cost 2: slots 0 and 1 stay under their heights (gaps 3 and 1), slot 2
+    # rises by 2: the tightest gap wins
+    assert best([[0, 0, 5], [5, 3, 0]], [5, 3, 5]) == 1
+    # the piece fills slot 1 to the budget exactly: it still fits
+    assert best([[0, 0, 5], [5, 3, 0]], [5, 3, 5], tokens_rows=[[0, 9, 0], [0, 0, 0]]) == 1
+    # slot 1 has no token room: slot 0
+    assert best([[0, 0, 5], [5, 3, 0]], [5, 3, 5], tokens_rows=[[0, 10, 0], [0, 0, 0]]) == 0
+    # every slot rises alike (empty grid): the lowest
+    assert best([[0, 0], [0, 0]], [0, 0]) == 0
+    # the least rise beats a gap: slot 0 rises 1 (4 + 2 over 5), slot 1 rises 2
+    assert best([[4, 3], [0, 0]], [5, 3]) == 0
+    # three ranks; a piece on ranks 0 and 1 sits on rank 1's 4 in slot 0 (rises 2) and under
+    # rank 2's 5 in slot 1 (rises 0); on rank 0 alone both stay under, slot 0 the tighter
+    three = [[0, 0], [4, 0], [0, 5]]
+    assert best(three, [4, 5], k=2) == 1 and best(three, [4, 5], k=1) == 0
+    # no slot has room
+    assert best([[0, 0], [0, 0]], [0, 0], tokens_rows=[[10, 10], [0, 0]]) == -1
