@@ -129,3 +129,64 @@ def test_capped_lpt_by_hand(uniform):
     if not uniform:  # rank 1 twice as fast: a sample of cost 4 takes it 2
         assert run([4, 4, 4], [1, 1, 1], [0, 1, 2], 100, inv=(1.0, 0.5)) == (
             [1, 0, 1], [4.0, 4.0], [1, 2])
+
+
+def test_sp_group_sizes_must_be_powers_of_two_within_the_ranks():
+    from omniscale.balancer.assign import place_sp_groups
+
+    cost_N = np.array([3.0, 2.0, 1.0])
+    # sizes 1, 2 and 4 on 4 ranks are placed (1 is a power of two: a sample alone)
+    first_N = place_sp_groups(cost_N, np.array([4, 2, 1]), np.array([0, 1, 2]), np.zeros(4))
+    assert first_N.tolist() == [0, 0, 2]  # ties: the lowest group
+    for sizes in ([3, 2, 1], [0, 2, 1], [8, 2, 1]):
+        with pytest.raises(ValueError, match=r"powers of two <= 4 ranks, got \["):
+            place_sp_groups(cost_N, np.array(sizes), np.array([0, 1, 2]), np.zeros(4))
+
+
+def test_whole_samples_go_costliest_first():
+    # without the search: LPT puts the 2 first (rank 0), then the 1s on rank 1: 2 / 2; the
+    # cheapest first would give 3 / 1
+    first_N, load_R = assign_ranks(np.array([1.0, 1.0, 2.0]), np.ones(3, np.int64), 2,
+                                   search_iters=0)
+    assert first_N.tolist() == [1, 1, 0] and load_R.tolist() == [2.0, 2.0]
+
+
+def test_a_split_samples_tokens_count_against_the_cap_on_its_ranks():
+    # sample 0 is split over both ranks with 5 tokens on each; a cap of 10 leaves room for one
+    # more sample of 5 per rank: sample 1 (cost 10) on rank 0, sample 2 on rank 1, sample 3
+    # finds no room and goes to the least filled (a tie: rank 0)
+    first_N, _ = assign_ranks(np.array([1.0, 10.0, 1.0, 1.0]), np.array([2, 1, 1, 1]), 2,
+                              search_iters=0, slice_tokens_N=np.array([5, 5, 5, 5]),
+                              token_cap=10)
+    assert first_N.tolist() == [0, 0, 1, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 100), min_size=2, max_size=30),
+       st.lists(st.sampled_from([1.0, 0.5, 2.0, 0.25]), min_size=2, max_size=5),
+       st.randoms(use_true_random=False))
+def test_the_search_on_ranks_of_different_speeds_keeps_each_ranks_time(costs, inv_speeds, rng):
+    cost_N = np.array(costs, float)
+    inv_R = np.array(inv_speeds)
+    rank_N = np.array([rng.randrange(len(inv_R)) for _ in costs], np.int64)
+    load_R = np.bincount(rank_N, cost_N * inv_R[rank_N], minlength=len(inv_R))
+    before = load_R.max()
+    local_search(cost_N, rank_N, np.ones(len(cost_N), np.bool_), load_R, 100, 4,
+                 inv_speed_R=inv_R)
+    # each rank's time is its samples' cost over its speed, and the slowest finishes no later
+    np.testing.assert_allclose(load_R, np.bincount(rank_N, cost_N * inv_R[rank_N],
+                                                   minlength=len(inv_R)), rtol=1e-9, atol=1e-9)
+    assert load_R.max() <= before + 1e-9
+
+
+def test_a_move_over_the_cap_is_skipped_for_one_within_it():
+    # rank 0: sample 0 (cost 5, 9 tokens) and sample 1 (cost 4, 1 token); rank 1: sample 2
+    # (cost 1, 5 tokens); cap 10. Sample 0 cannot move (14 tokens on rank 1); sample 1 can,
+    # which evens the ranks at 5 / 5 (a swap of 0 and 2 would too, but a move is tried first)
+    cost_N, tokens_N = np.array([5.0, 4.0, 1.0]), np.array([9, 1, 5])
+    rank_N = np.array([0, 0, 1])
+    load_R = np.array([9.0, 1.0])
+    tok_R = np.array([10, 5])
+    local_search(cost_N, rank_N, np.ones(3, np.bool_), load_R, 10, 4, tokens_N, tok_R, 10)
+    assert rank_N.tolist() == [0, 1, 1] and load_R.tolist() == [5.0, 5.0]
+    assert tok_R.tolist() == [9, 6]
