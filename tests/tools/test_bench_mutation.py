@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -365,6 +366,10 @@ FORK_TESTS = {
         "def test_clamp():\n    assert calc.clamp(5) == 3 and calc.clamp(1) == 1\n\n\n"
         "def test_double():\n    assert calc.double(2) == 4\n\n\n"
         "def test_table(shared_table):\n    assert shared_table == [0, 2, 4]\n"),
+    # ends on a fatal signal, as numba code indexing out of bounds may
+    # (pytest's faulthandler plugin reports it)
+    "test_segfaults.py": ("import os, signal\n\n\n"
+                          "def test_segfaults():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"),
     # starts a process (same group), writes both pids down, then never returns
     "test_hangs.py": (
         "import os, subprocess, sys, threading\n\n\n"
@@ -583,3 +588,21 @@ def test_an_update_keeps_the_modules_it_did_not_run_and_refuses_another_sample(t
                                                       max_mutants=100))
     assert mutation._previous_for_update(SimpleNamespace(update=False, out=out, seed=1,
                                                          max_mutants=100)) is None
+
+
+def test_a_run_a_signal_ends_is_a_crash_not_an_error(fork_runner):
+    crashed = fork_runner(("test_segfaults.py",), (), 120)
+    assert (crashed.status, crashed.code) == ("crashed", -signal.SIGSEGV)
+    # faulthandler's report, which pytest turns on, ends with the extension modules loaded
+    assert re.search(r"\(total: \d+\)\s*$", crashed.tail), crashed.tail[-300:]
+
+
+def test_crashes_in_an_older_report_are_told_from_errors_by_faulthandlers_last_line():
+    crash = {"line": 3, "output": "..., PIL._imagingft, regex._regex (total: 132)\n"}
+    error = {"line": 4, "output": "ERROR: usage: no such option"}
+    old = {"killed": 5, "errors": 2, "error_mutants": [crash, error]}
+    assert mutation.reclassify_crashes(old) == {
+        "killed": 5, "errors": 1, "crashed": 1, "error_mutants": [error],
+        "crashed_mutants": [crash]}
+    assert mutation.reclassify_crashes({"errors": 1, "error_mutants": [error]}) == {
+        "errors": 1, "error_mutants": [error]}

@@ -75,3 +75,9 @@ def test_a_survivor_the_slow_tests_kill_counts_as_killed():
                  {**SURVIVORS[2], "slow_tests": "survived"}]
     s = score("dataplane/journal.py", _result(survivors=survivors))
     assert (s["killed"], s["equivalent"], s["open"], s["judged"]) == (17, 1, 1, 18)
+
+
+def test_a_crashed_run_counts_as_killed():
+    s = score("balancer/assign.py", {**_result(survivors=SURVIVORS), "crashed": 2,
+                                     "sampled": 22})
+    assert (s["killed"], s["judged"]) == (18, 20)  # 15 + 1 hang + 2 crashes of 22 - 1 - 1

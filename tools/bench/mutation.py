@@ -53,6 +53,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -383,8 +384,8 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
     tree = ast.parse(source)
     generated = enumerate_mutants(source, module)
     picked = sample(generated, max_mutants, seed)
-    counts = dict.fromkeys(("killed", "survived", "timed_out", "errors"), 0)
-    survivors, errors = [], []
+    counts = dict.fromkeys(("killed", "survived", "timed_out", "crashed", "errors"), 0)
+    survivors, errors, crashes = [], [], []
     selections: dict[str, int] = {}
     for i, mutant in enumerate(picked, 1):
         mutated = mutate(source, mutant)
@@ -401,8 +402,9 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
                  "tests_run": "all" if chosen is None else len(chosen)}
         if outcome.status == "survived":
             survivors.append({**entry, "reason": ""})
-        elif outcome.status == "error":
-            errors.append({**entry, "output": outcome.tail[-500:]})
+        elif outcome.status in ("error", "crashed"):
+            (errors if outcome.status == "error" else crashes).append(
+                {**entry, "output": outcome.tail[-500:]})
         log(f"  {module} {i}/{len(picked)} line {mutant.line} {mutant.operator}: "
             f"{outcome.status} ({outcome.seconds:.1f} s)")
     if recheck_slow and MODULE_TESTS[module].slow:
@@ -416,7 +418,7 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
     return {**result, "timeout_seconds": round(timeout, 1), "generated": len(generated),
             "sampled": len(picked), **counts, "select": select, "selections": selections,
             "seconds": round(time.perf_counter() - started, 1),
-            "survivors": survivors, "error_mutants": errors}
+            "survivors": survivors, "error_mutants": errors, "crashed_mutants": crashes}
 
 
 def build_demo(work: Path, env: dict[str, str], demo: Path) -> set[str]:
@@ -655,3 +657,21 @@ def _write(out: Path, report: dict, started: float, base: dict | None = None) ->
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# The last line of faulthandler's report of a fatal signal (pytest enables it): the extension
+# modules loaded, "(total: N)"; the only part of it a report's output tail keeps.
+_FATAL_SIGNAL = re.compile(r"\(total: \d+\)\s*$")
+
+
+def reclassify_crashes(result: dict) -> dict:
+    """A module's result with the error mutants whose run Python reported ending on a fatal
+    signal (faulthandler's report) counted as crashed: for reports written before the runners
+    told a crash from an error by the exit code."""
+    crashed = [e for e in result.get("error_mutants", []) if _FATAL_SIGNAL.search(e["output"])]
+    if not crashed:
+        return result
+    return {**result, "errors": result["errors"] - len(crashed),
+            "crashed": result.get("crashed", 0) + len(crashed),
+            "error_mutants": [e for e in result["error_mutants"] if e not in crashed],
+            "crashed_mutants": result.get("crashed_mutants", []) + crashed}

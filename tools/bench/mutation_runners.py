@@ -43,7 +43,8 @@ class Coverage:
 
 @dataclasses.dataclass
 class Outcome:
-    status: str  # "killed", "survived", "timed_out" or "error" (pytest could not run them)
+    status: str  # "killed", "survived", "timed_out", "crashed" (a signal ended the run) or
+    # "error" (pytest could not run them)
     seconds: float
     tail: str = ""  # the end of pytest's output
     code: int | None = None  # pytest's exit code (minus the signal that ended it); None: timed out
@@ -66,7 +67,10 @@ def _outcome(code: int, seconds: float, output: str) -> Outcome:
     """What pytest's exit code and its output (all of it, or its head and tail) say."""
     killed = code in _KILLED_CODES or (code == pytest.ExitCode.USAGE_ERROR
                                        and any(line in output for line in _NOT_IMPORTED))
-    status = "survived" if code == 0 else "killed" if killed else "error"
+    # a run that a signal ended (numba's unchecked indexing: a segfault) broke on the mutant:
+    # the same tests passed on the module as it is
+    status = "survived" if code == 0 else "killed" if killed else \
+        "crashed" if code < 0 else "error"
     return Outcome(status, seconds, output[-_TAIL:], code)
 
 

@@ -4,8 +4,9 @@ and the table of it that the testing page (``docs/testing.md``) shows.
 A survivor's ``reason`` says what it is: empty (nobody has looked), ``needs a test: ...`` (a gap
 in the tests) or anything else, one line on why it cannot change behaviour (equivalent) or is
 acceptable. The score leaves the equivalent ones and the mutants whose test run could not run
-(``errors``) out: killed (a hang counts as killed: the tests noticed; so does a survivor of a
-module's fast tests that its slow ones kill, ``--recheck-slow``) over the rest.
+(``errors``) out: killed (a hang counts as killed: the tests noticed; so does a run a signal
+ended, and a survivor of a module's fast tests that its slow ones kill, ``--recheck-slow``)
+over the rest.
 
 Targets: at least 85 % in every module, and no unexplained survivor (empty or ``needs a test``)
 in the modules whose failures lose data or training (:data:`CRITICAL`).
@@ -38,7 +39,7 @@ def score(module: str, result: dict) -> dict:
     survivors = [s for s in result.get("survivors", []) if s not in slow_killed]
     equivalent = sum(map(explained, survivors))
     open_ = len(survivors) - equivalent
-    killed = result["killed"] + result["timed_out"] + len(slow_killed)
+    killed = result["killed"] + result["timed_out"] + result.get("crashed", 0) + len(slow_killed)
     judged = result["sampled"] - result.get("errors", 0) - equivalent
     share = killed / judged if judged else 1.0
     met = share >= TARGET and (module not in CRITICAL or open_ == 0)
