@@ -96,3 +96,50 @@ def test_a_piece_goes_to_the_slot_it_raises_least_then_the_tightest_then_the_low
     assert best(three, [4, 5], k=2) == 1 and best(three, [4, 5], k=1) == 0
     # no slot has room
     assert best([[0, 0], [0, 0]], [0, 0], tokens_rows=[[10, 10], [0, 0]]) == -1
+
+
+def _sum_of_heights(cost_RB):
+    return cost_RB.max(axis=0).sum() if cost_RB.size else 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 4]), st.integers(1, 24))
+def test_no_single_move_or_swap_on_a_slots_tallest_rank_lowers_the_sum_of_heights(seed, dp, n):
+    """The alignment search's promise, checked by brute force on the grid pack returns: for
+    each slot with one tallest rank, moving one of that rank's whole samples there to another
+    of its slots, or swapping it with a cheaper one of its samples in another slot, lowers
+    Σ heights by no more than rounding (token budget kept)."""
+    rng = np.random.default_rng(seed)
+    k = np.minimum(2 ** rng.integers(0, 2, n), dp)
+    first = rng.integers(0, dp, n) // k * k
+    tokens = rng.integers(1, 101, n)
+    unit = rng.integers(1, 50, n).astype(float)
+    budget = 100
+    slot, tok_RB, cost_RB, nb = pack(first, k, tokens, unit, dp, budget)
+    base = _sum_of_heights(cost_RB)
+    tolerance = 1e-9 * max(base, 1.0)
+
+    def after(changes):  # Σ heights with samples moved (sample -> new slot), or None
+        cost, tok = cost_RB.copy(), tok_RB.copy()
+        for i, new in changes:
+            r = first[i]
+            cost[r, slot[i]] -= unit[i]
+            tok[r, slot[i]] -= tokens[i]
+            cost[r, new] += unit[i]
+            tok[r, new] += tokens[i]
+        return None if tok.max() > budget else _sum_of_heights(cost)
+
+    whole = [i for i in range(n) if k[i] == 1]
+    for b in range(nb):
+        column = np.sort(cost_RB[:, b])
+        if dp > 1 and column[-1] <= column[-2]:
+            continue  # no single tallest rank
+        r = int(np.argmax(cost_RB[:, b]))
+        for i in (i for i in whole if first[i] == r and slot[i] == b):
+            for d in range(nb):
+                moved = after([(i, d)]) if d != b else None
+                assert moved is None or moved >= base - tolerance, (i, b, d)
+            for j in (j for j in whole if first[j] == r and slot[j] != b
+                      and unit[j] < unit[i]):
+                swapped = after([(i, slot[j]), (j, b)])
+                assert swapped is None or swapped >= base - tolerance, (i, j)
