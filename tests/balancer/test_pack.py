@@ -143,3 +143,61 @@ def test_no_single_move_or_swap_on_a_slots_tallest_rank_lowers_the_sum_of_height
                       and unit[j] < unit[i]):
                 swapped = after([(i, slot[j]), (j, b)])
                 assert swapped is None or swapped >= base - tolerance, (i, j)
+
+
+def test_the_fill_takes_the_widest_groups_first_then_the_costliest_then_by_index():
+    from omniscale.balancer.pack import _fill_order
+
+    order = _fill_order(np.array([1.0, 3.0, 2.0, 3.0]), np.array([1, 1, 2, 1]))
+    assert order.tolist() == [2, 1, 3, 0]
+
+
+def test_slots_empty_on_every_rank_are_dropped_and_the_others_renumbered():
+    from omniscale.balancer.pack import _compact
+
+    def compact(tok_rows, slot):
+        tok_RB = np.array(tok_rows, np.int64)
+        cost_RB = tok_RB.astype(np.float64) / 10
+        slot_N, out_tok, out_cost, n = _compact(np.array(slot, np.int64), tok_RB, cost_RB,
+                                                tok_RB.shape[1])
+        return slot_N.tolist(), out_tok.tolist(), out_cost.tolist(), n
+
+    # an empty slot last, and one in the middle
+    assert compact([[5, 3, 0], [2, 0, 0]], [0, 1, 0]) == (
+        [0, 1, 0], [[5, 3], [2, 0]], [[0.5, 0.3], [0.2, 0.0]], 2)
+    assert compact([[5, 0, 3], [2, 0, 0]], [0, 2, 0]) == (
+        [0, 1, 0], [[5, 3], [2, 0]], [[0.5, 0.3], [0.2, 0.0]], 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 4), st.integers(1, 16))
+def test_the_alignment_search_never_raises_the_sum_of_heights(seed, dp, n_slots, n):
+    """From any placement of whole samples within the budget: Σ heights never rises, each
+    rank keeps its samples and total, the grid matches the slots, the budget holds."""
+    from omniscale.balancer.pack import align_search
+
+    rng = np.random.default_rng(seed)
+    budget = 100
+    rank_N = rng.integers(0, dp, n)
+    tokens_N = rng.integers(1, 30, n)
+    unit_N = rng.integers(1, 50, n).astype(float)
+    slot_N = rng.integers(0, n_slots, n)
+    tok_RB = np.zeros((dp, n_slots), np.int64)
+    cost_RB = np.zeros((dp, n_slots))
+    np.add.at(tok_RB, (rank_N, slot_N), tokens_N)
+    np.add.at(cost_RB, (rank_N, slot_N), unit_N)
+    if tok_RB.max() > budget:
+        return  # not a placement the fill makes
+    before = _sum_of_heights(cost_RB)
+    totals = cost_RB.sum(axis=1)
+    align_search(slot_N, rank_N, np.ones(n, np.bool_), tokens_N, unit_N, tok_RB, cost_RB,
+                 n_slots, budget, 64)
+    assert _sum_of_heights(cost_RB) <= before + 1e-9 * before
+    rebuilt_tok = np.zeros_like(tok_RB)
+    rebuilt_cost = np.zeros_like(cost_RB)
+    np.add.at(rebuilt_tok, (rank_N, slot_N), tokens_N)
+    np.add.at(rebuilt_cost, (rank_N, slot_N), unit_N)
+    np.testing.assert_array_equal(rebuilt_tok, tok_RB)
+    np.testing.assert_allclose(rebuilt_cost, cost_RB, atol=1e-9)
+    np.testing.assert_allclose(cost_RB.sum(axis=1), totals)
+    assert tok_RB.max() <= budget and slot_N.min() >= 0 and slot_N.max() < n_slots
