@@ -49,7 +49,7 @@ def test_the_table_has_a_row_per_module_and_says_which_did_not_run():
                                                "git_dirty": True}}}
     rows = table(report)
     journal = next(r for r in rows if "`dataplane/journal.py`" in r)
-    assert journal == ("| `dataplane/journal.py` | 140 | 20 | 16 | 1 | 2 | 88.9% | "
+    assert journal == ("| `dataplane/journal.py` | 140 | 20 | 16 | 0 | 1 | 2 | 88.9% | "
                        ">= 85%, none open | NO | `0123456` |")
     chat = next(r for r in rows if "`loaders/chat.py`" in r)
     assert "not run: the tests fail unmutated: boom" in chat and chat.endswith("`0123456` |")
@@ -81,3 +81,12 @@ def test_a_crashed_run_counts_as_killed():
     s = score("balancer/assign.py", {**_result(survivors=SURVIVORS), "crashed": 2,
                                      "sampled": 22})
     assert (s["killed"], s["judged"]) == (18, 20)  # 15 + 1 hang + 2 crashes of 22 - 1 - 1
+
+
+def test_a_survivor_a_later_test_kills_counts_as_killed_and_is_shown_apart():
+    survivors = [SURVIVORS[0], {"reason": "killed by tests/dataplane/test_x.py::test_y"},
+                 SURVIVORS[2]]
+    s = score("dataplane/journal.py", _result(survivors=survivors))
+    # 15 + 1 hang + 1 killed later of 20 - 1 error - 1 equivalent
+    assert (s["killed"], s["killed_later"], s["equivalent"], s["open"], s["judged"]) == \
+        (17, 1, 1, 1, 18)
