@@ -178,6 +178,29 @@ def test_records_between_two_offsets_are_those_records(tmp_path):
     assert journal.records(ends[1], ends[1]) == []
 
 
+def test_records_between_any_two_record_ends_are_exactly_those_between(tmp_path):
+    # records of different lengths, so that the offsets take many values
+    records = [{"t": "commit", "step": i, "pad": "x" * (7 * i % 23)} for i in range(9)]
+    journal = Journal(tmp_path / "state")
+    ends, total = [0], 0
+    for record in records:
+        journal.append(record)
+        total += len(_record_line(record))
+        ends.append(total)
+    for i, start in enumerate(ends):
+        for j in range(i, len(ends)):
+            expected = [(ends[k + 1], records[k]) for k in range(i, j)]
+            assert journal.records(start, ends[j]) == expected, (i, j)
+
+
+def test_the_fsync_count_starts_at_zero_and_counts_each_one(tmp_path):
+    journal = Journal(tmp_path / "state")
+    assert journal.fsyncs == 0
+    journal.append(RECORDS[0])
+    journal.append(RECORDS[1])
+    assert journal.fsyncs == 2
+
+
 @pytest.mark.parametrize("back", [1, 5])  # 1: at the newline that ends record 1
 def test_records_from_an_offset_inside_a_record_are_refused(tmp_path, back):
     """An offset that is not a record's start is a caller's mistake: refused, not read as
@@ -235,6 +258,17 @@ def test_a_given_steps_snapshot_is_loaded_and_a_missing_one_refused(tmp_path):
     assert journal.load_snapshot(2)["note"] == "s2"  # not the newest
     with pytest.raises(JournalError, match="no snapshot of step 4"):
         journal.load_snapshot(4)
+
+
+def test_a_snapshot_in_todays_format_written_by_hand_is_read(tmp_path):
+    """The snapshot format this release writes (version 2: the state's JSON with its SHA-256
+    beside it) stays readable: what a previous run of the same release wrote."""
+    journal = _snapshots(tmp_path, steps=(2,))
+    body = json.dumps({"step": 5, "wal_offset": journal.size(), "note": "by hand",
+                       "version": 2}, sort_keys=True)
+    (journal.snapshots / "snap-0000000005.json").write_text(
+        json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "body": body}))
+    assert journal.load_snapshot()["note"] == "by hand"
 
 
 def test_a_snapshot_of_an_older_format_is_skipped(tmp_path):
