@@ -43,6 +43,7 @@ NOT_WRITTEN_BY_A_BENCH = {
     "calibrate_demo_omni.json": "written by `omniscale balance calibrate` (the demo's cost file)",
     "demo_runs.json": "the README's demo runs, measured by hand",
     "balance_scale_before.json": "the planner's code before the scale work (commit 07a44fa)",
+    "mutation.json": "tools/bench/mutation.py: the tests' mutation score, hours, outside bench all",
 }
 
 
