@@ -494,6 +494,12 @@ def test_a_measured_run_names_the_tests_that_execute_each_line(kind, fork_runner
 
     assert measured.order == ("test_calc.py::test_clamp", "test_calc.py::test_double",
                               "test_calc.py::test_table")
+    assert set(measured.seconds) == set(measured.order)
+    assert all(0 <= took < 60 for took in measured.seconds.values())
+    # a hang of a 1 s test is cut at 31 s, never past the whole set's timeout
+    timed = dataclasses.replace(measured, seconds={"a": 1.0, "b": 20.0})
+    assert timed.timeout_for(("a",), 300) == 31 and timed.timeout_for(("a", "b"), 300) == 63
+    assert timed.timeout_for(("a", "b"), 50) == 50 and timed.timeout_for(("c",), 50) == 50
     assert tests_for("    return x if x < LIMIT else LIMIT") == (("test_calc.py::test_clamp",),
                                                                   "covering")
     # test_double calls it, and so does the fixture test_table's module shares

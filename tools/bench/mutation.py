@@ -350,7 +350,7 @@ def measure_line_tests(module: str, work: Path, runner: Callable[..., Outcome],
     """Which fast test of ``module`` executes which of its lines: one run under coverage
     (:mod:`mutation_coverage`); None if that run did not pass."""
     data_file = work.parent / f"coverage-{module.replace('/', '-')}"
-    for stale in (data_file, Path(f"{data_file}.tests")):
+    for stale in (data_file, Path(f"{data_file}.tests"), Path(f"{data_file}.seconds")):
         stale.unlink(missing_ok=True)
     measured = runner(*_tests_for(module, slow=False), timeout,
                       Coverage(str(data_file), str((work / module).resolve())))
@@ -393,8 +393,10 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
             line_tests.tests_for(tree, mutant.line)
         selections[why] = selections.get(why, 0) + 1
         with applied(path, mutated):
+            # a hang of a few selected tests is cut at their own time's measure, not the whole
+            # set's
             outcome = runner(tests, deselect, timeout) if chosen is None else \
-                runner(chosen, (), timeout)
+                runner(chosen, (), line_tests.timeout_for(chosen, timeout))
         counts[{"error": "errors"}.get(outcome.status, outcome.status)] += 1
         entry = {"file": module, "line": mutant.line, "column": mutant.column,
                  "operator": mutant.operator, "occurrence": mutant.occurrence,

@@ -26,10 +26,12 @@ COMPILED = ("jit",)  # decorators whose functions coverage cannot look into (num
 @dataclasses.dataclass(frozen=True)
 class LineTests:
     """One coverage-measured run of a module's tests: the node ids that executed each line,
-    and every test in the order it ran."""
+    every test in the order it ran, and the seconds each took (under coverage: slower than
+    without)."""
 
     by_line: dict[int, frozenset[str]]
     order: tuple[str, ...]
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def read(cls, data_file: Path, source: Path) -> LineTests:
@@ -43,7 +45,19 @@ class LineTests:
             line: frozenset(contexts) for line, contexts in data.contexts_by_lineno(name).items()}
         order_file = Path(f"{data_file}.tests")
         order = order_file.read_text().split("\n")[:-1] if order_file.is_file() else []
-        return cls(by_line, tuple(dict.fromkeys(order)))
+        times_file = Path(f"{data_file}.seconds")
+        seconds = {}
+        if times_file.is_file():
+            for line in times_file.read_text().splitlines():
+                test, _, took = line.rpartition("\t")
+                seconds[test] = seconds.get(test, 0.0) + float(took)
+        return cls(by_line, tuple(dict.fromkeys(order)), seconds)
+
+    def timeout_for(self, tests: tuple[str, ...], ceiling: float) -> float:
+        """A timeout for running ``tests`` alone: three times their measured time, at least
+        30 s more than it (collection, imports), at most ``ceiling`` (the whole set's)."""
+        took = sum(self.seconds.get(t, ceiling) for t in tests)
+        return min(ceiling, max(3 * took, took + 30))
 
     def tests_for(self, tree: ast.Module, line: int) -> tuple[tuple[str, ...] | None, str]:
         """The node ids to run against a mutant on ``line`` of the module parsed as ``tree``,

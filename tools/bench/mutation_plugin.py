@@ -1,7 +1,8 @@
 """The pytest plugin ``tools/bench/mutation.py`` loads into each test run of a mutant (``-p``):
 it hands over the demo the driver built once, and, in a run measured by coverage, names the
 coverage context after the test that runs (its node id), so that the driver learns which tests
-execute each line of the mutated module, and writes the tests' order beside the data file.
+execute each line of the mutated module, and writes the tests' order and times beside the data
+file.
 
 Lines run outside any one test get the empty context: the imports of collection, and fixtures
 shared by several tests (session, package, module or class scope), whose results later tests
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ DEMO_ENV = "OMNISCALE_MUTATION_DEMO"  # the prebuilt demo's directory
 OUTSIDE_TESTS = ""  # the context of lines no single test owns
 
 _test = OUTSIDE_TESTS  # the node id of the test running now
+_started = 0.0  # when it started (time.perf_counter)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -56,8 +59,8 @@ def pytest_fixture_setup_of_shared(fixturedef, request):  # pytest reads pytest_
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    global _test
-    _test = item.nodeid
+    global _test, _started
+    _test, _started = item.nodeid, time.perf_counter()
     if (measuring := _measuring()) is not None:
         measuring.switch_context(_test)
         with open(f"{measuring.config.data_file}.tests", "a") as order:  # the run's order
@@ -66,5 +69,8 @@ def pytest_runtest_setup(item):
 
 def pytest_runtest_logfinish(nodeid, location):
     global _test
+    if (measuring := _measuring()) is not None:  # its time, setup and teardown included
+        with open(f"{measuring.config.data_file}.seconds", "a") as times:
+            times.write(f"{nodeid}\t{time.perf_counter() - _started:.3f}\n")
     _test = OUTSIDE_TESTS
     _switch(_test)
