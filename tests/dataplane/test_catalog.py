@@ -219,3 +219,52 @@ def test_an_index_from_an_older_version_is_a_clear_error(tmp_path):
         {METADATA_KEY: json.dumps({**meta, "version": 1})}), path)
     with pytest.raises(UserError, match="index version 1, the plane reads 2 to 4; re-run"):
         SourceState("old", 0, source, seed=0)
+
+
+def test_a_fresh_source_is_at_the_start_with_nothing_served(demo):
+    source = demo.sources[0]
+    state = SourceState(source.name, 0, source.path, demo.seed)
+    assert state.state_dict() == {
+        "epoch": 0, "shard_pos": 0, "sample_pos": 0, "exhausted": False, "quarantine": [],
+        "served_samples": 0, "served_tokens": 0, "skipped_corrupt": 0,
+        "skipped_quarantined": 0, "skipped_too_long": 0}
+    assert state.loaded_rows == 0  # no shard read yet
+
+
+def test_a_state_without_counters_resumes_with_them_at_zero(demo):
+    """A state saved before the counters existed: the cursor is resumed, the counters start
+    from 0."""
+    source = demo.sources[0]
+    state = SourceState(source.name, 0, source.path, demo.seed)
+    for _ in range(5):
+        state.next()
+    old = {k: v for k, v in state.state_dict().items()
+           if k not in ("served_samples", "served_tokens", "skipped_corrupt",
+                        "skipped_quarantined", "skipped_too_long")}
+    resumed = SourceState(source.name, 0, source.path, demo.seed)
+    resumed.load_state_dict(old)
+    assert resumed.state_dict() == {**old, "served_samples": 0, "served_tokens": 0,
+                                    "skipped_corrupt": 0, "skipped_quarantined": 0,
+                                    "skipped_too_long": 0}
+    assert resumed.next().key == state.next().key
+
+
+def test_an_unknown_source_is_a_key_error_naming_the_sources(demo):
+    catalog = Catalog(demo.seed, [SourceState(s.name, i, s.path, demo.seed)
+                                  for i, s in enumerate(demo.sources[:2])])
+    with pytest.raises(KeyError, match=rf"no source 'nope' in the catalog \(sources: "
+                                       rf"{demo.sources[0].name}, {demo.sources[1].name}\)"):
+        catalog["nope"]
+
+
+def test_a_state_with_another_seed_replaces_the_seed_and_the_sources(demo):
+    first = Catalog(demo.seed, [SourceState(s.name, i, s.path, demo.seed)
+                                for i, s in enumerate(demo.sources[:2])])
+    other = Catalog(demo.seed + 1, [SourceState(demo.sources[0].name, 0, demo.sources[0].path,
+                                                demo.seed + 1)])
+    kept = first[demo.sources[0].name]
+    first.load_state_dict(json.loads(json.dumps(other.state_dict())))
+    assert first.seed == demo.seed + 1 and first.names == (demo.sources[0].name,)
+    assert first[demo.sources[0].name] is not kept  # rebuilt for the new seed's orders
+    assert [first[demo.sources[0].name].next().key for _ in range(3)] == \
+        [other[demo.sources[0].name].next().key for _ in range(3)]
