@@ -189,3 +189,11 @@ def test_reload_applies_at_a_window_boundary_and_replays(demo, tmp_path):
     again = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
     assert again.get_plan(16, 0) == ahead
     assert_exactly_once(tmp_path)
+
+
+def test_a_long_run_keeps_only_the_windows_it_still_needs(demo, tmp_path):
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    train(plane, 0, 20)  # windows of 4 steps: 0-4 trained
+    # the last trained window and those planned ahead; none before it
+    assert plane.state.windows and min(plane.state.windows) == 4
+    assert plane.state.starts and min(plane.state.starts) == 4

@@ -79,3 +79,20 @@ def test_bad_speeds_are_refused_in_one_line(demo, tmp_path, speeds, message):
         plane.set_speeds(0, speeds)
     assert plane.get_plan(1, 1).num_rows > 0 and plane.get_plan(0, 1) == before
     assert plane.status()["rank_speeds"] is None
+
+
+def test_speeds_re_plan_the_drawn_window_and_redraw_the_ones_after_it(demo, tmp_path):
+    """Windows drawn further ahead than the speeds' first step: the window holding that step
+    re-plans its tail, the later drawn one is drawn again, each with the new speeds."""
+    reference = _train(DataPlane(demo / "mix.yaml", tmp_path / "base", CONFIG), 0, 16)
+    plane = DataPlane(demo / "mix.yaml", tmp_path / "speeds", CONFIG)
+    _train(plane, 0, 5)
+    plane.get_plan(9, 0)  # rank 0 fetched ahead into window 2
+    plane.state.plan_through(15)  # window 3 drawn too
+    assert plane.set_speeds(4, [2.0, 0.8])["applies_at_step"] == 10
+    after = _train(plane, 5, 16)
+    assert all(after[s] == reference[s] for s in range(5, 10))
+    for step in range(10, 16):  # window 2's tail and window 3
+        assert _samples(after[step]) == _samples(reference[step])
+        share = _cost(after[step][1]) / (_cost(after[step][0]) + _cost(after[step][1]))
+        assert share < 0.36, (step, share)
