@@ -38,3 +38,16 @@ def test_a_retried_commit_succeeds_after_a_restart(demo, tmp_path, steps):
     with pytest.raises(RequestError, match="already committed"):
         again.commit(steps, 0)
     assert again.commit(steps, 1, fingerprint(again.get_plan(steps, 1)))["committed"]
+
+
+def test_a_retried_whole_step_commit_succeeds_and_another_plan_is_refused(demo, tmp_path):
+    from tests.dataplane.plane_steps import step_fp
+
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    whole = step_fp(plane, 0)
+    plane.commit(0, plan_fp=whole)
+    again = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)  # killed, restarted
+    reply = again.commit(0, plan_fp=whole)
+    assert reply == {"step": 0, "committed": True, "next_step": 1, "repeated": True}
+    with pytest.raises(RequestError):
+        again.commit(0, plan_fp="0" * len(whole))  # not the plans it committed

@@ -105,7 +105,7 @@ MODULE_TESTS: dict[str, ModuleTests] = {
          "tests/tools/test_train_resume.py", "tests/tools/test_train_optim_groups.py")),
     "dataplane/plane_state.py": ModuleTests(
         ("tests/dataplane/test_plane.py", _DURABILITY, "tests/dataplane/test_plane_speeds.py",
-         "tests/dataplane/test_group_commit.py"),
+         "tests/dataplane/test_group_commit.py", "tests/dataplane/test_plane_commit_retry.py"),
         (_RANDOM_KILLS,)),
     "dataplane/mixer.py": ModuleTests(
         ("tests/dataplane/test_mixer.py", "tests/dataplane/test_bulk_draw.py",
