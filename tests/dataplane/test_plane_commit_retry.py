@@ -51,3 +51,12 @@ def test_a_retried_whole_step_commit_succeeds_and_another_plan_is_refused(demo, 
     assert reply == {"step": 0, "committed": True, "next_step": 1, "repeated": True}
     with pytest.raises(RequestError):
         again.commit(0, plan_fp="0" * len(whole))  # not the plans it committed
+
+
+def test_a_retry_from_a_rank_the_step_did_not_have_is_refused(demo, tmp_path):
+    from tests.dataplane.plane_steps import step_fp
+
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    plane.commit(0, plan_fp=step_fp(plane, 0))
+    with pytest.raises(RequestError):
+        plane.commit(0, 3, "0" * 16)  # dp is 2

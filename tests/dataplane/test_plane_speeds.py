@@ -96,3 +96,4 @@ def test_speeds_re_plan_the_drawn_window_and_redraw_the_ones_after_it(demo, tmp_
         assert _samples(after[step]) == _samples(reference[step])
         share = _cost(after[step][1]) / (_cost(after[step][0]) + _cost(after[step][1]))
         assert share < 0.36, (step, share)
+
