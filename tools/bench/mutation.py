@@ -151,7 +151,8 @@ MODULE_TESTS: dict[str, ModuleTests] = {
     "loaders/ranged_file.py": ModuleTests(
         ("tests/loaders/test_ranged_read_ahead.py", "tests/loaders/test_index_remote.py")),
     "loaders/assemble.py": ModuleTests(
-        ("tests/loaders/test_decode_work.py", "tests/loaders/test_chunks.py")),
+        ("tests/loaders/test_assemble_units.py", "tests/loaders/test_decode_work.py",
+         "tests/loaders/test_chunks.py")),
     "balancer/split.py": ModuleTests(
         ("tests/balancer/test_split.py", "tests/balancer/test_baselines.py",
          "tests/balancer/test_cost.py")),
