@@ -123,3 +123,12 @@ def test_the_attempt_cap_stops_retries_long_before_the_deadline():
                                           total_timeout_s=3600.0), Counters())
     assert retried.fetch([(fs, "shard", 2, 6)]) == [b"2345"] and fs.calls == 7
     retried.close()
+
+
+def test_blocks_are_fetched_in_runs_of_consecutive_blocks_at_most_a_request_long():
+    from omniscale.loaders.remote_cache import _runs
+
+    # unsorted, with gaps, and a run of five cut at three blocks a request
+    assert _runs([9, 1, 2, 3, 4, 5, 7], 3) == [(1, 4), (4, 6), (7, 8), (9, 10)]
+    assert _runs([4, 2, 3], 1) == [(2, 3), (3, 4), (4, 5)]
+    assert _runs([], 4) == []
