@@ -129,6 +129,7 @@ def test_runnable_clock_counts_a_noisy_neighbour_and_leaves_out_waiting():
         spinner.kill()
         spinner.wait()
     working = wall - 0.3  # the loop's wall time, shared with the neighbour
-    assert seconds <= working + 0.05, (seconds, wall)  # the wait is left out
+    # the wait (0.3 s) is left out; 0.1 s of slack for the other xdist worker's load
+    assert seconds <= working + 0.1, (seconds, wall)
     assert seconds >= 0.85 * working, (seconds, wall)  # the neighbour's turns count
     assert cpu_seconds <= 0.75 * working, (cpu_seconds, wall)  # CPU time cannot see them
