@@ -53,7 +53,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -64,6 +63,13 @@ from pathlib import Path
 
 from omniscale.tools.bench.mutation_coverage import LineTests
 from omniscale.tools.bench.mutation_plugin import DEMO_ENV
+from omniscale.tools.bench.mutation_report import (  # noqa: F401 -- tests read them here
+    _previous_for_update,
+    _summarize,
+    load_reasons,
+    reason_key,
+    reclassify_crashes,
+)
 from omniscale.tools.bench.mutation_runners import Coverage, ForkRunner, Outcome, runner_in
 
 REPO = Path(__file__).resolve().parents[2]
@@ -316,11 +322,6 @@ def _tests_for(module: str, slow: bool) -> tuple[tuple[str, ...], tuple[str, ...
     return entry.fast, tuple(t for t in entry.slow if "::" in t and t.split("::")[0] in fast_files)
 
 
-def reason_key(survivor: dict) -> tuple:
-    """What identifies a survivor across runs and small edits elsewhere in the file."""
-    return survivor["file"], survivor["operator"], survivor["diff"]
-
-
 def check_module(module: str, work: Path, runner: Callable[..., Outcome]) -> dict:
     """The runs before a module's mutants (``--check`` runs only these): the tests must pass
     unmutated (``baseline_seconds`` sets the mutants' timeout) and fail with the module unable
@@ -435,14 +436,6 @@ def build_demo(work: Path, env: dict[str, str], demo: Path) -> set[str]:
     files = json.loads(done.stdout.strip().splitlines()[-1])
     return {str(Path(f).resolve().relative_to(work)) for f in files
             if f and Path(f).resolve().is_relative_to(work)}
-
-
-def load_reasons(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    old = json.loads(path.read_text())
-    return {reason_key(s): s["reason"] for m in old.get("modules", {}).values()
-            for s in m.get("survivors", ()) if s.get("reason")}
 
 
 def _raise_interrupt(signum, frame):
@@ -596,12 +589,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _summarize(report: dict) -> None:
-    for module, r in report["modules"].items():
-        print(f"{module}: " + (r.get("error") or f"{r['killed']} killed, {r['survived']} "
-              f"survived, {r['timed_out']} timed out of {r['sampled']} ({r['seconds']:.0f} s)"))
-
-
 def _run_in_jobs(args: argparse.Namespace, argv: list[str] | None, modules: list[str]) -> int:
     """``--jobs N``: :mod:`mutation_jobs` runs the modules in N drivers; one report."""
     from importlib.metadata import version
@@ -632,19 +619,6 @@ def _run_in_jobs(args: argparse.Namespace, argv: list[str] | None, modules: list
     return 0 if finished else 130
 
 
-def _previous_for_update(args: argparse.Namespace) -> dict | None:
-    """``--update``: the report in --out whose other modules are kept; its sample settings
-    must be this run's."""
-    if not args.update or not args.out.is_file():
-        return None
-    previous = json.loads(args.out.read_text())
-    for key in ("seed", "max_mutants"):
-        if previous.get(key) != getattr(args, key):
-            raise SystemExit(f"--update: {args.out} has {key} {previous.get(key)}, this run "
-                             f"{getattr(args, key)}; a table mixes no two samples")
-    return previous
-
-
 def _write(out: Path, report: dict, started: float, base: dict | None = None) -> None:
     """The report to ``out``; with ``base`` (``--update``), its modules that this run did not
     mutate kept, in the order of :data:`MODULE_TESTS`."""
@@ -660,21 +634,3 @@ def _write(out: Path, report: dict, started: float, base: dict | None = None) ->
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-# The last line of faulthandler's report of a fatal signal (pytest enables it): the extension
-# modules loaded, "(total: N)"; the only part of it a report's output tail keeps.
-_FATAL_SIGNAL = re.compile(r"\(total: \d+\)\s*$")
-
-
-def reclassify_crashes(result: dict) -> dict:
-    """A module's result with the error mutants whose run Python reported ending on a fatal
-    signal (faulthandler's report) counted as crashed: for reports written before the runners
-    told a crash from an error by the exit code."""
-    crashed = [e for e in result.get("error_mutants", []) if _FATAL_SIGNAL.search(e["output"])]
-    if not crashed:
-        return result
-    return {**result, "errors": result["errors"] - len(crashed),
-            "crashed": result.get("crashed", 0) + len(crashed),
-            "error_mutants": [e for e in result["error_mutants"] if e not in crashed],
-            "crashed_mutants": result.get("crashed_mutants", []) + crashed}
