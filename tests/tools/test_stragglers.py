@@ -127,12 +127,12 @@ def test_a_slow_rank_in_a_real_run_is_named_from_its_nth_slow_step(demo, tmp_pat
     """Data rank 1 computes 3 s longer from step 1 (inside the compute clock); with
     ``straggler_steps=2`` it is a straggler from step 2. The slowdown starts at the first
     step that has a cost fit (step 0 has none), so noise on an unslowed step cannot start the
-    run early (from step 2, one noisy step 1 on a loaded machine named it a step early). The bound is 1.2x, not the default
-    1.5x: with two ranks the cost fit's k takes in the slow rank too, so once the plan gives
-    both ranks equal work a rank taking s + 3 s against its peer's s is judged at
-    2(s + 3)/(2s + 3) of its prediction -- 1.65x at the tiny model's s = 0.8 s, 1.33x at
-    s = 3 s and still 1.23x at s = 5 s on a loaded machine (1.5 s extra fell under 1.25x
-    there in a full suite run) -- and the fast rank always under 1x."""
+    run early (from step 2, one noisy step 1 on a loaded machine named it a step early).
+    The bound is 1.2x, not the default 1.5x: with two ranks the cost fit's k takes in the slow
+    rank too, so once the plan gives both ranks equal work a rank taking s + 3 s against its
+    peer's s is judged at 2(s + 3)/(2s + 3) of its prediction -- 1.65x at the tiny model's
+    s = 0.8 s, 1.33x at s = 3 s and still 1.23x at s = 5 s on a loaded machine (1.5 s extra
+    fell under 1.25x there in a full suite run) -- and the fast rank always under 1x."""
     run = tmp_path / "run"
     sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
             "data.global_batch_tokens": 4096, "data.micro_batch_tokens": 2048,
