@@ -49,7 +49,8 @@ def reshard_plan(plans: list[RankPlan], rank: int) -> ReshardPlan:
     send = sorted((c, item) for item, e, c in pairs if e == rank)
     expected, send_pairs = {item for _, item in send}, set(send)
     if expected != set(encoded) or any((encoded[i], i) not in send_pairs for i in encoded):
-        missing, extra = sorted(expected - set(encoded)), sorted(set(encoded) - expected)
+        missing = sorted(expected - set(encoded))
+        extra = sorted(i for i in encoded if (encoded[i], i) not in send_pairs)
         raise ValueError(f"plan of rank {rank}: its encode rows disagree with the llm rows' "
                          f"encode_ranks (expected but not encoded: {missing[:3]}; encoded "
                          f"but unexpected or sent elsewhere: {extra[:3]})")

@@ -120,8 +120,8 @@ MODULE_TESTS: dict[str, ModuleTests] = {
          "tests/dataplane/test_plane_state_edges.py"),
         (_RANDOM_KILLS,)),
     "dataplane/mixer.py": ModuleTests(
-        ("tests/dataplane/test_mixer.py", "tests/dataplane/test_bulk_draw.py",
-         "tests/dataplane/test_plane_golden.py"),
+        ("tests/dataplane/test_mixer.py", "tests/dataplane/test_mixer_edges.py",
+         "tests/dataplane/test_bulk_draw.py", "tests/dataplane/test_plane_golden.py"),
         _MIXER_PROPERTIES),
     "dataplane/catalog.py": ModuleTests(
         ("tests/dataplane/test_catalog.py", "tests/dataplane/test_catalog_edges.py",
@@ -130,7 +130,7 @@ MODULE_TESTS: dict[str, ModuleTests] = {
         ("tests/dataplane/test_spec_remote.py", *_MIXER_PROPERTIES)),
     "dataplane/windows.py": ModuleTests(
         ("tests/dataplane/test_bulk_draw.py", "tests/balancer/test_static_layout.py",
-         "tests/dataplane/test_plane_speeds.py")),
+         "tests/dataplane/test_plane_speeds.py", "tests/dataplane/test_windows_units.py")),
     "tools/train/guard.py": ModuleTests(
         ("tests/tools/test_guard_units.py",),
         ("tests/tools/test_train_guard.py", "tests/tools/test_guard_router_bias.py")),
@@ -164,7 +164,8 @@ MODULE_TESTS: dict[str, ModuleTests] = {
     "loaders/ranged_file.py": ModuleTests(
         ("tests/loaders/test_ranged_read_ahead.py", "tests/loaders/test_index_remote.py")),
     "loaders/assemble.py": ModuleTests(
-        ("tests/loaders/test_assemble_units.py", "tests/loaders/test_decode_work.py",
+        ("tests/loaders/test_assemble_units.py", "tests/loaders/test_assemble_edges.py",
+         "tests/loaders/test_decode_work.py",
          "tests/loaders/test_chunks.py")),
     "balancer/split.py": ModuleTests(
         ("tests/balancer/test_split.py", "tests/balancer/test_baselines.py",
@@ -175,7 +176,8 @@ MODULE_TESTS: dict[str, ModuleTests] = {
         ("tests/balancer/test_assign.py", "tests/balancer/test_ranktree.py",
          "tests/balancer/test_speeds_planner.py")),
     "parallel/reshard.py": ModuleTests(
-        ("tests/parallel/test_reshard.py", "tests/test_plan.py")),
+        ("tests/parallel/test_reshard.py", "tests/parallel/test_reshard_units.py",
+         "tests/test_plan.py")),
 }
 
 
