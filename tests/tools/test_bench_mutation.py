@@ -206,7 +206,9 @@ def test_reasons_are_read_back_from_a_previous_report(tiny_module, tmp_path):
                                  max_mutants=100, seed=0, select="all", log=lambda line: None)
     result["survivors"][0]["reason"] = "equal on ints here"
     unexplained = {**result["survivors"][0], "diff": "-a\n+b", "reason": ""}  # not kept
-    result["survivors"].append(unexplained)
+    claimed = {**result["survivors"][0], "diff": "-c\n+d",  # measured again, not carried
+               "reason": "killed by tests/test_tiny.py::test_f"}
+    result["survivors"] += [unexplained, claimed]
     out = tmp_path / "mutation.json"
     out.write_text(json.dumps({"modules": {"pkg/tiny.py": result}}))
     assert mutation.load_reasons(out) == {
@@ -335,7 +337,7 @@ def test_modules_are_shared_among_jobs_longest_first():
 
 def test_an_update_keeps_the_modules_it_did_not_run_and_refuses_another_sample(tmp_path):
     out = tmp_path / "mutation.json"
-    old = {"seed": 0, "max_mutants": 100, "modules": {
+    old = {"seed": 0, "max_mutants": 100, "git_commit": "abc", "git_dirty": False, "modules": {
         "parallel/reshard.py": {"killed": 1}, "dataplane/journal.py": {"killed": 2}}}
     out.write_text(json.dumps(old))
     args = SimpleNamespace(update=True, out=out, seed=0, max_mutants=100)
@@ -347,7 +349,9 @@ def test_an_update_keeps_the_modules_it_did_not_run_and_refuses_another_sample(t
     # the new results win, the others stay, in the mapping's order
     assert written["modules"] == {"dataplane/journal.py": {"killed": 3},
                                   "balancer/pack.py": {"killed": 4},
-                                  "parallel/reshard.py": {"killed": 1}}
+                                  # measured at the old report's commit
+                                  "parallel/reshard.py": {"killed": 1, "git_commit": "abc",
+                                                          "git_dirty": False}}
     assert written["updated_modules"] == ["dataplane/journal.py", "balancer/pack.py"]
     with pytest.raises(SystemExit, match="seed 0, this run 1"):
         mutation._previous_for_update(SimpleNamespace(update=True, out=out, seed=1,

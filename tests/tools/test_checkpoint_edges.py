@@ -256,3 +256,30 @@ def test_a_checkpoint_dcp_cannot_load_is_refused_with_dcps_last_line(tmp_path):
     line = str(refused.value)
     assert line.startswith(f"{path}: cannot load checkpoint (") and "\n" not in line
     assert "Size mismatch" in line and "Traceback" not in line, line
+    assert "optim.groups" not in line  # the frozen-parameters hint is for another refusal
+
+
+def _stepped(model, optimizer):
+    """The optimizer after one step: state for every parameter that had a gradient."""
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_parameter_frozen_when_saved_but_trained_now_is_refused_with_the_groups_hint(tmp_path):
+    """A checkpoint saved with the first layer frozen holds no optimizer state for it; resuming
+    with that layer trained asks DCP for state it lacks. The line says why (optim.groups must
+    freeze the same parameters), a hint other refusals do not carry."""
+    model, optimizer = _model()
+    model[0].requires_grad_(False)
+    with _group(tmp_path):
+        path = checkpoint.save(tmp_path / "run", 2, *_stepped(model, optimizer), _Plane(),
+                               rank=0).path
+        trained, trained_optimizer = _stepped(*_model())
+        with pytest.raises(UserError) as refused:
+            checkpoint.load(path, trained, trained_optimizer)
+    line = str(refused.value)
+    assert line.startswith(f"{path}: cannot load checkpoint (") and "\n" not in line
+    assert "optimizer.state." in line, line
+    assert line.endswith("-- optim.groups must freeze the same parameters as when the "
+                         "checkpoint was saved)"), line

@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+from omniscale.tools.bench.mutation_table import KILLED_LATER
+
 
 def reason_key(survivor: dict) -> tuple:
     """What identifies a survivor across runs and small edits elsewhere in the file."""
@@ -17,11 +19,15 @@ def reason_key(survivor: dict) -> tuple:
 
 
 def load_reasons(path: Path) -> dict:
+    """The reasons written in the report at ``path``, by :func:`reason_key`; not the "killed by
+    <test>" ones: a run measures those again (a mutant the test did not kill after all
+    survives without a reason, instead of being listed as killed)."""
     if not path.is_file():
         return {}
     old = json.loads(path.read_text())
     return {reason_key(s): s["reason"] for m in old.get("modules", {}).values()
-            for s in m.get("survivors", ()) if s.get("reason")}
+            for s in m.get("survivors", ())
+            if s.get("reason") and not s["reason"].startswith(KILLED_LATER)}
 
 
 def _summarize(report: dict) -> None:
@@ -40,6 +46,11 @@ def _previous_for_update(args: argparse.Namespace) -> dict | None:
         if previous.get(key) != getattr(args, key):
             raise SystemExit(f"--update: {args.out} has {key} {previous.get(key)}, this run "
                              f"{getattr(args, key)}; a table mixes no two samples")
+    for result in previous.get("modules", {}).values():
+        # a module kept from a report written before modules recorded their own commit was
+        # measured at that report's
+        for key in ("git_commit", "git_dirty"):
+            result.setdefault(key, previous.get(key))
     return previous
 
 
