@@ -80,8 +80,9 @@ def chat_format(which: str, tokenizer: Path, train_on_prompt: bool = False) -> C
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template
                              if isinstance(t, dict) and t.get("name") == "default"), None)
-        beside = config_path.parent / "chat_template.jinja"  # where transformers 4.43+ saves it
-        if template is None and beside.is_file():
+        # where transformers 4.43+ saves it; like transformers, it wins over the config's
+        beside = config_path.parent / "chat_template.jinja"
+        if beside.is_file():
             template = beside.read_text(encoding="utf-8")
         if not isinstance(template, str) or not template:
             raise UserError(f"{config_path}: no chat_template (name chatml or a .jinja file "

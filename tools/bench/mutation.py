@@ -151,13 +151,15 @@ MODULE_TESTS: dict[str, ModuleTests] = {
         ("tests/tools/test_step_audit.py", "tests/tools/test_train.py",
          "tests/tools/test_rank_speeds.py")),
     "loaders/chat.py": ModuleTests(
-        ("tests/loaders/test_chat.py", "tests/loaders/test_conversation_templates.py"),
+        ("tests/loaders/test_chat.py", "tests/loaders/test_chat_edges.py",
+         "tests/loaders/test_conversation_templates.py"),
         ("tests/loaders/test_chat.py::"  # the one test of the two files that builds the demo
          "test_target_tokens_of_other_sources_count_the_decoded_labels",)),
     "loaders/conversation.py": ModuleTests(
         ("tests/loaders/test_conversation.py", "tests/loaders/test_importers.py")),
     "loaders/sequence.py": ModuleTests(
-        ("tests/loaders/test_sequence.py", "tests/loaders/test_chunks.py"),
+        ("tests/loaders/test_sequence.py", "tests/loaders/test_sequence_edges.py",
+         "tests/loaders/test_chunks.py"),
         ("tests/parallel/test_sp.py",)),
     "loaders/remote_cache.py": ModuleTests(
         ("tests/loaders/test_cache_edges.py", "tests/loaders/test_remote_cache.py")),
