@@ -226,7 +226,9 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="omniscale-prefetch")
         self._inflight: set[tuple[str, int]] = set()
         self._pending: set[Future] = set()
-        self._lock = threading.Lock()
+        # Reentrant: submit adds each future's done callback under it, and a future done
+        # already runs its callback (which takes the lock) at once, in submit's thread.
+        self._lock = threading.RLock()
         self._closed = False
 
     def submit(self, refs) -> None:

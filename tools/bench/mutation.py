@@ -162,9 +162,11 @@ MODULE_TESTS: dict[str, ModuleTests] = {
          "tests/loaders/test_chunks.py"),
         ("tests/parallel/test_sp.py",)),
     "loaders/remote_cache.py": ModuleTests(
-        ("tests/loaders/test_cache_edges.py", "tests/loaders/test_remote_cache.py")),
+        ("tests/loaders/test_cache_edges.py", "tests/loaders/test_remote_cache.py",
+         "tests/loaders/test_remote_cache_units.py")),
     "loaders/ranged_file.py": ModuleTests(
-        ("tests/loaders/test_ranged_read_ahead.py", "tests/loaders/test_index_remote.py")),
+        ("tests/loaders/test_ranged_read_ahead.py", "tests/loaders/test_index_remote.py",
+         "tests/loaders/test_ranged_file_units.py")),
     "loaders/assemble.py": ModuleTests(
         ("tests/loaders/test_assemble_units.py", "tests/loaders/test_assemble_edges.py",
          "tests/loaders/test_decode_work.py",
