@@ -200,3 +200,105 @@ def test_a_model_evaluated_in_eval_mode_stays_in_eval_mode(tmp_path, monkeypatch
     held.evaluate(model, 1)
     assert not model.training
 
+
+
+def test_a_run_of_more_than_256_steps_writes_its_last_steps_results(tmp_path, monkeypatch):
+    # step counts past CPython's small-int cache: the last step is told by value
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    held = _Scoring.__new__(_Scoring)
+    steps = int("1000")  # as a config file gives it: not the literal below's object
+    held.__dict__.update(vars(_held(_cfg(steps=steps), run_dir=tmp_path)))
+    held.modes, held.sets = [], {"captions": ([_mb("a")], 1)}
+    held.evaluate(nn.Linear(2, 2), 1000)
+    assert json.loads((tmp_path / "eval.json").read_text())["step"] == 1000
+    assert held.due(1000) and not held.due(999)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_0_alone_reads_the_held_out_set_and_every_rank_gets_it(tmp_path, monkeypatch,
+                                                                    rank):
+    from omniscale.tools.train import evaluate
+
+    read = []
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(evaluate, "scored_sources", lambda cfg, spec: ["captions", "chat"])
+    monkeypatch.setattr(evaluate, "_batches",
+                        lambda cfg, spec, source, out: read.append((source, out)) or [source])
+    sent = {"captions": ["from rank 0"]}
+    # the broadcast: rank 0's sets go out as they are; another rank's None is replaced
+    monkeypatch.setattr(collectives, "broadcast_held_out",
+                        lambda sets: sets if rank == 0 else sent)
+    (tmp_path / "eval").mkdir()  # a resumed run: its eval planes' folder is there already
+    held = _held(run_dir=tmp_path)
+    got = held._read()
+    if rank == 0:
+        assert read == [("captions", tmp_path / "eval"), ("chat", tmp_path / "eval")]
+        assert got == {"captions": ["captions"], "chat": ["chat"]}
+    else:
+        assert read == [] and got == sent
+
+
+@pytest.mark.parametrize("precision, device, bf16", [
+    ("bf16", "cpu", True), ("fp32", "cuda", False), ("auto", "cuda", True),
+    ("auto", "cpu", False), ("bf16", "cuda", True)])
+def test_auto_precision_is_bf16_on_cuda_only(monkeypatch, precision, device, bf16):
+    """The choice alone (a CUDA autocast cannot be entered here): what ``_precision`` asks
+    ``torch.autocast`` for, for a model on each device. The precision string is built at run
+    time, as a config file's is."""
+    asked = []
+    monkeypatch.setattr(torch, "autocast", lambda device_type, dtype, enabled: asked.append(
+        (device_type, dtype, enabled)))
+    on_device = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(
+        device=torch.device(device))]))
+    HeldOut._precision(_held(_cfg(precision="".join(precision))), on_device)
+    assert asked == [(device, torch.bfloat16, bf16)]
+
+
+class _Sharded(nn.Module):
+    """An FSDP root as ``velocity`` sees it (the test makes it the ``FSDPModule`` class):
+    records when it is unsharded."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.calls = []
+
+    def unshard(self, async_op=False):
+        self.calls.append("unshard")
+
+    def reshard(self):
+        self.calls.append("reshard")
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_video_gen_scores_with_the_roots_parameters_gathered_and_each_batchs_own_noise(
+        monkeypatch, sharded):
+    import torch.distributed.fsdp
+
+    from omniscale.tools.train import video_gen
+
+    monkeypatch.setattr(torch.distributed.fsdp, "FSDPModule", _Sharded)
+    model = _Sharded() if sharded else nn.Linear(2, 2)
+    seen = []
+
+    def velocity_sums(m, batches, indices):
+        seen.append((list(getattr(m, "calls", [])), batches, indices))
+        return [1.0, 3.0, 5.0], 4  # per flow time (0.25, 0.5, 0.75), summed errors; patches
+
+    monkeypatch.setattr(video_gen, "velocity_sums", velocity_sums)
+    # the peer's sums and patches, as the all-reduce adds them
+    monkeypatch.setattr(collectives, "sum_held_out_velocity",
+                        lambda both, group: both + torch.tensor([2.0, 1.0, 0.0, 4.0],
+                                                                dtype=torch.float64))
+    held = _held(rank=1, world=2)
+    mine = [(1, "mb1"), (3, "mb3"), (None, "pad")]
+    result = held.velocity(model, mine, samples=7)
+    calls, batches, indices = seen[0]
+    # each real batch draws its noise by its index in the whole set (as one process does);
+    # the padding's forward scores nothing, whatever noise it draws
+    assert batches == ["mb1", "mb3", "pad"] and indices[:2] == [1, 3] and len(indices) == 3
+    if sharded:
+        assert calls == ["unshard"] and model.calls == ["unshard", "reshard"]
+    # both ranks: sums 3, 4 and 5 over 8 patches at each time -> 12 over 24 targets
+    assert result == {"samples": 7, "loss": 0.5, "loss_sum": 12.0, "n_targets": 24.0,
+                      "loss_t0.25": 3 / 8, "loss_t0.5": 0.5, "loss_t0.75": 5 / 8}
