@@ -92,9 +92,10 @@ def test_each_rank_of_a_300_rank_world_gets_its_side_of_the_exchange(big_plans, 
     assert local_reshard_plan(big_plans[rank], rank, WORLD) == BIG_SIDES[rank]
 
 
-def test_a_plan_handed_to_another_rank_is_refused(big_plans):
-    with pytest.raises(ValueError, match="the plan of rank 290 handed to rank 299"):
-        local_reshard_plan(big_plans[290], 299, WORLD)
+@pytest.mark.parametrize("plan_rank, rank", [(290, 299), (290, 3)])  # below it and above
+def test_a_plan_handed_to_another_rank_is_refused(big_plans, plan_rank, rank):
+    with pytest.raises(ValueError, match=f"the plan of rank {plan_rank} handed to rank {rank}"):
+        local_reshard_plan(big_plans[plan_rank], rank, WORLD)
 
 
 def test_items_the_llm_rows_expect_but_no_encode_row_makes_are_named_three_at_most():
@@ -151,10 +152,24 @@ def test_a_plan_for_another_number_of_ranks_than_the_group_is_refused(plan_ranks
         reshard({A0: torch.zeros(2, D)}, _plan_for(plan_ranks), _group(group_ranks), dim=D)
 
 
-@pytest.mark.parametrize("shape", [(3,), (2, D, 1), (2, D - 1), (2, D + 1), (2, 1, D)])
+@pytest.mark.parametrize("shape", [(3,), (2, D, 1), (2, D - 1), (2, D + 1), (2, 1, D),
+                                   (D, D + 1)])  # as many tokens as dim: still the wrong width
 @pytest.mark.parametrize("world", [1, 300])
 def test_a_block_not_of_num_tokens_by_dim_is_refused(shape, world):
     """The plan fits the group (300 ranks too), so the block's shape is what is refused."""
     with pytest.raises(ValueError, match=rf"item .* has shape \({', '.join(map(str, shape))},?\)"
                                          rf", expected \[num_tokens, {D}\]"):
         reshard({A0: torch.zeros(shape)}, _plan_for(world), _group(world), dim=D)
+
+
+def test_a_block_wider_than_256_goes_through_a_one_rank_exchange_unchanged(tmp_path):
+    """A real one-rank gloo group: the rank sends its one item to itself. A width past
+    CPython's small-int cache is compared by value."""
+    from tests.tools.test_checkpoint_manifest import _group as one_rank_group
+
+    dim = int("300")  # as a model config gives it: not the literal's object
+    block = torch.arange(2 * 300, dtype=torch.float32).reshape(2, 300)
+    with one_rank_group(tmp_path):
+        out = reshard({A0: block}, ReshardPlan([A0], [1], [A0], [1]), dim=dim)
+    assert list(out.items) == [A0] and torch.equal(out.items[A0], block)
+    assert float(out.zero.detach()) == 0.0
