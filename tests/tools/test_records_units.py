@@ -169,3 +169,58 @@ def test_a_flush_of_no_steps_makes_no_rows_and_calls_no_collective(monkeypatch):
         raise AssertionError("no collective for an empty interval")
     monkeypatch.setattr(collectives, "flush_metrics", refuse)
     assert records.flush(_env(), _state(), []) == []
+
+
+def test_a_batch_without_a_prediction_has_no_predicted_cost():
+    # a plan without costs (its metadata names none): 0, which the stragglers and the
+    # cost fit read as "nothing predicted" and skip
+    batch = SimpleNamespace(data_wait_s=0.0, micro_batches=[], skipped=[], replaced=[],
+                            metadata={})
+    record = step_record(1, batch, lr=0.1, grad_norm=torch.tensor(1.0), counts=None,
+                         sums=None, row=None, wall_s=1.0, compute_s=0.5)
+    assert record.predicted_cost == 0.0
+    assert record.plan == {"imbalance_predicted": None, "predicted_step_cost": None,
+                           "baseline_predicted_step_cost": None, "baseline_policy": None}
+
+
+def test_straggler_lines_are_printed_by_the_writing_rank_only(monkeypatch, capsys):
+    # rank 1 computes 3x its prediction for two steps (straggler_steps=2, factor 1.5)
+    for writer in (True, False):
+        state = _state()
+        for step in (1, 2, 3):
+            _peer(monkeypatch, [0.0], [[1.0, 1.0 if step == 1 else 3.0, 1.0, 0.0, 0]],
+                  [(None, [], {})])
+            mine = [_record(step, [0.0], cost=1.0, compute=1.0, wall=1.0, wait=0.0)]
+            records.flush(_env(writer=writer), state, mine)
+        out = capsys.readouterr().out
+        if writer:
+            assert "straggler: data rank 1" in out and "(step 3)" in out
+        else:
+            assert out == ""
+
+
+def test_a_step_shorter_than_a_second_gets_its_own_wait_fraction(monkeypatch):
+    # 0.2 s computing after 0.05 s waiting, on both ranks: the step is 0.25 s, a fifth waiting
+    _peer(monkeypatch, [0.0], [[1.0, 0.2, 0.2, 0.05, 0]], [(None, [], {})])
+    mine = [_record(1, [0.0], cost=1.0, compute=0.2, wall=0.2, wait=0.05)]
+    row = records.flush(_env(), _state(), mine)[0]
+    assert row["step_s"] == pytest.approx(0.25)
+    assert row["data_wait_frac"] == pytest.approx(0.2)
+
+
+def test_a_step_no_rank_computed_in_is_balanced_not_a_division_by_zero(monkeypatch):
+    _peer(monkeypatch, [0.0], [[0.0, 0.0, 0.1, 0.0, 0]], [(None, [], {})])
+    mine = [_record(1, [0.0], cost=0.0, compute=0.0, wall=0.1, wait=0.0,
+                    host_syncs={"item": 2}, micro_batches=0)]
+    row = records.flush(_env(), _state(), mine)[0]
+    assert row["imbalance_measured"] == 0.0
+    assert row["host_syncs_per_micro_batch"] == 2.0  # no micro-batch: the step's own count
+
+
+def test_reads_that_name_only_misses_or_only_hits_count_the_other_as_none():
+    # misses only: nothing hit; hits only: no byte fetched from the store
+    assert records._data_io([{"cache_misses": 2, "store_bytes": 8}], 4) == {
+        "cache_misses": 2, "store_bytes": 8, "cache_hit_rate": 0.0,
+        "store_bytes_per_sample": 2.0}
+    assert records._data_io([{"cache_hits": 2}], 4) == {
+        "cache_hits": 2, "cache_hit_rate": 1.0, "store_bytes_per_sample": 0.0}
