@@ -306,6 +306,30 @@ def test_the_plugin_hands_over_the_prebuilt_demo_only_when_told(monkeypatch, tmp
     assert mutation_plugin.pytest_fixture_setup(other, None) is None
 
 
+def test_each_measured_test_of_a_mutants_run_times_out_at_its_own_measure(tmp_path):
+    """The hook marks each test the coverage run timed, its mark before the test's own (the
+    closest wins); a real pytest run reads the mark it put there."""
+    (tmp_path / "test_timed.py").write_text(
+        "def test_quick(request):\n"
+        "    assert request.node.get_closest_marker('timeout').args[0] == 30.5\n\n"
+        "import pytest\n\n"
+        "@pytest.mark.timeout(7)\n"
+        "def test_slow(request):\n"
+        "    assert request.node.get_closest_marker('timeout').args[0] == 60.0\n\n"
+        "@pytest.mark.timeout(7)\n"
+        "def test_new(request):  # not measured: keeps its own\n"
+        "    assert request.node.get_closest_marker('timeout').args[0] == 7\n")
+    seconds = tmp_path / "coverage-m.seconds"
+    seconds.write_text("test_timed.py::test_quick\t0.500\ntest_timed.py::test_slow\t20.000\n")
+    env = {**os.environ, mutation_plugin.TEST_SECONDS_ENV: str(seconds)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                          "omniscale.tools.bench.mutation_plugin", "test_timed.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert "3 passed" in run.stdout
+    assert mutation_plugin.hang_timeout(0.5) == 30.5 and mutation_plugin.hang_timeout(20) == 60
+
+
 def test_check_reports_the_baseline_the_canary_and_the_time_of_a_run(tiny_module):
     calls: list[str] = []
     stand_in = _stand_in_runner(tiny_module, calls)

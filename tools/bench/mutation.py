@@ -67,7 +67,7 @@ from omniscale.tools.bench.mutation_mutants import (  # noqa: F401 -- tests read
     mutate,
     sample,
 )
-from omniscale.tools.bench.mutation_plugin import DEMO_ENV
+from omniscale.tools.bench.mutation_plugin import DEMO_ENV, TEST_SECONDS_ENV
 from omniscale.tools.bench.mutation_report import (  # noqa: F401 -- tests read them here
     _previous_for_update,
     _summarize,
@@ -260,13 +260,17 @@ def check_module(module: str, work: Path, runner: Callable[..., Outcome]) -> dic
     return {**result, "timeout_seconds": timeout}
 
 
+def coverage_data(work: Path, module: str) -> Path:
+    """The coverage data file of ``module``'s measured run, beside the copy ``work``; its
+    tests' order and times are in ``.tests`` and ``.seconds`` files beside it."""
+    return work.parent / f"coverage-{module.replace('/', '-')}"
+
+
 def measure_line_tests(module: str, work: Path, runner: Callable[..., Outcome],
                        timeout: float) -> LineTests | None:
     """Which fast test of ``module`` executes which of its lines: one run under coverage
     (:mod:`mutation_coverage`); None if that run did not pass."""
-    data_file = work.parent / f"coverage-{module.replace('/', '-')}"
-    for stale in (data_file, Path(f"{data_file}.tests"), Path(f"{data_file}.seconds")):
-        stale.unlink(missing_ok=True)
+    data_file = coverage_data(work, module)
     measured = runner(*_tests_for(module, slow=False), timeout,
                       Coverage(str(data_file), str((work / module).resolve())))
     if measured.status != "survived":
@@ -284,6 +288,9 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
     started = time.perf_counter()
     path = work / module
     source = path.read_text(encoding="utf-8")
+    data_file = coverage_data(work, module)  # an earlier run's: no test's timeout comes from it
+    for stale in (data_file, Path(f"{data_file}.tests"), Path(f"{data_file}.seconds")):
+        stale.unlink(missing_ok=True)
     result = check_module(module, work, runner)
     if "error" in result:
         return result
@@ -455,8 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     demo_imports = build_demo(work, env, args.work / "demo")
 
     def env_of(module: str) -> dict[str, str]:
+        # each test's own timeout in a mutant's run, from the times its coverage run measures
+        timed = {**env, TEST_SECONDS_ENV: f"{coverage_data(work, module)}.seconds"}
         # a module the demo is built with must build it mutated: the suite's fixture then
-        return env if module in demo_imports else {**env, DEMO_ENV: str(args.work / "demo")}
+        return timed if module in demo_imports else {**timed, DEMO_ENV: str(args.work / "demo")}
 
     if args.check:
         print(f"work copy and demo: {time.perf_counter() - began:.0f} s", flush=True)

@@ -18,7 +18,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from omniscale.tools.bench.mutation_plugin import OUTSIDE_TESTS
+from omniscale.tools.bench.mutation_plugin import OUTSIDE_TESTS, hang_timeout
 
 COMPILED = ("jit",)  # decorators whose functions coverage cannot look into (numba's njit, jit)
 
@@ -56,8 +56,7 @@ class LineTests:
     def timeout_for(self, tests: tuple[str, ...], ceiling: float) -> float:
         """A timeout for running ``tests`` alone: three times their measured time, at least
         30 s more than it (collection, imports), at most ``ceiling`` (the whole set's)."""
-        took = sum(self.seconds.get(t, ceiling) for t in tests)
-        return min(ceiling, max(3 * took, took + 30))
+        return min(ceiling, hang_timeout(sum(self.seconds.get(t, ceiling) for t in tests)))
 
     def tests_for(self, tree: ast.Module, line: int) -> tuple[tuple[str, ...] | None, str]:
         """The node ids to run against a mutant on ``line`` of the module parsed as ``tree``,

@@ -2,7 +2,9 @@
 it hands over the demo the driver built once, and, in a run measured by coverage, names the
 coverage context after the test that runs (its node id), so that the driver learns which tests
 execute each line of the mutated module, and writes the tests' order and times beside the data
-file.
+file. In a mutant's run, each test with a measured time gets a timeout of its own
+(:func:`hang_timeout` of that time), so a mutant that makes one quick test hang is cut after
+that test's measure, not after the whole run's.
 
 Lines run outside any one test get the empty context: the imports of collection, and fixtures
 shared by several tests (session, package, module or class scope), whose results later tests
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 DEMO_ENV = "OMNISCALE_MUTATION_DEMO"  # the prebuilt demo's directory
+TEST_SECONDS_ENV = "OMNISCALE_MUTATION_TEST_SECONDS"  # the coverage run's per-test times
 OUTSIDE_TESTS = ""  # the context of lines no single test owns
 
 _test = OUTSIDE_TESTS  # the node id of the test running now
@@ -33,6 +36,28 @@ def pytest_fixture_setup(fixturedef, request):
         return None
     fixturedef.cached_result = (Path(demo), fixturedef.cache_key(request), None)
     return Path(demo)
+
+
+def hang_timeout(took: float) -> float:
+    """How long a run whose unmutated time was ``took`` seconds may take before it counts as
+    a hang: three times as long, and at least 30 s more (imports, a shared fixture set up by
+    whichever test comes first, a busy machine)."""
+    return max(3 * took, took + 30)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A mutant's run (not the coverage run that measures the times): each test measured
+    there times out at :func:`hang_timeout` of its time (pytest-timeout: the test fails, and
+    the next one runs)."""
+    path = os.environ.get(TEST_SECONDS_ENV)
+    if not path or _measuring() is not None or not os.path.isfile(path):
+        return
+    with open(path) as times:
+        seconds = dict(line.rstrip("\n").rsplit("\t", 1) for line in times if "\t" in line)
+    for item in items:
+        if item.nodeid in seconds:  # before the test's own mark: the closest one counts
+            item.add_marker(pytest.mark.timeout(hang_timeout(float(seconds[item.nodeid]))),
+                            append=False)
 
 
 def _measuring():
