@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from omniscale.tools.bench import mutation, mutation_plugin
+from omniscale.tools.bench import mutation, mutation_plugin, mutation_report
 from omniscale.tools.bench.mutation import Mutant
 from omniscale.tools.bench.mutation_jobs import share
 from omniscale.tools.bench.mutation_runners import Outcome
@@ -211,10 +211,10 @@ def test_reasons_are_read_back_from_a_previous_report(tiny_module, tmp_path):
     result["survivors"] += [unexplained, claimed]
     out = tmp_path / "mutation.json"
     out.write_text(json.dumps({"modules": {"pkg/tiny.py": result}}))
-    assert mutation.load_reasons(out) == {
+    assert mutation_report.load_reasons(out) == {
         ("pkg/tiny.py", "core/ReplaceComparisonOperator_Lt_LtE",
          "-    return a < b\n+    return a <= b"): "equal on ints here"}
-    assert mutation.load_reasons(tmp_path / "absent.json") == {}
+    assert mutation_report.load_reasons(tmp_path / "absent.json") == {}
 
 
 def test_tests_that_fail_unmutated_or_miss_the_canary_stop_the_module(tiny_module):
@@ -388,8 +388,8 @@ def test_crashes_in_an_older_report_are_told_from_errors_by_faulthandlers_last_l
     crash = {"line": 3, "output": "..., PIL._imagingft, regex._regex (total: 132)\n"}
     error = {"line": 4, "output": "ERROR: usage: no such option"}
     old = {"killed": 5, "errors": 2, "error_mutants": [crash, error]}
-    assert mutation.reclassify_crashes(old) == {
+    assert mutation_report.reclassify_crashes(old) == {
         "killed": 5, "errors": 1, "crashed": 1, "error_mutants": [error],
         "crashed_mutants": [crash]}
-    assert mutation.reclassify_crashes({"errors": 1, "error_mutants": [error]}) == {
+    assert mutation_report.reclassify_crashes({"errors": 1, "error_mutants": [error]}) == {
         "errors": 1, "error_mutants": [error]}

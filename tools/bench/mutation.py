@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from omniscale.tools.bench.mutation_coverage import LineTests
-from omniscale.tools.bench.mutation_mutants import (  # noqa: F401 -- tests read them here
+from omniscale.tools.bench.mutation_mutants import (
     Mutant,
     enumerate_mutants,
     line_diff,
@@ -68,12 +68,11 @@ from omniscale.tools.bench.mutation_mutants import (  # noqa: F401 -- tests read
     sample,
 )
 from omniscale.tools.bench.mutation_plugin import DEMO_ENV, TEST_SECONDS_ENV
-from omniscale.tools.bench.mutation_report import (  # noqa: F401 -- tests read them here
+from omniscale.tools.bench.mutation_report import (
     _previous_for_update,
     _summarize,
     load_reasons,
     reason_key,
-    reclassify_crashes,
 )
 from omniscale.tools.bench.mutation_runners import Coverage, ForkRunner, Outcome, runner_in
 
