@@ -201,6 +201,33 @@ def test_a_reason_given_before_is_kept_for_the_same_mutation(tiny_module):
     assert [s["reason"] for s in result["survivors"]] == ["equal on ints here"]
 
 
+@pytest.mark.parametrize("reason, slow_runs", [("equal on ints here", 0), ("", 1),
+                                               ("needs a test: a < b on equal ints", 1)])
+def test_the_slow_tests_recheck_a_survivor_unless_it_was_shown_equivalent(
+        tiny_module, monkeypatch, reason, slow_runs):
+    monkeypatch.setitem(mutation.MODULE_TESTS, "pkg/tiny.py", mutation.ModuleTests(
+        ("tests/test_tiny.py",), ("tests/test_tiny_slow.py",)))
+    calls: list[str] = []
+    fast = _stand_in_runner(tiny_module, calls)
+    slow_sources = []
+
+    def run(tests, deselect, timeout):
+        if tests == ("tests/test_tiny_slow.py",):
+            slow_sources.append((tiny_module / "pkg" / "tiny.py").read_text())
+            return Outcome("killed", 0.1)
+        return fast(tests, deselect, timeout)
+
+    key = ("pkg/tiny.py", "core/ReplaceComparisonOperator_Lt_LtE",
+           "-    return a < b\n+    return a <= b")
+    result = mutation.run_module("pkg/tiny.py", tiny_module, run, max_mutants=100, seed=0,
+                                 select="all", recheck_slow=True, reasons={key: reason},
+                                 log=lambda line: None)
+    [survivor] = result["survivors"]
+    assert slow_sources == ["def f(a, b):\n    return a <= b\n"] * slow_runs
+    assert survivor["slow_tests"] == ("killed" if slow_runs else "not run: equivalent")
+    assert survivor["reason"] == reason
+
+
 def test_reasons_are_read_back_from_a_previous_report(tiny_module, tmp_path):
     result = mutation.run_module("pkg/tiny.py", tiny_module, _stand_in_runner(tiny_module, []),
                                  max_mutants=100, seed=0, select="all", log=lambda line: None)

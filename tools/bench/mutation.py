@@ -67,6 +67,7 @@ from omniscale.tools.bench.mutation_mutants import (
     mutate,
     sample,
 )
+from omniscale.tools.bench.mutation_numba import LOCATOR_ENV
 from omniscale.tools.bench.mutation_plugin import DEMO_ENV, TEST_SECONDS_ENV
 from omniscale.tools.bench.mutation_report import (
     _previous_for_update,
@@ -75,6 +76,7 @@ from omniscale.tools.bench.mutation_report import (
     reason_key,
 )
 from omniscale.tools.bench.mutation_runners import Coverage, ForkRunner, Outcome, runner_in
+from omniscale.tools.bench.mutation_table import explained
 
 REPO = Path(__file__).resolve().parents[2]
 CANARY = "\nraise RuntimeError('mutation canary: this module must not import')\n"
@@ -330,14 +332,17 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
                 {**entry, "output": outcome.tail[-500:]})
         log(f"  {module} {i}/{len(picked)} line {mutant.line} {mutant.operator}: "
             f"{outcome.status} ({outcome.seconds:.1f} s)")
+    for s in survivors:
+        s["reason"] = (reasons or {}).get(reason_key(s), "")
     if recheck_slow and MODULE_TESTS[module].slow:
         slow_tests, _ = _tests_for(module, slow=True)
         for s in survivors:
+            if explained(s):  # shown equivalent before: no test can kill it, slow or fast
+                s["slow_tests"] = "not run: equivalent"
+                continue
             mutant = Mutant(module, s["operator"], s["occurrence"], s["line"], s["column"])
             with applied(path, mutate(source, mutant)):
                 s["slow_tests"] = runner(slow_tests, (), 10 * timeout).status
-    for s in survivors:
-        s["reason"] = (reasons or {}).get(reason_key(s), "")
     return {**result, "timeout_seconds": round(timeout, 1), "generated": len(generated),
             "sampled": len(picked), **counts, "select": select, "selections": selections,
             "seconds": round(time.perf_counter() - started, 1),
@@ -461,8 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     demo_imports = build_demo(work, env, args.work / "demo")
 
     def env_of(module: str) -> dict[str, str]:
-        # each test's own timeout in a mutant's run, from the times its coverage run measures
-        timed = {**env, TEST_SECONDS_ENV: f"{coverage_data(work, module)}.seconds"}
+        # each test's own timeout in a mutant's run, from the times its coverage run measures;
+        # numba's cache kept per kernel, so that a mutant recompiles only what it can change
+        timed = {**env, **LOCATOR_ENV, TEST_SECONDS_ENV: f"{coverage_data(work, module)}.seconds"}
         # a module the demo is built with must build it mutated: the suite's fixture then
         return timed if module in demo_imports else {**timed, DEMO_ENV: str(args.work / "demo")}
 
