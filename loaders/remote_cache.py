@@ -54,14 +54,15 @@ class CachedReads:
         shared = {loc: self.cache.recent_fingerprint(loc) for loc in unknown}
         asked = [loc for loc in unknown if shared[loc] is None]
         infos = self.fetcher.info([loc.fs() for loc in asked]) if asked else []
+        looked_up = set(asked)  # a set: a read of thousands of shards at once stays linear
         with self._lock:
             for loc, info in [*((loc, shared[loc]) for loc in unknown if shared[loc]),
                               *zip(asked, infos)]:
                 if isinstance(info, FetchError):
                     out[loc] = info
                     continue
-                fp = info if loc not in asked else fingerprint(info)
-                if loc in asked:
+                fp = info if loc not in looked_up else fingerprint(info)
+                if loc in looked_up:
                     self.cache.share_fingerprint(loc, fp)
                 out[loc] = self._fps[loc] = fp
                 if len(self._fps) > MAX_FINGERPRINTS:
