@@ -57,6 +57,14 @@ FORK_TESTS = {
         "def test_clamp():\n    assert calc.clamp(5) == 3 and calc.clamp(1) == 1\n\n\n"
         "def test_double():\n    assert calc.double(2) == 4\n\n\n"
         "def test_table(shared_table):\n    assert shared_table == [0, 2, 4]\n"),
+    # runs calc in Python subprocesses only, as a multi-rank test runs a module in its ranks
+    "test_calc_spawned.py": (
+        "import subprocess, sys\n\n\n"
+        "def test_clamp_and_double_in_subprocesses():\n"
+        "    subprocess.run([sys.executable, '-c', 'from tinypkg import calc; "
+        "assert calc.clamp(7) == 3'], check=True)\n"
+        "    subprocess.run([sys.executable, '-c', 'from tinypkg import calc\\n"
+        "try:\\n    calc.double(200)\\nexcept ValueError:\\n    pass'], check=True)\n"),
     # ends on a fatal signal, as numba code indexing out of bounds may
     # (pytest's faulthandler plugin reports it)
     "test_segfaults.py": ("import os, signal\n\n\n"
@@ -195,8 +203,32 @@ def test_a_measured_run_names_the_tests_that_execute_each_line(kind, fork_runner
                                                                   "covering")
     # test_double calls it, and so does the fixture test_table's module shares
     assert tests_for("    return x * 2") == (None, "run outside a single test")
-    assert tests_for("        raise ValueError(x)") == (None, "no test ran it in its own process")
+    assert tests_for("        raise ValueError(x)") == (None, "no test ran it")
     assert tests_for("LIMIT = 3") == (None, "runs at import")
+
+
+@pytest.mark.parametrize("kind", ["fork", "subprocess"])
+def test_a_line_a_test_runs_only_in_its_subprocesses_selects_that_test(kind, fork_runner,
+                                                                      fork_work, tmp_path):
+    runner = fork_runner if kind == "fork" else runner_in(fork_work, {
+        **os.environ, "PYTHONPATH": str(fork_work), "PYTHONDONTWRITEBYTECODE": "1"})
+    source = fork_work / "tinypkg" / "calc.py"
+    data = tmp_path / "coverage"
+    outcome = runner(("test_calc.py", "test_calc_spawned.py"), (), 300,
+                     Coverage(str(data), str(source)))
+    assert outcome.status == "survived", outcome.tail
+    assert len(mutation.data_files_of_subprocesses(data)) == 2  # one per subprocess
+    measured = LineTests.read(data, source)
+    lines = source.read_text().splitlines()
+    tree = ast.parse(source.read_text())
+    spawned = "test_calc_spawned.py::test_clamp_and_double_in_subprocesses"
+    # clamp: one test in its own process, the other only in its subprocesses
+    assert measured.tests_for(tree, 1 + lines.index("    return x if x < LIMIT else LIMIT")) \
+        == (("test_calc.py::test_clamp", spawned), "covering")
+    # run by no test in the test run's own process
+    assert measured.tests_for(tree, 1 + lines.index("        raise ValueError(x)")) == \
+        ((spawned,), "covering")
+    assert "COVERAGE_PROCESS_CONFIG" not in os.environ  # nothing left in this process
 
 
 def test_covering_selection_finds_what_running_every_test_finds(fork_runner, fork_work,

@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from omniscale.tools.bench.mutation_coverage import LineTests
+from omniscale.tools.bench.mutation_coverage import LineTests, data_files_of_subprocesses
 from omniscale.tools.bench.mutation_mutants import (
     Mutant,
     enumerate_mutants,
@@ -290,7 +290,8 @@ def run_module(module: str, work: Path, runner: Callable[..., Outcome], *, max_m
     path = work / module
     source = path.read_text(encoding="utf-8")
     data_file = coverage_data(work, module)  # an earlier run's: no test's timeout comes from it
-    for stale in (data_file, Path(f"{data_file}.tests"), Path(f"{data_file}.seconds")):
+    for stale in (data_file, Path(f"{data_file}.tests"), Path(f"{data_file}.seconds"),
+                  *data_files_of_subprocesses(data_file)):
         stale.unlink(missing_ok=True)
     result = check_module(module, work, runner)
     if "error" in result:

@@ -7,8 +7,9 @@ of a module run's time went to survivors running every test.
 Every fast test runs for a mutant whose effect can reach tests that never execute its line:
 a statement outside any function (run once, at import, and read by every later test), one in a
 function compiled by numba (coverage cannot see inside), lines run outside any single test
-(collection, a fixture shared by several tests) and lines no test ran in its own process (a
-subprocess may have: the plane's, a training run's). What selection can still miss, and
+(collection, a fixture shared by several tests) and lines no test ran, in its own process or
+in one it started (a process that ends without Python's exit handlers, killed or forked,
+saves no data). What selection can still miss, and
 ``--select all`` would not: a value one test computes with the line and caches for a later test
 in the same process."""
 
@@ -18,7 +19,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from omniscale.tools.bench.mutation_plugin import OUTSIDE_TESTS, hang_timeout
+from omniscale.tools.bench.mutation_plugin import OUTSIDE_TESTS, SUBPROCESS_DATA, hang_timeout
 
 COMPILED = ("jit",)  # decorators whose functions coverage cannot look into (numba's njit, jit)
 
@@ -37,12 +38,14 @@ class LineTests:
     def read(cls, data_file: Path, source: Path) -> LineTests:
         from coverage import CoverageData
 
-        data = CoverageData(basename=str(data_file))
-        data.read()
-        measured = {str(Path(f).resolve()): f for f in data.measured_files()}
-        name = measured.get(str(source.resolve()))
-        by_line = {} if name is None else {
-            line: frozenset(contexts) for line, contexts in data.contexts_by_lineno(name).items()}
+        by_line: dict[int, frozenset[str]] = {}
+        for path in (data_file, *data_files_of_subprocesses(data_file)):
+            data = CoverageData(basename=str(path))
+            data.read()
+            measured = {str(Path(f).resolve()): f for f in data.measured_files()}
+            if (name := measured.get(str(source.resolve()))) is not None:
+                for line, contexts in data.contexts_by_lineno(name).items():
+                    by_line[line] = by_line.get(line, frozenset()) | frozenset(contexts)
         order_file = Path(f"{data_file}.tests")
         order = order_file.read_text().split("\n")[:-1] if order_file.is_file() else []
         times_file = Path(f"{data_file}.seconds")
@@ -66,10 +69,15 @@ class LineTests:
             return None, why_all
         contexts = frozenset().union(*(self.by_line.get(n, ()) for n in lines))
         if not contexts:
-            return None, "no test ran it in its own process"
+            return None, "no test ran it"
         if OUTSIDE_TESTS in contexts:
             return None, "run outside a single test"
         return tuple(t for t in self.order if t in contexts), "covering"
+
+
+def data_files_of_subprocesses(data_file: Path) -> list[Path]:
+    """The data files the measured run's Python subprocesses wrote (one each)."""
+    return sorted(data_file.parent.glob(f"{data_file.name}{SUBPROCESS_DATA}.*"))
 
 
 def statement_site(tree: ast.Module, line: int) -> tuple[frozenset[int], str]:

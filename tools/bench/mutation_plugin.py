@@ -8,10 +8,17 @@ that test's measure, not after the whole run's.
 
 Lines run outside any one test get the empty context: the imports of collection, and fixtures
 shared by several tests (session, package, module or class scope), whose results later tests
-use without running their lines again."""
+use without running their lines again.
+
+The Python processes a measured test starts (a plane, a multi-rank run's ranks) measure the
+module too, under the test's context: coverage's start-up hook (the ``.pth`` file it installs)
+reads the configuration this plugin puts in their environment, and each writes a data file of
+its own beside the run's (:data:`SUBPROCESS_DATA`). A line one test runs in its own process
+and another only in its ranks then selects both."""
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -22,6 +29,7 @@ import pytest
 DEMO_ENV = "OMNISCALE_MUTATION_DEMO"  # the prebuilt demo's directory
 TEST_SECONDS_ENV = "OMNISCALE_MUTATION_TEST_SECONDS"  # the coverage run's per-test times
 OUTSIDE_TESTS = ""  # the context of lines no single test owns
+SUBPROCESS_DATA = "-subprocesses"  # the tests' subprocesses' data files: the run's + this + .*
 
 _test = OUTSIDE_TESTS  # the node id of the test running now
 _started = 0.0  # when it started (time.perf_counter)
@@ -69,6 +77,17 @@ def _measuring():
 def _switch(context: str) -> None:
     if (measuring := _measuring()) is not None:
         measuring.switch_context(context)
+        _measure_subprocesses(measuring, context)
+
+
+def _measure_subprocesses(measuring, context: str) -> None:
+    """Python processes started from now on measure what this run does, under ``context``,
+    each into its own data file (coverage's parallel mode)."""
+    config = copy.copy(measuring.config)
+    config.context = context
+    config.parallel = True
+    config.data_file = f"{measuring.config.data_file}{SUBPROCESS_DATA}"
+    os.environ["COVERAGE_PROCESS_CONFIG"] = config.serialize()  # coverage.process_startup's
 
 
 @pytest.hookimpl(wrapper=True, specname="pytest_fixture_setup")
@@ -87,7 +106,7 @@ def pytest_runtest_setup(item):
     global _test, _started
     _test, _started = item.nodeid, time.perf_counter()
     if (measuring := _measuring()) is not None:
-        measuring.switch_context(_test)
+        _switch(_test)
         with open(f"{measuring.config.data_file}.tests", "a") as order:  # the run's order
             order.write(_test + "\n")
 
