@@ -142,7 +142,7 @@ MODULE_TESTS: dict[str, ModuleTests] = {
          "test_resume_of_a_changed_checkpoint_is_one_line_and_leaves_the_run",  # 18 s
          "tests/tools/test_checkpoint_crash.py", "tests/tools/test_train_init_run.py")),
     "tools/train/optim_groups.py": ModuleTests(
-        ("tests/tools/test_optim_groups_partial.py",),
+        ("tests/tools/test_optim_groups_units.py", "tests/tools/test_optim_groups_partial.py"),
         ("tests/tools/test_train_optim_groups.py",)),
     "tools/train/held_out.py": ModuleTests(
         ("tests/tools/test_held_out_scoring.py", "tests/tools/test_held_out_units.py"),
