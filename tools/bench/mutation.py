@@ -157,7 +157,8 @@ MODULE_TESTS: dict[str, ModuleTests] = {
         ("tests/loaders/test_chat.py::"  # the one test of the two files that builds the demo
          "test_target_tokens_of_other_sources_count_the_decoded_labels",)),
     "loaders/conversation.py": ModuleTests(
-        ("tests/loaders/test_conversation.py", "tests/loaders/test_importers.py")),
+        ("tests/loaders/test_conversation_units.py", "tests/loaders/test_conversation.py",
+         "tests/loaders/test_importers.py")),
     "loaders/sequence.py": ModuleTests(
         ("tests/loaders/test_sequence.py", "tests/loaders/test_sequence_edges.py",
          "tests/loaders/test_chunks.py"),
