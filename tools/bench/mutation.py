@@ -174,8 +174,8 @@ MODULE_TESTS: dict[str, ModuleTests] = {
          "tests/loaders/test_decode_work.py",
          "tests/loaders/test_chunks.py")),
     "balancer/split.py": ModuleTests(
-        ("tests/balancer/test_split.py", "tests/balancer/test_baselines.py",
-         "tests/balancer/test_cost.py")),
+        ("tests/balancer/test_split_units.py", "tests/balancer/test_split.py",
+         "tests/balancer/test_baselines.py", "tests/balancer/test_cost.py")),
     "balancer/pack.py": ModuleTests(
         ("tests/balancer/test_pack.py", "tests/balancer/test_planner.py")),
     "balancer/assign.py": ModuleTests(
