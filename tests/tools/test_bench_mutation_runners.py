@@ -296,3 +296,14 @@ def test_a_run_a_signal_ends_is_a_crash_not_an_error(fork_runner):
     assert (crashed.status, crashed.code) == ("crashed", -signal.SIGSEGV)
     # faulthandler's report, which pytest turns on, ends with the extension modules loaded
     assert re.search(r"\(total: \d+\)\s*$", crashed.tail), crashed.tail[-300:]
+
+
+def test_in_a_measured_run_ranks_are_spawned_so_coverage_follows_them(monkeypatch):
+    from omniscale.tools.bench import mutation_plugin
+    from omniscale.tools.train import fork_server
+
+    assert mutation_plugin.SPAWN_RANKS_ENV == fork_server.SPAWN_ENV  # the plugin imports none
+    monkeypatch.delenv(fork_server.SPAWN_ENV, raising=False)
+    assert fork_server.start_method() == "forkserver"
+    monkeypatch.setenv(fork_server.SPAWN_ENV, "1")
+    assert fork_server.start_method() == "spawn"

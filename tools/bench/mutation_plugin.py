@@ -29,6 +29,7 @@ import pytest
 DEMO_ENV = "OMNISCALE_MUTATION_DEMO"  # the prebuilt demo's directory
 TEST_SECONDS_ENV = "OMNISCALE_MUTATION_TEST_SECONDS"  # the coverage run's per-test times
 OUTSIDE_TESTS = ""  # the context of lines no single test owns
+SPAWN_RANKS_ENV = "OMNISCALE_SPAWN_RANKS"  # tools.train.fork_server.SPAWN_ENV (no import here)
 SUBPROCESS_DATA = "-subprocesses"  # the tests' subprocesses' data files: the run's + this + .*
 
 _test = OUTSIDE_TESTS  # the node id of the test running now
@@ -88,6 +89,8 @@ def _measure_subprocesses(measuring, context: str) -> None:
     config.parallel = True
     config.data_file = f"{measuring.config.data_file}{SUBPROCESS_DATA}"
     os.environ["COVERAGE_PROCESS_CONFIG"] = config.serialize()  # coverage.process_startup's
+    # ranks spawned, not forked from a server started under an earlier test
+    os.environ[SPAWN_RANKS_ENV] = "1"
 
 
 @pytest.hookimpl(wrapper=True, specname="pytest_fixture_setup")

@@ -23,8 +23,18 @@ PRELOAD = ("torch", "omniscale.tools.train.loop", "omniscale.parallel.paralleliz
            "omniscale.loaders.index", "omniscale.balancer.planner", "pyarrow")
 
 
+# Set: ranks are spawned instead (tools/bench/mutation_plugin.py sets it in the run coverage
+# measures: a spawned rank is a new Python, measured from its start under the test that
+# launched it; a rank forked from the server would carry the server's measurement, and its
+# os._exit saves none)
+SPAWN_ENV = "OMNISCALE_SPAWN_RANKS"
+
+
 def start_method() -> str:
-    """``"forkserver"``, with the preload set (it applies when the server first starts)."""
+    """``"forkserver"``, with the preload set (it applies when the server first starts), or
+    ``"spawn"`` when :data:`SPAWN_ENV` is set."""
+    if os.environ.get(SPAWN_ENV):
+        return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     return "forkserver"
 
