@@ -226,6 +226,7 @@ class StragglersRequest:
 class SpeedsRequest:
     step: int
     speeds: list[float]
+    from_step: int | None = None  # the first step no rank started (the trainer vouches)
 
 
 # -- the field types a request may use ---------------------------------------------------------
@@ -430,8 +431,9 @@ ACTIONS: dict[str, Action] = {a.name: a for a in (
            "{step, ranks: [int], slowdown: [float]}", StragglersRequest, "{step, ranks: int}"),
     Action("speeds", "set_speeds", "the data ranks' measured relative speeds as of a step "
            "(the trainer's honest compute clock): plans from the first step no rank has been "
-           "served give each rank work in proportion; logged: {step, speeds: [float] "
-           "([] for equal)}", SpeedsRequest, "{applies_at_step, speeds}"),
+           "served -- or from from_step, the first no rank started, when the trainer vouches "
+           "for it -- give each rank work in proportion; logged: {step, speeds: [float] "
+           "([] for equal), from_step: int?}", SpeedsRequest, "{applies_at_step, speeds}"),
     Action("reports", "reports", "every record of one kind of report in the plane's log, read "
            "by the plane (what a launcher lists after a run): {kind: corrupt|suspect}",
            ReportsRequest, "{kind, records: [the log's records]}; clients return the records",

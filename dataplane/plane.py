@@ -412,15 +412,31 @@ class DataPlane:
                             "suspect, quarantined", step, event["reason"], len(wanted))
             return {"step": step, "samples": len(event["samples"])}
 
-    def set_speeds(self, step: int, speeds: list) -> dict:
+    def set_speeds(self, step: int, speeds: list, from_step: int | None = None) -> dict:
         """The data ranks' relative speeds as the trainer measured them up to ``step``
         (``tools.train.rank_speeds``; ``[]``: equal again). From the first step no rank has
         been served, plans give each rank work in proportion to its speed (the planner; a
         baseline is placed as before and only reported with them); logged, so a restart or an
-        audit replays the same plans (``plane_state.PlaneState.respeed_from``)."""
+        audit replays the same plans (``plane_state.PlaneState.respeed_from``).
+
+        ``from_step``: the first step no rank has *started*, which the trainer vouches for
+        (every rank waits for the reply before it takes that step's batch, and its loader then
+        drops what it fetched of it and later: ``StepLoader.replan_from``). The speeds then
+        apply from there -- within a step of being measured instead of after every plan the
+        loaders fetched ahead. Not once a rank may have been told the mixture ends (its loader
+        could not fetch again): then, as without it, from the first step not served."""
         with self.lock:
             check_speeds(step, speeds)
             at = max(self.state.next_step, self.served_max + 1)
+            if from_step is not None:
+                started = max((s for s, ranks in self.state.rank_commits.items() if ranks),
+                              default=self.state.next_step - 1)
+                if from_step <= max(started, self.state.next_step - 1):
+                    raise RequestError(f"speeds: from_step {from_step} is committed by a rank "
+                                       f"already (the next step to train is "
+                                       f"{self.state.next_step})", Reason.INVALID)
+                if self.state.exhausted_at is None:
+                    at = min(at, from_step)
             dp = self.state.dp_at(at)
             if speeds and len(speeds) != dp:
                 raise RequestError(f"speeds: {len(speeds)} speeds for step {at}, which is "
@@ -428,6 +444,8 @@ class DataPlane:
             top = max(speeds, default=1.0)
             relative = [round(v / top, 4) for v in speeds]  # the fastest is 1
             self.state.respeed_from(at, relative)
+            for s in [s for s in self.served if s >= at]:  # served before: fetched again
+                del self.served[s]
             try:
                 self.state.plan_through(self._horizon())
             except Exception as e:  # noqa: BLE001 -- whatever broke, the change is refused

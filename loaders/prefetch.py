@@ -18,6 +18,7 @@ connects to the plane.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections import deque
@@ -45,6 +46,11 @@ class PlanSource(Protocol):
     def close(self) -> None:
         """Stop fetching; a ``get`` waiting returns END."""
 
+    def restart(self, step: int) -> int:
+        """Fetch again from ``step``: the plane re-planned it and later steps. Plans handed out
+        after this carry the returned generation; those handed out before keep theirs (the
+        loader drops what it made of them). Plans fetched and not handed out are dropped."""
+
 
 class PlanPrefetcher:
     """``get()`` returns ``(step, plan)`` for start_step, start_step + 1, …, then END (or
@@ -58,6 +64,10 @@ class PlanPrefetcher:
             raise ValueError(f"prefetch_steps: must be >= 1, got {depth}")
         self.url, self.rank, self.token = url, rank, token
         self.next_step = start_step
+        # restart() and the fetch thread's hand-over of a plan, each whole under the lock: a
+        # plan fetched before a restart is never handed out after it
+        self._lock = threading.Lock()
+        self.generation = 0
         self.on_plan = on_plan  # called with each plan as it arrives (cache prefetch)
         self.stop = stop or threading.Event()
         self._commit_seen = threading.Event()  # a commit acknowledged since the last refusal
@@ -98,8 +108,41 @@ class PlanPrefetcher:
             return None
         return self._taken(item)
 
+    def restart(self, step: int) -> int:
+        with self._lock:
+            if not self._thread.is_alive():  # it handed out END or a refusal and stopped
+                raise RuntimeError(f"rank {self.rank}: the plans cannot be fetched again from "
+                                   f"step {step}: the plan source has ended")
+            self.generation += 1
+            self.next_step = int(step)
+            while True:  # the plans fetched and not handed out: their room is free again
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    return self.generation
+                if item is END or isinstance(item, BaseException):  # the source's last word
+                    self._queue.put(item)
+                    raise RuntimeError(f"rank {self.rank}: the plans cannot be fetched again "
+                                       f"from step {step}: the plan source has ended")
+                self._room.release()
+
     def _put(self, item) -> bool:
         self._queue.put(item)
+        return not self.stop.is_set()
+
+    def _hand_over(self, step: int, generation: int, plan) -> bool:
+        """Queue ``plan`` of ``step`` unless a restart came since it was asked for (then its
+        room is freed and the thread asks again, from the restart's step)."""
+        with self._lock:
+            if generation != self.generation:
+                self._room.release()
+                return True
+            if generation:
+                plan = dataclasses.replace(plan, generation=generation)
+            self._queue.put((step, plan))
+            self.next_step += 1
+        if self.on_plan is not None:
+            self.on_plan(plan)
         return not self.stop.is_set()
 
     def _wait_for_room(self) -> bool:
@@ -115,8 +158,10 @@ class PlanPrefetcher:
         try:
             while self._wait_for_room():
                 self._commit_seen.clear()  # set by a commit acknowledged from here on
+                with self._lock:
+                    step, generation = self.next_step, self.generation
                 try:
-                    plan = decode_plan(client.get_plan(self.next_step, self.rank))
+                    plan = decode_plan(client.get_plan(step, self.rank))
                 except PlaneError as e:
                     if e.reason == Reason.EXHAUSTED:
                         self._put(END)
@@ -129,11 +174,8 @@ class PlanPrefetcher:
                     self._put(e)
                     return
                 delay = 0.01
-                if self.on_plan is not None:
-                    self.on_plan(plan)
-                if not self._put((self.next_step, plan)):
+                if not self._hand_over(step, generation, plan):
                     return
-                self.next_step += 1
         except BaseException as e:  # noqa: BLE001 -- whatever happens, the consumer hears it
             self._put(e)
         finally:
@@ -170,6 +212,11 @@ class WarmAhead:
 
     def close(self) -> None:
         self.plans.close()
+
+    def restart(self, step: int) -> int:
+        """The source's restart; the plans buffered here keep their generation (dropped
+        downstream), their bytes warmed for nothing."""
+        return self.plans.restart(step)
 
     def _take_ready(self) -> None:
         while not self._ended and len(self._taken) <= self.ahead:

@@ -92,6 +92,7 @@ class StepLoader:
             WarmAhead(plans, cache_prefetch_steps, self._prefetch_shards)
         self._out: queue.Queue = queue.Queue(maxsize=prefetch_steps)
         self.next_step = start_step
+        self.generation = 0  # plans of an older one are of steps re-planned since: dropped
         self.data_wait_s = 0.0
         self.samples = self.tokens = 0
         self._thread: threading.Thread | None = None
@@ -107,6 +108,8 @@ class StepLoader:
             self._thread.start()
         start = time.perf_counter()
         item = self._out.get()
+        while isinstance(item, StepBatch) and self._stale(item.plan):
+            item = self._out.get()
         wait = time.perf_counter() - start
         if item is END:
             self._out.put(END)  # later calls end too
@@ -130,6 +133,21 @@ class StepLoader:
             if batch.step == step:
                 return batch
         raise StopIteration(f"step {step}: the mixture ended before it")
+
+    def replan_from(self, step: int) -> None:
+        """The plane re-planned ``step`` (the next this loader hands out) and every later
+        step, after this loader fetched some of them (``DataPlane.set_speeds`` with
+        ``from_step``: a slowed rank's speeds applied at once). What was fetched, decoded or
+        assembled of those steps is dropped as it comes out of the pipeline, and their plans
+        are fetched again; the workers keep running."""
+        if step != self.next_step:
+            raise ValueError(f"replan_from({step}): this loader hands out step "
+                             f"{self.next_step} next (only the steps not handed out can be "
+                             "re-planned)")
+        self.generation = self.plans.restart(step)
+
+    def _stale(self, plan: RankPlan | None) -> bool:
+        return plan is not None and plan.generation < self.generation
 
     @property
     def corrupt_reasons(self):
@@ -165,6 +183,8 @@ class StepLoader:
     def _assemble_loop(self) -> None:
         try:
             for step, plan, decoded in self._decoded_steps():
+                if self._stale(plan):  # its step was re-planned since it was fetched
+                    continue
                 batch = self.assembler.assemble(step, plan, decoded)
                 if not self._put(batch):
                     return

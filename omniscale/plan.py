@@ -199,6 +199,10 @@ class RankPlan:
     consume_span_X: np.ndarray  # int64 [X], >= 1 on encode rows
     micro_batches: tuple[MicroBatchPlan, ...]  # by index, empty ones included
     encodes: EncodePlan
+    # The loader's count of the plane's re-plans of steps it had fetched when this plan was
+    # fetched (``loaders.prefetch.PlanPrefetcher.restart``): what it decoded of an older count
+    # for a re-planned step is dropped, never trained. Not part of the plane's table.
+    generation: int = 0
 
     @property
     def num_rows(self) -> int:

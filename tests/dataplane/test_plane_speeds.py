@@ -10,7 +10,7 @@ import pytest
 from omniscale.dataplane.actions import RequestError
 from omniscale.dataplane.audit import audit_state_dir
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
-from omniscale.plan import plan_metadata
+from omniscale.plan import fingerprint, plan_metadata
 from tests.dataplane.plane_steps import commit_step
 
 CONFIG = PlaneConfig(dp=2, micro_batch_tokens=8192, window=4, global_batch_tokens=24576,
@@ -97,3 +97,42 @@ def test_speeds_re_plan_the_drawn_window_and_redraw_the_ones_after_it(demo, tmp_
         share = _cost(after[step][1]) / (_cost(after[step][0]) + _cost(after[step][1]))
         assert share < 0.36, (step, share)
 
+
+
+def test_speeds_from_the_first_step_no_rank_started_re_plan_fetched_steps(demo, tmp_path):
+    """``from_step``: the trainer vouches no rank started that step (its loaders fetch again),
+    so steps already served are re-planned from there; the first served plans of them are
+    refused at commit, the new ones trained; a restart replays the same plans."""
+    reference = _train(DataPlane(demo / "mix.yaml", tmp_path / "base", CONFIG), 0, 12)
+    plane = DataPlane(demo / "mix.yaml", tmp_path / "speeds", CONFIG)
+    _train(plane, 0, 3)
+    old = [plane.get_plan(s, 1) for s in (3, 4, 5, 6)]  # fetched ahead, into window 1
+    plane.commit(3, 0, plan_fp=fingerprint(plane.get_plan(3, 0)))  # rank 0 trained step 3
+    with pytest.raises(RequestError, match="^speeds: from_step 3 is committed by a rank"):
+        plane.set_speeds(2, [2.0, 0.8], from_step=3)
+    assert plane.set_speeds(3, [2.0, 0.8], from_step=4) == \
+        {"applies_at_step": 4, "speeds": [1.0, 0.4]}
+    assert plane.get_plan(3, 1) == old[0]  # started: kept
+    with pytest.raises(RequestError, match="step 5 was re-planned for 2 ranks since rank 1"):
+        plane.commit(5, 1, plan_fp=fingerprint(old[2]))
+    plane.commit(3, 1, plan_fp=fingerprint(old[0]))
+    after = _train(plane, 4, 10)
+    for step in range(4, 10):
+        assert _samples(after[step]) == _samples(reference[step])
+        share = _cost(after[step][1]) / (_cost(after[step][0]) + _cost(after[step][1]))
+        assert share < 0.36, (step, share)
+    again = DataPlane(demo / "mix.yaml", tmp_path / "speeds", CONFIG)  # as after a crash
+    assert [again.get_plan(10, r) for r in range(2)] == [plane.get_plan(10, r) for r in range(2)]
+    report = audit_state_dir(tmp_path / "speeds")
+    assert (report["duplicated"], report["missing"], report["fingerprint_mismatches"]) == \
+        (0, 0, [])
+
+
+def test_speeds_keep_to_unserved_steps_once_the_mixture_end_is_known(demo, tmp_path):
+    """A loader told the mixture ends could not fetch again: once the plane knows where the
+    data ends, ``from_step`` is not taken and the speeds apply after the served steps."""
+    plane = DataPlane(demo / "mix.yaml", tmp_path, CONFIG)
+    _train(plane, 0, 2)
+    plane.get_plan(4, 0)
+    plane.state.exhausted_at = 40  # as a plane that drew its last window finds
+    assert plane.set_speeds(1, [1.0, 0.5], from_step=2)["applies_at_step"] == 5

@@ -5,6 +5,7 @@ commit with the plan fingerprint, data-wait timing, end of data)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -134,3 +135,50 @@ def test_in_process_decoding_and_steps_in_order(demo, tmp_path):
                 assert_same_batch(got, want)
             with pytest.raises(ValueError, match="this loader is at step 3"):
                 loader.step(1)
+
+
+def _served_through(client, step: int, deadline_s: float = 30.0) -> None:
+    """Wait until the plane has served ``step`` (the loaders' read-ahead fetched it)."""
+    end = time.monotonic() + deadline_s
+    while client.status()["served_max_step"] < step:
+        assert time.monotonic() < end, f"step {step} was never fetched ahead"
+        time.sleep(0.01)  # polling the plane's own count, not a sleep standing in for one
+
+
+@pytest.mark.timeout(120)
+def test_steps_replanned_after_the_loaders_fetched_them_are_fetched_again(demo, tmp_path):
+    """Speeds that apply from the next step no rank has started (``set_speeds`` with
+    ``from_step``), after both loaders fetched and decoded steps past it: each loader drops
+    what it holds of those steps and hands out the new plans -- every batch equal to
+    per-sample decoding of the plan the plane now has, every commit's fingerprint accepted,
+    the audit exactly-once -- and rank 1, at half speed, gets the smaller share at once."""
+    told = {}
+
+    def slow_rank_1(step, loaders):
+        if step != 1:
+            return
+        with PlaneClient(loaders[0].session.url) as client:
+            _served_through(client, step + 3)  # read ahead: the queue, decoding, plans
+            told["before"] = [_share(client.get_plan(s, 0), client.get_plan(s, 1))
+                              for s in range(step + 1, STEPS)]
+            told.update(client.set_speeds(step, [1.0, 0.5], from_step=step + 1))
+            for loader in loaders:
+                loader.replan_from(step + 1)
+            told["shares"] = [_share(client.get_plan(s, 0), client.get_plan(s, 1))
+                              for s in range(step + 1, STEPS)]
+
+    def make(url, rank):
+        return loader_for(url, rank, RankLoader, **loader_args(demo), num_workers=2,
+                          prefetch_steps=2)
+    check_full_path(demo, tmp_path, make, after_step=slow_rank_1)
+    assert told["applies_at_step"] == 2 and told["speeds"] == [1.0, 0.5]
+    print(told)
+    assert told["shares"][0] < 0.4 < told["before"][0], told  # the very next step
+    assert sum(told["shares"]) < sum(told["before"]) - 0.3, told
+
+
+def _share(table_0, table_1) -> float:
+    from omniscale.plan import plan_metadata
+
+    costs = [plan_metadata(t)["predicted_cost"] for t in (table_0, table_1)]
+    return costs[1] / sum(costs)

@@ -123,6 +123,12 @@ def calibrate(spec: Path, args) -> dict:
             "elapsed_s": doc.get("elapsed_s"), "threads": doc.get("threads")}
 
 
+def _median(values: list) -> float | None:
+    """The median of the rounds that have the figure (a baseline plans by no speeds)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -205,9 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
             rounds.append({"order": order, "runs": runs, "best_baseline": best,
                            "ratio_vs_best_baseline": ratio})
     keys = ("tokens_per_s", "step_s_median", "imbalance_measured", "imbalance_predicted") + (
-        ("ideal_fraction", "step_s_before", "step_s_slowed", "rank1_speed_measured")
+        ("ideal_fraction", "step_s_before", "step_s_slowed", "rank1_speed_measured",
+         "planned_for_slowdown_after_steps", "planned_for_release_after_steps")
         if uneven else ())
-    summary = {p: {k: statistics.median(r["runs"][p][k] for r in rounds) for k in keys}
+    summary = {p: {k: _median([r["runs"][p].get(k) for r in rounds]) for k in keys}
                for p in policies}
     ratios = [r["ratio_vs_best_baseline"] for r in rounds if r["ratio_vs_best_baseline"]]
     result = {"command": " ".join(["tools/bench/e2e.py"] + (argv or sys.argv[1:])),

@@ -15,7 +15,8 @@ measured time imbalance there, the fraction of a perfect speed-proportional spli
 it reaches (per step: the measured per-rank speeds, cost / compute seconds, give the ideal
 compute time Σ cost / Σ speed; the step's other time -- optimizer, waits, data -- is kept as
 measured), and the steps until the step time recovered (within 10% of its settled level after
-the change; of its level before the change once the neighbour left). ``settings.deterministic``
+the change; of its level before the change once the neighbour left), and the steps from each
+change to the first step planned with speeds that saw it. ``settings.deterministic``
 is off for every policy: plans that follow measured speeds depend on timing.
 """
 
@@ -120,6 +121,19 @@ def _recovery(step_s: list[float], start: int, level: float) -> int | None:
     return None
 
 
+def _adapted(rows: list[dict], change: int, slowed: bool) -> int | None:
+    """Steps from ``change`` to the first step planned with speeds that saw it: uneven ones
+    (``slowed``) or equal ones again; None if no such speeds were sent (a baseline)."""
+    for row in rows:
+        sent = row.get("rank_speeds_sent")
+        if sent is None or row["step"] < change:
+            continue
+        uneven = bool(sent["speeds"]) and min(sent["speeds"]) < 0.9
+        if uneven == slowed:
+            return sent["applies_at_step"] - change
+    return None
+
+
 def analyse(rows: list[dict], slow_from: int, slow_until: int | None, settle: int,
             warmup: int) -> dict:
     """One run's figures (module docstring) from its metrics rows."""
@@ -145,10 +159,13 @@ def analyse(rows: list[dict], slow_from: int, slow_until: int | None, settle: in
                    "rank1_share": round(r["rank_predicted_cost"][1]
                                         / max(sum(r["rank_predicted_cost"]), 1e-12), 3),
                    "rank_speed": r.get("rank_speed"),
-                   "micro_batches": r["micro_batches"]} for r in rows],
+                   "micro_batches": r["micro_batches"],
+                   "sp_split_samples": r.get("sp_split_samples", 0)} for r in rows],
         "speeds_sent": [{"after_step": r["step"], **r["rank_speeds_sent"]} for r in rows
                         if "rank_speeds_sent" in r],
     }
+    result["planned_for_slowdown_after_steps"] = _adapted(rows, slow_from, True)
     if slow_until is not None and before is not None:
         result["recovery_after_release_steps"] = _recovery(step_s, slow_until, before)
+        result["planned_for_release_after_steps"] = _adapted(rows, slow_until, False)
     return result

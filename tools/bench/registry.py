@@ -235,7 +235,13 @@ BENCHES: dict[str, Bench] = {
             Metric("uneven ranks: ours as a fraction of the speed-proportional split's "
                    "tokens/s", value="median.omniscale.ideal_fraction", target=Goal(">=", 0.9)),
             Metric("uneven ranks: measured imbalance of our plans",
-                   value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)))),
+                   value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)),
+            Metric("uneven ranks: steps from the slowdown to the first step planned for it",
+                   value="median.omniscale.planned_for_slowdown_after_steps",
+                   target=Goal("<=", 5)),
+            Metric("uneven ranks: steps from the release to the first step planned for it",
+                   value="median.omniscale.planned_for_release_after_steps",
+                   target=Goal("<=", 5)))),
     "e2e_no_reshard": Bench(
         "e2e.py", variant_of="e2e",
         full_args=("--rounds", "2", "--policies", "omniscale,token_lpt", "--no-reshard"),

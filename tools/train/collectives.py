@@ -170,6 +170,14 @@ def flush_metrics(sums: torch.Tensor, host: torch.Tensor, objects: list, world: 
     return sums, gathered, gathered_objects
 
 
+def share_from_rank_0(value: int, device: torch.device) -> int:
+    """Rank 0's integer on every rank: a broadcast over the world, on the process group's
+    device (NCCL takes CUDA tensors only). Every rank calls it, at the same step."""
+    box_1 = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(box_1, src=0)
+    return int(box_1.item())  # the reply decides what this rank's loader does next
+
+
 def broadcast_held_out(sets):
     """Rank 0's held-out micro-batches on every rank (a broadcast over the world), at the
     run's first evaluation."""

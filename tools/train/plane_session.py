@@ -171,12 +171,13 @@ class PlaneSession:
     def report_stragglers(self, step: int, ranks: list[int], slowdown: list[float]) -> dict:
         return self._ask(lambda c: c.report_stragglers(step, ranks, slowdown))
 
-    def tell_speeds(self, tracker, writer: bool, deterministic: bool) -> dict | None:
+    def tell_speeds(self, tracker, writer: bool, deterministic: bool,
+                    from_step: int | None = None) -> dict | None:
         """The ranks' speeds, when they changed (``rank_speeds.SpeedTracker.tell``)."""
-        return tracker.tell(self, writer, deterministic)
+        return tracker.tell(self, writer, deterministic, from_step)
 
-    def set_speeds(self, step: int, speeds: list[float]) -> dict:
-        return self._ask(lambda c: c.set_speeds(step, speeds))
+    def set_speeds(self, step: int, speeds: list[float], from_step: int | None = None) -> dict:
+        return self._ask(lambda c: c.set_speeds(step, speeds, from_step))
 
     def snapshot(self, step: int) -> dict:
         """The plane's snapshot of ``step`` (a checkpoint's; ``{step, path}``)."""

@@ -11,8 +11,10 @@ steps in a row do.
 Rank 0 tells the plane (``plane_session.PlaneSession.tell_speeds``, the ``speeds`` action) when
 a rank's smoothed speed moved by more than ``tolerance`` of what the plane has; ranks all
 within ``tolerance`` of the fastest are equal (``[]``), so even hardware keeps the plans of
-equal ranks. The plane logs them and re-plans from the first step no rank has fetched, so a
-slowed rank gets less work within a few steps and its full share back once it recovers. Not in
+equal ranks. The plane logs them and re-plans from the next step no rank has started, and
+every rank's loader fetches those plans again (``trainer.Trainer.tell_speeds``), so a slowed
+rank gets less work from the step after the one that showed it, and its full share back once
+it recovers. Not in
 deterministic mode: plans there must not depend on timing (the speeds are still in the rows).
 Every rank keeps the same tracker (every rank sees every rank's timing in ``records.flush``).
 """
@@ -54,10 +56,13 @@ class SpeedTracker:
         return len(wanted) != len(self.told) or any(
             abs(w - t) > self.tolerance * t for w, t in zip(wanted, self.told))
 
-    def tell(self, plane, writer: bool, deterministic: bool) -> dict | None:
+    def tell(self, plane, writer: bool, deterministic: bool, from_step: int | None = None
+             ) -> dict | None:
         """Rank 0 (``writer``) sends the pending speeds to ``plane`` (the rank's
-        ``PlaneSession``); the plane's reply (``{applies_at_step, speeds}``) or None. A plane
-        that cannot take them costs one line, not the run: the plans stay as they were."""
+        ``PlaneSession``), to apply from ``from_step`` if given (the first step no rank has
+        started: ``DataPlane.set_speeds``); the plane's reply (``{applies_at_step, speeds}``)
+        or None. A plane that cannot take them costs one line, not the run: the plans stay as
+        they were."""
         from omniscale.dataplane.client import PlaneError
 
         if self.pending is None or not writer or plane is None or deterministic:
@@ -65,7 +70,7 @@ class SpeedTracker:
         step, speeds = self.pending
         self.pending = None
         try:
-            reply = plane.set_speeds(step, speeds)
+            reply = plane.set_speeds(step, speeds, from_step)
         except PlaneError as e:
             print(f"rank speeds: the plane was not told ({str(e).splitlines()[0]})",
                   flush=True)

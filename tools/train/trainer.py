@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from omniscale.tools.train import checkpoint
+from omniscale.tools.train import checkpoint, collectives
 from omniscale.tools.train.held_out import flat
 from omniscale.tools.train.metrics import MetricsWriter, Progress
 from omniscale.tools.train.profiler import step_profiler
@@ -105,6 +105,7 @@ class Trainer:
             rows = flush(self.env, self.state, self.records)
             if held:
                 rows[-1]["eval"] = flat(held)
+            self.tell_speeds(rows, done)
             self.log(rows, checkpoint=done if save else None,
                      pools=getattr(self.loader, "pool_stats", None))
             self.records = []
@@ -118,15 +119,29 @@ class Trainer:
         if self.profiler is not None:  # profile.steps: the step is the whole iteration
             self.profiler.step(done - 1)
 
+    def tell_speeds(self, rows: list[dict], done: int) -> None:
+        """The ranks' speeds to the plane when they changed (rank 0; ``rank_speeds``), to
+        apply from step ``done``, which no rank has started: every rank waits here for what
+        the plane said (a broadcast, every log interval), and if the plans of ``done`` on are
+        new, its loader drops what it fetched of them and fetches them again -- so a slowed
+        rank gets less work from the next step, not after the plans its loader read ahead."""
+        env, cfg = self.env, self.cfg
+        if not rows or not cfg.data.plan_by_rank_speed or cfg.deterministic:
+            return
+        sent = self.session.tell_speeds(self.state.speeds, env.writer, cfg.deterministic,
+                                        from_step=done)
+        if sent is not None:
+            rows[-1]["rank_speeds_sent"] = sent
+        applies = collectives.share_from_rank_0(sent["applies_at_step"] if sent else -1,
+                                                env.device)
+        if applies == done:  # the plans this rank's loader fetched from there are stale
+            self.loader.replan_from(done)
+
     def log(self, rows: list[dict], checkpoint: int | None = None, pools=None) -> None:
         """Write a log interval's rows (rank 0) with what only the loop knows: the schedule's
         target mix, the cost refit, peak memory, the checkpoint the last row's step starts, the
         Ray decoding pools (``pools``: ``RayRankLoader.pool_stats``)."""
         env, cfg = self.env, self.cfg
-        if rows and cfg.data.plan_by_rank_speed:  # the planner gives a slow rank less work
-            sent = self.session.tell_speeds(self.state.speeds, env.writer, cfg.deterministic)
-            if sent is not None:
-                rows[-1]["rank_speeds_sent"] = sent
         for row in rows:
             step = row["step"]
             if env.device.type == "cuda":  # this rank's peak since the start (GiB)
