@@ -55,20 +55,29 @@ def connect(address: str, namespace: str) -> None:
         return
     reachable(address)
     _token_auth_if_at_hand(address)
+    # A rank is stopped with SIGTERM when a peer fails (by torch's launcher or torchrun);
+    # Ray's handler, installed inside ray.init, then prints a native stack dump beside the one
+    # line that says why. The default action ends the rank as quietly as one that never joined
+    # Ray (the cluster drops a driver's actors when it goes). SIGTERM is held back while
+    # ray.init runs, so one that arrives then meets the default action, not Ray's handler.
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    joined = False
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False,
                  logging_level=logging.WARNING)
+        joined = True
     except ConnectionError as e:
         raise UserError(f"data.ray_address {address!r}: no Ray cluster to join "
                         f"({str(e).splitlines()[0]}; a cluster with token auth needs its "
                         "token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
                         ) from None
-    # A rank is stopped with SIGTERM when a peer fails (by torch's launcher or torchrun);
-    # Ray's handler then prints a native stack dump beside the one line that says why. The
-    # default action ends the rank as quietly as one that never joined Ray (the cluster
-    # drops a driver's actors when it goes).
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if joined or before is None else before)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _token_auth_if_at_hand(address: str) -> None:

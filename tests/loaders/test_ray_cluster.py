@@ -1,7 +1,13 @@
 """Pool plans fit the cluster they are made for (hand-computed cases; no Ray needed), and the
-job's namespace depends only on its run directory."""
+job's namespace depends only on its run directory; a rank stopped while it joins Ray ends
+quietly."""
 
 from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +16,7 @@ from omniscale.loaders.ray_cluster import PoolPlan, job_namespace, plan_pools, r
 
 COSTS = {"text": 0.001, "image": 0.004, "video": 0.05}
 SHARES = {"text": 0.5, "image": 0.3, "video": 0.2}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_small_machine_gets_fractional_actors_that_pack_onto_its_nodes():
@@ -55,3 +62,33 @@ def test_a_new_mixture_shares_the_same_actors_out_anew():
     # a node gone: room for three, taken from the largest pool
     assert replan(before, costs, clips, [2.0], max_replicas=4).replicas == \
         {"text": 1, "image": 1, "video": 1}
+
+
+# ray.init as Ray's runs it, seen from the signals: its handler installed first (it prints a
+# stack dump), then -- as when the launcher stops this rank mid-init -- SIGTERM arrives
+_STOPPED_MID_INIT = """
+import os, signal, sys
+import ray
+from omniscale.loaders import ray_cluster
+
+def noisy(*_):
+    print("*** SIGTERM received", flush=True)
+
+def init(**_):
+    signal.signal(signal.SIGTERM, noisy)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+ray.is_initialized, ray.init = (lambda: False), init
+ray_cluster.reachable = ray_cluster._token_auth_if_at_hand = lambda address: None
+ray_cluster.connect("auto", "job")
+print("went on", flush=True)
+"""
+
+
+def test_a_rank_stopped_while_it_joins_ray_ends_quietly():
+    """SIGTERM during ray.init waits for it and then ends the rank by the default action: no
+    stack dump from Ray's handler, and the rank does not go on either."""
+    done = subprocess.run([sys.executable, "-c", _STOPPED_MID_INIT], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
+    assert done.stdout == "" and "Traceback" not in done.stderr, (done.stdout, done.stderr)
