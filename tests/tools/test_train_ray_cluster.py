@@ -106,6 +106,9 @@ def test_plane_actor_and_two_trainers_on_three_nodes_lose_one_and_train_alike(de
     pools = rows[-1]["data_pools"]
     # the lost node's actors were replaced, or, where the node left (its one CPU; the head's
     # is the plane's) had no room, their pools went on without them (counted for the job,
-    # whichever rank met the death)
+    # whichever rank met the death). Not asserted: that rank 0's layout fits the CPU left --
+    # it is the layout rank 0 last took, and a death met by rank 1, or in a pool no sample
+    # used after the loss, shows there only at the next window, after this run's last step
+    # (it failed so once); tests/loaders/test_ray_resize.py checks that no lost actor is left
+    # in the pools once a window has passed.
     assert pools["actor_restarts"] + pools["actors_retired"] >= 1, (pools, trained.stderr[-3000:])
-    assert sum(pools["actors"].values()) * 0.25 <= 1.0
