@@ -31,6 +31,7 @@ def full_row(step: int, ranks: int = 4) -> dict:
         "mix_target": {"text": text_weight, "image": 1 - text_weight, "audio": 0.0},
         "rank_compute_s": [0.6 + 0.01 * r for r in range(ranks)],
         "rank_predicted_cost": [1e8 + 1e6 * r for r in range(ranks)],
+        "rank_speed": [1.0 - 0.01 * r for r in range(ranks)],
         "imbalance_measured": 1.02, "imbalance_predicted": 1.01, "compute_clock": "cpu",
         "balance": "omniscale", "predicted_step_cost": 1.0e8,
         "baseline_predicted_step_cost": 1.2e8, "baseline_policy": "kk_cost",
@@ -214,3 +215,30 @@ def test_smoothing_is_centred_and_skips_gaps():
     out = smoothed(values)
     assert abs(out[50] - 50.0) < 1e-9  # a line stays itself: no lag behind a trend
     assert np.isfinite(out[-1])  # the gap takes its window's mean, it does not spread NaN
+
+
+def test_rank_speeds_show_a_slowed_rank_s_share_falling_and_the_step_recovering(tmp_path):
+    """Rank 1 at half speed from step 4, told after step 5 and planned for from step 6: the
+    plot is drawn and the page names each change the plane was told, in order."""
+    rows = []
+    for step in range(10):
+        slow = 4 <= step
+        planned = step >= 6
+        rows.append({**full_row(step, ranks=2),
+                     "rank_speed": [1.0, 0.5 if slow else 1.0],
+                     "rank_predicted_cost": [2.0, 1.0] if planned else [1.0, 1.0],
+                     "step_s": 2.0 if slow and not planned else 1.5 if planned else 1.0})
+    rows[5]["rank_speeds_sent"] = {"applies_at_step": 6, "speeds": [1.0, 0.5]}
+    rows[8]["rank_speeds_sent"] = {"applies_at_step": 9, "speeds": []}
+    run = write_metrics(tmp_path / "run", rows)
+    page = build_report(run).read_text()
+    assert_valid_png(run / "report" / "rank_speeds.png")
+    assert page.index("measured after step 5, planned from step 6: 1.00, 0.50") < \
+        page.index("measured after step 8, planned from step 9: equal")
+
+
+def test_rank_speeds_are_skipped_with_a_note_on_one_rank(tmp_path):
+    run = write_metrics(tmp_path / "run", [full_row(s, ranks=1) for s in range(3)])
+    page = build_report(run).read_text()
+    assert not (run / "report" / "rank_speeds.png").exists()
+    assert "skipped: no rank speeds recorded" in page

@@ -1,11 +1,11 @@
 """``omniscale report RUN_DIR``: PNG plots of a training run and an ``index.html`` showing them.
 
 Reads ``RUN_DIR/metrics.jsonl`` (one row per step, tools/train/loop.py) and the held-out
-evaluation, draws loss, throughput, mixture (realized vs target), per-rank load and expert
-load, and writes them with a summary table to ``RUN_DIR/report/`` (or ``--out``), with links to
-the profiler's traces when the run has any (``RUN_DIR/profile``). A field no row records skips
-its plot with a note on the page; a missing or corrupt metrics file is a UserError naming the
-file and line.
+evaluation, draws loss, throughput, mixture (realized vs target), per-rank load, expert
+load, the balancer's predicted gain and the ranks' measured speeds, and writes them with a
+summary table to ``RUN_DIR/report/`` (or ``--out``), with links to the profiler's traces
+when the run has any (``RUN_DIR/profile``). A field no row records skips its plot with a note
+on the page; a missing or corrupt metrics file is a UserError naming the file and line.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from omniscale.tools.report.inputs import (
 )
 from omniscale.tools.report.page import render
 from omniscale.tools.report.plots import PLOTS, Plot
+from omniscale.tools.report.speeds_plot import plot_rank_speeds
 
-FIGURES = (*PLOTS, ("balancer.png", plot_balancer))  # in the report's order
+FIGURES = (*PLOTS, ("balancer.png", plot_balancer),  # in the report's order
+           ("rank_speeds.png", plot_rank_speeds))
 
 
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
