@@ -18,6 +18,7 @@ import hashlib
 import threading
 import time
 
+import pytest
 import torch
 
 from omniscale.tools.train.compute_clock import ComputeClock
@@ -95,6 +96,7 @@ def test_compute_clock_measures_each_ranks_work_not_its_waiting():
     assert abs(measured / true_ratio - 1) <= 0.3, (measured, true_ratio, ranks)
 
 
+@pytest.mark.xdist_group("pinned_cpus")  # never beside test_rank_speeds' pinned neighbours
 def test_runnable_clock_counts_a_noisy_neighbour_and_leaves_out_waiting():
     """A neighbour spinning on this process's core halves its share of the core: the step
     takes twice as long, and the runnable clock (the default on Linux) must say so -- CPU time

@@ -48,6 +48,26 @@ def test_one_odd_step_moves_nothing_two_do():
     assert plane.told == [(4, [1.0, 0.5]), (7, [])]
 
 
+def test_planning_by_the_measured_speeds_evens_the_times_where_part_of_a_step_is_fixed():
+    """A step costs every rank a fixed part whatever its share (placeholder micro-batches, the
+    optimizer): rank r takes (20 + cost) / speed seconds, speeds 1 and 0.5, 100 cost units a
+    step. A speed is cost over seconds at the share the rank had, so it is re-measured as the
+    share moves; planning by it must settle where the times are even -- by hand, rank 1's cost
+    c solves (20 + 100 - c) / 1 = (20 + c) / 0.5, c = 80 / 3 -- to within the tracker's 10%,
+    not at the split the true speeds alone would give (100 / 3), where rank 1 is 14% slower."""
+    tracker, told, true = SpeedTracker(), [], [1.0, 0.5]
+    for step in range(12):
+        speeds = told or [1.0, 1.0]  # a planner that splits the cost in proportion
+        costs = [100 * s / sum(speeds) for s in speeds]
+        secs = [(20 + c) / s for c, s in zip(costs, true)]
+        tracker.observe(step, costs, secs)
+        reply = tracker.tell(_Plane(), writer=True, deterministic=False)
+        told = reply["speeds"] if reply else told
+    assert 80 / 3 <= costs[1] <= 1.1 * 80 / 3, costs
+    even = (20 + 80 / 3) / 0.5
+    assert max(secs) <= 1.05 * even, (secs, even)
+
+
 def test_only_rank_0_tells_and_not_in_deterministic_mode():
     for writer, deterministic in ((False, False), (True, True)):
         tracker, plane = SpeedTracker(window=1), _Plane()
@@ -64,11 +84,22 @@ def test_an_idle_rank_says_nothing_and_a_refusing_plane_costs_one_line(capsys):
         "rank speeds: the plane was not told (speeds: unknown action)\n"
 
 
+# Five neighbours, not one or two: the kernel moves every unpinned process (the suite's other
+# tests) off the crowded core onto rank 0's, and with two neighbours a loaded CI run measured
+# the ranks within 8% of each other (rank 0 shared its core with about two of them). Up to three
+# such processes leave rank 0 a quarter of its core against rank 1's sixth (measured with three
+# busy loops beside the test: four neighbours gave 0.75-0.87, too near the 0.9 that is news).
+# The other test that pins spinners to a core (test_compute_clock) runs on the same xdist
+# worker, never beside it.
+_NEIGHBOURS = 5
+
+
+@pytest.mark.xdist_group("pinned_cpus")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin ranks to")
 def test_a_rank_sharing_its_core_with_noisy_neighbours_gets_less_work(demo, tmp_path,
                                                                         monkeypatch):
-    """Ranks pinned to a CPU each (``OMNISCALE_CPU_BIND``), and two processes spinning on rank
-    1's CPU from the start: rank 1 gets about a third of its core. The slower rank's speed is
+    """Ranks pinned to a CPU each (``OMNISCALE_CPU_BIND``), and five processes spinning on rank
+    1's CPU from the start: rank 1 gets about a sixth of its core. The slower rank's speed is
     measured (the runnable clock sees the neighbours; CPU time would not), the plane is told,
     and the steps planned with those speeds give that rank the smaller share of the work,
     about in proportion."""
@@ -77,7 +108,7 @@ def test_a_rank_sharing_its_core_with_noisy_neighbours_gets_less_work(demo, tmp_
     spinners = [subprocess.Popen(
         [sys.executable, "-c", "import os; os.sched_setaffinity(0, {%d}); "
          "print('ready', flush=True)\nwhile True: pass" % cpus[1]],
-        stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        stdout=subprocess.PIPE, text=True) for _ in range(_NEIGHBOURS)]
     run = tmp_path / "run"
     sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
             "data.global_batch_tokens": 8192, "data.micro_batch_tokens": 2048,

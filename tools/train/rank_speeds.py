@@ -4,7 +4,10 @@ rank proportionally less work.
 A rank's speed at a step is its plan's predicted cost (work, in cost units) over its compute
 seconds (``compute_clock``: on CPU the time its threads were runnable, so a noisy neighbour on
 its core counts and waiting for the other ranks does not; on CUDA the wall time for now). Only
-ratios matter: the fastest rank is 1. Smoothed: each rank's speed is the median of its last
+ratios matter: the fastest rank is 1. Part of a step costs a rank the same whatever its share
+(the optimizer, micro-batches it fills with a placeholder), so a slowed rank's speed falls as
+its share does; measured again at each share, the speeds settle where the ranks' compute times
+are even, which is what the step waits for. Smoothed: each rank's speed is the median of its last
 ``window`` steps, so one odd step (a page fault, a collection pause) moves nothing and two slow
 steps in a row do.
 
