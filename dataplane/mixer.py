@@ -148,7 +148,7 @@ class Mixer:
                 self.target_N, self.realized_N, w_N, self._live_L, samples, values, llm_NK,
                 unit_NK, pos_N, end_N, room - drawn if room >= 0 else len(picks_P),
                 -1 if self.batch_tokens is None else self.batch_tokens, drawn, batch_tokens,
-                self.tokens, self._key_until(), picks_P)
+                self.tokens, float(self._key_until()), picks_P)  # one signature: float
             if attempted:
                 settled[self._live_L] = True
             if n:

@@ -16,6 +16,16 @@ if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
     settings.load_profile("ci")
 
 
+def pytest_configure(config):
+    """The controller of an xdist run, before its workers start: numba's kernels compiled into
+    their cache once (``tools/warm_kernels.py``), not by both workers and their ranks' planes
+    at once on a fresh clone (about 40 s of CPU each); a cached kernel costs only its load."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        from omniscale.tools.warm_kernels import warm
+
+        warm(progress=lambda line: None)
+
+
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory, worker_id):
     """The tiny demo, indexed, shared by the whole run -- by every xdist worker too

@@ -27,4 +27,9 @@ if ! { .venv/bin/python -m pip install --upgrade pip \
     exit 1
 fi
 echo "$want" > "$stamp"
+# numba's kernels into their on-disk cache now, once, rather than in every process of the first
+# run or test session at the same time (tools/warm_kernels.py)
+echo "setup: compiling the planner's kernels (first time: under a minute)"
+.venv/bin/python -m omniscale.tools.warm_kernels \
+    || echo "setup: compiling the kernels failed; each run compiles what it needs" >&2
 echo "setup: done"
