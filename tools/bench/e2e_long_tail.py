@@ -174,7 +174,7 @@ def predict(spec: Path, costs_file: str | None, args) -> dict:
     if costs_file is None:
         return {"skipped": "no cost file: the prediction needs costs in seconds"}
     policies = list(getattr(args, "policies_list", POLICIES))
-    base = _plane_config(OURS, costs_file, args.nproc)
+    base = _plane_config(OURS, costs_file, args.nproc, args.window)
     W = base.window
     windows = draw_windows(spec, base, math.ceil(args.steps / W))
     costs = base.cost_model(base.cost_linear, base.cost_quadratic)
@@ -182,7 +182,7 @@ def predict(spec: Path, costs_file: str | None, args) -> dict:
     steps: dict[str, list[dict]] = {p: [] for p in policies}
     for samples in windows:
         for policy in policies:
-            config = _plane_config(policy, costs_file, args.nproc).planner(args.nproc, W)
+            config = _plane_config(policy, costs_file, args.nproc, W).planner(args.nproc, W)
             steps[policy] += [step_seconds(p, samples, costs, args.nproc, per_step)
                               for p in plan_policy(samples, costs, config, policy)]
     measured = {p: rows[args.warmup:args.steps] for p, rows in steps.items()}
@@ -385,6 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4,
                     help="steps left out (a whole window: the planner moves samples within it)")
+    ap.add_argument("--window", type=int, default=4,
+                    help="global batches the plane plans together (data.window; --quick: 2)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
@@ -405,8 +407,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.nproc != SP:
         raise SystemExit(f"--nproc {args.nproc}: this workload is one SP group of {SP} ranks")
-    if args.warmup % 4 or args.steps % 4 or args.steps <= args.warmup:
-        raise SystemExit("--warmup and --steps: multiples of the window (4), steps > warmup")
+    if args.window < 1 or args.warmup % args.window or args.steps % args.window \
+            or args.steps <= args.warmup:
+        raise SystemExit(f"--warmup and --steps: multiples of the window ({args.window}), "
+                         "steps > warmup")
     # what tools/bench/e2e.py's run and calibrate read
     args.micro_batch_tokens = SETS["data.micro_batch_tokens"]
     args.global_batch_tokens = SETS["data.global_batch_tokens"]
@@ -454,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
                     out = Path(tmp) / f"r{r}-{policy}-{attempt}"
                     quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
                     with Contention() as contention:
-                        stats = run(policy, spec, out, args)
+                        stats = run(policy, spec, out, args, {"data.window": args.window})
                     stats.update(_measured(_rows(out)[args.warmup:args.steps],
                                            predicted.get(policy)),
                                  foreign_cpu_share=round(contention.share, 3), **quiet)
@@ -499,7 +503,8 @@ def main(argv: list[str] | None = None) -> dict:
     targets["model_agreement"] = model_agreement(rounds)
     result = {"command": " ".join(["tools/bench/e2e_long_tail.py"] + (argv or sys.argv[1:])),
               **started, "load_avg_at_end": os.getloadavg(), "scale": args.scale,
-              "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup, "sets": SETS,
+              "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
+              "window": args.window, "sets": SETS,
               "weights": WEIGHTS,
               "long_docs": {"count": LONG_DOCS[args.scale], "min_tokens": MIN_TOKENS,
                             "max_tokens": MAX_TOKENS},

@@ -204,7 +204,8 @@ BENCHES: dict[str, Bench] = {
             Metric("measured imbalance (compute clock) of our plans",
                    value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)))),
     "e2e_long_tail": Bench(
-        "e2e_long_tail.py", quick_args=("--rounds", "1", "--steps", "4", "--warmup", "0",
+        "e2e_long_tail.py", quick_args=("--rounds", "1", "--steps", "2", "--window", "2",
+                                        "--warmup", "0",
                                         "--workers", "0",
                                         "--scale", "tiny", "--costs", "flops", "--policies",
                                         "omniscale,static_sp", "--retries", "0",
