@@ -110,3 +110,32 @@ def test_the_check_catches_a_figure_typed_by_hand():
     assert shown("207.8", numbers) and shown("0.94", numbers) and shown("21,773", numbers)
     assert shown("2.33", numbers)  # GiB
     assert not shown("207.9", numbers) and not shown("1.22", numbers)
+
+
+# Cited JSONs measured on a tree with uncommitted changes, before `omniscale bench all
+# --write-docs` (which refuses a dirty tree) existed. The list only shrinks: a JSON measured
+# again comes out clean and must leave it; any other cited JSON must record a clean tree.
+MEASURED_DIRTY = frozenset({
+    "attention_cpu.json", "balance.json", "balance_scale.json", "calibrate_demo_omni.json",
+    "commit.json", "e2e.json", "e2e_long_tail.json", "e2e_no_reshard.json", "kernels_cpu.json",
+    "linear_ce_memory.json", "plane.json", "plane_scale.json", "ray_loader.json",
+    "remote.json"})
+# measured from `git archive 07a44fa` outside a checkout (the JSON's note says so): no git state
+NO_GIT = frozenset({"balance_scale_before.json"})
+
+
+def test_no_cited_figure_is_newly_measured_on_a_dirty_tree():
+    from omniscale.tools.bench.docs_page import citations, provenance
+
+    dirty, cleaned = [], []
+    for name in set(citations()) - NO_GIT:
+        path = ROOT / "docs" / "bench" / name
+        recorded = provenance(json.loads(path.read_text())).get("git_dirty")
+        if name in MEASURED_DIRTY:
+            if recorded is False:
+                cleaned.append(name)
+        elif recorded is not False:  # True, or no provenance at all
+            dirty.append(f"{name}: git_dirty {recorded}")
+    assert not dirty, "measured on a tree with uncommitted changes (or not recorded):\n" + \
+        "\n".join(dirty)
+    assert not cleaned, f"measured clean now; take them off MEASURED_DIRTY: {cleaned}"

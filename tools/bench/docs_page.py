@@ -47,12 +47,18 @@ def _page_link(page: str) -> str:
     return f"[{target.removesuffix('.md')}]({target})"
 
 
+def provenance(data: dict) -> dict:
+    """A bench JSON's provenance fields (``git_commit``, ``git_dirty``, ``command``, ...): at
+    its top level, or under ``provenance`` where the script keeps them apart."""
+    return data.get("provenance", data) if isinstance(data.get("provenance"), dict) else data
+
+
 def provenance_rows() -> list[str]:
     cited = citations()
     rows = ["| JSON | cited by | command | commit | tree | load at start (1 min) | CPUs |",
             "|---|---|---|---|---|---|---|"]
     for path in sorted(BENCH_JSON_DIR.glob("*.json")):
-        data = json.loads(path.read_text())
+        data = provenance(json.loads(path.read_text()))
         commit = data.get("git_commit")
         dirty = data.get("git_dirty")
         tree = {True: "uncommitted changes", False: "clean"}.get(dirty, "not recorded")
