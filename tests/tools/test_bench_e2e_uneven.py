@@ -52,3 +52,12 @@ def test_a_baseline_that_sent_no_speeds_has_no_planned_after():
     got = analyse(rows, slow_from=4, slow_until=10, settle=2, warmup=1)
     assert got["planned_for_slowdown_after_steps"] is None
     assert got["planned_for_release_after_steps"] is None
+
+
+def test_a_baseline_that_sent_speeds_it_does_not_plan_by_has_no_planned_after():
+    """A baseline's trainer sends the speeds as ours does (the same rows), but its plane plans
+    without them: its steps are planned for no change."""
+    got = analyse(_rows(), slow_from=4, slow_until=10, settle=2, warmup=1, plans_by_speed=False)
+    assert got["planned_for_slowdown_after_steps"] is None
+    assert got["planned_for_release_after_steps"] is None
+    assert got["speeds_sent"]  # still reported, as sent

@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
                     rows = [json.loads(line) for line in
                             (out / "metrics.jsonl").read_text().splitlines()]
                     runs[policy].update(e2e_uneven.analyse(rows, args.slow_from, slow_until,
-                                                           args.settle, args.warmup))
+                                                           args.settle, args.warmup,
+                                                           plans_by_speed=policy == OURS))
                 else:
                     runs[policy] = run(policy, spec, out, args)
                 got = runs[policy]

@@ -135,8 +135,10 @@ def _adapted(rows: list[dict], change: int, slowed: bool) -> int | None:
 
 
 def analyse(rows: list[dict], slow_from: int, slow_until: int | None, settle: int,
-            warmup: int) -> dict:
-    """One run's figures (module docstring) from its metrics rows."""
+            warmup: int, plans_by_speed: bool = True) -> dict:
+    """One run's figures (module docstring) from its metrics rows. ``plans_by_speed``: False
+    for a baseline policy, whose trainer sends the speeds all the same but whose plans do not
+    follow them: no step is "planned for" a change then (None)."""
     end = slow_until if slow_until is not None else len(rows)
     settled = [r for r in rows if slow_from + settle <= r["step"] < end]
     if not settled:
@@ -164,8 +166,10 @@ def analyse(rows: list[dict], slow_from: int, slow_until: int | None, settle: in
         "speeds_sent": [{"after_step": r["step"], **r["rank_speeds_sent"]} for r in rows
                         if "rank_speeds_sent" in r],
     }
-    result["planned_for_slowdown_after_steps"] = _adapted(rows, slow_from, True)
+    result["planned_for_slowdown_after_steps"] = \
+        _adapted(rows, slow_from, True) if plans_by_speed else None
     if slow_until is not None and before is not None:
         result["recovery_after_release_steps"] = _recovery(step_s, slow_until, before)
-        result["planned_for_release_after_steps"] = _adapted(rows, slow_until, False)
+        result["planned_for_release_after_steps"] = \
+            _adapted(rows, slow_until, False) if plans_by_speed else None
     return result
