@@ -79,3 +79,30 @@ def free_port() -> int:
     with socket.socket() as s:  # the low range all taken: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Spinners:
+    """``count`` busy loops pinned to CPU ``core`` (noisy neighbours) for the ``with`` block;
+    entered once every loop runs (each says so), killed on exit."""
+
+    def __init__(self, core: int, count: int = 1):
+        self.core, self.count, self.procs = core, count, []
+
+    def __enter__(self) -> "Spinners":
+        import sys
+
+        code = ("import os; os.sched_setaffinity(0, {%d}); print('ready', flush=True)\n"
+                "while True: pass" % self.core)
+        self.procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                       text=True) for _ in range(self.count)]
+        try:
+            assert all(p.stdout.readline().strip() == "ready" for p in self.procs)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()

@@ -24,6 +24,7 @@ import torch
 from omniscale.tools.train.compute_clock import ComputeClock
 from tests.parallel import dist_models as dm
 from tests.parallel.multiproc import run_ranks
+from tests.procs import Spinners
 
 LONG = 1600  # the one-token passes cost little next to it: rank 0 does about 2.4x rank 1
 WORK = {0: [LONG] * 4, 1: [LONG, 1, 1, 1]}  # tokens per micro-batch, per rank
@@ -103,33 +104,25 @@ def test_runnable_clock_counts_a_noisy_neighbour_and_leaves_out_waiting():
     alone stays about the same, which would tell a planner the rank is as fast as ever. A wait
     (as in a collective: the thread sleeps) must not count on either clock."""
     import os
-    import subprocess
-    import sys
 
     mine = os.sched_getaffinity(0)
     core = min(mine)
-    spinner = subprocess.Popen(
-        [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {%d}); "
-         "print('ready', flush=True)\nwhile True: pass" % core],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert spinner.stdout.readline().strip() == "ready"
+    with Spinners(core):
         os.sched_setaffinity(0, {core})
-        runnable, cpu = ComputeClock("cpu"), ComputeClock("cpu", kind="cpu")
-        assert runnable.kind == "runnable"
-        waited = threading.Event()
-        runnable.start()
-        cpu.start()
-        total = 0
-        for i in range(3_000_000):  # about 0.3 s of one core's work
-            total += i
-        waited.wait(0.3)  # blocked, as in a collective: not runnable
-        wall, seconds = runnable.stop()
-        _, cpu_seconds = cpu.stop()
-    finally:
-        os.sched_setaffinity(0, mine)
-        spinner.kill()
-        spinner.wait()
+        try:
+            runnable, cpu = ComputeClock("cpu"), ComputeClock("cpu", kind="cpu")
+            assert runnable.kind == "runnable"
+            waited = threading.Event()
+            runnable.start()
+            cpu.start()
+            total = 0
+            for i in range(3_000_000):  # about 0.3 s of one core's work
+                total += i
+            waited.wait(0.3)  # blocked, as in a collective: not runnable
+            wall, seconds = runnable.stop()
+            _, cpu_seconds = cpu.stop()
+        finally:
+            os.sched_setaffinity(0, mine)
     working = wall - 0.3  # the loop's wall time, shared with the neighbour
     # the wait (0.3 s) is left out; 0.1 s of slack for the other xdist worker's load
     assert seconds <= working + 0.1, (seconds, wall)

@@ -6,8 +6,6 @@ falls."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +13,7 @@ from omniscale.dataplane.client import PlaneError
 from omniscale.dataplane.journal import Journal
 from omniscale.tools.train.launch import train
 from omniscale.tools.train.rank_speeds import SpeedTracker
+from tests.procs import Spinners
 from tests.tools.train_runs import read_metrics
 
 
@@ -105,23 +104,14 @@ def test_a_rank_sharing_its_core_with_noisy_neighbours_gets_less_work(demo, tmp_
     about in proportion."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     monkeypatch.setenv("OMNISCALE_CPU_BIND", ",".join(map(str, cpus)))
-    spinners = [subprocess.Popen(
-        [sys.executable, "-c", "import os; os.sched_setaffinity(0, {%d}); "
-         "print('ready', flush=True)\nwhile True: pass" % cpus[1]],
-        stdout=subprocess.PIPE, text=True) for _ in range(_NEIGHBOURS)]
     run = tmp_path / "run"
     sets = {"data.spec": demo / "mix.yaml", "data.workers": 0, "eval.enabled": False,
             "data.global_batch_tokens": 8192, "data.micro_batch_tokens": 2048,
             "optim.warmup_steps": 1, "output_dir": run, "steps": 6, "checkpoint_every": 6,
             "deterministic": False}
-    try:
-        assert all(s.stdout.readline().strip() == "ready" for s in spinners)
+    with Spinners(cpus[1], _NEIGHBOURS):
         train("configs/demo_omni.yaml", nproc=2, progress=False,
               sets=[f"{k}={v}" for k, v in sets.items()])
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
     rows = read_metrics(run / "metrics.jsonl")
     sent = [r["rank_speeds_sent"] for r in rows if "rank_speeds_sent" in r]
     told = next((s for s in sent if s["speeds"]), None)
