@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit
 
 from omniscale.balancer.ranktree import build, build2, least_within, smallest, update, update2
+from omniscale.balancer.speed_split import part_costs, speed_fractions
 
 
 @njit(cache=True)
@@ -259,12 +260,15 @@ def _join(member_RC, count_R, r, i):
     return member_RC
 
 
-def place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_speed_R=None):
+def place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_speed_R=None,
+                    slice_bounds=None):
     """Each split sample (in `order_N`: largest k, then largest cost first) onto the aligned
     group `[g*k, (g+1)*k)` whose most loaded rank is least loaded (then least total load,
     then lowest g). Returns the group's first rank per sample (-1 for samples not placed).
-    With speeds (`inv_speed_R`), a slice takes its group's slowest rank's time on every rank
-    of the group (the Ulysses all-to-alls pace the group) and `load_R` is in time.
+    With speeds (`inv_speed_R`), `load_R` is in time and the slices are sized by the group's
+    speeds (`balancer.speed_split`): `slice_bounds` = (attention share, least and most token
+    fraction of a slice) per sample; without them, equal slices, each taking the group's
+    slowest rank's time on every rank (the Ulysses all-to-alls pace the group).
     The group sizes of the samples in `order_N` must be powers of two at most len(load_R)."""
     inv = np.ones(len(load_R)) if inv_speed_R is None \
         else np.ascontiguousarray(inv_speed_R, np.float64)
@@ -272,7 +276,12 @@ def place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_speed_R=None):
     if len(k_O) and ((k_O < 1).any() or (k_O & (k_O - 1)).any() or k_O.max() > len(load_R)):
         raise ValueError(f"place_sp_groups: SP group sizes must be powers of two <= "
                          f"{len(load_R)} ranks, got {sorted(set(k_O.tolist()))}")
-    return _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv)
+    by_speed = inv_speed_R is not None and slice_bounds is not None
+    n = len(unit_cost_N)
+    share_N, lo_N, hi_N = (np.ascontiguousarray(b, np.float64) for b in slice_bounds) \
+        if by_speed else (np.zeros(n), np.zeros(n), np.ones(n))
+    return _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv, by_speed, share_N,
+                            lo_N, hi_N)
 
 
 @njit(cache=True)
@@ -296,7 +305,8 @@ def _group_key(load_R, g, k):
 
 
 @njit(cache=True)
-def _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_R):
+def _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_R, by_speed, share_N, lo_N,
+                     hi_N):
     # One tournament tree per group size in use, over that size's aligned groups keyed by
     # (most loaded rank, summed load): the best group is the root, where a scan of every
     # group cost O(R) per split sample. Placing a sample changes the groups of every size
@@ -341,11 +351,17 @@ def _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_R):
         best = win[2 * off_L[lv] + 1]  # the root of this size's tree
         a = best * k
         first_N[i] = a
-        slowest = 0.0
-        for r in range(a, a + k):
-            slowest = max(slowest, inv_R[r])
-        for r in range(a, a + k):
-            load_R[r] += unit_cost_N[i] * slowest
+        if by_speed:
+            t_K = speed_fractions(share_N[i], 1.0 / inv_R[a:a + k], lo_N[i], hi_N[i])
+            part_K = part_costs(unit_cost_N[i] * k, share_N[i], t_K)
+            for r in range(a, a + k):
+                load_R[r] += part_K[r - a] * inv_R[r]
+        else:
+            slowest = 0.0
+            for r in range(a, a + k):
+                slowest = max(slowest, inv_R[r])
+            for r in range(a, a + k):
+                load_R[r] += unit_cost_N[i] * slowest
         for lv2 in range(n_levels + 1):
             if not used_L[lv2]:
                 continue
@@ -360,7 +376,7 @@ def _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_R):
 def assign_ranks(unit_cost_N: np.ndarray, sp_size_N: np.ndarray, dp: int,
                  search_iters: int | None = None, n_partners: int = 4,
                  slice_tokens_N: np.ndarray | None = None, token_cap: int | None = None,
-                 speed_R: np.ndarray | None = None):
+                 speed_R: np.ndarray | None = None, slice_bounds=None):
     """First rank of every sample (its rank if whole, its group's first rank if split) and the
     resulting per-rank time (cost / speed; the cost when ``speed_R`` is None: equal ranks).
     Deterministic: stable orders, lowest index on ties.
@@ -368,7 +384,8 @@ def assign_ranks(unit_cost_N: np.ndarray, sp_size_N: np.ndarray, dp: int,
     ``token_cap``: whole samples go only where the rank's tokens (``slice_tokens_N`` per rank
     of a sample) stay within it, where they can: a rank over ``m × micro_batch_tokens`` needs
     an (m+1)-th micro-batch on every rank, whose fixed cost may exceed what the cost balance
-    gains (``planner``).
+    gains (``planner``). ``slice_bounds``: split samples' slices sized by speed
+    (``place_sp_groups``).
     """
     unit_cost_N = np.ascontiguousarray(unit_cost_N, np.float64)
     sp_size_N = np.ascontiguousarray(sp_size_N, np.int64)
@@ -380,7 +397,7 @@ def assign_ranks(unit_cost_N: np.ndarray, sp_size_N: np.ndarray, dp: int,
     split_N = sp_size_N > 1
     sp_order = index_N[split_N][np.lexsort((index_N[split_N], -unit_cost_N[split_N],
                                             -sp_size_N[split_N]))]
-    first_N = place_sp_groups(unit_cost_N, sp_size_N, sp_order, load_R, inv_R)
+    first_N = place_sp_groups(unit_cost_N, sp_size_N, sp_order, load_R, inv_R, slice_bounds)
     # costliest first, ties by index: a stable sort of the negated costs (a lexsort with the
     # index as a second key gives the same order at twice the time)
     whole_order = index_N[~split_N][np.argsort(-unit_cost_N[~split_N], kind="stable")]

@@ -28,10 +28,13 @@ def step_times(plan: StepPlan) -> tuple[float, float]:
 
 
 def recount_tokens(plan: StepPlan, tokens_N: np.ndarray, dp: int) -> np.ndarray:
-    """Tokens per (rank, slot) from the placements themselves (SP slices padded as planned)."""
+    """Tokens per (rank, slot) from the placements themselves (SP slices padded as planned,
+    or cut by speed as planned)."""
     grid_RB = np.zeros((dp, max(plan.num_micro_batches, 1)), np.int64)
-    np.add.at(grid_RB, (plan.rank_P, plan.micro_batch_P),
-              slice_tokens(tokens_N[plan.sample_P], plan.sp_size_P))
+    tokens_P = slice_tokens(tokens_N[plan.sample_P], plan.sp_size_P)
+    if plan.sp_tokens_P is not None:
+        tokens_P = np.where(plan.sp_size_P > 1, plan.sp_tokens_P, tokens_P)
+    np.add.at(grid_RB, (plan.rank_P, plan.micro_batch_P), tokens_P)
     return grid_RB
 
 

@@ -17,6 +17,7 @@ from omniscale.balancer.cost import Costs
 from omniscale.balancer.encoder_plan import plan_encoders
 from omniscale.balancer.pack import pack
 from omniscale.balancer.reorder import reorder_window
+from omniscale.balancer.speed_split import part_costs, slice_lengths, speed_fractions
 from omniscale.balancer.split import choose_sp_size, slot_share, unit_cost
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
 
@@ -64,54 +65,77 @@ def _split(samples, cost_N, n_steps, costs, config):
     return sp_size_N, unit_cost(cost_N, samples.tokens_N, sp_size_N, costs.sp_comm_per_token)
 
 
-def _place(unit_n, k_n, slice_n, costs: Costs, config: PlannerConfig):
-    """Ranks and slots: (first rank, slot, tokens [R, B], cost [R, B], slots).
+def _place(unit_n, k_n, slice_n, tokens_n, costs: Costs, config: PlannerConfig):
+    """Ranks and slots: (first rank, slot, tokens [R, B], cost [R, B], slots, slice lengths
+    per placement or None).
 
     The assignment balances time per rank (cost / speed: ``config.rank_speed``), which can give
     a rank more tokens than the fewest micro-batches hold, and then every rank runs one
     micro-batch more. When a micro-batch has a fixed cost (``costs.micro_batch``), an
     assignment that keeps every rank within the fewest micro-batches' tokens is tried too, and
     the plan with the shorter predicted step (Σ over slots of the slowest rank, plus the slots'
-    fixed cost) kept.
+    fixed cost) kept. With speeds, a split sample's slices are sized by its group's speeds
+    (``balancer.speed_split``).
     """
     dp, budget, speed_R = config.dp, config.micro_batch_tokens, config.speed_R
-    first_n, _ = assign_ranks(unit_n, k_n, dp, speed_R=speed_R)
-    placed = (first_n, *_pack(first_n, k_n, slice_n, unit_n, costs, config))
+    bounds = None if speed_R is None else _slice_bounds(unit_n, k_n, tokens_n, costs, budget)
+    first_n, _ = assign_ranks(unit_n, k_n, dp, speed_R=speed_R, slice_bounds=bounds)
+    placed = _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs, config)
     fewest = -(-int((slice_n * k_n).sum()) // (dp * budget))
     if costs.micro_batch <= 0 or placed[4] <= fewest:
-        return _as_cost(placed, k_n, unit_n, speed_R)
-    first_c, _ = assign_ranks(unit_n, k_n, dp, slice_tokens_N=slice_n,
-                              token_cap=fewest * budget, speed_R=speed_R)
-    capped = (first_c, *_pack(first_c, k_n, slice_n, unit_n, costs, config))
-    best = min((placed, capped), key=lambda p: _step_time(p[3], costs.micro_batch))
-    return _as_cost(best, k_n, unit_n, speed_R)
-
-
-def _pack(first_n, k_n, slice_n, unit_n, costs: Costs, config: PlannerConfig):
-    """``pack`` by time: with speeds, each sample's cost over its rank's speed (its group's
-    slowest for a split one), so the slots' heights are the times ranks wait for."""
-    time_n = unit_n if config.speed_R is None else unit_n * _slowest_inv(first_n, k_n,
-                                                                         config.speed_R)
-    return pack(first_n, k_n, slice_n, time_n, config.dp, config.micro_batch_tokens, 1,
-                costs.micro_batch)
-
-
-def _slowest_inv(first_n, k_n, speed_R) -> np.ndarray:
-    """1 / the slowest speed among each sample's ranks [first, first + k)."""
-    inv_R = 1.0 / speed_R
-    return np.array([inv_R[f:f + k].max() for f, k in zip(first_n, k_n)], np.float64)
-
-
-def _as_cost(placed, k_n, unit_n, speed_R):
-    """A placement packed by time (``_pack``) with its grid back in cost (work) units."""
-    if speed_R is None:
         return placed
-    first_n, slot_n, tok_RB, _, n_slots = placed
-    cost_RB = np.zeros(tok_RB.shape, np.float64)
+    first_c, _ = assign_ranks(unit_n, k_n, dp, slice_tokens_N=slice_n,
+                              token_cap=fewest * budget, speed_R=speed_R, slice_bounds=bounds)
+    capped = _pack(first_c, k_n, slice_n, unit_n, tokens_n, bounds, costs, config)
+    return min((placed, capped), key=lambda p: _step_time(p[3], costs.micro_batch))
+
+
+def _slice_bounds(unit_n, k_n, tokens_n, costs: Costs, budget: int):
+    """Per sample: its attention share of the work a split spreads (the cost model's quadratic
+    term over k × unit cost), and the least and most token fraction of a slice (one token; the
+    micro-batch budget)."""
+    attn_n = costs.llm.beta * tokens_n.astype(np.float64) ** 2
+    share_n = np.clip(attn_n / np.maximum(unit_n * k_n, 1e-300), 0.0, 1.0)
+    return share_n, 1.0 / tokens_n, np.minimum(1.0, budget / tokens_n)
+
+
+def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
+          config: PlannerConfig):
+    """``pack`` by time: with speeds, each sample's cost over its rank's speed (a split one's
+    longest part over its rank's speed), so the slots' heights are the times ranks wait for;
+    then the grid back in cost (work) units, with each part and slice on its rank."""
+    speed_R = config.speed_R
+    if speed_R is None:
+        return (first_n, *pack(first_n, k_n, slice_n, unit_n, config.dp,
+                               config.micro_batch_tokens, 1, costs.micro_batch), None)
+    inv_R = 1.0 / speed_R
     rank_p = np.repeat(first_n, k_n) + np.arange(int(k_n.sum())) \
         - np.repeat(np.cumsum(k_n) - k_n, k_n)
-    np.add.at(cost_RB, (rank_p, np.repeat(slot_n, k_n)), np.repeat(unit_n, k_n))
-    return first_n, slot_n, tok_RB, cost_RB, n_slots
+    part_p = np.repeat(unit_n, k_n).astype(np.float64)
+    length_p = np.repeat(slice_n, k_n).astype(np.int64)
+    share_n, lo_n, hi_n = bounds
+    start_n = np.cumsum(k_n) - k_n
+    for i in np.flatnonzero(k_n > 1).tolist():
+        f, k, at = int(first_n[i]), int(k_n[i]), int(start_n[i])
+        t_K = speed_fractions(share_n[i], speed_R[f:f + k], lo_n[i], hi_n[i])
+        length_K = slice_lengths(int(tokens_n[i]), t_K)
+        length_p[at:at + k] = length_K
+        part_p[at:at + k] = part_costs(unit_n[i] * k, share_n[i],
+                                       length_K / float(tokens_n[i]))
+    time_p = part_p * inv_R[rank_p]
+    group_p = np.repeat(np.arange(len(k_n)), k_n)
+    time_n = np.zeros(len(k_n))
+    np.maximum.at(time_n, group_p, time_p)
+    widest_n = np.zeros(len(k_n), np.int64)
+    np.maximum.at(widest_n, group_p, length_p)
+    slot_n, _, _, n_slots = pack(first_n, k_n, widest_n, time_n, config.dp,
+                                 config.micro_batch_tokens, 1, costs.micro_batch)
+    cost_RB = np.zeros((config.dp, n_slots), np.float64)
+    tok_RB = np.zeros((config.dp, n_slots), np.int64)
+    np.add.at(cost_RB, (rank_p, slot_n[group_p]), part_p)
+    np.add.at(tok_RB, (rank_p, slot_n[group_p]), length_p)
+    split_p = np.repeat(k_n > 1, k_n)
+    return first_n, slot_n, tok_RB, cost_RB, n_slots, np.where(split_p, length_p, 0)
 
 
 def _step_time(cost_RB: np.ndarray, micro_batch: float) -> float:
@@ -128,7 +152,9 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
     k_n = sp_size_N[idx_n].astype(np.int64)
     unit_n = np.ascontiguousarray(unit_N[idx_n], np.float64)
     slice_n = np.asarray(slice_tokens(samples.tokens_N[idx_n], k_n), np.int64)
-    first_n, slot_n, tok_RB, cost_RB, n_slots = _place(unit_n, k_n, slice_n, costs, config)
+    tokens_n = np.asarray(samples.tokens_N[idx_n], np.int64)
+    first_n, slot_n, tok_RB, cost_RB, n_slots, length_p = _place(unit_n, k_n, slice_n,
+                                                                 tokens_n, costs, config)
     # One placement per slice: sample i split over k ranks has rows sp_index 0..k-1 on the
     # ranks first..first+k-1, all in the same slot.
     group_p = np.repeat(np.arange(len(idx_n)), k_n)
@@ -171,4 +197,5 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
         reshard=enc.reshard,
         displacement_P=np.abs(step - samples.batch_N[sample_P]).astype(np.int32),
         speed_R=speed_R,
+        sp_tokens_P=None if length_p is None else length_p[order_P].astype(np.int64),
     )

@@ -139,6 +139,10 @@ class StepPlan:
     # float64 [R]: the ranks' relative speeds the plan is judged by (PlannerConfig.rank_speed);
     # None: equal. Costs above are work; a rank's time is its cost / its speed.
     speed_R: np.ndarray | None = None
+    # int64 [P]: tokens of each placement's slice of a split sample when the slices are sized
+    # by the ranks' speeds (``balancer.speed_split``; 0 on whole samples). None: equal slices
+    # (``slice_tokens``, the sequence padded to a multiple of k).
+    sp_tokens_P: np.ndarray | None = None
 
     @property
     def rank_cost_R(self) -> np.ndarray:

@@ -31,6 +31,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from omniscale.plan import rescale_lengths
 from omniscale.refs import SampleRef
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,9 @@ def replacement_room(plan, refs: list[SampleRef], tokens_N, sample: tuple, budge
     are the step's earlier replacements: a micro-batch holds those instead of the samples
     they replaced. A sample split over an SP group of k ranks holds ceil(L/k) tokens on each;
     a replacement of L' tokens is split the same way, so it fits where ceil(L'/k) fits on
-    every rank of the group.
+    every rank of the group. Slices sized by speed (``plan.sp_tokens_P``) are cut in
+    proportion for a replacement (``omniscale.plan.rescale_lengths``): rank j's slice
+    of L' is about T_j·L'/L (a token of rounding kept spare).
     """
     occupants = occupants or {}
     sample_P = np.asarray(plan.sample_P)
@@ -98,19 +101,39 @@ def replacement_room(plan, refs: list[SampleRef], tokens_N, sample: tuple, budge
         return None
     rows = np.flatnonzero(sample_P == at[0])
     k = int(k_P[rows[0]])
-    room = budget
+    planned = int(tokens_N[at[0]])
+    by_speed = plan.sp_tokens_P is not None and k > 1
+    room = budget if not by_speed else None
     for r in rows:
         rank, mb = int(rank_P[r]), int(mb_P[r])
-        used = int(plan.mb_tokens_RB[rank, mb]) - -(-int(tokens_N[at[0]]) // k)  # the others
+        used = int(plan.mb_tokens_RB[rank, mb]) - _slice_of(plan, r, planned)  # the others
         for o in np.flatnonzero((rank_P == rank) & (mb_P == mb)).tolist():
             i = int(sample_P[o])
             if i != at[0] and ids[i] in occupants:  # replaced (or left out) earlier
                 now = occupants[ids[i]]
-                k_o = int(k_P[o])
-                used += -(-(now.llm_tokens if now is not None else 0) // k_o) \
-                    - -(-int(tokens_N[i]) // k_o)
-        room = min(room, budget - used)
-    return max(room, 0) * k
+                used += _slice_of(plan, o, now.llm_tokens if now is not None else 0) \
+                    - _slice_of(plan, o, int(tokens_N[i]))
+        if by_speed:  # L' ≤ (room on this rank) × L / T_j
+            share = int(plan.sp_tokens_P[r]) / planned
+            fits = int((budget - used - 1) / share) if budget - used - 1 > 0 else 0
+            room = fits if room is None else min(room, fits)
+        else:
+            room = min(room, budget - used)
+    return max(room, 0) if by_speed else max(room, 0) * k
+
+
+def _slice_of(plan, row: int, tokens: int) -> int:
+    """Tokens placement ``row`` holds when its sample has ``tokens`` tokens: all of them
+    whole, ceil(tokens / k) of equal slices, its cut of slices sized by speed."""
+    k = int(plan.sp_size_P[row])
+    if k == 1:
+        return tokens
+    if plan.sp_tokens_P is None:
+        return -(-tokens // k)
+    group = np.flatnonzero(np.asarray(plan.sample_P) == plan.sample_P[row])
+    lengths = [int(n) for _, n in sorted(zip(np.asarray(plan.sp_index_P)[group].tolist(),
+                                             np.asarray(plan.sp_tokens_P)[group].tolist()))]
+    return rescale_lengths(lengths, tokens)[int(plan.sp_index_P[row])] if tokens else 0
 
 
 class CorruptLedger:

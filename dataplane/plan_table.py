@@ -65,6 +65,7 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
         micro_batch_X=rows["micro_batch"], sp_size_X=rows["sp_size"],
         sp_index_X=rows["sp_index"], sp_first_rank_X=rows["sp_first_rank"],
         encode_count_X=rows["count"], encode_rank_V=rows["encode_ranks"], kind_X=rows["kind"],
+        sp_slice_count_X=rows["slice_count"], sp_slice_V=rows["slices"],
         item_index_X=rows["item_index"], consume_rank_X=rows["consume_rank"],
         consume_span_X=rows["consume_span"])
     width = max(dps)
@@ -151,6 +152,18 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
     index_M = j_M - np.where(kind_M == IMAGE, 0, np.where(kind_M == VIDEO, img_M,
                                                           img_M + vid_M))
     zeros_M, zeros_P = np.zeros(M, np.int64), np.zeros(P, np.int64)
+    # Slices sized by speed: every row of a split sample lists its group's slice lengths.
+    slice_count_P, slices = zeros_P, np.zeros(0, np.int64)
+    if plan.sp_tokens_P is not None:
+        split_P = np.asarray(plan.sp_size_P, np.int64) > 1
+        lengths = {}
+        for sample, index, n in zip(sample_P[split_P].tolist(),
+                                    np.asarray(plan.sp_index_P)[split_P].tolist(),
+                                    np.asarray(plan.sp_tokens_P)[split_P].tolist()):
+            lengths.setdefault(sample, {})[index] = n
+        slice_count_P = np.where(split_P, np.asarray(plan.sp_size_P, np.int64), 0)
+        slices = np.array([n for sample in sample_P[split_P].tolist()
+                           for _, n in sorted(lengths[sample].items())], np.int64)
     return {
         "pos": np.concatenate([pos_P, pos_M]),
         "llm": np.concatenate([np.ones(P, bool), np.zeros(M, bool)]),
@@ -160,6 +173,8 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
         "sp_index": np.concatenate([np.asarray(plan.sp_index_P, np.int64), zeros_M]),
         "sp_first_rank": np.concatenate([sp_first_P, zeros_M]),
         "count": np.concatenate([count_P, zeros_M]),
+        "slice_count": np.concatenate([slice_count_P, zeros_M]),
+        "slices": slices,
         "encode_ranks": encode_ranks,
         "kind": np.concatenate([np.full(P, -1, np.int64), kind_M]),
         "item_index": np.concatenate([zeros_P, index_M]),

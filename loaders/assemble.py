@@ -169,10 +169,11 @@ class StepAssembler:
         trained = [[] for _ in micro]  # the ref each sequence trains (a replacement's, if any)
         built, encoded = decoded.micro_batches, decoded.encode_items
         # Rows in plan order: samples are resolved (and reported) in first-mention order.
-        for i, (ref, llm, mb, sp_size, sp_index, kind, index, consumer) in enumerate(zip(
+        for i, (ref, llm, mb, sp_size, sp_index, slices, kind, index, consumer) in enumerate(zip(
                 plan.refs, plan.is_llm_X.tolist(), plan.micro_batch_X.tolist(),
-                plan.sp_size_X.tolist(), plan.sp_index_X.tolist(), plan.kind_X.tolist(),
-                plan.item_index_X.tolist(), plan.consume_rank_X.tolist())):
+                plan.sp_size_X.tolist(), plan.sp_index_X.tolist(), plan.sp_slices_X,
+                plan.kind_X.tolist(), plan.item_index_X.tolist(),
+                plan.consume_rank_X.tolist())):
             if i in encoded:
                 batch.encode_items.append(encoded[i])
                 continue
@@ -186,7 +187,7 @@ class StepAssembler:
             if sample is None:
                 continue
             if llm:
-                micro[mb].append((sample, sp_size, sp_index))
+                micro[mb].append((sample, sp_size, sp_index, slices))
                 trained[mb].append(used)
             elif as_planned:
                 name = MEDIA_KINDS[kind]

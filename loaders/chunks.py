@@ -34,8 +34,9 @@ class ChunkWork:
     """One worker item: distinct samples to decode, and what to build of them."""
 
     work: list[tuple[SampleRef, DecodeNeed | None]]
-    # micro-batch index -> its sequences in plan order: (index in ``work``, sp_size, sp_index)
-    micro: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # micro-batch index -> its sequences in plan order: (index in ``work``, sp_size, sp_index,
+    # slice lengths or None: ``omniscale.plan.MicroBatchPlan.sequences``)
+    micro: dict[int, list[tuple]] = field(default_factory=dict)
     # the plan's encode rows on these samples: (row, index in ``work``, kind, index, consumer)
     encode: list[tuple[int, int, str, int, int]] = field(default_factory=list)
 
@@ -50,13 +51,13 @@ def plan_chunks(plan: RankPlan, rank: int | None, encode_parts: int = 1
     if not work:
         return []
     where = {sample_id(ref): i for i, (ref, _) in enumerate(work)}
-    micro: dict[int, list[tuple[int, int, int]]] = {}
+    micro: dict[int, list[tuple]] = {}
     home: dict[int, int] = {}  # sample (index in work) -> a micro-batch training it
     joined = _Groups()  # micro-batches that share a sample go to one worker together
     for mb_plan in plan.micro_batches:
-        for ref, size, index in mb_plan.sequences():
+        for ref, size, index, slices in mb_plan.sequences():
             w = where[sample_id(ref)]
-            micro.setdefault(mb_plan.index, []).append((w, size, index))
+            micro.setdefault(mb_plan.index, []).append((w, size, index, slices))
             joined.union(home.setdefault(w, mb_plan.index), mb_plan.index)
     encode: dict[int, list[tuple[int, str, int, int]]] = {}  # sample -> its encode rows
     for row, ref, kind, index, consumer in plan.encodes.items():
@@ -66,7 +67,7 @@ def plan_chunks(plan: RankPlan, rank: int | None, encode_parts: int = 1
         groups.setdefault(joined.find(mb), []).append(mb)
     chunks = []
     for mbs in groups.values():
-        members = sorted({w for mb in mbs for w, _, _ in micro[mb]})
+        members = sorted({w for mb in mbs for w, *_ in micro[mb]})
         chunks.append(_chunk(work, members, {mb: micro[mb] for mb in mbs}, encode))
     only_encoded = [w for w in range(len(work)) if w not in home]
     parts = max(1, min(encode_parts, len(only_encoded)))
@@ -83,7 +84,7 @@ def _chunk(work: list, members: list[int], micro: dict, encode: dict) -> ChunkWo
     local = {w: i for i, w in enumerate(members)}
     return ChunkWork(
         [work[w] for w in members],
-        {mb: [(local[w], size, index) for w, size, index in seqs] for mb, seqs in micro.items()},
+        {mb: [(local[w], *rest) for w, *rest in seqs] for mb, seqs in micro.items()},
         [(row, local[w], kind, index, consumer)
          for w in members for row, kind, index, consumer in encode.get(w, ())])
 
@@ -119,11 +120,11 @@ def decode_chunk(chunk: ChunkWork | None, decode_all: Callable[[list], list[Deco
     loose: set[int] = {i for i, o in enumerate(outs) if o.error is not None}
     packed_rows = {}  # (sample, kind, index) -> its rows in a packed micro-batch
     for mb, seqs in chunk.micro.items():
-        if any(w in loose for w, _, _ in seqs):
-            loose.update(w for w, _, _ in seqs)  # packed by the trainer side, with replacements
+        if any(w in loose for w, *_ in seqs):
+            loose.update(w for w, *_ in seqs)  # packed by the trainer side, with replacements
             continue
-        batch = collate([(outs[w].sample, size, index) for w, size, index in seqs], geometry)
-        batch.seq_refs = [outs[w].ref for w, _, _ in seqs]
+        batch = collate([(outs[w].sample, *rest) for w, *rest in seqs], geometry)
+        batch.seq_refs = [outs[w].ref for w, *_ in seqs]
         out.micro_batches[mb] = batch
         packed_rows.update(((seqs[seq][0], KINDS[kind], index), tensor)
                            for seq, kind, index, tensor, _, _ in media_items(batch)

@@ -3,8 +3,9 @@
 Samples are packed end to end (``cu_seqlens`` bounds attention to each sample, the
 varlen-attention convention). A sample the plane split across a sequence-parallel group of
 ``k`` ranks contributes only this rank's slice: the sample padded to a multiple of ``k`` (pad
-id, label IGNORE_INDEX) and cut into ``k`` equal parts. Labels were shifted on the whole sample
-(``loaders.sequence``), so a target crossing a slice boundary is still right.
+id, label IGNORE_INDEX) and cut into ``k`` equal parts, or, when the plan sized the slices by
+the ranks' speeds (``sp_slices``), cut at those lengths with no padding. Labels were shifted on
+the whole sample (``loaders.sequence``), so a target crossing a slice boundary is still right.
 
 Media go whole: an item whose placeholder block overlaps the rank's slice is included with its
 full array (an encoder needs the whole image), and its block start is given relative to the
@@ -32,6 +33,7 @@ from omniscale.layout import IGNORE_INDEX
 from omniscale.loaders.pixels import row_width
 from omniscale.loaders.sequence import DecodedSample, MediaItem
 from omniscale.media import AUDIO
+from omniscale.plan import rescale_lengths
 
 
 @dataclass
@@ -65,6 +67,9 @@ class PackedBatch:
     # frames were not decoded here (another rank encodes it: ``loaders.decode.DecodeNeed``)
     media_index_M: torch.Tensor
     media_item_M: torch.Tensor  # int64 [M]: the item's index among its sample's items of its kind
+    # [S]: the slice lengths of each sequence split by speed (this rank's is one of them; the
+    # Ulysses exchange sends and receives that many rows per rank), None where equal or whole
+    seq_sp_slices: list | None = None
     # The SampleRef trained in each sequence (set by loaders.assemble; None when collated
     # without a plan): with media_item_M it names every item as the plan's reshard map does.
     seq_refs: list | None = None
@@ -74,21 +79,30 @@ class PackedBatch:
         return int(self.input_ids_T.shape[0])
 
 
-def collate(samples: list[tuple[DecodedSample, int, int]],
-            geometry: MediaGeometry | None = None) -> PackedBatch:
-    """Pack ``(sample, sp_size, sp_index)`` triples, in order, into one batch.
+def collate(samples: list[tuple], geometry: MediaGeometry | None = None) -> PackedBatch:
+    """Pack ``(sample, sp_size, sp_index)`` triples, in order, into one batch; a fourth member,
+    the plan's slice lengths of a sample split by speed (``omniscale.plan.RankPlan``), cuts
+    the sample at those (scaled to its length when a replacement of another length took its
+    place, so every rank of the group cuts it alike).
 
     ``geometry`` only sets the width of empty media tensors (a batch without images still
     hands the vision encoder a ``[0, D]`` tensor, so every rank runs the same ops).
     """
     ids, labels, pos, mrope = [], [], [], []
-    cu, full, sizes, indices = [0], [], [], []
+    cu, full, sizes, indices, slices_S = [0], [], [], [], []
     patches, grids, vkinds, mels, frames = [], [], [], [], []
     m_start, m_len, m_kind, m_seq, m_index, m_item = [], [], [], [], [], []
-    for s, (sample, sp_size, sp_index) in enumerate(samples):
+    for s, (sample, sp_size, sp_index, *planned) in enumerate(samples):
         if sp_size < 1 or not 0 <= sp_index < sp_size:
             raise ValueError(f"{sample.source}/{sample.key}: bad SP slice {sp_index} of {sp_size}")
-        lo, hi, parts = _slice(sample, sp_size, sp_index)
+        lengths = planned[0] if planned and sp_size > 1 else None
+        if lengths is not None:
+            if len(lengths) != sp_size or min(lengths) < 1:
+                raise ValueError(f"{sample.source}/{sample.key}: SP slice lengths {lengths} do "
+                                 f"not give {sp_size} slices of at least one token")
+            lengths = tuple(rescale_lengths(list(lengths), len(sample)))
+        slices_S.append(lengths)
+        lo, hi, parts = _slice(sample, sp_size, sp_index, lengths)
         ids.append(parts[0])
         labels.append(parts[1])
         pos.append(parts[2])
@@ -141,7 +155,8 @@ def collate(samples: list[tuple[DecodedSample, int, int]],
         media_kind_M=torch.tensor(m_kind, dtype=long),
         media_sample_M=torch.tensor(m_seq, dtype=long),
         media_index_M=torch.tensor(m_index, dtype=long),
-        media_item_M=torch.tensor(m_item, dtype=long))
+        media_item_M=torch.tensor(m_item, dtype=long),
+        seq_sp_slices=slices_S if any(v is not None for v in slices_S) else None)
 
 
 def media_tensor(item: MediaItem) -> torch.Tensor | None:
@@ -178,12 +193,18 @@ def sp_bounds(length: int, sp_size: int, sp_index: int) -> tuple[int, int]:
     return sp_index * chunk, (sp_index + 1) * chunk
 
 
-def _slice(sample: DecodedSample, sp_size: int, sp_index: int):
-    """(lo, hi, (ids, labels, positions, mrope)) of this rank's slice of the padded sample
-    (numpy views; the padding, when there is any, a new array)."""
+def _slice(sample: DecodedSample, sp_size: int, sp_index: int,
+           lengths: tuple[int, ...] | None = None):
+    """(lo, hi, (ids, labels, positions, mrope)) of this rank's slice of the padded sample, or
+    of the sample cut at ``lengths`` (numpy views; the padding, when there is any, a new
+    array)."""
     n = len(sample)
-    lo, hi = sp_bounds(n, sp_size, sp_index)
     arrays = (sample.input_ids_L, sample.labels_L, sample.position_ids_L, sample.mrope_3L)
+    if lengths is not None:
+        lo = sum(lengths[:sp_index])
+        hi = lo + lengths[sp_index]
+        return lo, hi, tuple(a[..., lo:hi] for a in arrays)
+    lo, hi = sp_bounds(n, sp_size, sp_index)
     if sp_size == 1:
         return lo, hi, arrays
     pad = sp_size * (hi - lo) - n

@@ -9,7 +9,9 @@ A table has one row per thing the rank must do, with the SampleRef columns
 (:data:`omniscale.refs.REF_SCHEMA`) saying which sample:
 
 - ``role = "llm"``: a sample (or its SP slice) in this rank's LLM micro-batch ``micro_batch``;
-  ``sp_size``/``sp_index``/``sp_first_rank`` say which slice of which aligned SP group, and
+  ``sp_size``/``sp_index``/``sp_first_rank`` say which slice of which aligned SP group,
+  ``sp_slices`` the tokens of each of the group's slices when the plane sized them by the
+  ranks' speeds (null: equal slices, the sequence padded to a multiple of ``sp_size``), and
   ``encode_ranks`` lists, per encoder item of the sample (:func:`item_kinds` order), the rank
   that encodes it (the reshard map seen from the consumer);
 - ``role = "encode"``: an encoder item this rank encodes -- item ``item_index`` of kind
@@ -51,6 +53,7 @@ PLAN_FIELDS = [
     ("sp_size", pa.int32()),
     ("sp_index", pa.int32()),
     ("sp_first_rank", pa.int32()),
+    ("sp_slices", pa.list_(pa.int32())),
     ("encode_ranks", pa.list_(pa.int32())),
     ("item_kind", pa.string()),
     ("item_index", pa.int32()),
@@ -120,6 +123,22 @@ def step_fingerprint(prints: list[str]) -> str:
     return hashlib.sha256("\n".join(prints).encode()).hexdigest()[:16]
 
 
+def rescale_lengths(lengths: list[int], tokens: int) -> list[int]:
+    """Slice lengths planned for one sample (``sp_slices``) applied to a sample of ``tokens``
+    tokens (a replacement for a corrupt one): the same cut points, in proportion, each slice kept at
+    one token or more where the sample has a token per slice. Every rank of the group
+    computes the same cuts, so their all-to-alls agree."""
+    planned = sum(lengths)
+    if planned == tokens:
+        return list(lengths)
+    k = len(lengths)
+    cuts = [(c * tokens + planned // 2) // planned for c in np.cumsum(lengths[:-1]).tolist()]
+    if tokens >= k:
+        for j in range(k - 1):  # at least j + 1 tokens before cut j, k - 1 - j after it
+            cuts[j] = min(max(cuts[j], j + 1, cuts[j - 1] + 1 if j else 0), tokens - (k - 1 - j))
+    return np.diff([0, *cuts, tokens]).astype(np.int64).tolist()
+
+
 @dataclass(frozen=True, eq=False)
 class MicroBatchPlan:
     """The sequences one LLM micro-batch trains, in plan order: a sample each, or its slice
@@ -129,10 +148,14 @@ class MicroBatchPlan:
     refs: tuple[SampleRef, ...]  # [S]
     sp_size_S: np.ndarray  # int64 [S]
     sp_index_S: np.ndarray  # int64 [S]
+    # [S]: the group's slice lengths of a sequence split by speed (``RankPlan.sp_slices_X``)
+    sp_slices_S: tuple[tuple[int, ...] | None, ...]
 
-    def sequences(self) -> Iterator[tuple[SampleRef, int, int]]:
-        """(ref, sp_size, sp_index) of each sequence."""
-        return zip(self.refs, self.sp_size_S.tolist(), self.sp_index_S.tolist())
+    def sequences(self) -> Iterator[tuple[SampleRef, int, int, tuple[int, ...] | None]]:
+        """(ref, sp_size, sp_index, sp_slices) of each sequence: what ``loaders.collate``
+        takes."""
+        return zip(self.refs, self.sp_size_S.tolist(), self.sp_index_S.tolist(),
+                   self.sp_slices_S)
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,6 +220,10 @@ class RankPlan:
     item_index_X: np.ndarray  # int64 [X]
     consume_rank_X: np.ndarray  # int64 [X]
     consume_span_X: np.ndarray  # int64 [X], >= 1 on encode rows
+    # [X]: on an LLM row split by speed, the tokens of each slice of its SP group in slice
+    # order (every rank of the group needs them all: the Ulysses all-to-alls send and receive
+    # that many rows per rank); None on other rows (equal slices)
+    sp_slices_X: tuple[tuple[int, ...] | None, ...]
     micro_batches: tuple[MicroBatchPlan, ...]  # by index, empty ones included
     encodes: EncodePlan
     # The loader's count of the plane's re-plans of steps it had fetched when this plan was
@@ -300,6 +327,8 @@ def decode_plan(source: pa.Table | bytes | pa.Buffer) -> RankPlan:
                       table.column("sp_index").to_pylist())
     n_micro = max(int(metadata.get("num_micro_batches", 0)),
                   int(micro_batch_X.max(initial=-1)) + 1)
+    sp_slices_X = tuple(tuple(v) if v and llm else None for v, llm in
+                        zip(table.column("sp_slices").to_pylist(), is_llm_X.tolist()))
     encode_rows_E = np.flatnonzero(encode_X)
     consume_rank_X = _ints(table, "consume_rank", encode_X)
     item_index_X = _ints(table, "item_index", encode_X)
@@ -313,12 +342,13 @@ def decode_plan(source: pa.Table | bytes | pa.Buffer) -> RankPlan:
                                      consume_rank_X[encode_rows_E], span_X[encode_rows_E]))
     _read_only(encode_rows_E, *arrays.values())
     return RankPlan(step, rank, MappingProxyType(metadata), fp, refs, **arrays,
+                    sp_slices_X=sp_slices_X,
                     micro_batches=_micro_batches(refs, is_llm_X, micro_batch_X, sp_size_X,
-                                                 sp_index_X, n_micro),
+                                                 sp_index_X, sp_slices_X, n_micro),
                     encodes=encodes)
 
 
-def _micro_batches(refs, is_llm_X, micro_batch_X, sp_size_X, sp_index_X, count
+def _micro_batches(refs, is_llm_X, micro_batch_X, sp_size_X, sp_index_X, sp_slices_X, count
                    ) -> tuple[MicroBatchPlan, ...]:
     """The LLM rows grouped by micro-batch (a stable sort keeps plan order within each)."""
     rows = np.flatnonzero(is_llm_X)
@@ -328,7 +358,8 @@ def _micro_batches(refs, is_llm_X, micro_batch_X, sp_size_X, sp_index_X, count
     for mb, (start, end) in enumerate(zip([0, *ends], ends)):
         taken = rows[start:end]
         out.append(MicroBatchPlan(mb, tuple(refs[i] for i in taken.tolist()),
-                                  *_read_only(sp_size_X[taken], sp_index_X[taken])))
+                                  *_read_only(sp_size_X[taken], sp_index_X[taken]),
+                                  tuple(sp_slices_X[i] for i in taken.tolist())))
     return tuple(out)
 
 
@@ -376,14 +407,15 @@ def _ints(table: pa.Table, name: str, used_X: np.ndarray) -> np.ndarray:
 
 def rows_to_table(ref_table: pa.Table, order_X: np.ndarray, *, pos_X, is_llm_X, step_X, rank_X,
                   micro_batch_X, sp_size_X, sp_index_X, sp_first_rank_X, encode_count_X,
-                  encode_rank_V, kind_X, item_index_X, consume_rank_X, consume_span_X
-                  ) -> pa.Table:
+                  encode_rank_V, kind_X, item_index_X, consume_rank_X, consume_span_X,
+                  sp_slice_count_X=None, sp_slice_V=None) -> pa.Table:
     """Plan rows given as arrays (the encoder side of :func:`decode_plan`), written in the
     order ``order_X`` as one :data:`PLAN_SCHEMA` table (the plane slices it into the ranks'
     tables). Row X's sample is row ``pos_X`` of ``ref_table``; ``encode_count_X`` and
     ``encode_rank_V`` are the LLM rows' encode_ranks lists (lengths, then values flat, in
-    row order before ``order_X``); ``kind_X`` is -1 on LLM rows. Columns that do not apply to
-    a row's role are null."""
+    row order before ``order_X``); ``sp_slice_count_X`` and ``sp_slice_V`` the same for the
+    ``sp_slices`` lists (a count of 0: null; both None: no row split by speed); ``kind_X``
+    is -1 on LLM rows. Columns that do not apply to a row's role are null."""
     llm_X, enc_X = is_llm_X[order_X], ~is_llm_X[order_X]
 
     def ints(values_X, null_X):
@@ -393,6 +425,12 @@ def rows_to_table(ref_table: pa.Table, order_X: np.ndarray, *, pos_X, is_llm_X, 
         pa.array(np.concatenate([[0], np.cumsum(encode_count_X)]).astype(np.int32)),
         pa.array(encode_rank_V, type=pa.int32()),
         type=pa.list_(pa.int32()), mask=pa.array(~is_llm_X))
+    if sp_slice_count_X is None:
+        sp_slice_count_X, sp_slice_V = np.zeros(len(is_llm_X), np.int64), np.zeros(0, np.int64)
+    sp_slices = pa.ListArray.from_arrays(
+        pa.array(np.concatenate([[0], np.cumsum(sp_slice_count_X)]).astype(np.int32)),
+        pa.array(sp_slice_V, type=pa.int32()),
+        type=pa.list_(pa.int32()), mask=pa.array(np.asarray(sp_slice_count_X) == 0))
     kinds = np.array(list(MEDIA_KINDS) + [None], object)  # -1: an LLM row, no kind
     plan_columns = {
         "role": pa.array(np.where(llm_X, LLM, ENCODE).astype(object), type=pa.string()),
@@ -402,6 +440,7 @@ def rows_to_table(ref_table: pa.Table, order_X: np.ndarray, *, pos_X, is_llm_X, 
         "sp_size": ints(sp_size_X, enc_X),
         "sp_index": ints(sp_index_X, enc_X),
         "sp_first_rank": ints(sp_first_rank_X, enc_X),
+        "sp_slices": sp_slices.take(pa.array(order_X)),
         "encode_ranks": encode_ranks.take(pa.array(order_X)),
         "item_kind": pa.array(kinds[kind_X[order_X]], type=pa.string()),
         "item_index": ints(item_index_X, llm_X),

@@ -1,15 +1,18 @@
 """Ulysses sequence parallelism with the long-short split (DeepSpeed-Ulysses; the plan's SP).
 
 The plan splits only the samples too long for one rank: such a sample's tokens are cut into k
-equal slices held by an aligned group of k ranks ([g·k, (g+1)·k) on the SP mesh, slice j on
-the group's j-th rank; `loaders.collate` builds the slices), while every other sample of the
-same micro-batch stays whole on its rank. Everything in the decoder is token-wise except
-attention, so only the attention core changes: for each split sequence, one all-to-all turns
-this rank's [T/k, H, K] rows of q, k and v into [T, H/k, K] (the whole sequence, 1/k of the
-heads), the core attends over the whole sequence, and a second all-to-all brings the outputs
-back to [T/k, H, K]. Whole sequences attend locally with no collective, so a micro-batch
-without split sequences communicates nothing. RoPE needs nothing: the slice's position ids are
-already the sample's global positions (collate), and rotary runs before the exchange.
+slices held by an aligned group of k ranks ([g·k, (g+1)·k) on the SP mesh, slice j on the
+group's j-th rank; `loaders.collate` builds the slices), while every other sample of the same
+micro-batch stays whole on its rank. The slices are equal, or sized by the ranks' speeds when
+the plan says so (`balancer.speed_split`: a slower rank holds fewer tokens; the batch's
+`seq_sp_slices`). Everything in the decoder is token-wise except attention, so only the
+attention core changes: for each split sequence, one all-to-all turns this rank's [T_j, H, K]
+rows of q, k and v into [T, H/k, K] (the whole sequence, 1/k of the heads; rank i sends each
+rank its T_j rows and receives T_i from each), the core attends over the whole sequence, and a
+second all-to-all brings the outputs back to [T_j, H, K]. Whole sequences attend locally with
+no collective, so a micro-batch without split sequences communicates nothing. RoPE needs
+nothing: the slice's position ids are already the sample's global positions (collate), and
+rotary runs before the exchange.
 
 GQA: the k ranks take contiguous chunks of H/k query heads; when the G key/value heads divide
 by k each rank takes the G/k kv heads its query heads use. Otherwise every kv head is repeated
@@ -84,12 +87,14 @@ class SPLayout:
     local_T: torch.Tensor  # int64: rows of whole sequences
     local_cu_S1: torch.Tensor  # int32: their boundaries within local_T
     local_max: int
-    split: list[tuple[int, int, int, dist.ProcessGroup]]  # (start, end, k, group)
+    # (start, end, k, group, every slice's rows in slice order)
+    split: list[tuple[int, int, int, dist.ProcessGroup, list[int]]]
 
     @classmethod
     def of(cls, batch, groups: SPGroups, device: torch.device) -> "SPLayout":
         bounds = batch.cu_seqlens_S1.tolist()
         local, cu, split = [], [0], []
+        sliced = batch.seq_sp_slices or [None] * (len(bounds) - 1)
         for s, (k, index) in enumerate(zip(batch.seq_sp_size_S.tolist(),
                                            batch.seq_sp_index_S.tolist())):
             a, b = bounds[s], bounds[s + 1]
@@ -97,7 +102,11 @@ class SPLayout:
                 local.append(torch.arange(a, b, device="cpu"))
                 cu.append(cu[-1] + b - a)
             else:
-                split.append((a, b, k, groups.group(k, index)))
+                rows = list(sliced[s]) if sliced[s] is not None else [b - a] * k
+                if rows[index] != b - a:
+                    raise ValueError(f"SP slice {index} of sequence {s} holds {b - a} tokens, "
+                                     f"but its slice lengths say {rows}")
+                split.append((a, b, k, groups.group(k, index), rows))
         # made on the host (the batch's bounds are read there), copied to the device once per
         # micro-batch without waiting for it
         local_T = torch.cat(local) if local else torch.zeros(0, dtype=torch.int64,
@@ -129,12 +138,14 @@ class UlyssesCore:
             o_local = self.inner(q_THK[idx_T], k_TGK[idx_T], v_TGK[idx_T],
                                  layout.local_cu_S1, layout.local_max)
             o_THK = o_THK.index_copy(0, idx_T, o_local)
-        for a, b, k, group in layout.split:
-            o_seq = self._ulysses(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], k, group)
+        for a, b, k, group, rows in layout.split:
+            o_seq = self._ulysses(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], k, group, rows)
             o_THK = o_THK.index_copy(0, torch.arange(a, b, device=q_THK.device), o_seq)
         return o_THK
 
-    def _ulysses(self, q_THK, k_TGK, v_TGK, k: int, group) -> torch.Tensor:
+    def _ulysses(self, q_THK, k_TGK, v_TGK, k: int, group, rows: list[int]) -> torch.Tensor:
+        """One split sequence: this rank's T = rows[i] tokens with all heads in, the whole
+        sequence (Σ rows) with its 1/k of the heads attended, its rows back."""
         T, H, K = q_THK.shape
         if H % k:
             raise ValueError(f"n_heads={H}: must be divisible by the SP group size {k}")
@@ -142,16 +153,18 @@ class UlyssesCore:
             k_TGK = k_TGK.repeat_interleave(H // self.n_kv_heads, dim=1)
             v_TGK = v_TGK.repeat_interleave(H // self.n_kv_heads, dim=1)
         G = k_TGK.shape[1]
+        L = sum(rows)
         # [T, k, C, K] with chunk i = (query heads, kv heads, kv heads) for rank i; rank-major
         # rows so that chunk i of every rank lands on rank i, in slice (= sequence) order.
         chunks = [t.reshape(T, k, t.shape[1] // k, K) for t in (q_THK, k_TGK, v_TGK)]
         send = torch.cat(chunks, dim=2).transpose(0, 1).reshape(k * T, -1, K)
-        recv = all_to_all_single(send, group=group)
+        recv = all_to_all_single(send, rows, [T] * k, group=group)  # [L, C, K]
         q, kk, v = recv.split([H // k, G // k, G // k], dim=1)
-        # [0, k·T] made on the device (torch.tensor(..., device=cuda) would wait for it)
-        cu_S1 = torch.arange(2, dtype=torch.int32, device=q.device) * (k * T)
-        o_seq = self.inner(q.contiguous(), kk.contiguous(), v.contiguous(), cu_S1, k * T)
-        back = all_to_all_single(o_seq.contiguous(), group=group)  # [k (head chunk), T, H/k, K]
+        # [0, L] made on the device (torch.tensor(..., device=cuda) would wait for it)
+        cu_S1 = torch.arange(2, dtype=torch.int32, device=q.device) * L
+        o_seq = self.inner(q.contiguous(), kk.contiguous(), v.contiguous(), cu_S1, L)
+        # [k (head chunk), T, H/k, K]
+        back = all_to_all_single(o_seq.contiguous(), [T] * k, rows, group=group)
         return back.view(k, T, H // k, K).transpose(0, 1).reshape(T, H, K)
 
 

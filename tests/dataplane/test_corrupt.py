@@ -12,6 +12,7 @@ import pytest
 
 from omniscale.dataplane.corrupt import CorruptLedger, ref_from_json, ref_to_json, replacement_room
 from omniscale.dataplane.plane import DataPlane, PlaneConfig
+from omniscale.plan import rescale_lengths
 from omniscale.refs import SampleRef, table_to_refs
 from omniscale.tools.bench.plane_data import write_spec
 from tests.dataplane.plane_index import rows, write_index
@@ -116,6 +117,7 @@ def test_replacement_room_of_whole_and_sp_split_samples():
     plan = SimpleNamespace(
         sample_P=np.array([0, 1, 2, 2, 3]), rank_P=np.array([0, 0, 0, 1, 1]),
         micro_batch_P=np.array([0, 0, 1, 1, 0]), sp_size_P=np.array([1, 1, 2, 2, 1]),
+        sp_index_P=np.array([0, 0, 0, 1, 0]), sp_tokens_P=None,
         mb_tokens_RB=np.array([[80, 125], [10, 175]]))  # rank 1 mb 1 also holds 50 more
     assert replacement_room(plan, refs, tokens_N, ("s", "s-0.tar", "a", 0), 200) == 150
     assert replacement_room(plan, refs, tokens_N, ("s", "s-0.tar", "d", 0), 200) == 200
@@ -129,6 +131,27 @@ def test_replacement_room_of_whole_and_sp_split_samples():
     assert replacement_room(plan, refs, tokens_N, b, 200, {a: ref("a2", 150)}) == 50
     assert replacement_room(plan, refs, tokens_N, b, 200, {a: None}) == 200
     assert replacement_room(plan, refs, tokens_N, a, 200, {a: ref("a2", 150)}) == 150
+
+
+def test_replacement_room_of_a_sample_split_by_speed():
+    """c (250 tokens) cut (200, 50) for ranks of different speeds; rank 1's micro-batch also
+    holds d (10) and 40 more. A replacement is cut in proportion (4/5 on rank 0), so rank 0's
+    room of 250 - 1 (a token spare for rounding) allows 249 × 250/200 = 311 tokens; rank 1's
+    (250 - 50 - 1) × 250/50 would allow 995."""
+    refs = [ref("a", 30), ref("b", 50), ref("c", 250), ref("d", 10)]
+    tokens_N = np.array([r.llm_tokens for r in refs])
+    plan = SimpleNamespace(
+        sample_P=np.array([0, 1, 2, 2, 3]), rank_P=np.array([0, 0, 0, 1, 1]),
+        micro_batch_P=np.array([0, 0, 1, 1, 1]), sp_size_P=np.array([1, 1, 2, 2, 1]),
+        sp_index_P=np.array([0, 0, 0, 1, 0]), sp_tokens_P=np.array([0, 0, 200, 50, 0]),
+        mb_tokens_RB=np.array([[80, 200], [0, 100]]))
+    c, d = ("s", "s-0.tar", "c", 0), ("s", "s-0.tar", "d", 0)
+    assert replacement_room(plan, refs, tokens_N, c, 250) == 311
+    assert rescale_lengths([200, 50], 311)[0] <= 250  # rank 0's cut of it fits
+    # d's room: 250 - (100 - 10); with c replaced by 100 tokens, cut (80, 20), rank 1 holds
+    # 30 fewer of c's
+    assert replacement_room(plan, refs, tokens_N, d, 250) == 160
+    assert replacement_room(plan, refs, tokens_N, d, 250, {c: ref("c2", 100)}) == 190
 
 
 def test_occupants_follow_chains_of_bad_replacements():

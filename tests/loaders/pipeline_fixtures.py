@@ -48,7 +48,7 @@ def expected_batches(table, decoder, geometry) -> list[PackedBatch]:
     for ref, row in zip(refs, rows):
         if row["role"] == "llm":
             micro[row["micro_batch"]].append((decoder.decode(ref), row["sp_size"],
-                                              row["sp_index"]))
+                                              row["sp_index"], row["sp_slices"]))
             trained[row["micro_batch"]].append(ref)
     batches = [collate(mb, geometry) for mb in micro]
     for batch, refs_of_mb in zip(batches, trained):

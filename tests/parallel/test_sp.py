@@ -1,7 +1,8 @@
 """Ulysses SP with the long-short split on real gloo processes: long samples sliced over
 aligned SP groups (collate's slices, global RoPE positions) give the same summed loss and
 gradients as the unsplit micro-batch on one process, the short samples packed beside them
-included; a micro-batch of whole sequences issues no collective."""
+included, with equal slices or slices sized by the ranks' speeds (uneven all-to-alls); a
+micro-batch of whole sequences issues no collective."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from tests.parallel.multiproc import run_ranks
 
-# name -> length; the long ones are split. Per world: each rank's micro-batches, as
-# (sample, sp_size) in batch order (split samples in the same order on every rank).
+# name -> length; the long ones are split. Per layout: each rank's micro-batches, as
+# (sample, sp_size[, slice lengths]) in batch order (split samples in the same order on every
+# rank); the layout's world is its number of ranks.
 LENGTHS = {"A": 22, "B": 9, "C": 11, "L": 13, "a": 5, "b": 4, "c": 3, "d": 6, "e": 2}
 PLANS = {
     2: [[[("a", 1), ("L", 2)], [("d", 1)]],
@@ -19,6 +21,13 @@ PLANS = {
     # k=4 (kv heads replicated: 2 kv heads over 4 ranks) and two k=2 groups in one batch
     4: [[[("A", 4), ("B", 2), ("a", 1)]], [[("A", 4), ("B", 2)]],
         [[("A", 4), ("C", 2)]], [[("b", 1), ("A", 4), ("C", 2), ("c", 1)]]],
+    # slices sized by speed: a slow rank 1 (and 3) holds fewer tokens, one slice a single token
+    "2-by-speed": [[[("a", 1), ("L", 2, (10, 3))], [("d", 1), ("A", 2, (21, 1))]],
+                   [[("L", 2, (10, 3)), ("b", 1), ("c", 1)], [("A", 2, (21, 1)), ("e", 1)]]],
+    "4-by-speed": [[[("A", 4, (9, 6, 4, 3)), ("B", 2, (6, 3)), ("a", 1)]],
+                   [[("A", 4, (9, 6, 4, 3)), ("B", 2, (6, 3))]],
+                   [[("A", 4, (9, 6, 4, 3)), ("C", 2, (2, 9))]],
+                   [[("b", 1), ("A", 4, (9, 6, 4, 3)), ("C", 2, (2, 9)), ("c", 1)]]],
 }
 
 
@@ -51,7 +60,7 @@ def _run(model, batch):
     return model.loss(out, batch.labels_T)[0]
 
 
-def _split_ranks(rank, world):
+def _split_ranks(rank, world, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
     import omniscale.parallel.sequence as sequence
@@ -61,10 +70,10 @@ def _split_ranks(rank, world):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     model = apply_sp(_model(), mesh)
     total = 0.0
-    for micro in PLANS[world][rank]:
-        batch = collate([(_sample(n), k, rank % k) for n, k in micro])
+    for micro in PLANS[layout][rank]:
+        batch = collate([(_sample(n), k, rank % k, *slices) for n, k, *slices in micro])
         exchange = sequence.all_to_all_single
-        if all(k == 1 for _, k in micro):  # whole sequences only: no collective at all
+        if all(k == 1 for _, k, *_ in micro):  # whole sequences only: no collective at all
             sequence.all_to_all_single = None
         try:
             with sp_batch(model, batch):
@@ -76,21 +85,21 @@ def _split_ranks(rank, world):
     return total, {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _whole(world):
+def _whole(layout):
     from omniscale.loaders.collate import collate
 
-    names = sorted({n for rank in PLANS[world] for micro in rank for n, _ in micro})
+    names = sorted({n for rank in PLANS[layout] for micro in rank for n, *_ in micro})
     model = _model()
     total = 0.0
     # the unsplit run: every sample once, each sample's loss counted once per occurrence
-    for rank in PLANS[world]:
+    for rank in PLANS[layout]:
         for micro in rank:
-            for n, k in micro:
+            for n, k, *_ in micro:
                 if k == 1:
                     loss = _run(model, collate([(_sample(n), 1, 0)]))
                     loss.backward()
                     total += loss.item()
-    longs = [n for n in names if any(k > 1 for r in PLANS[world] for m in r for x, k in m
+    longs = [n for n in names if any(k > 1 for r in PLANS[layout] for m in r for x, k, *_ in m
                                      if x == n)]
     loss = _run(model, collate([(_sample(n), 1, 0) for n in longs]))
     loss.backward()
@@ -98,10 +107,10 @@ def _whole(world):
     return total, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_split_long_samples_match_the_unsplit_run(world):
-    want_loss, want_grads = _whole(world)
-    results = run_ranks(_split_ranks, world)
+@pytest.mark.parametrize("layout", [2, 4, "2-by-speed", "4-by-speed"])
+def test_split_long_samples_match_the_unsplit_run(layout):
+    want_loss, want_grads = _whole(layout)
+    results = run_ranks(_split_ranks, len(PLANS[layout]), layout)
     assert sum(loss for loss, _ in results) == pytest.approx(want_loss, rel=1e-6)  # fp32 router
     for name, want in want_grads.items():
         got = sum(torch.from_numpy(grads[name]) for _, grads in results if name in grads)
