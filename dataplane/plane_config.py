@@ -47,10 +47,21 @@ class PlaneConfig:
     # encoder kinds priced forward only (Costs.forward_only): their tower is frozen (the
     # trainer's optim.groups); MEDIA_KINDS names
     frozen_encoders: tuple[str, ...] = ()
+    # each data rank's relative speed known ahead (mixed GPU generations): plans give a rank
+    # work in proportion from step 0 (None: equal until measured speeds arrive, set_speeds);
+    # kept relative to the fastest (1.0)
+    rank_speed: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         # a tuple however it came (a start record's JSON has a list), so restarts compare equal
         object.__setattr__(self, "frozen_encoders", tuple(self.frozen_encoders))
+        if self.rank_speed is not None:
+            speeds = tuple(float(v) for v in self.rank_speed)
+            if len(speeds) != self.dp or not all(math.isfinite(v) and v > 0 for v in speeds):
+                raise UserError(f"--rank-speeds: one finite speed > 0 per data rank ({self.dp}),"
+                                f" got {list(self.rank_speed)}")
+            top = max(speeds)
+            object.__setattr__(self, "rank_speed", tuple(round(v / top, 4) for v in speeds))
         unknown = sorted(set(self.frozen_encoders) - set(MEDIA_KINDS))
         if unknown:
             raise UserError(f"frozen_encoders: unknown encoder kinds {unknown} (known: "

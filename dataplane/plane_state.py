@@ -83,8 +83,10 @@ class PlaneState:
         self.rank_commits: dict[int, set[int]] = {}
         self.committed_fps: dict[int, list[str]] = {}
         self.dp_changes: list[list[int]] = [[0, config.dp]]
-        # [step, speeds or None (equal)]: the ranks' relative speeds from that step on
-        self.speed_changes: list[list] = []
+        # [step, speeds or None (equal)]: the ranks' relative speeds from that step on (from
+        # step 0 those the config knows ahead)
+        self.speed_changes: list[list] = [] if config.rank_speed is None \
+            else [[0, list(config.rank_speed)]]
         self.reloads: list[list] = []  # [window, spec ref], in order
         # [window, linear, quadratic]: refits of the cost model, applied from that window on.
         self.cost_changes: list[list] = []

@@ -197,7 +197,7 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
         torch.set_num_threads(threads)
     if nproc > 1:
         progress(f"layout: micro-batches and the reshard on {nproc} sharded ranks")
-        with_layout(result, measure_layout(config, list(sets), nproc, max(repeats, 5)))
+        with_layout(result, measure_layout(config, list(sets), nproc, repeats))
     return result | {"elapsed_s": round(time.perf_counter() - started, 1)}
 
 

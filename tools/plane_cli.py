@@ -100,6 +100,10 @@ def _add_planning_arguments(serve) -> None:
     serve.add_argument("--frozen-encoders", metavar="KINDS", default="",
                        help="encoder kinds whose tower the trainers freeze (optim.groups), "
                             "comma-separated (image,video,audio): priced forward only")
+    serve.add_argument("--rank-speeds", metavar="SPEEDS", default=None,
+                       help="each data rank's relative speed known ahead, comma-separated "
+                            "(1,1,0.5,0.5: mixed GPU generations): work in proportion from "
+                            "step 0; measured speeds replace them (default: equal)")
     serve.add_argument("--balance", default="omniscale", choices=POLICIES,
                        help="who places samples on ranks: the planner (default) or a baseline "
                             "policy, to compare them on the same run")
@@ -156,7 +160,19 @@ def serve_config(args: argparse.Namespace):
         global_batch_samples=args.global_batch_samples, sp_max=args.sp_max,
         snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens,
         balance=args.balance, **_costs(args),
-        frozen_encoders=tuple(k.strip() for k in args.frozen_encoders.split(",") if k.strip()))
+        frozen_encoders=tuple(k.strip() for k in args.frozen_encoders.split(",") if k.strip()),
+        rank_speed=_speeds(args.rank_speeds))
+
+
+def _speeds(text: str | None) -> tuple[float, ...] | None:
+    """``--rank-speeds 1,1,0.5,0.5`` as numbers (PlaneConfig checks one per rank)."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise UserError(f"--rank-speeds {text}: expected numbers separated by commas, one per "
+                        "data rank") from None
 
 
 def _costs(args: argparse.Namespace) -> dict:

@@ -136,3 +136,30 @@ def test_speeds_keep_to_unserved_steps_once_the_mixture_end_is_known(demo, tmp_p
     plane.get_plan(4, 0)
     plane.state.exhausted_at = 40  # as a plane that drew its last window finds
     assert plane.set_speeds(1, [1.0, 0.5], from_step=2)["applies_at_step"] == 5
+
+
+def test_speeds_known_ahead_plan_from_step_0_and_survive_a_restart(demo, tmp_path):
+    """``PlaneConfig.rank_speed`` (``data.rank_speeds``, ``plane serve --rank-speeds``): the
+    same global batches as equal ranks, rank 1 at 0.4 of rank 0's speed given about 0.4/1.4 of
+    the work from the first step; a restart plans the same."""
+    reference = _train(DataPlane(demo / "mix.yaml", tmp_path / "base", CONFIG), 0, 6)
+    known = PlaneConfig(**{**CONFIG.__dict__, "rank_speed": (2.0, 0.8)})
+    assert known.rank_speed == (1.0, 0.4)  # relative to the fastest
+    plane = DataPlane(demo / "mix.yaml", tmp_path / "known", known)
+    plans = _train(plane, 0, 5)
+    for step, tables in plans.items():
+        assert _samples(tables) == _samples(reference[step])
+        share = _cost(tables[1]) / (_cost(tables[0]) + _cost(tables[1]))
+        assert share < 0.36, (step, share)
+    ahead = [plane.get_plan(5, r) for r in range(2)]
+    again = DataPlane(demo / "mix.yaml", tmp_path / "known", known)
+    assert [again.get_plan(5, r) for r in range(2)] == ahead
+
+
+@pytest.mark.parametrize("speeds", [(1.0,), (1.0, 0.0), (1.0, float("inf"))])
+def test_speeds_known_ahead_not_one_per_rank_are_one_line(speeds):
+    from omniscale.errors import UserError
+
+    with pytest.raises(UserError, match=r"^--rank-speeds: one finite speed > 0 per data rank "
+                                        r"\(2\), got "):
+        PlaneConfig(**{**CONFIG.__dict__, "rank_speed": speeds})

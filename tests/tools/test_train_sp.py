@@ -4,14 +4,16 @@ of M tokens and sp=2 train what one process with micro-batches of 2M does: both 
 samples of up to 2M tokens, so the plane draws the same global batches (windows of one step:
 a longer window deals its samples to steps by the ranks' budgets), and losses and gradient
 norms agree: on the demo mix (text samples split) and on its media sources alone (video and
-audio blocks cut by the slice boundary; each slice keeps only its own rows of a block).
-An sp that cannot work is one line."""
+audio blocks cut by the slice boundary; each slice keeps only its own rows of a block), and
+with the ranks' speeds known ahead (``data.rank_speeds``: the slow rank holds fewer of a split
+sample's tokens where the micro-batch budget leaves room). An sp that cannot work is one line."""
 
 from __future__ import annotations
 
 import math
 import re
 
+import numpy as np
 import pytest
 import yaml
 
@@ -44,18 +46,19 @@ def media_only(demo, out) -> str:
 
 
 # The media sources split over SP pairs: test_four_processes_sp_ep_and_fsdp_train_what_one_does.
-@pytest.mark.parametrize("media, micro", [(False, 256)], ids=["text"])
-def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro):
+@pytest.mark.parametrize("media, micro, speeds", [(False, 256, None), (False, 256, "[1, 0.3]")],
+                         ids=["text", "text-by-speed"])
+def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro, speeds):
     spec = {"data.spec": media_only(demo, tmp_path / "media.yaml")} if media else {}
+    by_speed = {"data.rank_speeds": speeds} if speeds else {}
     train("configs/demo_omni.yaml", progress=False,
           sets=_sets(demo, tmp_path / "one", **spec, **{"data.micro_batch_tokens": 2 * micro}))
     # with activation checkpointing (the GPU default; it changes no value): the recompute in
     # backward attends over the same SP groups as the forward
     train("configs/demo_omni.yaml", nproc=2, progress=False,
-          sets=_sets(demo, tmp_path / "sp", **spec, **{"data.micro_batch_tokens": micro,
-                                                        "parallel.sp": 2,
-                                                        "parallel.activation_checkpoint":
-                                                        "selective"}))
+          sets=_sets(demo, tmp_path / "sp", **spec, **by_speed,
+                     **{"data.micro_batch_tokens": micro, "parallel.sp": 2,
+                        "parallel.activation_checkpoint": "selective"}))
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")
     sp = read_metrics(tmp_path / "sp" / "metrics.jsonl")
     assert sum(r["sp_split_samples"] for r in sp) > 0  # samples were split over the pair
@@ -66,6 +69,33 @@ def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro)
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=2e-4), \
             (a["grad_norm"], b["grad_norm"])
+    if speeds:  # the plans the run trained, replayed from its plane's log: slow rank 1 never
+        # held the larger slice of a split sample, and the smaller where the budget let it (a
+        # sample of twice the micro-batch budget fills both ranks' budgets: equal slices)
+        slices = split_slices(tmp_path / "sp" / "plane", steps=len(sp))
+        assert all(on_0 >= on_1 for on_0, on_1 in slices), slices
+        assert any(on_0 > on_1 for on_0, on_1 in slices), slices
+
+
+def split_slices(state_dir, steps: int) -> list[tuple[int, int]]:
+    """(tokens on rank 0, on rank 1) of each sample split over the pair in the first
+    ``steps`` steps, from the plane's log (``PlaneState`` replays the plans exactly)."""
+    from omniscale.dataplane.journal import Journal
+    from omniscale.dataplane.plane_state import PlaneState
+    from omniscale.dataplane.restore import start_record
+
+    journal = Journal(state_dir, readonly=True)
+    state = PlaneState.fresh(start_record(journal)[1], journal)
+    out = []
+    for step in range(steps):
+        state.plan_through(step)
+        window, local = state.window_of(step)
+        plan = window.plans[local]
+        for i in np.unique(plan.sample_P[plan.sp_size_P > 1]).tolist():
+            mine = plan.sample_P == i
+            by_rank = dict(zip(plan.rank_P[mine].tolist(), plan.sp_tokens_P[mine].tolist()))
+            out.append((by_rank[0], by_rank[1]))
+    return out
 
 
 @pytest.mark.parametrize("nproc, sp, says", [
@@ -105,3 +135,12 @@ def test_four_processes_sp_ep_and_fsdp_train_what_one_does(demo, tmp_path):
     grads = [torch.load(tmp_path / run / "grads-step-0.pt", weights_only=True)
              for run in ("one", "four")]
     assert_same_gradients(*grads, trained=("vision.", "audio.", "decoder."), rel=1e-4)
+
+
+@pytest.mark.parametrize("speeds, got", [("[1]", "[1.0]"), ("[1, 0]", "[1.0, 0.0]")])
+def test_rank_speeds_not_one_per_data_rank_are_one_line(demo, tmp_path, speeds, got):
+    with pytest.raises(UserError, match=re.escape(
+            f"data.rank_speeds: one finite speed > 0 per data rank; this run has 2 data ranks, "
+            f"got {got}")):
+        train("configs/demo_omni.yaml", nproc=2, progress=False,
+              sets=_sets(demo, tmp_path / "bad", **{"data.rank_speeds": speeds}))

@@ -49,7 +49,10 @@ def _tars(path: Path) -> dict[str, list[int]]:
 def prepare(spec, names: set[str] | None = None) -> None:
     """``energon prepare`` each tar source of a loaded spec (``dataplane.spec.load_spec``; those
     in ``names`` if given) as a CrudeWebdataset with every shard in ``train``, without prompting;
-    a source whose tars are those it was last prepared from is left as it is."""
+    a source whose tars are those it was last prepared from is left as it is. One process runs
+    the CLI's command for every source (a process per source paid Energon's import each time:
+    most of a small source's preparation)."""
+    todo = []
     for s in spec.sources:
         path = Path(s.path)
         if names is not None and s.name not in names:
@@ -58,12 +61,21 @@ def prepare(spec, names: set[str] | None = None) -> None:
         stamp = path / ".nv-meta" / STAMP
         if not tars or (stamp.is_file() and json.loads(stamp.read_text()) == tars):
             continue
-        energon = [sys.executable, "-m", "megatron.energon.cli.main"]
-        subprocess.run([*energon, "prepare", str(path), "--non-interactive", "--force-overwrite",
-                        "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset",
-                        "--no-progress", "--num-workers", str(min(len(tars), os.cpu_count() or 1))],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
-        stamp.write_text(json.dumps(tars))
+        todo.append((path, tars))
+    if not todo:
+        return
+    commands = [["prepare", str(path), "--non-interactive", "--force-overwrite",
+                 "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset", "--no-progress",
+                 "--num-workers", str(min(len(tars), os.cpu_count() or 1))]
+                for path, tars in todo]
+    run_each = ("import json, sys\n"
+                "from megatron.energon.cli.main import main\n"
+                "for args in json.loads(sys.argv[1]):\n"
+                "    main(args, standalone_mode=False)\n")
+    subprocess.run([sys.executable, "-c", run_each, json.dumps(commands)],
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
+    for path, tars in todo:
+        (path / ".nv-meta" / STAMP).write_text(json.dumps(tars))
 
 
 def metadataset(spec, weights: dict[str, float]) -> dict:

@@ -138,6 +138,12 @@ class DataSection(_Strict):
     # are measured and logged but the plane is not told (as for the refit above, and said in
     # the same start line).
     plan_by_rank_speed: bool = True
+    # Each data rank's relative speed known ahead, in data-rank order (mixed GPU generations:
+    # e.g. [1, 1, 0.5, 0.5]): plans give a rank work in proportion from step 0, a sample split
+    # over an SP group included (a slower rank holds fewer of its tokens). Plans depend on
+    # them alone, so they hold under deterministic; measured speeds (plan_by_rank_speed)
+    # replace them once sent. None: equal ranks until measured.
+    rank_speeds: list[float] | None = None
     # who places samples on ranks: the planner, or a baseline policy through the same plane
     # (to measure the planner's gain on this very run)
     balance: Literal[POLICIES] = "omniscale"  # type: ignore[valid-type] (plane_config.POLICIES)

@@ -159,6 +159,7 @@ PLANNING_SETTINGS = (
     ("window", "--window", "data.window"),
     ("max_sample_tokens", "--max-sample-tokens", "none (what an SP group holds)"),
     ("frozen_encoders", "--frozen-encoders", "optim.groups' frozen towers"),
+    ("rank_speed", "--rank-speeds", "data.rank_speeds"),
     ("costs", "--costs", "data.costs"),
     ("cost_linear", "--cost-linear", "data.costs, else the model's FLOPs (alpha/beta)"),
     ("cost_quadratic", "--cost-quadratic", "data.costs, else the model's FLOPs (1)"),

@@ -10,6 +10,7 @@ on the encoder plan, reshard, backbone micro-batches; ``pipeline_step`` under pp
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -72,10 +73,16 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
         extra = read_cost_file(d.costs)
     elif cost:
         extra = {"cost_linear": cost[0] / cost[1], "cost_quadratic": 1.0}
+    if d.rank_speeds is not None and (len(d.rank_speeds) != dp or not all(
+            math.isfinite(v) and v > 0 for v in d.rank_speeds)):
+        raise UserError(f"data.rank_speeds: one finite speed > 0 per data rank; this run has "
+                        f"{dp} data ranks, got {d.rank_speeds}")
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
                        global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp,
                        snapshot_every=cfg.checkpoint_every, balance=d.balance,
-                       frozen_encoders=tuple(frozen_kinds), **extra)
+                       frozen_encoders=tuple(frozen_kinds),
+                       rank_speed=None if d.rank_speeds is None else tuple(d.rank_speeds),
+                       **extra)
 
 
 def planning_config(cfg: RunConfig, world: int) -> PlaneConfig:
