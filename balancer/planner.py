@@ -87,7 +87,7 @@ def _place(unit_n, k_n, slice_n, tokens_n, costs: Costs, config: PlannerConfig):
     first_c, _ = assign_ranks(unit_n, k_n, dp, slice_tokens_N=slice_n,
                               token_cap=fewest * budget, speed_R=speed_R, slice_bounds=bounds)
     capped = _pack(first_c, k_n, slice_n, unit_n, tokens_n, bounds, costs, config)
-    return min((placed, capped), key=lambda p: _step_time(p[3], costs.micro_batch))
+    return min((placed, capped), key=lambda p: _step_time(p[3], costs.micro_batch, speed_R))
 
 
 def _slice_bounds(unit_n, k_n, tokens_n, costs: Costs, budget: int):
@@ -118,7 +118,7 @@ def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
     for i in np.flatnonzero(k_n > 1).tolist():
         f, k, at = int(first_n[i]), int(k_n[i]), int(start_n[i])
         t_K = speed_fractions(share_n[i], speed_R[f:f + k], lo_n[i], hi_n[i])
-        length_K = slice_lengths(int(tokens_n[i]), t_K)
+        length_K = slice_lengths(int(tokens_n[i]), t_K, config.micro_batch_tokens)
         length_p[at:at + k] = length_K
         part_p[at:at + k] = part_costs(unit_n[i] * k, share_n[i],
                                        length_K / float(tokens_n[i]))
@@ -138,10 +138,59 @@ def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
     return first_n, slot_n, tok_RB, cost_RB, n_slots, np.where(split_p, length_p, 0)
 
 
-def _step_time(cost_RB: np.ndarray, micro_batch: float) -> float:
-    """Predicted step when ranks meet every micro-batch: Σ slots (costliest rank + fixed)."""
-    return float(cost_RB.max(axis=0).sum() + micro_batch * cost_RB.shape[1]) \
-        if cost_RB.size else 0.0
+def _step_time(cost_RB: np.ndarray, micro_batch: float,
+               speed_R: np.ndarray | None = None) -> float:
+    """Predicted step when ranks meet every micro-batch: Σ slots (slowest rank + fixed), a
+    rank's time its cost over its speed."""
+    if not cost_RB.size:
+        return 0.0
+    time_RB = cost_RB if speed_R is None else cost_RB / speed_R[:, None]
+    return float(time_RB.max(axis=0).sum() + micro_batch * cost_RB.shape[1])
+
+
+BALANCING_SPLITS = 2  # whole samples a step may split to follow the ranks' speeds
+BALANCING_CANDIDATES = 3  # the costliest whole samples of the slowest rank tried for each
+# Each try re-places the step: tried on jobs of up to this many data ranks, where a step deals
+# few samples a rank (a larger job's whole samples follow the speeds more finely, and its
+# planning time would grow by the tries)
+BALANCING_MAX_DP = 64
+
+
+def _split_to_balance(placed, unit_n, k_n, slice_n, tokens_n, costs: Costs,
+                      config: PlannerConfig):
+    """With speeds, a step of few samples cannot always be dealt in proportion (two ranks, four
+    long samples each: shares move in quarters). Splitting one of the slowest rank's whole
+    samples over an SP group of 2 lets its slices be sized to the speeds
+    (``balancer.speed_split``), at the price of its all-to-alls: the costliest few whole
+    samples on the rank that finishes last are tried, and the split kept when the predicted
+    step (in time, fixed costs and communication included) is shorter by more than 1 %; up
+    to ``BALANCING_SPLITS`` times, on jobs of up to ``BALANCING_MAX_DP`` data ranks.
+    Returns (placed, unit_n, k_n, slice_n)."""
+    speed_R = config.speed_R
+    if speed_R is None or speed_R.min() == speed_R.max() or min(config.sp_max, config.dp) < 2 \
+            or config.dp > BALANCING_MAX_DP:  # equal ranks: planned as without speeds
+        return placed, unit_n, k_n, slice_n
+    best = _step_time(placed[3], costs.micro_batch, speed_R)
+    for _ in range(BALANCING_SPLITS):
+        time_R = (placed[3] / speed_R[:, None]).sum(axis=1)
+        slowest = int(np.argmax(time_R))
+        first_n = placed[0]
+        mine = np.flatnonzero((k_n == 1) & (first_n == slowest) & (tokens_n >= 2))
+        tried = None
+        for i in mine[np.argsort(-unit_n[mine], kind="stable")][:BALANCING_CANDIDATES].tolist():
+            k2, unit2, slice2 = k_n.copy(), unit_n.copy(), slice_n.copy()
+            k2[i] = 2
+            unit2[i] = unit_cost(unit_n[i:i + 1], tokens_n[i:i + 1], k2[i:i + 1],
+                                 costs.sp_comm_per_token)[0]
+            slice2[i] = slice_tokens(int(tokens_n[i]), 2)
+            trial = _place(unit2, k2, slice2, tokens_n, costs, config)
+            time = _step_time(trial[3], costs.micro_batch, speed_R)
+            if time < best * 0.99 and (tried is None or time < tried[0]):
+                tried = (time, trial, unit2, k2, slice2)
+        if tried is None:
+            break
+        best, placed, unit_n, k_n, slice_n = tried
+    return placed, unit_n, k_n, slice_n
 
 
 def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: np.ndarray,
@@ -153,8 +202,10 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
     unit_n = np.ascontiguousarray(unit_N[idx_n], np.float64)
     slice_n = np.asarray(slice_tokens(samples.tokens_N[idx_n], k_n), np.int64)
     tokens_n = np.asarray(samples.tokens_N[idx_n], np.int64)
-    first_n, slot_n, tok_RB, cost_RB, n_slots, length_p = _place(unit_n, k_n, slice_n,
-                                                                 tokens_n, costs, config)
+    placed = _place(unit_n, k_n, slice_n, tokens_n, costs, config)
+    placed, unit_n, k_n, slice_n = _split_to_balance(placed, unit_n, k_n, slice_n, tokens_n,
+                                                     costs, config)
+    first_n, slot_n, tok_RB, cost_RB, n_slots, length_p = placed
     # One placement per slice: sample i split over k ranks has rows sp_index 0..k-1 on the
     # ranks first..first+k-1, all in the same slot.
     group_p = np.repeat(np.arange(len(idx_n)), k_n)

@@ -64,9 +64,23 @@ def part_costs(work, attn_share, t_K):
     return work * ((1.0 - attn_share) * t_K + attn_share / k)
 
 
-def slice_lengths(tokens: int, t_K: np.ndarray) -> np.ndarray:
-    """Whole-token slice lengths (Σ = tokens) from fractions: the cumulative cut points
-    rounded, so a fraction of at least one token gives a slice of at least one and a slice
-    never exceeds its fraction's bound by more than rounding."""
-    cuts = np.rint(np.cumsum(t_K[:-1]) * tokens).astype(np.int64)
-    return np.diff(np.concatenate([[0], cuts, [tokens]])).astype(np.int64)
+def slice_lengths(tokens: int, t_K: np.ndarray, most: int | None = None) -> np.ndarray:
+    """Whole-token slice lengths (Σ = tokens), each at least one and at most ``most`` (the
+    micro-batch budget), nearest the fractions: each fraction's whole tokens, then the tokens
+    left one by one to the largest remainders with room (or taken back from the smallest).
+    Needs k ≤ tokens ≤ k·most."""
+    most = tokens if most is None else int(most)
+    exact_K = np.asarray(t_K, np.float64) * tokens
+    lengths_K = np.clip(np.floor(exact_K), 1, most).astype(np.int64)
+    order = np.argsort(-(exact_K - np.floor(exact_K)), kind="stable")
+    rest = tokens - int(lengths_K.sum())
+    while rest:
+        step, before = (1 if rest > 0 else -1), rest
+        for j in (order if step > 0 else order[::-1]).tolist():
+            if rest and 1 <= lengths_K[j] + step <= most:
+                lengths_K[j] += step
+                rest -= step
+        if rest == before:
+            raise ValueError(f"{tokens} tokens do not make {len(lengths_K)} slices of 1 to "
+                             f"{most} tokens")
+    return lengths_K
