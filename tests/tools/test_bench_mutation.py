@@ -63,6 +63,12 @@ NOT_RUN_AGAINST = {
         "training runs; the journal's use there is the plane's, run by its own tests",
     ("dataplane/journal.py", "tests/tools/test_train_resume.py"):
         "training runs reading the log's records to compare steps",
+    ("dataplane/journal.py", "tests/tools/test_train_sp.py"):
+        "SP training runs replaying the plane's log to read the plans they trained",
+    ("dataplane/plane_state.py", "tests/tools/test_train_sp.py"):
+        "SP training runs replaying the plane's log to read the plans they trained",
+    ("dataplane/restore.py", "tests/tools/test_train_sp.py"):
+        "SP training runs replaying the plane's log to read the plans they trained",
     ("tools/train/checkpoint.py", "tests/tools/test_model_hf.py"):
         "Hugging Face export from a checkpoint: loading is tested by the checkpoint files",
     ("tools/train/optim_groups.py", "tests/tools/test_example_configs.py"):
