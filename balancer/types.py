@@ -77,6 +77,21 @@ class WindowSamples:
             raise ValueError("batch_N: must be >= 0")
 
 
+def split_lengths(plan) -> dict[int, list[int]]:
+    """Each sample a plan (a ``StepPlan``, or anything with its placement arrays) split with
+    slices sized by speed: its slices' tokens in slice order. Empty when the slices are
+    equal (``sp_tokens_P`` None)."""
+    if plan.sp_tokens_P is None:
+        return {}
+    split = np.asarray(plan.sp_size_P) > 1
+    by_sample: dict[int, dict[int, int]] = {}
+    for sample, index, tokens in zip(np.asarray(plan.sample_P)[split].tolist(),
+                                     np.asarray(plan.sp_index_P)[split].tolist(),
+                                     np.asarray(plan.sp_tokens_P)[split].tolist()):
+        by_sample.setdefault(sample, {})[index] = tokens
+    return {s: [n for _, n in sorted(slices.items())] for s, slices in by_sample.items()}
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     dp: int  # ranks

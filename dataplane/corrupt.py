@@ -31,6 +31,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from omniscale.balancer.types import split_lengths
 from omniscale.plan import rescale_lengths
 from omniscale.refs import SampleRef
 
@@ -130,9 +131,7 @@ def _slice_of(plan, row: int, tokens: int) -> int:
         return tokens
     if plan.sp_tokens_P is None:
         return -(-tokens // k)
-    group = np.flatnonzero(np.asarray(plan.sample_P) == plan.sample_P[row])
-    lengths = [int(n) for _, n in sorted(zip(np.asarray(plan.sp_index_P)[group].tolist(),
-                                             np.asarray(plan.sp_tokens_P)[group].tolist()))]
+    lengths = split_lengths(plan)[int(plan.sample_P[row])]
     return rescale_lengths(lengths, tokens)[int(plan.sp_index_P[row])] if tokens else 0
 
 

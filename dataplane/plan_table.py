@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from omniscale.balancer.types import StepPlan
+from omniscale.balancer.types import StepPlan, split_lengths
 from omniscale.media import AUDIO, IMAGE, VIDEO
 from omniscale.plan import METADATA_KEY, rows_to_table, slice_fingerprints
 from omniscale.refs import SampleRef, refs_to_table
@@ -156,14 +156,10 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
     slice_count_P, slices = zeros_P, np.zeros(0, np.int64)
     if plan.sp_tokens_P is not None:
         split_P = np.asarray(plan.sp_size_P, np.int64) > 1
-        lengths = {}
-        for sample, index, n in zip(sample_P[split_P].tolist(),
-                                    np.asarray(plan.sp_index_P)[split_P].tolist(),
-                                    np.asarray(plan.sp_tokens_P)[split_P].tolist()):
-            lengths.setdefault(sample, {})[index] = n
+        lengths = split_lengths(plan)
         slice_count_P = np.where(split_P, np.asarray(plan.sp_size_P, np.int64), 0)
         slices = np.array([n for sample in sample_P[split_P].tolist()
-                           for _, n in sorted(lengths[sample].items())], np.int64)
+                           for n in lengths[sample]], np.int64)
     return {
         "pos": np.concatenate([pos_P, pos_M]),
         "llm": np.concatenate([np.ones(P, bool), np.zeros(M, bool)]),
