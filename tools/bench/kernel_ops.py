@@ -133,14 +133,18 @@ def timeit(steps: dict, device: str, warmup: int, reps: int) -> dict:
     return {name: (statistics.median(t) if t else None) for name, t in times.items()}, errors
 
 
-def implementations(op: str, device: str) -> dict:
+BACKENDS = ("reference", "eager", "compiled", "triton")  # triton on CUDA only
+
+
+def implementations(op: str, device: str, backends: tuple[str, ...] = BACKENDS) -> dict:
     from omniscale.kernels import eager
 
     impls = {"reference": getattr(reference, op)}
-    if hasattr(eager, op):
+    if hasattr(eager, op) and "eager" in backends:
         impls["eager"] = getattr(eager, op)
-    impls["compiled"] = torch.compile(getattr(reference, op), dynamic=False)
-    if device == "cuda":
+    if "compiled" in backends:
+        impls["compiled"] = torch.compile(getattr(reference, op), dynamic=False)
+    if device == "cuda" and "triton" in backends:
         import importlib
 
         from omniscale.kernels.triton_registry import TRITON_OPS
@@ -149,14 +153,16 @@ def implementations(op: str, device: str) -> dict:
     return impls
 
 
-def run(device: str, ops: list[str], warmup: int, reps: int) -> list[dict]:
+def run(device: str, ops: list[str], warmup: int, reps: int,
+        backends: tuple[str, ...] = BACKENDS) -> list[dict]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     table = cases(device, dtype)
     rows = []
     for op in ops:
         make, nbytes, flops = table[op]
         row = {"op": op, "dtype": str(dtype).removeprefix("torch.")}
-        steps = {impl: fwd_bwd(fn, make) for impl, fn in implementations(op, device).items()}
+        steps = {impl: fwd_bwd(fn, make)
+                 for impl, fn in implementations(op, device, backends).items()}
         seconds, errors = timeit(steps, device, warmup, reps)
         row["ms"] = {impl: (1e3 * t if t else None) for impl, t in seconds.items()}
         if errors:
@@ -192,6 +198,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--ops", default="", help="comma-separated subset (default: all; CPU: "
                     "rms_norm,add_rms_norm,rotary,swiglu,moe_permute,moe_unpermute)")
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    help="comma-separated, the reference always runs (the quick check leaves "
+                    "out compiled: torch.compile's C++ build is half a minute on a cold cache)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="")
@@ -205,7 +214,11 @@ def main() -> None:
           f"({torch.cuda.get_device_name() if args.device == 'cuda' else platform.machine()}, "
           f"{torch.get_num_threads()} threads): forward+backward, median of {args.reps}")
     started = provenance()
-    rows = run(args.device, ops, args.warmup, args.reps)
+    backends = tuple(args.backends.split(","))
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        ap.error(f"--backends: {', '.join(unknown)} unknown (known: {', '.join(BACKENDS)})")
+    rows = run(args.device, ops, args.warmup, args.reps, backends)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({

@@ -119,7 +119,8 @@ BENCHES: dict[str, Bench] = {
             Metric("sharded load: peak bytes beyond the rank's shards",
                    value="sharded_beyond_shards_bytes"))),
     "kernels": Bench(
-        "kernel_ops.py", quick_args=("--ops", "rms_norm", "--warmup", "1", "--reps", "2"),
+        "kernel_ops.py", quick_args=("--ops", "rms_norm", "--backends", "reference,eager",
+                                     "--warmup", "1", "--reps", "2"),
         docs_json="kernels_cpu.json", full_args=("--device", "cpu"),
         metrics=KERNEL_ROWS),
     "model": Bench(
