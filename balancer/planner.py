@@ -69,25 +69,34 @@ def _place(unit_n, k_n, slice_n, tokens_n, costs: Costs, config: PlannerConfig):
     """Ranks and slots: (first rank, slot, tokens [R, B], cost [R, B], slots, slice lengths
     per placement or None).
 
-    The assignment balances time per rank (cost / speed: ``config.rank_speed``), which can give
-    a rank more tokens than the fewest micro-batches hold, and then every rank runs one
-    micro-batch more. When a micro-batch has a fixed cost (``costs.micro_batch``), an
-    assignment that keeps every rank within the fewest micro-batches' tokens is tried too, and
-    the plan with the shorter predicted step (Σ over slots of the slowest rank, plus the slots'
-    fixed cost) kept. With speeds, a split sample's slices are sized by its group's speeds
-    (``balancer.speed_split``).
+    The assignment balances time per rank (cost / speed: ``config.rank_speed``), the step
+    time when ranks meet once a step. Where they meet every micro-batch (``config.sync``
+    ``"micro_batch"``: FSDP's gathers, the SP and EP all-to-alls), a step is Σ over slots of
+    the slowest rank, and a rank holding a few long pieces beside others' many short ones sets
+    the height of its slots: on equal ranks, an assignment that balances tokens alone (long
+    pieces spread like short ones, so the slots fill alike) is tried too. A balance by cost can
+    also give a rank more tokens than the fewest micro-batches hold, and then every rank runs
+    one micro-batch more: when a micro-batch has a fixed cost (``costs.micro_batch``), an
+    assignment that keeps every rank within the fewest micro-batches' tokens is tried as well.
+    The plan with the shorter predicted step (``_step_time``) is kept. With speeds, a split
+    sample's slices are sized by its group's speeds (``balancer.speed_split``).
     """
     dp, budget, speed_R = config.dp, config.micro_batch_tokens, config.speed_R
     bounds = None if speed_R is None else _slice_bounds(unit_n, k_n, tokens_n, costs, budget)
     first_n, _ = assign_ranks(unit_n, k_n, dp, speed_R=speed_R, slice_bounds=bounds)
-    placed = _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs, config)
+    candidates = [_pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs, config)]
+    if config.sync == "micro_batch" and speed_R is None and dp > 1:
+        first_t, _ = assign_ranks(slice_n.astype(np.float64), k_n, dp, search_iters=0)
+        candidates.append(_pack(first_t, k_n, slice_n, unit_n, tokens_n, None, costs, config,
+                                extra_slots=0))
     fewest = -(-int((slice_n * k_n).sum()) // (dp * budget))
-    if costs.micro_batch <= 0 or placed[4] <= fewest:
-        return placed
-    first_c, _ = assign_ranks(unit_n, k_n, dp, slice_tokens_N=slice_n,
-                              token_cap=fewest * budget, speed_R=speed_R, slice_bounds=bounds)
-    capped = _pack(first_c, k_n, slice_n, unit_n, tokens_n, bounds, costs, config)
-    return min((placed, capped), key=lambda p: _step_time(p[3], costs.micro_batch, speed_R))
+    if costs.micro_batch > 0 and candidates[0][4] > fewest:
+        first_c, _ = assign_ranks(unit_n, k_n, dp, slice_tokens_N=slice_n,
+                                  token_cap=fewest * budget, speed_R=speed_R,
+                                  slice_bounds=bounds)
+        candidates.append(_pack(first_c, k_n, slice_n, unit_n, tokens_n, bounds, costs, config))
+    return min(candidates, key=lambda p: _step_time(p[3], costs.micro_batch, speed_R,
+                                                    config.sync))
 
 
 def _slice_bounds(unit_n, k_n, tokens_n, costs: Costs, budget: int):
@@ -100,14 +109,14 @@ def _slice_bounds(unit_n, k_n, tokens_n, costs: Costs, budget: int):
 
 
 def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
-          config: PlannerConfig):
+          config: PlannerConfig, extra_slots: int = 1):
     """``pack`` by time: with speeds, each sample's cost over its rank's speed (a split one's
     longest part over its rank's speed), so the slots' heights are the times ranks wait for;
     then the grid back in cost (work) units, with each part and slice on its rank."""
     speed_R = config.speed_R
     if speed_R is None:
         return (first_n, *pack(first_n, k_n, slice_n, unit_n, config.dp,
-                               config.micro_batch_tokens, 1, costs.micro_batch), None)
+                               config.micro_batch_tokens, extra_slots, costs.micro_batch), None)
     inv_R = 1.0 / speed_R
     rank_p = np.repeat(first_n, k_n) + np.arange(int(k_n.sum())) \
         - np.repeat(np.cumsum(k_n) - k_n, k_n)
@@ -138,14 +147,16 @@ def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
     return first_n, slot_n, tok_RB, cost_RB, n_slots, np.where(split_p, length_p, 0)
 
 
-def _step_time(cost_RB: np.ndarray, micro_batch: float,
-               speed_R: np.ndarray | None = None) -> float:
-    """Predicted step when ranks meet every micro-batch: Σ slots (slowest rank + fixed), a
-    rank's time its cost over its speed."""
+def _step_time(cost_RB: np.ndarray, micro_batch: float, speed_R: np.ndarray | None = None,
+               sync: str = "micro_batch") -> float:
+    """Predicted step, a rank's time its cost over its speed, plus every slot's fixed cost:
+    Σ over slots of the slowest rank when ranks meet every micro-batch, the slowest rank's
+    sum when they meet once a step."""
     if not cost_RB.size:
         return 0.0
     time_RB = cost_RB if speed_R is None else cost_RB / speed_R[:, None]
-    return float(time_RB.max(axis=0).sum() + micro_batch * cost_RB.shape[1])
+    waited = time_RB.max(axis=0).sum() if sync == "micro_batch" else time_RB.sum(axis=1).max()
+    return float(waited + micro_batch * cost_RB.shape[1])
 
 
 BALANCING_SPLITS = 2  # whole samples a step may split to follow the ranks' speeds
@@ -170,7 +181,7 @@ def _split_to_balance(placed, unit_n, k_n, slice_n, tokens_n, costs: Costs,
     if speed_R is None or speed_R.min() == speed_R.max() or min(config.sp_max, config.dp) < 2 \
             or config.dp > BALANCING_MAX_DP:  # equal ranks: planned as without speeds
         return placed, unit_n, k_n, slice_n
-    best = _step_time(placed[3], costs.micro_batch, speed_R)
+    best = _step_time(placed[3], costs.micro_batch, speed_R, config.sync)
     for _ in range(BALANCING_SPLITS):
         time_R = (placed[3] / speed_R[:, None]).sum(axis=1)
         slowest = int(np.argmax(time_R))
@@ -184,7 +195,7 @@ def _split_to_balance(placed, unit_n, k_n, slice_n, tokens_n, costs: Costs,
                                  costs.sp_comm_per_token)[0]
             slice2[i] = slice_tokens(int(tokens_n[i]), 2)
             trial = _place(unit2, k2, slice2, tokens_n, costs, config)
-            time = _step_time(trial[3], costs.micro_batch, speed_R)
+            time = _step_time(trial[3], costs.micro_batch, speed_R, config.sync)
             if time < best * 0.99 and (tried is None or time < tried[0]):
                 tried = (time, trial, unit2, k2, slice2)
         if tried is None:

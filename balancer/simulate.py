@@ -54,6 +54,9 @@ from omniscale.balancer.stream import (
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
 
 OURS = "omniscale"
+# ours planned for ranks that meet once a step (PlannerConfig.sync "step"): judged on the DDP
+# objective in its stead (`compare`), as a user of that layout would plan
+OURS_STEP_SYNC = OURS + "@step"
 # ours and the per-step baselines (the static layouts of baselines.STATIC_LAYOUTS, which
 # take no split decision, are compared end to end: tools/bench/e2e_long_tail.py)
 ALL_POLICIES = (OURS, *BASELINES_NO_SPLIT, *BASELINES_SPLIT)
@@ -74,9 +77,12 @@ class PolicyRun:
 
 def resolve(name: str):
     """(policy, windowed): ours plans whole windows, a baseline one step."""
-    if name == OURS:
+    if name in (OURS, OURS_STEP_SYNC):
         from omniscale.balancer.planner import plan_window
 
+        if name == OURS_STEP_SYNC:
+            return (lambda samples, costs, config, **kw: plan_window(
+                samples, costs, dataclasses.replace(config, sync="step"), **kw)), True
         return plan_window, True
     if name not in BASELINES:
         raise ValueError(f"policy {name!r}: expected one of {', '.join(ALL_POLICIES)}")
@@ -232,6 +238,10 @@ def compare(runs: list[PolicyRun], stream: WindowSamples, step_offsets_S1: np.nd
     planned = take(stream, 0, int(step_offsets_S1[-1]))
     ideal = ideal_time(llm_costs(planned, costs), item_costs(planned, costs), config.dp)
     policies = {run.name: summarize(run, stream, step_offsets_S1, config, ideal) for run in runs}
+    step_sync = policies.pop(OURS_STEP_SYNC, None)
+    if step_sync is not None and OURS in policies:  # ours on DDP: as planned for DDP
+        policies[OURS].update({key: step_sync[key] for key in ("ddp_time", "ddp_over_ideal")},
+                              ddp_planned_with_sync="step")
     result = {
         "dp": config.dp, "window": config.window, "sp_max": config.sp_max,
         "epsilon": config.epsilon, "micro_batch_tokens": config.micro_batch_tokens,
@@ -261,9 +271,11 @@ def simulate(stream: WindowSamples | np.ndarray, step_offsets_S1: np.ndarray, co
              config: PlannerConfig, policies: tuple[str, ...] = ALL_POLICIES) -> dict:
     """Plan the stream's steps with each policy and compare them (see :func:`compare`).
 
-    ``stream`` may be a plain array of lengths (text only, one source).
+    ``stream`` may be a plain array of lengths (text only, one source). Ours is planned
+    twice when both objectives are judged (``OURS_STEP_SYNC``: the plan a DDP job makes).
     """
     if not isinstance(stream, WindowSamples):
         stream = WindowSamples.from_lengths(stream)
-    runs = [run_policy(name, stream, step_offsets_S1, costs, config) for name in policies]
+    names = [*policies, OURS_STEP_SYNC] if OURS in policies else list(policies)
+    runs = [run_policy(name, stream, step_offsets_S1, costs, config) for name in names]
     return compare(runs, stream, step_offsets_S1, costs, config)

@@ -92,6 +92,9 @@ def split_lengths(plan) -> dict[int, list[int]]:
     return {s: [n for _, n in sorted(slices.items())] for s, slices in by_sample.items()}
 
 
+SYNCS = ("micro_batch", "step")  # PlannerConfig.sync
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     dp: int  # ranks
@@ -104,6 +107,11 @@ class PlannerConfig:
     # gives it about half the work; the baselines ignore it (they plan per step by tokens or
     # cost alone) but their plans are reported with it.
     rank_speed: tuple[float, ...] | None = None
+    # When ranks wait for each other: "micro_batch" (FSDP's per-micro-batch gathers, the SP
+    # and EP all-to-alls: a step is Σ over slots of the slowest rank) or "step" (data
+    # parallelism that all-reduces once a step: the slowest rank's sum). What the planner
+    # minimises; the trainer's layouts shard parameters, so "micro_batch" by default.
+    sync: str = "micro_batch"
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -116,6 +124,8 @@ class PlannerConfig:
             raise ValueError(f"sp_max: must be a power of two >= 1, got {self.sp_max}")
         if not 0 <= self.epsilon < 1:
             raise ValueError(f"epsilon: must be in [0, 1), got {self.epsilon}")
+        if self.sync not in SYNCS:
+            raise ValueError(f"sync: must be one of {', '.join(SYNCS)}, got {self.sync!r}")
         if self.rank_speed is not None and (
                 len(self.rank_speed) != self.dp
                 or not all(math.isfinite(v) and v > 0 for v in self.rank_speed)):
