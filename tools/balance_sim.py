@@ -26,6 +26,7 @@ from omniscale.balancer.cost import CommModel
 from omniscale.balancer.simulate import (
     ALL_POLICIES,
     OURS,
+    OURS_STEP_SYNC,
     PolicyRun,
     compare,
     rank_loads,
@@ -155,8 +156,10 @@ def simulate_command(args: argparse.Namespace, console: Console | None = None) -
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     stream, offsets_S1, row_N = samples_for(options)
     costs = default_costs(options.alpha, options.beta, options.comm)
-    runs = [run_policy(name, stream, offsets_S1, costs, options.config) for name in ALL_POLICIES]
+    runs = [run_policy(name, stream, offsets_S1, costs, options.config)
+            for name in (*ALL_POLICIES, OURS_STEP_SYNC)]
     result = compare(runs, stream, offsets_S1, costs, options.config)
+    runs = [r for r in runs if r.name != OURS_STEP_SYNC]  # its DDP figures are in ours' row
     result["input"] = str(options.lengths) if options.lengths else f"dist:{options.dist}"
     result["cost"] = {"linear": options.alpha, "quadratic": options.beta}
     result["comm"] = comm_json(options.comm)
@@ -200,6 +203,9 @@ def print_result(result: dict, console: Console) -> None:
                       str(p["displacement_max"]), f"{p['planner_ms_per_step']:.2f}",
                       str(p["violations"]), "yes" if p["exactly_once"] else "NO")
     console.print(table)
+    if result["policies"].get(OURS, {}).get("ddp_planned_with_sync") == "step":
+        console.print(f"{OURS}: DDP as planned for ranks that meet once a step, the rest as "
+                      "planned for ranks that meet every micro-batch (the trainer's)")
     for key, best_key, which in (
             ("speedup_vs_best_baseline", "best_baseline", "the best baseline"),
             ("speedup_vs_best_no_split_baseline", "best_baseline_no_split",
