@@ -75,6 +75,13 @@ class PolicyRun:
     sp_comm_S: np.ndarray | None = None
 
 
+def judged(names) -> list[str]:
+    """The runs a comparison of ``names`` needs: ours also planned for ranks that meet once a
+    step (``OURS_STEP_SYNC``, merged into ours' DDP figures by `compare`) when ours is there."""
+    names = list(names)
+    return [*names, OURS_STEP_SYNC] if OURS in names else names
+
+
 def resolve(name: str):
     """(policy, windowed): ours plans whole windows, a baseline one step."""
     if name in (OURS, OURS_STEP_SYNC):
@@ -276,6 +283,6 @@ def simulate(stream: WindowSamples | np.ndarray, step_offsets_S1: np.ndarray, co
     """
     if not isinstance(stream, WindowSamples):
         stream = WindowSamples.from_lengths(stream)
-    names = [*policies, OURS_STEP_SYNC] if OURS in policies else list(policies)
-    runs = [run_policy(name, stream, step_offsets_S1, costs, config) for name in names]
+    runs = [run_policy(name, stream, step_offsets_S1, costs, config)
+            for name in judged(policies)]
     return compare(runs, stream, step_offsets_S1, costs, config)

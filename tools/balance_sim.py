@@ -29,6 +29,7 @@ from omniscale.balancer.simulate import (
     OURS_STEP_SYNC,
     PolicyRun,
     compare,
+    judged,
     rank_loads,
     run_policy,
 )
@@ -157,7 +158,7 @@ def simulate_command(args: argparse.Namespace, console: Console | None = None) -
     stream, offsets_S1, row_N = samples_for(options)
     costs = default_costs(options.alpha, options.beta, options.comm)
     runs = [run_policy(name, stream, offsets_S1, costs, options.config)
-            for name in (*ALL_POLICIES, OURS_STEP_SYNC)]
+            for name in judged(ALL_POLICIES)]
     result = compare(runs, stream, offsets_S1, costs, options.config)
     runs = [r for r in runs if r.name != OURS_STEP_SYNC]  # its DDP figures are in ours' row
     result["input"] = str(options.lengths) if options.lengths else f"dist:{options.dist}"

@@ -25,6 +25,7 @@ from omniscale.balancer.metrics import (
 )
 from omniscale.balancer.simulate import (
     OURS,
+    OURS_STEP_SYNC,
     PolicyRun,
     compare,
     planner_split,
@@ -198,6 +199,28 @@ def test_simulate_our_planner_end_to_end(dist):
     ours = result["policies"][OURS]
     assert ours["exactly_once"] and ours["violations"] == 0
     assert ours["displacement_max"] <= 3
+
+
+def test_ours_is_judged_on_each_objective_by_the_plan_made_for_it():
+    """simulate() plans ours twice: its FSDP figures are the plans for ranks that meet every
+    micro-batch, its DDP figures the plans for ranks that meet once a step -- each priced
+    here from plan_window's own plans (`step_times`), outside the simulator."""
+    from omniscale.balancer.planner import plan_window
+
+    stream = generate("lognormal", 4 * 8 * 16, 3)
+    costs = Costs(llm=CostModel(24576.0, 1.0))
+    config = PlannerConfig(dp=8, micro_batch_tokens=16384, window=4, sp_max=8)
+    offsets = steps_by_count(stream.num_samples, 128)
+    result = simulate(stream, offsets, costs, config, (OURS, *BASELINES_SPLIT))
+    assert OURS_STEP_SYNC not in result["policies"]
+    ours = result["policies"][OURS]
+    assert ours["ddp_planned_with_sync"] == "step"
+    samples = window_samples(stream, offsets, 0, 4)
+    by_sync = {sync: [step_times(p) for p in plan_window(
+        samples, costs, dataclasses.replace(config, sync=sync))] for sync in ("micro_batch",
+                                                                           "step")}
+    assert ours["fsdp_time"] == pytest.approx(sum(f for _, f in by_sync["micro_batch"]))
+    assert ours["ddp_time"] == pytest.approx(sum(d for d, _ in by_sync["step"]))
 
 
 # hidden 1024, 2 layers, bf16, 1 GB/s, a unit = 1 µs: see tests/balancer/test_cost.py

@@ -51,7 +51,7 @@ from omniscale.balancer.baselines import BASELINES_NO_SPLIT, BASELINES_SPLIT
 from omniscale.balancer.cost import CommModel, Costs
 from omniscale.balancer.distributions import generate
 from omniscale.balancer.metrics import ideal_time
-from omniscale.balancer.simulate import OURS, OURS_STEP_SYNC, compare, run_policy
+from omniscale.balancer.simulate import OURS, compare, judged, run_policy
 from omniscale.balancer.split import unit_cost
 from omniscale.balancer.stream import item_costs, llm_costs, steps_by_count, take
 from omniscale.balancer.types import PlannerConfig, WindowSamples, slice_tokens
@@ -149,7 +149,7 @@ def run_case(dataset: str, dp: int, per_rank: int, steps: int, stdlib_N) -> dict
         for sp_max in SP_MAX:
             config = dataclasses.replace(base, sp_max=sp_max)
             runs = [run_policy(name, stream, offsets_S1, costs, config)
-                    for name in (OURS, OURS_STEP_SYNC, *BASELINES_SPLIT)]
+                    for name in judged((OURS, *BASELINES_SPLIT))]
             r = compare(runs + no_split, stream, offsets_S1, costs, config)
             ours = r["policies"][OURS]
             ours["comm_over_ideal"] = (ours["sp_comm_per_rank"] + ours["reshard_comm"]) / \
@@ -229,7 +229,7 @@ def scale_case(dataset: str, dp: int, steps: int) -> dict:
                            sp_max=SP_MAX[0])
     t0 = time.perf_counter()
     runs = [run_policy(name, stream, offsets_S1, costs, config)
-            for name in (OURS, OURS_STEP_SYNC, *BASELINES_SPLIT, *BASELINES_NO_SPLIT)]
+            for name in judged((OURS, *BASELINES_SPLIT, *BASELINES_NO_SPLIT))]
     result = compare(runs, stream, offsets_S1, costs, config)
     result.update(dataset=dataset, samples_per_rank=SCALE_PER_RANK,
                   bandwidth=bandwidth_label(DEFAULT_BANDWIDTH),
