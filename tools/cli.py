@@ -30,6 +30,11 @@ def _bench_all(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import os
 
+    from omniscale.tools.train.fork_server import start_early
+    from omniscale.tools.train.torchrun import under_torchrun
+
+    if args.nproc > 1 and not under_torchrun():  # ranks forked from a server: start it now
+        start_early()
     from omniscale.dataplane.auth import TLS_ROOT_ENV, read_pem
     from omniscale.tools.plane_cli import token_from
     from omniscale.tools.train.launch import train
