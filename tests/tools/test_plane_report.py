@@ -28,3 +28,24 @@ def test_an_older_single_planning_run_still_renders():
            "total_s_per_window": 1.1, "steps_per_s": 3.6}
     (row,) = report({"planning": old})
     assert row["target"] == "(information)" and "plan 800" in row["measured"]
+
+
+def test_the_measured_peer_s_rows_divide_its_workers_by_ours():
+    mib = 2 ** 20
+    line = {"bytes_per_process": 90 * mib, "workers_bytes": 256 * 90 * mib, "processes": 256}
+    energon = {"sources": 1000, "shards": 10, "workers": line,
+               "bare": {"bytes_per_process": 60 * mib}, "ratio": 256 * 90 / 1000,
+               "state_only": {"energon_bytes": 256 * 30 * mib, "ratio": 256 * 30 / 500},
+               "per_shard_check": {"bytes_per_worker": {"10": 100.0, "1000": 101.0},
+                                   "growth": 0.01}}
+    side = {"extrapolated_bytes": 1000 * mib, "bytes_per_process": 1.0, "processes": 256,
+            "measured": {"1": 1, "2": 2}}
+    mem = {"baseline": side, "ours": side, "plane_bytes": 500 * mib, "ratio": 1.0,
+           "state_only": {"baseline_bytes": 1.0, "ours_bytes": 500 * mib, "ratio": 1.0},
+           "energon": energon}
+    rows = report({"memory": mem})
+    peer, state = rows[2], rows[3]
+    assert peer["value"] == "23.04x" and "23,040 MiB (90.0 MiB/worker" in peer["baseline"]
+    assert "+1.0% from 10 to 1,000 samples/shard" in peer["baseline"]
+    assert peer["measured"] == "1,000 MiB" and "1,000 sources x 10 shards" in peer["what"]
+    assert state["value"] == "15.4x" and state["measured"] == "500 MiB"

@@ -68,12 +68,13 @@ def prepare(spec, names: set[str] | None = None) -> None:
                  "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset", "--no-progress",
                  "--num-workers", str(min(len(tars), os.cpu_count() or 1))]
                 for path, tars in todo]
+    # the commands on stdin: a thousand sources' would pass the limit of a command line
     run_each = ("import json, sys\n"
                 "from megatron.energon.cli.main import main\n"
-                "for args in json.loads(sys.argv[1]):\n"
+                "for args in json.load(sys.stdin):\n"
                 "    main(args, standalone_mode=False)\n")
-    subprocess.run([sys.executable, "-c", run_each, json.dumps(commands)],
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
+    subprocess.run([sys.executable, "-c", run_each], input=json.dumps(commands), text=True,
+                   stdout=subprocess.DEVNULL, check=True)
     for path, tars in todo:
         (path / ".nv-meta" / STAMP).write_text(json.dumps(tars))
 

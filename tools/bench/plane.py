@@ -16,7 +16,10 @@ every source's state the way per-rank loaders do (every source's reader state an
 slice its cursor reads, opened: the plane catalog's per-source state, in every process). Whole
 processes on both sides, interpreter and pyarrow included: the figure is what a job's loader
 processes cost in total, not only the state. The fit and its extrapolation are reported with
-the measured points.
+the measured points. The measured peer (``--no-peer`` leaves it out): Megatron-Energon's
+DataLoader workers over the same sources and shards as real tars, blended in one
+MetadatasetV2, as ``tools/bench/plane_energon.py`` says -- what 256 of its workers add against
+ours, and the state alone (a one-source loader's workers subtracted).
 
 Serving. A plane for 256 ranks; 256 clients (4 processes x 64 threads, one PlaneClient each)
 fetch their rank's plans of already-planned steps 0-7; every client first fetches each of its
@@ -254,7 +257,11 @@ def _fit(points: dict[int, int], at: int) -> dict:
             "processes": at, "extrapolated_bytes": float(intercept + slope * at)}
 
 
-def memory(spec: Path, tmp: Path, procs: tuple[int, ...] = MEMORY_PROCS) -> dict:
+def memory(spec: Path, tmp: Path, procs: tuple[int, ...] = MEMORY_PROCS,
+           peer: dict | None = None) -> dict:
+    """Ours (plane + clients) against per-rank catalogs, and, given ``peer`` (the keyword
+    arguments of ``plane_energon.energon_memory`` but ``procs``, ``fit`` and
+    ``processes``), against Energon's loader workers over the same sources as tars."""
     processes = RANKS * WORKERS
     plane, url = serve(spec, tmp / "state-memory", RANKS, RANKS * 16)
     ours: dict[int, int] = {}
@@ -291,14 +298,24 @@ def memory(spec: Path, tmp: Path, procs: tuple[int, ...] = MEMORY_PROCS) -> dict
     per = bare_fit["bytes_per_process"]
     base_state = (base_fit["bytes_per_process"] - per) * processes
     ours_state = plane_bytes + max(ours_fit["bytes_per_process"] - per, 0.0) * processes
-    return {"method": f"PSS of real processes at {', '.join(map(str, procs))} per side, "
-                      f"least-squares line, extrapolated to {processes} processes",
-            "plane_bytes": plane_bytes,
-            "ours": ours_fit, "baseline": base_fit, "bare": bare_fit,
-            "replica_state_bytes": state_bytes,
-            "ratio": base_fit["extrapolated_bytes"] / ours_fit["extrapolated_bytes"],
-            "state_only": {"baseline_bytes": base_state, "ours_bytes": ours_state,
-                           "ratio": base_state / ours_state}}
+    out = {"method": f"PSS of real processes at {', '.join(map(str, procs))} per side, "
+                     f"least-squares line, extrapolated to {processes} processes",
+           "plane_bytes": plane_bytes,
+           "ours": ours_fit, "baseline": base_fit, "bare": bare_fit,
+           "replica_state_bytes": state_bytes,
+           "ratio": base_fit["extrapolated_bytes"] / ours_fit["extrapolated_bytes"],
+           "state_only": {"baseline_bytes": base_state, "ours_bytes": ours_state,
+                          "ratio": base_state / ours_state}}
+    if peer is not None:
+        from omniscale.tools.bench.plane_energon import energon_memory
+
+        energon = energon_memory(procs=procs, fit=_fit, processes=processes, **peer)
+        state = energon["workers"]["bytes_per_process"] - energon["bare"]["bytes_per_process"]
+        energon["ratio"] = energon["workers"]["workers_bytes"] / ours_fit["extrapolated_bytes"]
+        energon["state_only"] = {"energon_bytes": state * processes, "ours_bytes": ours_state,
+                                 "ratio": state * processes / ours_state}
+        out["energon"] = energon
+    return out
 
 
 def serving(spec: Path, tmp: Path, clients: int, seconds: float, mode: str = "lane",
@@ -449,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-procs", default=",".join(map(str, MEMORY_PROCS)),
                         help="processes per side the memory line is fitted to (at least 2 "
                              "counts)")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="memory against our per-rank catalogs only, not Energon's "
+                             "workers (tools/bench/plane_energon.py)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="transports to measure (action is the baseline; lane is ours)")
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)  # child processes
@@ -502,7 +522,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{os.cpu_count()} CPUs: other work shares the cores, latencies are noisy",
                   flush=True)
         if not (args.serving_only or args.planning_only):
-            out["memory"] = memory(spec, tmp, memory_procs)
+            peer = None if args.no_peer else {
+                "data": data, "sources": sources, "shards": shards,
+                "check_per_shard": None if args.quick else per_shard}
+            out["memory"] = memory(spec, tmp, memory_procs, peer)
         srv = {"rate": args.rate, "closed": {}, "paced": {},
                "note": "closed loop: throughput target; its latency is information (Little's "
                        "law: N back-to-back clients at mean latency L fetch N/L per second). "

@@ -83,12 +83,41 @@ def report(out: dict) -> list[dict]:
              "baseline": f"{state['baseline_bytes'] / mib:,.0f} MiB",
              "measured": f"{state['ours_bytes'] / mib:,.0f} MiB",
              "value": f"{state['ratio']:.1f}x", "target": "(information)", "met": True})
+        if "energon" in mem:
+            rows += energon_rows(mem["energon"], ours, state)
     if "serving" in out:
         rows += serving_rows(out["serving"], out["serving"]["rate"])
     runs = out.get("planning", [])
     for pln in [runs] if isinstance(runs, dict) else runs:  # one run (older JSON) or a list
         rows.append(planning_row(pln))
     return rows
+
+
+def energon_rows(energon: dict, ours: dict, state: dict) -> list[dict]:
+    """The measured peer: what Energon's workers add for the job's loader processes against
+    ours, whole processes and state alone (information: the 20x target is against per-rank
+    catalogs)."""
+    mib = 2 ** 20
+    workers, n = energon["workers"], energon["workers"]["processes"]
+    where = f"{energon['sources']:,} sources x {energon['shards']} shards"
+    check = energon.get("per_shard_check")
+    checked = (f"; per-worker PSS {check['growth'] * 100:+.1f}% from "
+               + " to ".join(f"{int(p):,}" for p in check["bytes_per_worker"])
+               + " samples/shard") if check else ""
+    return [
+        {"what": f"memory, {n} loader processes: Megatron-Energon's DataLoader workers "
+                 f"(measured peer, {where} as tars; the ranks' main processes left out) / "
+                 f"(plane + clients)",
+         "baseline": f"{workers['workers_bytes'] / mib:,.0f} MiB "
+                     f"({workers['bytes_per_process'] / mib:.1f} MiB/worker{checked})",
+         "measured": f"{ours['extrapolated_bytes'] / mib:,.0f} MiB",
+         "value": f"{energon['ratio']:.2f}x", "target": "(information)", "met": True},
+        {"what": f"memory, {n} loader processes, state only: Energon's workers over {where} "
+                 f"less its workers over one source / plane + clients",
+         "baseline": f"{energon['state_only']['energon_bytes'] / mib:,.0f} MiB",
+         "measured": f"{state['ours_bytes'] / mib:,.0f} MiB",
+         "value": f"{energon['state_only']['ratio']:.1f}x", "target": "(information)",
+         "met": True}]
 
 
 def planning_row(pln: dict) -> dict:
