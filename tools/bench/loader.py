@@ -99,6 +99,7 @@ def run_ours(spec_path: Path, steps: int, workers: int, make_loader=None) -> dic
     from omniscale.dataplane.plane import PlaneConfig
     from omniscale.dataplane.spec import load_spec
     from omniscale.loaders.pipeline import RankLoader
+    from omniscale.loaders.remote_io import add_stats
     from omniscale.tools.train.plane_session import loader_for
 
     spec = load_spec(spec_path)
@@ -116,11 +117,13 @@ def run_ours(spec_path: Path, steps: int, workers: int, make_loader=None) -> dic
             start_s = time.perf_counter() - started
             start = time.perf_counter()
             samples = tokens = moved = 0
+            io: dict[str, int] = {}  # the measured steps' own reads (read-ahead past them not)
             for _ in range(steps):
                 batch = next(loader)
                 samples += batch.num_samples
                 tokens += batch.num_tokens
                 moved += batch.transfer_bytes
+                add_stats(io, batch.io)
                 loader.commit(batch.step)
             seconds = time.perf_counter() - start
             wait = loader.data_wait_s
@@ -133,7 +136,7 @@ def run_ours(spec_path: Path, steps: int, workers: int, make_loader=None) -> dic
     return {"samples": samples, "tokens": tokens, "seconds": seconds,
             "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds,
             "data_wait_s": wait, "drawn_per_source": per_source, "epochs": epochs,
-            "bytes_per_sample": moved / max(samples, 1), "start_s": start_s,
+            "bytes_per_sample": moved / max(samples, 1), "start_s": start_s, "io": io,
             **({"actors": pools} if pools is not None else {})}
 
 
