@@ -392,7 +392,20 @@ def throughput(spec_path: Path, workload: str, args) -> dict:
           f"{ratio_vs['energon']['samples_per_s']['median']:.2f}x samples/s")
     target = TARGETS.get(workload)
     fields = ("samples_per_s", "tokens_per_s", "data_wait_s", "bytes_per_sample")
-    return {"workload": workload, "rounds": rounds,
+    counted = {}
+    if workload == "text":  # the baselines tokenize on every read; ours at index time
+        cost = index_cost(spec_path)
+        per_round = [with_index_cost(r["ours"]["samples_per_s"], cost)
+                     / r[r["best_baseline"]]["samples_per_s"] for r in rounds]
+        even = [break_even_reads(r["ours"]["samples_per_s"],
+                                 r[r["best_baseline"]]["samples_per_s"], cost) for r in rounds]
+        counted = {"index_cost": cost, "ratio_with_index_cost": _spread(per_round),
+                   "break_even_reads": _spread(even)}
+        print(f"text: each sample's index time counted once ({cost['seconds_per_sample'] * 1e3:.1f}"
+              f" ms in one process): {statistics.median(per_round):.2f}x the best baseline; "
+              f"ours is ahead from {statistics.median(even):.1f} reads of each sample",
+              flush=True)
+    return {"workload": workload, "rounds": rounds, **counted,
             "target": None if target is None else f">= {target}",
             "met": None if target is None else ratio["samples_per_s"]["median"] >= target,
             # medians over the rounds; "baseline": the faster baseline of each round
@@ -403,6 +416,40 @@ def throughput(spec_path: Path, workload: str, args) -> dict:
             "ratio": {k: v["median"] for k, v in ratio.items()}, "ratio_spread": ratio,
             "ratio_vs": {b: {k: v["median"] for k, v in ratio_vs[b].items()}
                          for b in BASELINES}, "ratio_vs_spread": ratio_vs}
+
+
+def index_cost(spec_path: Path, source: str = "text") -> dict:
+    """What ours pays ahead for ``source``: ``omniscale data index`` of it from nothing
+    (``force``, into a scratch ``index_dir``, so the bench's own index stays) in one process
+    -- reading the tars and tokenizing every sample, which the baselines do on every read.
+    Run twice, the second timed: the first loads the libraries and the tokenizer, which a
+    large data set's indexing pays once."""
+    from omniscale.dataplane.spec import load_spec
+    from omniscale.loaders.index import index_paths
+
+    where = Path(next(s.path for s in load_spec(spec_path).sources if s.name == source))
+    for _ in range(2):
+        with tempfile.TemporaryDirectory() as scratch:
+            start = time.perf_counter()
+            (report,) = index_paths([where], force=True, progress=False, index_dir=scratch,
+                                    workers=1)
+            seconds = time.perf_counter() - start
+    return {"source": source, "samples": report.samples, "seconds": seconds, "processes": 1,
+            "seconds_per_sample": seconds / max(report.samples, 1)}
+
+
+def with_index_cost(ours_samples_per_s: float, cost: dict, reads: float = 1.0) -> float:
+    """Ours' samples/s with each sample's index time shared over ``reads`` reads of it added
+    (1: every sample read once, the strict count; the index is built once per data set)."""
+    return 1.0 / (1.0 / ours_samples_per_s + cost["seconds_per_sample"] / reads)
+
+
+def break_even_reads(ours_samples_per_s: float, baseline_samples_per_s: float,
+                     cost: dict) -> float:
+    """Reads of each sample after which ours, its index time counted, is as fast as the
+    baseline (inf when ours is not faster even without it)."""
+    saved = 1.0 / baseline_samples_per_s - 1.0 / ours_samples_per_s
+    return cost["seconds_per_sample"] / saved if saved > 0 else float("inf")
 
 
 def _spread(values: list[float]) -> dict:
