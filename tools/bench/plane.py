@@ -67,6 +67,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
 from omniscale.tools.bench.plane_data import write_sources, write_spec  # noqa: E402
+from omniscale.tools.bench.plane_energon import pss_bytes  # noqa: E402
 from omniscale.tools.bench.plane_report import (  # noqa: E402
     MODES,
     TARGETS,
@@ -166,14 +167,6 @@ def bare_role() -> None:
 
     print(json.dumps({"bare_bytes": rss_bytes()}), flush=True)
     sys.stdin.read()
-
-
-def pss_bytes(pid: int) -> int:
-    """Proportional set size: pages shared with other processes counted by their share."""
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/smaps_rollup has no Pss")
 
 
 def fetch_role(url: str, first_rank: int, threads: int, seconds: float, mode: str = "lane",
