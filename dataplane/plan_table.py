@@ -11,9 +11,11 @@ item order. Each side of the reshard can be derived from the rank's own table
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from omniscale.balancer.types import StepPlan, split_lengths
 from omniscale.media import AUDIO, IMAGE, VIDEO
@@ -52,7 +54,7 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
                                       + [np.asarray(p.item_sample_M, np.int64) for p in plans]))
     step_refs = [refs[i] for i in used_U.tolist()]
     ref_table = refs_to_table(step_refs)
-    counts_U = tuple(np.array([len(getattr(r, name)) for r in step_refs], np.int64)
+    counts_U = tuple(np.asarray(pc.list_value_length(ref_table.column(name)), np.int64)
                      for name in ("image_patches", "video_patches", "audio_frames"))
     parts = [_step_rows(plan, used_U, counts_U, first_item_N) for plan in plans]
     rows = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
@@ -80,14 +82,16 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
     for j, (plan, step, dp, side) in enumerate(zip(plans, steps, dps, sides)):
         # The step's figures once, not once per rank: each sums the whole [R, B] grid, which
         # per rank made a step's tables O(R²) (seconds at 4,096 ranks).
-        cost_R = plan.rank_cost_R.tolist()
+        # a finite float's JSON is its repr (json.dumps per rank was 16,384 calls a window)
+        cost_R = [json.dumps(c) if not math.isfinite(c) else c.__repr__()
+                  for c in map(float, np.asarray(plan.rank_cost_R).tolist())]
         step_max = plan.ddp_time  # time: the ranks' speeds count (equal: the costliest rank)
         head, tail = _metadata_text(step, dp, plan.num_micro_batches, {
             "step_max_cost": step_max, "lower_bound": plan.lower_bound,
             "imbalance": plan.imbalance, "reshard": plan.reshard, **(side or {})})
         for r in range(dp):
             at = j * width + r
-            text = f"{head}{r}{tail[0]}{json.dumps(float(cost_R[r]))}{tail[1]}"
+            text = f"{head}{r}{tail[0]}{cost_R[r]}{tail[1]}"
             out[(step, r)] = table.slice(int(starts[at]), int(counts[at])) \
                 .replace_schema_metadata({METADATA_KEY: text})
     return out

@@ -105,11 +105,62 @@ _FINGERPRINTED = ["source", "shard", "key", "role", "sp_index"]
 
 def slice_fingerprints(table: pa.Table, starts: np.ndarray, counts: np.ndarray) -> list[str]:
     """:func:`fingerprint` of each slice ``starts[i]`` .. ``+counts[i]`` of ``table`` (a
-    window's ranks' tables are slices of one table): its columns read once, not the Arrow
-    calls per slice that were most of a slice's cost (a 4,096-rank window has 16,384)."""
-    columns = [table.column(n).to_pylist() for n in _FINGERPRINTED]
-    return [_fingerprint(*(c[at:at + n] for c in columns))
-            for at, n in zip(np.asarray(starts).tolist(), np.asarray(counts).tolist())]
+    window's ranks' tables are slices of one table, 16,384 of them at 4,096 ranks): the same
+    text hashed, built for every row at once where it can be (:func:`_row_texts`), else
+    each slice's rows read from the table's columns read once."""
+    starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
+    texts = _row_texts(table, starts, counts)
+    if texts is None:
+        columns = [table.column(n).to_pylist() for n in _FINGERPRINTED]
+        return [_fingerprint(*(c[at:at + n] for c in columns))
+                for at, n in zip(starts.tolist(), counts.tolist())]
+    ends = np.cumsum(counts).tolist()
+    return [hashlib.sha256(f"[{', '.join(texts[end - n:end])}]".encode()).hexdigest()[:16]
+            for n, end in zip(counts.tolist(), ends)]
+
+
+def _plain(column: pa.ChunkedArray) -> bool:
+    """Whether every string of ``column`` is printable ASCII without quotes or backslashes --
+    its repr and its JSON text are then the string between quotes. Read from the chunks'
+    character buffers as bytes (a slice's buffer may hold more: then a False can be wrong,
+    which only costs the row-by-row path)."""
+    if column.type != pa.string():
+        return False
+    for chunk in column.chunks:
+        data = chunk.buffers()[2]
+        if data is not None:
+            b = np.frombuffer(data, np.uint8)
+            if ((b < 0x20) | (b > 0x7E) | (b == 0x22) | (b == 0x27) | (b == 0x5C)).any():
+                return False
+    return True
+
+
+def _row_texts(table: pa.Table, starts: np.ndarray, counts: np.ndarray) -> list[str] | None:
+    """Every slice's rows as :func:`_fingerprint` writes them (the row's JSON), slice after
+    slice, each slice's rows in :func:`_fingerprint`'s order (by the row's ``str``), built
+    by Arrow for all rows at once; None when a string is not :func:`_plain` (its repr and
+    JSON text are not the plain concatenations here)."""
+    columns = [table.column(n) for n in _FINGERPRINTED[:4]]
+    if not all(map(_plain, columns)):
+        return None
+    # each slice's row numbers, slice after slice
+    ends = np.cumsum(counts)
+    rows_S = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(starts - ends + counts,
+                                                                      counts)
+    rows_S = pa.array(rows_S.astype(np.int64))
+    sp = pc.cast(table.column("sp_index"), pa.string())
+    slice_S = np.repeat(np.arange(len(starts)), counts)
+    taken = [pc.take(c, rows_S) for c in (*columns, sp)]
+    source, shard, key, role, sp = taken
+    # str(row) is "('source', 'shard', 'key', 'role', 0)" (None where null); its JSON
+    # '["source", "shard", "key", "role", 0]' (null): the same strings joined apart.
+    by = pc.binary_join_element_wise("('", source, "', '", shard, "', '", key, "', '", role,
+                                     "', ", pc.fill_null(sp, "None"), ")", "")
+    text = pc.binary_join_element_wise('["', source, '", "', shard, '", "', key, '", "', role,
+                                       '", ', pc.fill_null(sp, "null"), "]", "")
+    order = pc.sort_indices(pa.table({"slice": slice_S, "by": by}),
+                            sort_keys=[("slice", "ascending"), ("by", "ascending")])
+    return pc.take(text, order).to_pylist()
 
 
 def _fingerprint(sources, shards, keys, roles, sp_indices) -> str:

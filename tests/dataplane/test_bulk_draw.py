@@ -25,7 +25,7 @@ from omniscale.dataplane.schedule import Schedule, Segment
 from omniscale.dataplane.spec import load_spec
 from omniscale.dataplane.windows import subset, window_samples
 from omniscale.geometry import audio_tokens
-from omniscale.plan import _fingerprint, fingerprint, slice_fingerprints
+from omniscale.plan import _fingerprint, _row_texts, fingerprint, slice_fingerprints
 from omniscale.refs import REF_SCHEMA, SampleRef, make_ref, refs_to_table, table_to_refs
 from tests.dataplane.plane_index import rows, write_index
 
@@ -287,6 +287,38 @@ def test_ref_tables_and_fingerprints(media_batches):
     starts, counts = np.array([0, 3, 5, 5, len(refs) - 1]), np.array([4, 6, 0, 2, 1])
     assert slice_fingerprints(table, starts, counts) == [
         fingerprint(table.slice(a, n)) for a, n in zip(starts, counts)]
+
+
+def test_slice_fingerprints_built_by_arrow_hash_what_each_slice_s_rows_do():
+    """The rows' texts built by Arrow for every slice at once (plain strings) hash what
+    ``_fingerprint`` hashes from each slice's rows as Python lists: sorted by each row's str
+    (keys whose digits sort differently as numbers, null sp_index, repeated rows), slices
+    out of order, overlapping and empty; a string needing escapes falls back."""
+    rng = np.random.default_rng(3)
+    n = 300
+    table = pa.table({
+        "source": [f"src-{i}" for i in rng.integers(0, 12, n)],
+        "shard": [f"shard {i}.tar" for i in rng.integers(0, 3, n)],
+        "key": [f"k{i}" for i in rng.integers(0, 40, n)],  # k10 sorts before k9
+        "role": rng.choice(["llm", "encode"], n).tolist(),
+        "sp_index": pa.array([None if i < 0 else int(i) for i in rng.integers(-1, 12, n)],
+                             pa.int32()),
+        "other": np.arange(n)})
+    starts = np.array([5, 0, 100, 100, 7, n - 1, 42, 200])
+    counts = np.array([30, 4, 0, 60, 1, 1, 90, 100])
+    want = [_fingerprint(*(table.column(c).slice(a, k).to_pylist()
+                           for c in ("source", "shard", "key", "role", "sp_index")))
+            for a, k in zip(starts, counts)]
+    assert _row_texts(table, starts, counts) is not None  # the Arrow path is the one taken
+    assert slice_fingerprints(table, starts, counts) == want
+    assert slice_fingerprints(table, starts[:0], counts[:0]) == []
+    for odd in ("k'1", 'k"1', "k\\1", "k\u00e91", "k\n1"):
+        keys = table.column("key").to_pylist()
+        keys[6] = odd
+        escaped = table.set_column(2, "key", pa.array(keys))
+        assert _row_texts(escaped, starts, counts) is None
+        assert slice_fingerprints(escaped, starts, counts) == [
+            fingerprint(escaped.slice(a, k)) for a, k in zip(starts, counts)]
 
 
 def test_the_window_split_is_computed_once_per_window(media_batches, monkeypatch):
