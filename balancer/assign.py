@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit
 
 from omniscale.balancer.ranktree import build, build2, least_within, smallest, update, update2
-from omniscale.balancer.speed_split import part_costs, speed_fractions
+from omniscale.balancer.speed_split import head_fractions, part_costs, split_parts
 
 
 @njit(cache=True)
@@ -267,8 +267,9 @@ def place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_speed_R=None,
     then lowest g). Returns the group's first rank per sample (-1 for samples not placed).
     With speeds (`inv_speed_R`), `load_R` is in time and the slices are sized by the group's
     speeds (`balancer.speed_split`): `slice_bounds` = (attention share, least and most token
-    fraction of a slice) per sample; without them, equal slices, each taking the group's
-    slowest rank's time on every rank (the Ulysses all-to-alls pace the group).
+    fraction of a slice) per sample, then the model's query heads (0: unknown); without them,
+    equal slices, each taking the group's slowest rank's time on every rank (the Ulysses
+    all-to-alls pace the group).
     The group sizes of the samples in `order_N` must be powers of two at most len(load_R)."""
     inv = np.ones(len(load_R)) if inv_speed_R is None \
         else np.ascontiguousarray(inv_speed_R, np.float64)
@@ -278,10 +279,11 @@ def place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_speed_R=None,
                          f"{len(load_R)} ranks, got {sorted(set(k_O.tolist()))}")
     by_speed = inv_speed_R is not None and slice_bounds is not None
     n = len(unit_cost_N)
-    share_N, lo_N, hi_N = (np.ascontiguousarray(b, np.float64) for b in slice_bounds) \
+    share_N, lo_N, hi_N = (np.ascontiguousarray(b, np.float64) for b in slice_bounds[:3]) \
         if by_speed else (np.zeros(n), np.zeros(n), np.ones(n))
+    n_heads = int(slice_bounds[3]) if by_speed and len(slice_bounds) > 3 else 0
     return _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv, by_speed, share_N,
-                            lo_N, hi_N)
+                            lo_N, hi_N, n_heads)
 
 
 @njit(cache=True)
@@ -306,7 +308,7 @@ def _group_key(load_R, g, k):
 
 @njit(cache=True)
 def _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_R, by_speed, share_N, lo_N,
-                     hi_N):
+                     hi_N, n_heads):
     # One tournament tree per group size in use, over that size's aligned groups keyed by
     # (most loaded rank, summed load): the best group is the root, where a scan of every
     # group cost O(R) per split sample. Placing a sample changes the groups of every size
@@ -352,8 +354,9 @@ def _place_sp_groups(unit_cost_N, sp_size_N, order_N, load_R, inv_R, by_speed, s
         a = best * k
         first_N[i] = a
         if by_speed:
-            t_K = speed_fractions(share_N[i], 1.0 / inv_R[a:a + k], lo_N[i], hi_N[i])
-            part_K = part_costs(unit_cost_N[i] * k, share_N[i], t_K)
+            t_K, h_K = split_parts(share_N[i], 1.0 / inv_R[a:a + k], lo_N[i], hi_N[i],
+                                   n_heads)
+            part_K = part_costs(unit_cost_N[i] * k, share_N[i], t_K, head_fractions(h_K))
             for r in range(a, a + k):
                 load_R[r] += part_K[r - a] * inv_R[r]
         else:

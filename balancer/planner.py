@@ -17,7 +17,7 @@ from omniscale.balancer.cost import Costs
 from omniscale.balancer.encoder_plan import plan_encoders
 from omniscale.balancer.pack import pack
 from omniscale.balancer.reorder import reorder_window
-from omniscale.balancer.speed_split import part_costs, slice_lengths, speed_fractions
+from omniscale.balancer.speed_split import head_fractions, part_costs, slice_lengths, split_parts
 from omniscale.balancer.split import choose_sp_size, slot_share, unit_cost
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
 
@@ -82,7 +82,8 @@ def _place(unit_n, k_n, slice_n, tokens_n, costs: Costs, config: PlannerConfig):
     sample's slices are sized by its group's speeds (``balancer.speed_split``).
     """
     dp, budget, speed_R = config.dp, config.micro_batch_tokens, config.speed_R
-    bounds = None if speed_R is None else _slice_bounds(unit_n, k_n, tokens_n, costs, budget)
+    bounds = None if speed_R is None else _slice_bounds(unit_n, k_n, tokens_n, costs, budget,
+                                                        config.n_heads)
     first_n, _ = assign_ranks(unit_n, k_n, dp, speed_R=speed_R, slice_bounds=bounds)
     candidates = [_pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs, config)]
     if config.sync == "micro_batch" and speed_R is None and dp > 1:
@@ -99,38 +100,43 @@ def _place(unit_n, k_n, slice_n, tokens_n, costs: Costs, config: PlannerConfig):
                                                     config.sync))
 
 
-def _slice_bounds(unit_n, k_n, tokens_n, costs: Costs, budget: int):
+def _slice_bounds(unit_n, k_n, tokens_n, costs: Costs, budget: int, n_heads: int = 0):
     """Per sample: its attention share of the work a split spreads (the cost model's quadratic
     term over k × unit cost), and the least and most token fraction of a slice (one token; the
-    micro-batch budget)."""
+    micro-batch budget); then the model's query heads (0: unknown, H/k each)."""
     attn_n = costs.llm.beta * tokens_n.astype(np.float64) ** 2
     share_n = np.clip(attn_n / np.maximum(unit_n * k_n, 1e-300), 0.0, 1.0)
-    return share_n, 1.0 / tokens_n, np.minimum(1.0, budget / tokens_n)
+    return share_n, 1.0 / tokens_n, np.minimum(1.0, budget / tokens_n), int(n_heads)
 
 
 def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
           config: PlannerConfig, extra_slots: int = 1):
     """``pack`` by time: with speeds, each sample's cost over its rank's speed (a split one's
     longest part over its rank's speed), so the slots' heights are the times ranks wait for;
-    then the grid back in cost (work) units, with each part and slice on its rank."""
+    then the grid back in cost (work) units, with each part and slice on its rank. The last
+    two members: each placement's slice length and query heads (``StepPlan.sp_tokens_P``,
+    ``sp_heads_P``), None without speeds (and heads None when every split has H/k each)."""
     speed_R = config.speed_R
     if speed_R is None:
         return (first_n, *pack(first_n, k_n, slice_n, unit_n, config.dp,
-                               config.micro_batch_tokens, extra_slots, costs.micro_batch), None)
+                               config.micro_batch_tokens, extra_slots, costs.micro_batch), None,
+                None)
     inv_R = 1.0 / speed_R
     rank_p = np.repeat(first_n, k_n) + np.arange(int(k_n.sum())) \
         - np.repeat(np.cumsum(k_n) - k_n, k_n)
     part_p = np.repeat(unit_n, k_n).astype(np.float64)
     length_p = np.repeat(slice_n, k_n).astype(np.int64)
-    share_n, lo_n, hi_n = bounds
+    share_n, lo_n, hi_n, n_heads = bounds
+    heads_p = np.zeros(len(part_p), np.int64)
     start_n = np.cumsum(k_n) - k_n
     for i in np.flatnonzero(k_n > 1).tolist():
         f, k, at = int(first_n[i]), int(k_n[i]), int(start_n[i])
-        t_K = speed_fractions(share_n[i], speed_R[f:f + k], lo_n[i], hi_n[i])
+        t_K, h_K = split_parts(share_n[i], speed_R[f:f + k], lo_n[i], hi_n[i], n_heads)
         length_K = slice_lengths(int(tokens_n[i]), t_K, config.micro_batch_tokens)
         length_p[at:at + k] = length_K
+        heads_p[at:at + k] = h_K
         part_p[at:at + k] = part_costs(unit_n[i] * k, share_n[i],
-                                       length_K / float(tokens_n[i]))
+                                       length_K / float(tokens_n[i]), head_fractions(h_K))
     time_p = part_p * inv_R[rank_p]
     group_p = np.repeat(np.arange(len(k_n)), k_n)
     time_n = np.zeros(len(k_n))
@@ -144,7 +150,8 @@ def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
     np.add.at(cost_RB, (rank_p, slot_n[group_p]), part_p)
     np.add.at(tok_RB, (rank_p, slot_n[group_p]), length_p)
     split_p = np.repeat(k_n > 1, k_n)
-    return first_n, slot_n, tok_RB, cost_RB, n_slots, np.where(split_p, length_p, 0)
+    return (first_n, slot_n, tok_RB, cost_RB, n_slots, np.where(split_p, length_p, 0),
+            heads_p if heads_p.any() else None)
 
 
 def _step_time(cost_RB: np.ndarray, micro_batch: float, speed_R: np.ndarray | None = None,
@@ -216,7 +223,7 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
     placed = _place(unit_n, k_n, slice_n, tokens_n, costs, config)
     placed, unit_n, k_n, slice_n = _split_to_balance(placed, unit_n, k_n, slice_n, tokens_n,
                                                      costs, config)
-    first_n, slot_n, tok_RB, cost_RB, n_slots, length_p = placed
+    first_n, slot_n, tok_RB, cost_RB, n_slots, length_p, heads_p = placed
     # One placement per slice: sample i split over k ranks has rows sp_index 0..k-1 on the
     # ranks first..first+k-1, all in the same slot.
     group_p = np.repeat(np.arange(len(idx_n)), k_n)
@@ -260,4 +267,5 @@ def _plan_one(samples: WindowSamples, idx_n: np.ndarray, step: int, sp_size_N: n
         displacement_P=np.abs(step - samples.batch_N[sample_P]).astype(np.int32),
         speed_R=speed_R,
         sp_tokens_P=None if length_p is None else length_p[order_P].astype(np.int64),
+        sp_heads_P=None if heads_p is None else heads_p[order_P].astype(np.int64),
     )

@@ -77,6 +77,21 @@ class WindowSamples:
             raise ValueError("batch_N: must be >= 0")
 
 
+def split_heads(plan) -> dict[int, list[int]]:
+    """Each sample a plan split with heads sized by speed: its ranks' query heads in slice
+    order. Empty when every split has H/k heads each (``sp_heads_P`` None or 0)."""
+    if plan.sp_heads_P is None:
+        return {}
+    heads_P = np.asarray(plan.sp_heads_P)
+    split = (np.asarray(plan.sp_size_P) > 1) & (heads_P > 0)
+    by_sample: dict[int, dict[int, int]] = {}
+    for sample, index, heads in zip(np.asarray(plan.sample_P)[split].tolist(),
+                                    np.asarray(plan.sp_index_P)[split].tolist(),
+                                    heads_P[split].tolist()):
+        by_sample.setdefault(sample, {})[index] = heads
+    return {s: [n for _, n in sorted(h.items())] for s, h in by_sample.items()}
+
+
 def split_lengths(plan) -> dict[int, list[int]]:
     """Each sample a plan (a ``StepPlan``, or anything with its placement arrays) split with
     slices sized by speed: its slices' tokens in slice order. Empty when the slices are
@@ -112,6 +127,10 @@ class PlannerConfig:
     # parallelism that all-reduces once a step: the slowest rank's sum). What the planner
     # minimises; the trainer's layouts shard parameters, so "micro_batch" by default.
     sync: str = "micro_batch"
+    # The model's query heads: with speeds, a split sample's ranks may attend heads in
+    # proportion to their speeds (``balancer.speed_split``, ``parallel.sequence``). 0: not
+    # known to the planner -- H/k heads each, as without speeds.
+    n_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -124,6 +143,8 @@ class PlannerConfig:
             raise ValueError(f"sp_max: must be a power of two >= 1, got {self.sp_max}")
         if not 0 <= self.epsilon < 1:
             raise ValueError(f"epsilon: must be in [0, 1), got {self.epsilon}")
+        if self.n_heads < 0:
+            raise ValueError(f"n_heads: must be >= 0 (0: not known), got {self.n_heads}")
         if self.sync not in SYNCS:
             raise ValueError(f"sync: must be one of {', '.join(SYNCS)}, got {self.sync!r}")
         if self.rank_speed is not None and (
@@ -168,6 +189,10 @@ class StepPlan:
     # by the ranks' speeds (``balancer.speed_split``; 0 on whole samples). None: equal slices
     # (``slice_tokens``, the sequence padded to a multiple of k).
     sp_tokens_P: np.ndarray | None = None
+    # int64 [P]: the query heads each placement's rank attends of a split sample whose heads
+    # are sized by the ranks' speeds (``balancer.speed_split.split_parts``; 0 elsewhere).
+    # None: H/k heads each everywhere.
+    sp_heads_P: np.ndarray | None = None
 
     @property
     def rank_cost_R(self) -> np.ndarray:

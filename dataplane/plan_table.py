@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from omniscale.balancer.types import StepPlan, split_lengths
+from omniscale.balancer.types import StepPlan, split_heads, split_lengths
 from omniscale.media import AUDIO, IMAGE, VIDEO
 from omniscale.plan import METADATA_KEY, rows_to_table, slice_fingerprints
 from omniscale.refs import SampleRef, refs_to_table
@@ -68,6 +68,7 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
         sp_index_X=rows["sp_index"], sp_first_rank_X=rows["sp_first_rank"],
         encode_count_X=rows["count"], encode_rank_V=rows["encode_ranks"], kind_X=rows["kind"],
         sp_slice_count_X=rows["slice_count"], sp_slice_V=rows["slices"],
+        sp_head_count_X=rows["head_count"], sp_head_V=rows["heads"],
         item_index_X=rows["item_index"], consume_rank_X=rows["consume_rank"],
         consume_span_X=rows["consume_span"])
     width = max(dps)
@@ -164,6 +165,14 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
         slice_count_P = np.where(split_P, np.asarray(plan.sp_size_P, np.int64), 0)
         slices = np.array([n for sample in sample_P[split_P].tolist()
                            for n in lengths[sample]], np.int64)
+    # Heads sized by speed: every row of such a split sample lists its group's heads.
+    head_count_P, heads = zeros_P, np.zeros(0, np.int64)
+    by_heads = split_heads(plan)
+    if by_heads:
+        headed_P = np.array([s in by_heads for s in sample_P.tolist()], bool)
+        head_count_P = np.where(headed_P, np.asarray(plan.sp_size_P, np.int64), 0)
+        heads = np.array([n for sample in sample_P[headed_P].tolist()
+                          for n in by_heads[sample]], np.int64)
     return {
         "pos": np.concatenate([pos_P, pos_M]),
         "llm": np.concatenate([np.ones(P, bool), np.zeros(M, bool)]),
@@ -175,6 +184,8 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
         "count": np.concatenate([count_P, zeros_M]),
         "slice_count": np.concatenate([slice_count_P, zeros_M]),
         "slices": slices,
+        "head_count": np.concatenate([head_count_P, zeros_M]),
+        "heads": heads,
         "encode_ranks": encode_ranks,
         "kind": np.concatenate([np.full(P, -1, np.int64), kind_M]),
         "item_index": np.concatenate([zeros_P, index_M]),

@@ -51,6 +51,10 @@ class PlaneConfig:
     # work in proportion from step 0 (None: equal until measured speeds arrive, set_speeds);
     # kept relative to the fastest (1.0)
     rank_speed: tuple[float, ...] | None = None
+    # the model's query heads on a rank (per TP rank): with speeds, a split sample's ranks may
+    # attend heads in proportion to their speeds (``balancer.speed_split``); 0: not known,
+    # H/k heads each
+    attention_heads: int = 0
 
     def __post_init__(self) -> None:
         # a tuple however it came (a start record's JSON has a list), so restarts compare equal
@@ -69,6 +73,9 @@ class PlaneConfig:
         if (self.global_batch_tokens is None) == (self.global_batch_samples is None):
             raise UserError("give exactly one of --global-batch-tokens and "
                             "--global-batch-samples")
+        if self.attention_heads < 0:
+            raise UserError(f"--attention-heads: must be >= 0 (0: not known), got "
+                            f"{self.attention_heads}")
         for name in ("dp", "micro_batch_tokens", "window", "snapshot_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}: must be >= 1")
@@ -96,7 +103,8 @@ class PlaneConfig:
     def planner(self, dp: int, window: int,
                 speeds: tuple[float, ...] | None = None) -> PlannerConfig:
         return PlannerConfig(dp=dp, micro_batch_tokens=self.micro_batch_tokens, window=window,
-                             sp_max=self.sp_max, epsilon=self.epsilon, rank_speed=speeds)
+                             sp_max=self.sp_max, epsilon=self.epsilon, rank_speed=speeds,
+                             n_heads=self.attention_heads)
 
     @property
     def sample_cap(self) -> int:

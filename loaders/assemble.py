@@ -169,11 +169,12 @@ class StepAssembler:
         trained = [[] for _ in micro]  # the ref each sequence trains (a replacement's, if any)
         built, encoded = decoded.micro_batches, decoded.encode_items
         # Rows in plan order: samples are resolved (and reported) in first-mention order.
-        for i, (ref, llm, mb, sp_size, sp_index, slices, kind, index, consumer) in enumerate(zip(
-                plan.refs, plan.is_llm_X.tolist(), plan.micro_batch_X.tolist(),
-                plan.sp_size_X.tolist(), plan.sp_index_X.tolist(), plan.sp_slices_X,
-                plan.kind_X.tolist(), plan.item_index_X.tolist(),
-                plan.consume_rank_X.tolist())):
+        rows = zip(plan.refs, plan.is_llm_X.tolist(), plan.micro_batch_X.tolist(),
+                   plan.sp_size_X.tolist(), plan.sp_index_X.tolist(), plan.sp_slices_X,
+                   plan.sp_heads_X, plan.kind_X.tolist(), plan.item_index_X.tolist(),
+                   plan.consume_rank_X.tolist())
+        for i, (ref, llm, mb, sp_size, sp_index, slices, heads, kind, index, consumer) in \
+                enumerate(rows):
             if i in encoded:
                 batch.encode_items.append(encoded[i])
                 continue
@@ -187,7 +188,7 @@ class StepAssembler:
             if sample is None:
                 continue
             if llm:
-                micro[mb].append((sample, sp_size, sp_index, slices))
+                micro[mb].append((sample, sp_size, sp_index, slices, heads))
                 trained[mb].append(used)
             elif as_planned:
                 name = MEDIA_KINDS[kind]

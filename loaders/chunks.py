@@ -55,9 +55,9 @@ def plan_chunks(plan: RankPlan, rank: int | None, encode_parts: int = 1
     home: dict[int, int] = {}  # sample (index in work) -> a micro-batch training it
     joined = _Groups()  # micro-batches that share a sample go to one worker together
     for mb_plan in plan.micro_batches:
-        for ref, size, index, slices in mb_plan.sequences():
+        for ref, *layout in mb_plan.sequences():  # size, index, slices, heads
             w = where[sample_id(ref)]
-            micro.setdefault(mb_plan.index, []).append((w, size, index, slices))
+            micro.setdefault(mb_plan.index, []).append((w, *layout))
             joined.union(home.setdefault(w, mb_plan.index), mb_plan.index)
     encode: dict[int, list[tuple[int, str, int, int]]] = {}  # sample -> its encode rows
     for row, ref, kind, index, consumer in plan.encodes.items():

@@ -70,6 +70,9 @@ class PackedBatch:
     # [S]: the slice lengths of each sequence split by speed (this rank's is one of them; the
     # Ulysses exchange sends and receives that many rows per rank), None where equal or whole
     seq_sp_slices: list | None = None
+    # [S]: the query heads each rank of the group attends of a sequence split with heads sized
+    # by speed (``sp_heads``), None where H/k each or whole
+    seq_sp_heads: list | None = None
     # The SampleRef trained in each sequence (set by loaders.assemble; None when collated
     # without a plan): with media_item_M it names every item as the plan's reshard map does.
     seq_refs: list | None = None
@@ -83,13 +86,14 @@ def collate(samples: list[tuple], geometry: MediaGeometry | None = None) -> Pack
     """Pack ``(sample, sp_size, sp_index)`` triples, in order, into one batch; a fourth member,
     the plan's slice lengths of a sample split by speed (``omniscale.plan.RankPlan``), cuts
     the sample at those (scaled to its length when a replacement of another length took its
-    place, so every rank of the group cuts it alike).
+    place, so every rank of the group cuts it alike); a fifth, the plan's query heads per rank
+    of the group (``sp_heads``), goes to the Ulysses exchange as it is.
 
     ``geometry`` only sets the width of empty media tensors (a batch without images still
     hands the vision encoder a ``[0, D]`` tensor, so every rank runs the same ops).
     """
     ids, labels, pos, mrope = [], [], [], []
-    cu, full, sizes, indices, slices_S = [0], [], [], [], []
+    cu, full, sizes, indices, slices_S, heads_S = [0], [], [], [], [], []
     patches, grids, vkinds, mels, frames = [], [], [], [], []
     m_start, m_len, m_kind, m_seq, m_index, m_item = [], [], [], [], [], []
     for s, (sample, sp_size, sp_index, *planned) in enumerate(samples):
@@ -102,6 +106,8 @@ def collate(samples: list[tuple], geometry: MediaGeometry | None = None) -> Pack
                                  f"not give {sp_size} slices of at least one token")
             lengths = tuple(rescale_lengths(list(lengths), len(sample)))
         slices_S.append(lengths)
+        heads_S.append(tuple(planned[1]) if len(planned) > 1 and planned[1] is not None
+                       and sp_size > 1 else None)
         lo, hi, parts = _slice(sample, sp_size, sp_index, lengths)
         ids.append(parts[0])
         labels.append(parts[1])
@@ -156,7 +162,8 @@ def collate(samples: list[tuple], geometry: MediaGeometry | None = None) -> Pack
         media_sample_M=torch.tensor(m_seq, dtype=long),
         media_index_M=torch.tensor(m_index, dtype=long),
         media_item_M=torch.tensor(m_item, dtype=long),
-        seq_sp_slices=slices_S if any(v is not None for v in slices_S) else None)
+        seq_sp_slices=slices_S if any(v is not None for v in slices_S) else None,
+        seq_sp_heads=heads_S if any(v is not None for v in heads_S) else None)
 
 
 def media_tensor(item: MediaItem) -> torch.Tensor | None:

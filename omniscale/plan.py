@@ -11,7 +11,9 @@ A table has one row per thing the rank must do, with the SampleRef columns
 - ``role = "llm"``: a sample (or its SP slice) in this rank's LLM micro-batch ``micro_batch``;
   ``sp_size``/``sp_index``/``sp_first_rank`` say which slice of which aligned SP group,
   ``sp_slices`` the tokens of each of the group's slices when the plane sized them by the
-  ranks' speeds (null: equal slices, the sequence padded to a multiple of ``sp_size``), and
+  ranks' speeds (null: equal slices, the sequence padded to a multiple of ``sp_size``),
+  ``sp_heads`` the query heads each rank of the group attends when the plane sized those by
+  the ranks' speeds too (null: H/k each), and
   ``encode_ranks`` lists, per encoder item of the sample (:func:`item_kinds` order), the rank
   that encodes it (the reshard map seen from the consumer);
 - ``role = "encode"``: an encoder item this rank encodes -- item ``item_index`` of kind
@@ -54,6 +56,7 @@ PLAN_FIELDS = [
     ("sp_index", pa.int32()),
     ("sp_first_rank", pa.int32()),
     ("sp_slices", pa.list_(pa.int32())),
+    ("sp_heads", pa.list_(pa.int32())),
     ("encode_ranks", pa.list_(pa.int32())),
     ("item_kind", pa.string()),
     ("item_index", pa.int32()),
@@ -201,12 +204,16 @@ class MicroBatchPlan:
     sp_index_S: np.ndarray  # int64 [S]
     # [S]: the group's slice lengths of a sequence split by speed (``RankPlan.sp_slices_X``)
     sp_slices_S: tuple[tuple[int, ...] | None, ...]
+    # [S]: the group's query heads per rank of a sequence split with heads by speed
+    # (``RankPlan.sp_heads_X``), None where H/k each
+    sp_heads_S: tuple[tuple[int, ...] | None, ...]
 
-    def sequences(self) -> Iterator[tuple[SampleRef, int, int, tuple[int, ...] | None]]:
-        """(ref, sp_size, sp_index, sp_slices) of each sequence: what ``loaders.collate``
-        takes."""
+    def sequences(self) -> Iterator[tuple[SampleRef, int, int, tuple[int, ...] | None,
+                                          tuple[int, ...] | None]]:
+        """(ref, sp_size, sp_index, sp_slices, sp_heads) of each sequence: what
+        ``loaders.collate`` takes."""
         return zip(self.refs, self.sp_size_S.tolist(), self.sp_index_S.tolist(),
-                   self.sp_slices_S)
+                   self.sp_slices_S, self.sp_heads_S)
 
 
 @dataclass(frozen=True, eq=False)
@@ -275,6 +282,9 @@ class RankPlan:
     # order (every rank of the group needs them all: the Ulysses all-to-alls send and receive
     # that many rows per rank); None on other rows (equal slices)
     sp_slices_X: tuple[tuple[int, ...] | None, ...]
+    # [X]: on an LLM row split with heads sized by speed, the query heads each rank of its SP
+    # group attends, in slice order (every rank of the group needs them all); None elsewhere
+    sp_heads_X: tuple[tuple[int, ...] | None, ...]
     micro_batches: tuple[MicroBatchPlan, ...]  # by index, empty ones included
     encodes: EncodePlan
     # The loader's count of the plane's re-plans of steps it had fetched when this plan was
@@ -378,8 +388,10 @@ def decode_plan(source: pa.Table | bytes | pa.Buffer) -> RankPlan:
                       table.column("sp_index").to_pylist())
     n_micro = max(int(metadata.get("num_micro_batches", 0)),
                   int(micro_batch_X.max(initial=-1)) + 1)
-    sp_slices_X = tuple(tuple(v) if v and llm else None for v, llm in
-                        zip(table.column("sp_slices").to_pylist(), is_llm_X.tolist()))
+    sp_slices_X, sp_heads_X = (
+        tuple(tuple(v) if v and llm else None for v, llm in
+              zip(table.column(name).to_pylist(), is_llm_X.tolist()))
+        for name in ("sp_slices", "sp_heads"))
     encode_rows_E = np.flatnonzero(encode_X)
     consume_rank_X = _ints(table, "consume_rank", encode_X)
     item_index_X = _ints(table, "item_index", encode_X)
@@ -393,14 +405,14 @@ def decode_plan(source: pa.Table | bytes | pa.Buffer) -> RankPlan:
                                      consume_rank_X[encode_rows_E], span_X[encode_rows_E]))
     _read_only(encode_rows_E, *arrays.values())
     return RankPlan(step, rank, MappingProxyType(metadata), fp, refs, **arrays,
-                    sp_slices_X=sp_slices_X,
+                    sp_slices_X=sp_slices_X, sp_heads_X=sp_heads_X,
                     micro_batches=_micro_batches(refs, is_llm_X, micro_batch_X, sp_size_X,
-                                                 sp_index_X, sp_slices_X, n_micro),
+                                                 sp_index_X, sp_slices_X, sp_heads_X, n_micro),
                     encodes=encodes)
 
 
-def _micro_batches(refs, is_llm_X, micro_batch_X, sp_size_X, sp_index_X, sp_slices_X, count
-                   ) -> tuple[MicroBatchPlan, ...]:
+def _micro_batches(refs, is_llm_X, micro_batch_X, sp_size_X, sp_index_X, sp_slices_X,
+                   sp_heads_X, count) -> tuple[MicroBatchPlan, ...]:
     """The LLM rows grouped by micro-batch (a stable sort keeps plan order within each)."""
     rows = np.flatnonzero(is_llm_X)
     rows = rows[np.argsort(micro_batch_X[rows], kind="stable")]
@@ -410,7 +422,8 @@ def _micro_batches(refs, is_llm_X, micro_batch_X, sp_size_X, sp_index_X, sp_slic
         taken = rows[start:end]
         out.append(MicroBatchPlan(mb, tuple(refs[i] for i in taken.tolist()),
                                   *_read_only(sp_size_X[taken], sp_index_X[taken]),
-                                  tuple(sp_slices_X[i] for i in taken.tolist())))
+                                  tuple(sp_slices_X[i] for i in taken.tolist()),
+                                  tuple(sp_heads_X[i] for i in taken.tolist())))
     return tuple(out)
 
 
@@ -459,13 +472,15 @@ def _ints(table: pa.Table, name: str, used_X: np.ndarray) -> np.ndarray:
 def rows_to_table(ref_table: pa.Table, order_X: np.ndarray, *, pos_X, is_llm_X, step_X, rank_X,
                   micro_batch_X, sp_size_X, sp_index_X, sp_first_rank_X, encode_count_X,
                   encode_rank_V, kind_X, item_index_X, consume_rank_X, consume_span_X,
-                  sp_slice_count_X=None, sp_slice_V=None) -> pa.Table:
+                  sp_slice_count_X=None, sp_slice_V=None, sp_head_count_X=None,
+                  sp_head_V=None) -> pa.Table:
     """Plan rows given as arrays (the encoder side of :func:`decode_plan`), written in the
     order ``order_X`` as one :data:`PLAN_SCHEMA` table (the plane slices it into the ranks'
     tables). Row X's sample is row ``pos_X`` of ``ref_table``; ``encode_count_X`` and
     ``encode_rank_V`` are the LLM rows' encode_ranks lists (lengths, then values flat, in
     row order before ``order_X``); ``sp_slice_count_X`` and ``sp_slice_V`` the same for the
-    ``sp_slices`` lists (a count of 0: null; both None: no row split by speed); ``kind_X``
+    ``sp_slices`` lists (a count of 0: null; both None: no row split by speed), and
+    ``sp_head_count_X``/``sp_head_V`` for the ``sp_heads`` lists; ``kind_X``
     is -1 on LLM rows. Columns that do not apply to a row's role are null."""
     llm_X, enc_X = is_llm_X[order_X], ~is_llm_X[order_X]
 
@@ -476,12 +491,15 @@ def rows_to_table(ref_table: pa.Table, order_X: np.ndarray, *, pos_X, is_llm_X, 
         pa.array(np.concatenate([[0], np.cumsum(encode_count_X)]).astype(np.int32)),
         pa.array(encode_rank_V, type=pa.int32()),
         type=pa.list_(pa.int32()), mask=pa.array(~is_llm_X))
-    if sp_slice_count_X is None:
-        sp_slice_count_X, sp_slice_V = np.zeros(len(is_llm_X), np.int64), np.zeros(0, np.int64)
-    sp_slices = pa.ListArray.from_arrays(
-        pa.array(np.concatenate([[0], np.cumsum(sp_slice_count_X)]).astype(np.int32)),
-        pa.array(sp_slice_V, type=pa.int32()),
-        type=pa.list_(pa.int32()), mask=pa.array(np.asarray(sp_slice_count_X) == 0))
+
+    def lists(count_X, values_V):  # a count of 0: null
+        if count_X is None:
+            count_X, values_V = np.zeros(len(is_llm_X), np.int64), np.zeros(0, np.int64)
+        return pa.ListArray.from_arrays(
+            pa.array(np.concatenate([[0], np.cumsum(count_X)]).astype(np.int32)),
+            pa.array(values_V, type=pa.int32()),
+            type=pa.list_(pa.int32()), mask=pa.array(np.asarray(count_X) == 0))
+
     kinds = np.array(list(MEDIA_KINDS) + [None], object)  # -1: an LLM row, no kind
     plan_columns = {
         "role": pa.array(np.where(llm_X, LLM, ENCODE).astype(object), type=pa.string()),
@@ -491,7 +509,8 @@ def rows_to_table(ref_table: pa.Table, order_X: np.ndarray, *, pos_X, is_llm_X, 
         "sp_size": ints(sp_size_X, enc_X),
         "sp_index": ints(sp_index_X, enc_X),
         "sp_first_rank": ints(sp_first_rank_X, enc_X),
-        "sp_slices": sp_slices.take(pa.array(order_X)),
+        "sp_slices": lists(sp_slice_count_X, sp_slice_V).take(pa.array(order_X)),
+        "sp_heads": lists(sp_head_count_X, sp_head_V).take(pa.array(order_X)),
         "encode_ranks": encode_ranks.take(pa.array(order_X)),
         "item_kind": pa.array(kinds[kind_X[order_X]], type=pa.string()),
         "item_index": ints(item_index_X, llm_X),

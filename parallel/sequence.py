@@ -14,6 +14,13 @@ no collective, so a micro-batch without split sequences communicates nothing. Ro
 nothing: the slice's position ids are already the sample's global positions (collate), and
 rotary runs before the exchange.
 
+Heads sized by speed: when the plan gives a split sequence's group head counts h_j (Σ = H,
+``sp_heads``: `balancer.speed_split`), rank j attends its contiguous h_j query heads instead of
+H/k -- a slow rank then holds less of the attention too, which equal heads fix at 1/k whatever
+its slice. The exchanges are the same all-to-alls with rows of h_j query heads and the kv heads
+they use (a kv head whose query heads fall on two ranks goes to both; a rank whose heads are not
+whole kv groups repeats its kv heads to one per query head after the exchange).
+
 GQA: the k ranks take contiguous chunks of H/k query heads; when the G key/value heads divide
 by k each rank takes the G/k kv heads its query heads use. Otherwise every kv head is repeated
 to H (one per query head) before the exchange: correct, at the cost of sending H instead of G
@@ -87,14 +94,16 @@ class SPLayout:
     local_T: torch.Tensor  # int64: rows of whole sequences
     local_cu_S1: torch.Tensor  # int32: their boundaries within local_T
     local_max: int
-    # (start, end, k, group, every slice's rows in slice order)
-    split: list[tuple[int, int, int, dist.ProcessGroup, list[int]]]
+    # (start, end, k, group, every slice's rows in slice order, every rank's query heads in
+    # slice order or None for H/k each)
+    split: list[tuple[int, int, int, dist.ProcessGroup, list[int], list[int] | None]]
 
     @classmethod
     def of(cls, batch, groups: SPGroups, device: torch.device) -> "SPLayout":
         bounds = batch.cu_seqlens_S1.tolist()
         local, cu, split = [], [0], []
         sliced = batch.seq_sp_slices or [None] * (len(bounds) - 1)
+        headed = getattr(batch, "seq_sp_heads", None) or [None] * (len(bounds) - 1)
         for s, (k, index) in enumerate(zip(batch.seq_sp_size_S.tolist(),
                                            batch.seq_sp_index_S.tolist())):
             a, b = bounds[s], bounds[s + 1]
@@ -106,7 +115,11 @@ class SPLayout:
                 if rows[index] != b - a:
                     raise ValueError(f"SP slice {index} of sequence {s} holds {b - a} tokens, "
                                      f"but its slice lengths say {rows}")
-                split.append((a, b, k, groups.group(k, index), rows))
+                heads = list(headed[s]) if headed[s] is not None else None
+                if heads is not None and (len(heads) != k or min(heads) < 1):
+                    raise ValueError(f"SP heads {heads} of sequence {s}: not {k} counts of at "
+                                     "least one head")
+                split.append((a, b, k, groups.group(k, index), rows, heads))
         # made on the host (the batch's bounds are read there), copied to the device once per
         # micro-batch without waiting for it
         local_T = torch.cat(local) if local else torch.zeros(0, dtype=torch.int64,
@@ -138,8 +151,12 @@ class UlyssesCore:
             o_local = self.inner(q_THK[idx_T], k_TGK[idx_T], v_TGK[idx_T],
                                  layout.local_cu_S1, layout.local_max)
             o_THK = o_THK.index_copy(0, idx_T, o_local)
-        for a, b, k, group, rows in layout.split:
-            o_seq = self._ulysses(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], k, group, rows)
+        for a, b, k, group, rows, heads in layout.split:
+            if heads is None:
+                o_seq = self._ulysses(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], k, group, rows)
+            else:
+                o_seq = self._ulysses_by_heads(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], group,
+                                               rows, heads)
             o_THK = o_THK.index_copy(0, torch.arange(a, b, device=q_THK.device), o_seq)
         return o_THK
 
@@ -166,6 +183,41 @@ class UlyssesCore:
         # [k (head chunk), T, H/k, K]
         back = all_to_all_single(o_seq.contiguous(), [T] * k, rows, group=group)
         return back.view(k, T, H // k, K).transpose(0, 1).reshape(T, H, K)
+
+
+    def _ulysses_by_heads(self, q_THK, k_TGK, v_TGK, group, rows: list[int],
+                          heads: list[int]) -> torch.Tensor:
+        """One split sequence whose ranks attend ``heads[j]`` query heads each (Σ = H): rank j
+        gets every rank's rows of its contiguous query heads and of the kv heads they use (a
+        kv head shared by two ranks' query heads goes to both). The same two all-to-alls as
+        :meth:`_ulysses`, with rows of uneven width sent flat ([rows·width, K] each way)."""
+        T, H, K = q_THK.shape
+        G = k_TGK.shape[1]
+        i = group_rank(group)
+        if sum(heads) != H:
+            raise ValueError(f"SP heads {heads}: sum to {sum(heads)}, the model has {H}")
+        per = H // G  # query heads per kv head
+        first = [sum(heads[:j]) for j in range(len(heads) + 1)]
+        kv = [(first[j] // per, (first[j + 1] - 1) // per + 1) for j in range(len(heads))]
+        width = [h + 2 * (b - a) for h, (a, b) in zip(heads, kv)]
+        # to rank j: my T rows of its query heads and their kv heads, flat
+        send = torch.cat([torch.cat([q_THK[:, first[j]:first[j + 1]], k_TGK[:, a:b],
+                                     v_TGK[:, a:b]], dim=1).reshape(-1, K)
+                          for j, (a, b) in enumerate(kv)])
+        h, (a, b) = heads[i], kv[i]
+        recv = all_to_all_single(send, [n * width[i] for n in rows], [T * w for w in width],
+                                 group=group)
+        L = sum(rows)
+        q, kk, v = recv.view(L, width[i], K).split([h, b - a, b - a], dim=1)
+        if first[i] % per or h % per:  # not whole kv groups: one kv head per query head
+            use = torch.arange(first[i], first[i + 1], device=q.device) // per - a
+            kk, v = kk.index_select(1, use), v.index_select(1, use)
+        cu_S1 = torch.arange(2, dtype=torch.int32, device=q.device) * L
+        o_LhK = self.inner(q.contiguous(), kk.contiguous(), v.contiguous(), cu_S1, L)
+        back = all_to_all_single(o_LhK.reshape(-1, K), [T * x for x in heads],
+                                 [n * h for n in rows], group=group)
+        pieces = back.split([T * x for x in heads])  # from rank j: my rows of its heads
+        return torch.cat([p.view(T, x, K) for p, x in zip(pieces, heads)], dim=1)
 
 
 def apply_sp(model: nn.Module, sp_mesh: Group, sp_max: int | None = None,

@@ -104,6 +104,10 @@ def _add_planning_arguments(serve) -> None:
                        help="each data rank's relative speed known ahead, comma-separated "
                             "(1,1,0.5,0.5: mixed GPU generations): work in proportion from "
                             "step 0; measured speeds replace them (default: equal)")
+    serve.add_argument("--attention-heads", type=int, default=0, metavar="H",
+                       help="the model's query heads per TP rank: with rank speeds, a sample "
+                            "split over an SP group may have its heads sized by the ranks' "
+                            "speeds too (default 0: not known, H/k heads each)")
     serve.add_argument("--balance", default="omniscale", choices=POLICIES,
                        help="who places samples on ranks: the planner (default) or a baseline "
                             "policy, to compare them on the same run")
@@ -161,7 +165,7 @@ def serve_config(args: argparse.Namespace):
         snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens,
         balance=args.balance, **_costs(args),
         frozen_encoders=tuple(k.strip() for k in args.frozen_encoders.split(",") if k.strip()),
-        rank_speed=_speeds(args.rank_speeds))
+        rank_speed=_speeds(args.rank_speeds), attention_heads=args.attention_heads)
 
 
 def _speeds(text: str | None) -> tuple[float, ...] | None:

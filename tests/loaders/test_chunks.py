@@ -37,8 +37,8 @@ def test_one_chunk_per_micro_batch_then_the_samples_only_encoded_here():
     assert [[ref.key for ref, _ in c.work] for c in chunks] == [
         ["a", "d"], ["c", "f"], ["h"], ["b"], ["g"]]
     assert [c.micro for c in chunks[:3]] == [
-        {0: [(0, 1, 0, None), (1, 1, 0, None)]}, {1: [(0, 1, 0, None), (1, 1, 0, None)]},
-        {2: [(0, 1, 0, None)]}]
+        {0: [(0, 1, 0, None, None), (1, 1, 0, None, None)]},
+        {1: [(0, 1, 0, None, None), (1, 1, 0, None, None)]}, {2: [(0, 1, 0, None, None)]}]
     # encode rows travel with their sample: f's in its micro-batch's chunk, b's and g's alone
     assert [c.encode for c in chunks] == [[], [(5, 1, "audio", 0, 0)], [],
                                          [(1, 0, "video", 0, 1)], [(6, 0, "image", 0, 1)]]

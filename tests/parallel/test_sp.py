@@ -1,7 +1,8 @@
 """Ulysses SP with the long-short split on real gloo processes: long samples sliced over
 aligned SP groups (collate's slices, global RoPE positions) give the same summed loss and
 gradients as the unsplit micro-batch on one process, the short samples packed beside them
-included, with equal slices or slices sized by the ranks' speeds (uneven all-to-alls); a
+included, with equal slices or slices sized by the ranks' speeds (uneven all-to-alls), and
+with query heads sized by speed too; a
 micro-batch of whole sequences issues no collective."""
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ PLANS = {
                    [[("A", 4, (9, 6, 4, 3)), ("B", 2, (6, 3))]],
                    [[("A", 4, (9, 6, 4, 3)), ("C", 2, (2, 9))]],
                    [[("b", 1), ("A", 4, (9, 6, 4, 3)), ("C", 2, (2, 9)), ("c", 1)]]],
+    # heads sized by speed too (4 query heads, 2 kv heads): 3 and 1, 1 and 3, and over four
+    # ranks 1 each beside a pair's 2 and 2 (kv heads repeated however the heads fall)
+    "2-heads": [[[("a", 1), ("L", 2, (10, 3), (3, 1))], [("d", 1), ("A", 2, (21, 1), (1, 3))]],
+                [[("L", 2, (10, 3), (3, 1)), ("b", 1), ("c", 1)],
+                 [("A", 2, (21, 1), (1, 3)), ("e", 1)]]],
+    "4-heads": [[[("A", 4, (9, 6, 4, 3), (1, 1, 1, 1)), ("B", 2, (6, 3), (3, 1)), ("a", 1)]],
+                [[("A", 4, (9, 6, 4, 3), (1, 1, 1, 1)), ("B", 2, (6, 3), (3, 1))]],
+                [[("A", 4, (9, 6, 4, 3), (1, 1, 1, 1)), ("C", 2, None, (2, 2))]],
+                [[("b", 1), ("A", 4, (9, 6, 4, 3), (1, 1, 1, 1)), ("C", 2, None, (2, 2)),
+                  ("c", 1)]]],
 }
 
 
@@ -107,7 +118,7 @@ def _whole(layout):
     return total, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("layout", [2, 4, "2-by-speed", "4-by-speed"])
+@pytest.mark.parametrize("layout", [2, 4, "2-by-speed", "4-by-speed", "2-heads", "4-heads"])
 def test_split_long_samples_match_the_unsplit_run(layout):
     want_loss, want_grads = _whole(layout)
     results = run_ranks(_split_ranks, len(PLANS[layout]), layout)

@@ -6,7 +6,8 @@ a longer window deals its samples to steps by the ranks' budgets), and losses an
 norms agree: on the demo mix (text samples split) and on its media sources alone (video and
 audio blocks cut by the slice boundary; each slice keeps only its own rows of a block), and
 with the ranks' speeds known ahead (``data.rank_speeds``: the slow rank holds fewer of a split
-sample's tokens where the micro-batch budget leaves room). An sp that cannot work is one line."""
+sample's tokens where the micro-batch budget leaves room, and attends fewer of its heads where
+that finishes the pair sooner). An sp that cannot work is one line."""
 
 from __future__ import annotations
 
@@ -73,13 +74,17 @@ def test_split_samples_train_what_one_process_does(demo, tmp_path, media, micro,
         # held the larger slice of a split sample, and the smaller where the budget let it (a
         # sample of twice the micro-batch budget fills both ranks' budgets: equal slices)
         slices = split_slices(tmp_path / "sp" / "plane", steps=len(sp))
-        assert all(on_0 >= on_1 for on_0, on_1 in slices), slices
-        assert any(on_0 > on_1 for on_0, on_1 in slices), slices
+        assert all(on_0 >= on_1 for (on_0, on_1), _ in slices), slices
+        assert any(on_0 > on_1 for (on_0, on_1), _ in slices), slices
+        # heads sized by speed (the model's 4: 3 and 1) where a sample fills both budgets
+        heads = [h for _, h in slices if h is not None]
+        assert heads and all(h == (3, 1) for h in heads), slices
 
 
-def split_slices(state_dir, steps: int) -> list[tuple[int, int]]:
-    """(tokens on rank 0, on rank 1) of each sample split over the pair in the first
-    ``steps`` steps, from the plane's log (``PlaneState`` replays the plans exactly)."""
+def split_slices(state_dir, steps: int) -> list[tuple[tuple[int, int], tuple | None]]:
+    """((tokens on rank 0, on rank 1), (heads on rank 0, on rank 1) or None for H/k each) of
+    each sample split over the pair in the first ``steps`` steps, from the plane's log
+    (``PlaneState`` replays the plans exactly)."""
     from omniscale.dataplane.journal import Journal
     from omniscale.dataplane.plane_state import PlaneState
     from omniscale.dataplane.restore import start_record
@@ -94,7 +99,10 @@ def split_slices(state_dir, steps: int) -> list[tuple[int, int]]:
         for i in np.unique(plan.sample_P[plan.sp_size_P > 1]).tolist():
             mine = plan.sample_P == i
             by_rank = dict(zip(plan.rank_P[mine].tolist(), plan.sp_tokens_P[mine].tolist()))
-            out.append((by_rank[0], by_rank[1]))
+            heads = None if plan.sp_heads_P is None else dict(
+                zip(plan.rank_P[mine].tolist(), plan.sp_heads_P[mine].tolist()))
+            out.append(((by_rank[0], by_rank[1]),
+                        (heads[0], heads[1]) if heads and heads[0] else None))
     return out
 
 

@@ -160,6 +160,8 @@ PLANNING_SETTINGS = (
     ("max_sample_tokens", "--max-sample-tokens", "none (what an SP group holds)"),
     ("frozen_encoders", "--frozen-encoders", "optim.groups' frozen towers"),
     ("rank_speed", "--rank-speeds", "data.rank_speeds"),
+    ("attention_heads", "--attention-heads", "the model's query heads per TP rank, when "
+                                             "parallel.sp > 1"),
     ("costs", "--costs", "data.costs"),
     ("cost_linear", "--cost-linear", "data.costs, else the model's FLOPs (alpha/beta)"),
     ("cost_quadratic", "--cost-quadratic", "data.costs, else the model's FLOPs (1)"),

@@ -59,10 +59,11 @@ class RankJob:
 
 
 def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = None,
-                 frozen_kinds: tuple[str, ...] = ()) -> PlaneConfig:
+                 frozen_kinds: tuple[str, ...] = (), heads: int = 0) -> PlaneConfig:
     """The embedded plane's settings; ``cost``: the model's (α, β) FLOPs per sequence, the
     balancer's cost model (``ModelConfig.cost_coefficients``); ``frozen_kinds``: encoder kinds
-    whose tower ``optim.groups`` freezes (priced forward only, ``optim_groups.Groups``)."""
+    whose tower ``optim.groups`` freezes (priced forward only, ``optim_groups.Groups``);
+    ``heads``: the query heads a rank's Ulysses exchange splits (:func:`attention_heads`)."""
     d = cfg.data
     # parallel.sp: the plane may split a sample over an aligned group of up to that many
     # ranks; longer text is truncated to what such a group holds, longer media samples skipped.
@@ -80,7 +81,7 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
                        global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp,
                        snapshot_every=cfg.checkpoint_every, balance=d.balance,
-                       frozen_encoders=tuple(frozen_kinds),
+                       frozen_encoders=tuple(frozen_kinds), attention_heads=heads,
                        rank_speed=None if d.rank_speeds is None else tuple(d.rank_speeds),
                        **extra)
 
@@ -91,7 +92,15 @@ def planning_config(cfg: RunConfig, world: int) -> PlaneConfig:
     what an external plane must match (``launch.check_plane``, ``plane_args``)."""
     _, mcfg, dims, groups = layout(cfg, world)  # an impossible layout: one line
     cost = mcfg.cost_coefficients() if mcfg is not None else None  # as _train_rank's
-    return plane_config(cfg, dims.dp_sp, cost, groups.frozen_kinds)
+    return plane_config(cfg, dims.dp_sp, cost, groups.frozen_kinds,
+                        attention_heads(cfg, mcfg, dims))
+
+
+def attention_heads(cfg: RunConfig, mcfg, dims) -> int:
+    """The query heads of the decoder on a rank (its TP share) when samples may be split over
+    SP groups -- the planner may then size a split's heads by the ranks' speeds -- else 0."""
+    heads = getattr(mcfg, "n_heads", 0) if mcfg is not None else 0
+    return heads // dims.tp if cfg.parallel.sp > 1 and heads else 0
 
 
 def device_of(cfg: RunConfig, rank: int) -> torch.device:
@@ -168,7 +177,8 @@ def _train_rank(rank: int, world: int, job: RankJob, cfg: RunConfig, run_dir: Pa
         if rank == 0 and job.plane_url is None:
             cost = mcfg.cost_coefficients() if mcfg is not None else None
             plane = start_embedded(job.spec, run_dir / "plane",
-                                   plane_config(cfg, dims.dp_sp, cost, groups.frozen_kinds),
+                                   plane_config(cfg, dims.dp_sp, cost, groups.frozen_kinds,
+                                                attention_heads(cfg, mcfg, dims)),
                                    restore_step=job.start_step if job.resume_from else None)
         url = _share_url(job.plane_url or (plane.url if plane else None), rank, run_dir)
         # the plane plans for the data ranks; TP peers load (and commit) the same plan
