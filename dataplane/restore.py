@@ -53,8 +53,10 @@ def check_settings(start: dict, config: PlaneConfig) -> None:
             # frozen_encoders is no flag: the trainer's optim.groups set it
             what = "frozen encoders (optim.groups)" if name == "frozen_encoders" else \
                 f"--{name.replace('_', '-')}"
+            hint = "; a run's plane: --set data.heads_by_speed=false resumes it with H/k heads" \
+                if name == "attention_heads" and not before else ""
             raise UserError(f"{what} {getattr(config, name)}: this state dir was planned with "
-                            f"{before} (only --dp may change on a restart)")
+                            f"{before} (only --dp may change on a restart{hint})")
 
 
 def open_state(journal: Journal, config: PlaneConfig, restore_step: int | None = None

@@ -185,3 +185,17 @@ def test_a_changed_planning_setting_is_refused_naming_it_as_the_user_sets_it(nam
     was = getattr(CONFIG, name)
     assert str(refused.value) == (f"{flag} {value}: this state dir was planned with {was} "
                                   "(only --dp may change on a restart)")
+
+
+def test_a_state_dir_planned_before_heads_by_speed_says_how_to_resume_it():
+    """A start record without ``attention_heads`` (written before it existed) was planned with
+    H/k heads: a trainer's plane that would size heads by speed is refused in one line naming
+    the run setting that resumes it; with heads left to H/k it is accepted."""
+    start = {"config": json.loads(json.dumps(dataclasses.asdict(CONFIG)))}
+    del start["config"]["attention_heads"]
+    check_settings(start, CONFIG)
+    with pytest.raises(UserError) as refused:
+        check_settings(start, dataclasses.replace(CONFIG, attention_heads=4))
+    assert str(refused.value) == (
+        "--attention-heads 4: this state dir was planned with 0 (only --dp may change on a "
+        "restart; a run's plane: --set data.heads_by_speed=false resumes it with H/k heads)")

@@ -249,6 +249,11 @@ def test_long_context_moe_pretraining_on_2_nodes_of_8(prepared):
     assert mcfg.param_count() == QWEN3_30B_A3B_PARAMS  # the preset: the published shapes
     plane = planning_config(cfg, 16)
     assert (plane.dp, plane.sp_max) == (16, 4)
+    # the plane may size a split sample's heads by the ranks' speeds: it knows the decoder's
+    # 32 query heads (one TP rank holds them all); a run that asks for H/k heads tells it 0
+    assert (mcfg.n_heads, dims.tp, plane.attention_heads) == (32, 1, 32)
+    cfg.data.heads_by_speed = False
+    assert planning_config(cfg, 16).attention_heads == 0
     assert plane.sp_max * plane.micro_batch_tokens == 65536  # the longest sample
     assert spec.schedule.unit == "tokens"
     long = ("books", "code_repos", "papers")

@@ -144,6 +144,10 @@ class DataSection(_Strict):
     # them alone, so they hold under deterministic; measured speeds (plan_by_rank_speed)
     # replace them once sent. None: equal ranks until measured.
     rank_speeds: list[float] | None = None
+    # With rank speeds, a sample split over an SP group may also have its query heads sized by
+    # the speeds (a slower rank attends fewer; ``balancer.speed_split``). False: H/k heads each
+    # -- how a run's plane planned before this setting existed, so such a run resumes with it.
+    heads_by_speed: bool = True
     # who places samples on ranks: the planner, or a baseline policy through the same plane
     # (to measure the planner's gain on this very run)
     balance: Literal[POLICIES] = "omniscale"  # type: ignore[valid-type] (plane_config.POLICIES)

@@ -161,7 +161,7 @@ PLANNING_SETTINGS = (
     ("frozen_encoders", "--frozen-encoders", "optim.groups' frozen towers"),
     ("rank_speed", "--rank-speeds", "data.rank_speeds"),
     ("attention_heads", "--attention-heads", "the model's query heads per TP rank, when "
-                                             "parallel.sp > 1"),
+                                             "parallel.sp > 1 and data.heads_by_speed"),
     ("costs", "--costs", "data.costs"),
     ("cost_linear", "--cost-linear", "data.costs, else the model's FLOPs (alpha/beta)"),
     ("cost_quadratic", "--cost-quadratic", "data.costs, else the model's FLOPs (1)"),

@@ -98,9 +98,10 @@ def planning_config(cfg: RunConfig, world: int) -> PlaneConfig:
 
 def attention_heads(cfg: RunConfig, mcfg, dims) -> int:
     """The query heads of the decoder on a rank (its TP share) when samples may be split over
-    SP groups -- the planner may then size a split's heads by the ranks' speeds -- else 0."""
+    SP groups and ``data.heads_by_speed`` -- the planner may then size a split's heads by the
+    ranks' speeds -- else 0 (H/k heads each)."""
     heads = getattr(mcfg, "n_heads", 0) if mcfg is not None else 0
-    return heads // dims.tp if cfg.parallel.sp > 1 and heads else 0
+    return heads // dims.tp if cfg.parallel.sp > 1 and cfg.data.heads_by_speed and heads else 0
 
 
 def device_of(cfg: RunConfig, rank: int) -> torch.device:
