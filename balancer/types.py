@@ -82,14 +82,8 @@ def split_heads(plan) -> dict[int, list[int]]:
     order. Empty when every split has H/k heads each (``sp_heads_P`` None or 0)."""
     if plan.sp_heads_P is None:
         return {}
-    heads_P = np.asarray(plan.sp_heads_P)
-    split = (np.asarray(plan.sp_size_P) > 1) & (heads_P > 0)
-    by_sample: dict[int, dict[int, int]] = {}
-    for sample, index, heads in zip(np.asarray(plan.sample_P)[split].tolist(),
-                                    np.asarray(plan.sp_index_P)[split].tolist(),
-                                    heads_P[split].tolist()):
-        by_sample.setdefault(sample, {})[index] = heads
-    return {s: [n for _, n in sorted(h.items())] for s, h in by_sample.items()}
+    return _by_split_sample(plan, np.asarray(plan.sp_heads_P),
+                            np.asarray(plan.sp_heads_P) > 0)
 
 
 def split_lengths(plan) -> dict[int, list[int]]:
@@ -98,13 +92,18 @@ def split_lengths(plan) -> dict[int, list[int]]:
     equal (``sp_tokens_P`` None)."""
     if plan.sp_tokens_P is None:
         return {}
-    split = np.asarray(plan.sp_size_P) > 1
+    return _by_split_sample(plan, np.asarray(plan.sp_tokens_P), True)
+
+
+def _by_split_sample(plan, values_P: np.ndarray, keep_P) -> dict[int, list[int]]:
+    """``values_P`` of each split sample's placements (where ``keep_P``), in slice order."""
+    split = (np.asarray(plan.sp_size_P) > 1) & keep_P
     by_sample: dict[int, dict[int, int]] = {}
-    for sample, index, tokens in zip(np.asarray(plan.sample_P)[split].tolist(),
-                                     np.asarray(plan.sp_index_P)[split].tolist(),
-                                     np.asarray(plan.sp_tokens_P)[split].tolist()):
-        by_sample.setdefault(sample, {})[index] = tokens
-    return {s: [n for _, n in sorted(slices.items())] for s, slices in by_sample.items()}
+    for sample, index, value in zip(np.asarray(plan.sample_P)[split].tolist(),
+                                    np.asarray(plan.sp_index_P)[split].tolist(),
+                                    values_P[split].tolist()):
+        by_sample.setdefault(sample, {})[index] = value
+    return {s: [v for _, v in sorted(by_index.items())] for s, by_index in by_sample.items()}
 
 
 SYNCS = ("micro_batch", "step")  # PlannerConfig.sync
