@@ -157,22 +157,10 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
     index_M = j_M - np.where(kind_M == IMAGE, 0, np.where(kind_M == VIDEO, img_M,
                                                           img_M + vid_M))
     zeros_M, zeros_P = np.zeros(M, np.int64), np.zeros(P, np.int64)
-    # Slices sized by speed: every row of a split sample lists its group's slice lengths.
-    slice_count_P, slices = zeros_P, np.zeros(0, np.int64)
-    if plan.sp_tokens_P is not None:
-        split_P = np.asarray(plan.sp_size_P, np.int64) > 1
-        lengths = split_lengths(plan)
-        slice_count_P = np.where(split_P, np.asarray(plan.sp_size_P, np.int64), 0)
-        slices = np.array([n for sample in sample_P[split_P].tolist()
-                           for n in lengths[sample]], np.int64)
-    # Heads sized by speed: every row of such a split sample lists its group's heads.
-    head_count_P, heads = zeros_P, np.zeros(0, np.int64)
-    by_heads = split_heads(plan)
-    if by_heads:
-        headed_P = np.array([s in by_heads for s in sample_P.tolist()], bool)
-        head_count_P = np.where(headed_P, np.asarray(plan.sp_size_P, np.int64), 0)
-        heads = np.array([n for sample in sample_P[headed_P].tolist()
-                          for n in by_heads[sample]], np.int64)
+    # Sized by speed: every row of such a split sample lists its group's slice lengths, and
+    # its group's heads.
+    slice_count_P, slices = _group_lists(sample_P, plan.sp_size_P, split_lengths(plan))
+    head_count_P, heads = _group_lists(sample_P, plan.sp_size_P, split_heads(plan))
     return {
         "pos": np.concatenate([pos_P, pos_M]),
         "llm": np.concatenate([np.ones(P, bool), np.zeros(M, bool)]),
@@ -192,3 +180,14 @@ def _step_rows(plan: StepPlan, used_U: np.ndarray, counts_U: tuple, first_item_N
         "consume_rank": np.concatenate([zeros_P, np.asarray(plan.consume_rank_M, np.int64)]),
         "consume_span": np.concatenate([zeros_P, span_M]),
     }
+
+
+def _group_lists(sample_P: np.ndarray, sp_size_P, by_sample: dict[int, list[int]]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The LLM rows' lists of a per-sample value list (``by_sample``: a split sample's slice
+    lengths or heads, in slice order) as (count per row, 0 for none; values flat in row
+    order)."""
+    listed_P = np.array([s in by_sample for s in sample_P.tolist()], bool)
+    count_P = np.where(listed_P, np.asarray(sp_size_P, np.int64), 0)
+    values = np.array([v for s in sample_P[listed_P].tolist() for v in by_sample[s]], np.int64)
+    return count_P, values
