@@ -25,7 +25,9 @@ Every time is the median of ``repeats`` runs, each after a barrier, and the slow
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,8 +86,9 @@ def _rank(rank: int, world: int, config: str, sets: list[str], repeats: int, out
     import torch.distributed as dist
 
     from omniscale.tools.train.config import load_config
-    from omniscale.tools.train.loop import device_of
+    from omniscale.tools.train.loop import device_of, quiet_torch_notices
 
+    quiet_torch_notices()  # as a training rank does: torch's notices a user cannot act on
     cfg, _ = load_config(config, sets)
     device = device_of(cfg, rank)
     cfg = cfg.on_device(device.type)
@@ -117,6 +120,13 @@ def _rank(rank: int, world: int, config: str, sets: list[str], repeats: int, out
             (Path(out) / "layout.pt.partial").rename(Path(out) / "layout.pt")
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's finalization: a gloo worker thread that still holds a
+    # tensor takes the GIL while Python tears down and is stopped by it, inside C++ code that
+    # may not unwind -- the process aborts ("terminate called without an active exception")
+    # after its figures were saved, and spawn kills its peer. Nothing else needs flushing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _sharded_model(cfg, world: int, device: torch.device):

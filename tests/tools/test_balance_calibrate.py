@@ -97,7 +97,7 @@ def test_a_bad_cost_file_is_one_line(tmp_path):
         (0.25, 1e-6, 0.0)
 
 
-def test_layout_prices_micro_batches_and_moved_items_on_sharded_ranks(demo, tmp_path):
+def test_layout_prices_micro_batches_and_moved_items_on_sharded_ranks(demo, tmp_path, capfd):
     """``calibrate_layout.measure`` on two gloo processes with the model sharded as the trainer
     shards it: a step of more one-token micro-batches takes longer (FSDP's gathers and
     reduce-scatter are paid per micro-batch), the reshard's all-to-all takes longer with more
@@ -108,6 +108,11 @@ def test_layout_prices_micro_batches_and_moved_items_on_sharded_ranks(demo, tmp_
     sets = [f"data.spec={demo / 'mix.yaml'}", "data.micro_batch_tokens=1024",
             "eval.enabled=false"]
     layout = measure("configs/demo_omni.yaml", sets, nproc=2, repeats=3)
+    # both ranks exit cleanly: no abort in gloo's teardown, no torch notice (make demo prints
+    # what this prints)
+    printed = capfd.readouterr()
+    assert "terminate called" not in printed.err and "SIGABRT" not in printed.out
+    assert "UserWarning" not in printed.err, printed.err
     seconds = layout["micro_batch_seconds"]
     assert seconds["4"] > seconds["1"] > 0, layout
     moved = layout["reshard_seconds"]

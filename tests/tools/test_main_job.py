@@ -29,6 +29,9 @@ def test_make_demo(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "Traceback" not in out
+    # torch's notices a user cannot act on stay out of the main job's output (the layout
+    # calibration's ranks once printed DeviceMesh's, one per rank)
+    assert "UserWarning" not in out, [line for line in out.splitlines() if "Warning" in line]
     for source in ("text", "docs", "image_caption", "video_caption", "audio_caption",
                    "interleaved"):
         assert f"{source}: " in run.stdout  # the index line

@@ -48,7 +48,9 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from omniscale.tools.train import checkpoint
     from omniscale.tools.train.build import build_model, model_config
     from omniscale.tools.train.launch import resolve_config
+    from omniscale.tools.train.loop import quiet_torch_notices
 
+    quiet_torch_notices()  # DCP's notice that it loads in one process: that is the intent
     cfg, _ = resolve_config(None, str(run_dir), [])
     spec = load_spec(cfg.data.spec)
     model = build_model(model_config(cfg, spec.media, spec.tokenizer), cfg.seed,
