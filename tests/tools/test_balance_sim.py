@@ -175,3 +175,13 @@ def assert_fair_comparison(result: dict) -> None:
             assert all(p["violations"] == 0 and p["exactly_once"]
                        for p in [run["ours"], *run["split_baselines"].values()])
             assert (run["comm"]["sp_comm_per_token"] == 0) == (run["bandwidth"] == "free")
+            # the bound with the necessary splits' communication is one: no policy's step,
+            # ours or a baseline's, DDP or FSDP, comes in under it -- so the best baseline's
+            # time over it is the most a planner could gain, and ours stays within that
+            bound = run["bound_time"]
+            for policy in [run["ours"], *run["split_baselines"].values()]:
+                assert min(policy["ddp_time"], policy["fsdp_time"]) >= bound * (1 - 1e-9)
+            for objective, name in run["best_baseline"].items():
+                ceiling = run["split_baselines"][name][f"{objective}_time"] / bound
+                assert run["speedup_ceiling_by_bound"][objective] == pytest.approx(ceiling)
+                assert run["speedup_vs_best_baseline"][objective] <= ceiling * (1 + 1e-9)

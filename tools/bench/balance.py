@@ -157,10 +157,16 @@ def run_case(dataset: str, dp: int, per_rank: int, steps: int, stdlib_N) -> dict
             bound = comm_bound(stream, offsets_S1, costs, dp)
             ours["fsdp_over_bound"] = ours["fsdp_time"] / bound
             ours["ddp_over_bound"] = ours["ddp_time"] / bound
+            # no plan beats the bound, so the best baseline's time over it is the most any
+            # planner can gain on this data: where it is under a target, the target is out of
+            # reach for everyone, and how close ours comes to it is what is left to judge
+            ceiling = {objective: r["policies"][name][f"{objective}_time"] / bound
+                       for objective, name in r["best_baseline"].items()}
             result["runs"].append({
                 "bandwidth": bandwidth_label(bandwidth), "sp_max": sp_max,
                 "comm": comm_json(comm), "ours": r["policies"][OURS],
                 "bound_time": bound, "bound_over_ideal": bound / r["ideal_time"],
+                "speedup_ceiling_by_bound": ceiling,
                 "split_baselines": {name: r["policies"][name] for name in BASELINES_SPLIT},
                 **{key: r[key] for key in (
                     "best_baseline", "speedup_vs_best_baseline", "best_baseline_no_split",
@@ -326,11 +332,7 @@ def target_checks(cases: list[dict], timing: dict) -> list[dict]:
                                for r in c["runs"]
                                if r["bandwidth"] == bandwidth_label(DEFAULT_BANDWIDTH)])
           for dataset in ("lognormal", "stdlib")),
-        *((f"speed-up vs best baseline with our split ({r['best_baseline']['ddp']}), "
-           f"{c['dataset']} at 64 ranks, {at} (the lower of DDP and FSDP)",
-           min(r["speedup_vs_best_baseline"].values()), f">= {TARGETS['speedup_64']}",
-           min(r["speedup_vs_best_baseline"].values()) >= TARGETS["speedup_64"])
-          for c, r in runs32 if c["dp"] == 64 and c["dataset"] == "omni"),
+        *(omni_check(c, r, at) for c, r in runs32 if c["dp"] == 64 and c["dataset"] == "omni"),
         (f"planner ms/step, {timing['samples_per_step']} samples on {timing['dp']} ranks",
          timing["ms_per_step"], f"<= {TARGETS['ms_4096']}", timing["ms_per_step"]
          <= TARGETS["ms_4096"]),
@@ -356,6 +358,19 @@ def fsdp_check(runs: list[tuple[dict, dict]], at: str) -> tuple:
     return (f"{what}, worst case at 64 and 256 ranks ({c['dataset']} at {c['dp']}), {at}",
             value, f"<= {goal} ({TARGETS['fsdp_over_ideal']} x ideal, or {goal} x the bound "
                    "where it is above that)", value <= goal)
+
+
+def omni_check(case: dict, run: dict, at: str) -> tuple:
+    """Omni at 64 ranks against the best baseline that may split, the lower of DDP and FSDP,
+    with the most any plan could gain there: the baseline's time over ``comm_bound``."""
+    objective = min(run["speedup_vs_best_baseline"], key=run["speedup_vs_best_baseline"].get)
+    speedup = run["speedup_vs_best_baseline"][objective]
+    return (f"speed-up vs best baseline with our split ({run['best_baseline'][objective]}), "
+            f"{case['dataset']} at 64 ranks, {at} (the lower of DDP and FSDP: "
+            f"{objective.upper()}; no plan can pass "
+            f"{run['speedup_ceiling_by_bound'][objective]:.3f}x there, the best baseline's "
+            "time over the bound with the necessary splits' comm)", speedup,
+            f">= {TARGETS['speedup_64']}", speedup >= TARGETS["speedup_64"])
 
 
 def text_check(dataset: str, runs: list[tuple[dict, dict]]) -> tuple:
