@@ -135,3 +135,20 @@ def test_no_cited_figure_is_newly_measured_on_a_dirty_tree():
     assert not dirty, "measured on a tree with uncommitted changes (or not recorded):\n" + \
         "\n".join(dirty)
     assert not cleaned, f"measured clean now; take them off MEASURED_DIRTY: {cleaned}"
+
+
+def test_the_readme_headlines_come_from_one_clean_commit():
+    """The landing page's figures are regenerated together (`omniscale bench all --write-docs
+    --only ...` and the demo's report, at one commit), so a reader compares them as one state of
+    the code, not a mix of runs months apart."""
+    from omniscale.tools.bench.docs_page import citations, provenance
+
+    readme = sorted(name for name, pages in citations().items() if "README.md" in pages)
+    assert len(readme) >= 8, f"the README's headlines should name their JSONs in full: {readme}"
+    commits = {}
+    for name in readme:
+        data = provenance(json.loads((ROOT / "docs" / "bench" / name).read_text()))
+        assert data.get("git_dirty") is False, f"{name}: measured on a dirty tree"
+        commits.setdefault(data.get("git_commit"), []).append(name)
+    assert len(commits) == 1, "the README's JSONs come from several commits: " + "; ".join(
+        f"{(c or 'none')[:10]}: {', '.join(n)}" for c, n in commits.items())
