@@ -106,13 +106,21 @@ def fingerprint(table: pa.Table) -> str:
 _FINGERPRINTED = ["source", "shard", "key", "role", "sp_index"]
 
 
-def slice_fingerprints(table: pa.Table, starts: np.ndarray, counts: np.ndarray) -> list[str]:
+# Rows from which the Arrow path pays: its dozen compute calls cost ~0.4 ms whatever the size,
+# so below a few hundred rows (a small job's window) reading the columns as lists is faster
+# (16 rows: 0.06 against 0.44 ms; 512 rows: 1.06 against 0.75 ms; 32,768: 72 against 21 ms).
+ARROW_FROM_ROWS = 256
+
+
+def slice_fingerprints(table: pa.Table, starts: np.ndarray, counts: np.ndarray,
+                       arrow_from_rows: int = ARROW_FROM_ROWS) -> list[str]:
     """:func:`fingerprint` of each slice ``starts[i]`` .. ``+counts[i]`` of ``table`` (a
     window's ranks' tables are slices of one table, 16,384 of them at 4,096 ranks): the same
-    text hashed, built for every row at once where it can be (:func:`_row_texts`), else
-    each slice's rows read from the table's columns read once."""
+    text hashed, built for every row at once where it can be and pays (:func:`_row_texts`,
+    from ``arrow_from_rows`` rows), else each slice's rows read from the table's columns
+    read once."""
     starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
-    texts = _row_texts(table, starts, counts)
+    texts = _row_texts(table, starts, counts) if int(counts.sum()) >= arrow_from_rows else None
     if texts is None:
         columns = [table.column(n).to_pylist() for n in _FINGERPRINTED]
         return [_fingerprint(*(c[at:at + n] for c in columns))
