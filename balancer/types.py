@@ -82,8 +82,8 @@ def split_heads(plan) -> dict[int, list[int]]:
     order. Empty when every split has H/k heads each (``sp_heads_P`` None or 0)."""
     if plan.sp_heads_P is None:
         return {}
-    return _by_split_sample(plan, np.asarray(plan.sp_heads_P),
-                            np.asarray(plan.sp_heads_P) > 0)
+    heads_P = np.asarray(plan.sp_heads_P)
+    return _by_split_sample(plan, heads_P, heads_P > 0)
 
 
 def split_lengths(plan) -> dict[int, list[int]]:
