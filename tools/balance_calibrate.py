@@ -18,7 +18,6 @@ shape costs what the others do, one warm-up run per model part is enough.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -175,7 +174,7 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
     (``tools.train.loop``), so the fit prices what a rank does."""
     from omniscale.tools.train.config import load_config, run_spec
     from omniscale.tools.train.launch import ensure_data
-    from omniscale.tools.train.loop import device_of
+    from omniscale.tools.train.loop import device_of, rank_threads
 
     cfg, _ = load_config(config, list(sets))
     if cfg.task == "video_gen":
@@ -188,7 +187,7 @@ def calibrate(config: str, sets: list[str] = (), repeats: int = 3, held_out: int
             raise UserError(f"{flag} {value}: must be >= 1")
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+        torch.set_num_threads(rank_threads(nproc))  # as each of the run's ranks
     started = time.perf_counter()
     try:
         result = _measure(cfg, spec, device, repeats, held_out, progress) | {

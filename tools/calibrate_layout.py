@@ -86,13 +86,13 @@ def _rank(rank: int, world: int, config: str, sets: list[str], repeats: int, out
     import torch.distributed as dist
 
     from omniscale.tools.train.config import load_config
-    from omniscale.tools.train.loop import device_of, quiet_torch_notices
+    from omniscale.tools.train.loop import device_of, quiet_torch_notices, rank_threads
 
     quiet_torch_notices()  # as a training rank does: torch's notices a user cannot act on
     cfg, _ = load_config(config, sets)
     device = device_of(cfg, rank)
     cfg = cfg.on_device(device.type)
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    torch.set_num_threads(rank_threads(world))  # as a training rank
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"file://{out}/store", rank=rank, world_size=world)
     try:

@@ -104,6 +104,18 @@ def attention_heads(cfg: RunConfig, mcfg, dims) -> int:
     return heads // dims.tp if cfg.parallel.sp > 1 and cfg.data.heads_by_speed and heads else 0
 
 
+def rank_threads(world: int) -> int:
+    """A rank's intra-op threads: its share of the machine's cores, no more than it may run
+    on (``OMNISCALE_CPU_BIND``, ``taskset``) nor than ``OMP_NUM_THREADS`` when set -- what
+    torchrun sets for its ranks, and what a job sharing the machine with others sets: more
+    threads than cores spin and wait for each other (a quarter of a busy machine's time)."""
+    threads = min((os.cpu_count() or 1) // world, len(os.sched_getaffinity(0)))
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        threads = min(threads, int(omp))
+    return max(1, threads)
+
+
 def device_of(cfg: RunConfig, rank: int) -> torch.device:
     """This process's device: its node-local GPU (``LOCAL_RANK`` under torchrun: global ranks
     count across nodes; the spawning launcher's ranks are local already), or the CPU."""
@@ -154,9 +166,7 @@ def train_rank(rank: int, world: int, job: RankJob) -> None:
     run_dir = Path(job.run_dir)
     device = device_of(cfg, rank)
     cfg = cfg.on_device(device.type)
-    # a share of the machine's cores, no more than this rank may use (OMNISCALE_CPU_BIND)
-    torch.set_num_threads(max(1, min((os.cpu_count() or 1) // world,
-                                     len(os.sched_getaffinity(0)))))
+    torch.set_num_threads(rank_threads(world))
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     init_process_group(device, job, rank, world, cfg.watchdog.collective_timeout_s)
