@@ -31,8 +31,12 @@ Process groups: `apply_sp` creates this rank's aligned group once per k = 2, 4, 
 
 The batch's layout reaches the cores through `sp_batch(model, batch)`, a context manager around
 the forward (the cores refuse to run outside it, since a split sequence attended locally would
-be silently wrong). Several split sequences in one micro-batch are exchanged one after the
-other in batch order, which must be the same on every rank of their groups (plan order is).
+be silently wrong). The split sequences of one micro-batch that share a group (H/k heads each)
+are exchanged together: one all-to-all there and one back per layer, and one call of the core
+over all of them, whatever their number (VeOmni's packed exchange; one per sequence was a
+fixed cost per split sequence the planner does not price). The exchanges follow batch order
+(a group's at its first sequence), which must be the same on every rank of their groups (plan
+order is); a sequence with heads sized by speed is exchanged alone.
 
 Shape suffixes: T tokens, H query heads, G kv heads, K head dim, C heads sent per rank chunk,
 S sequences, W ranks of the SP mesh.
@@ -48,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from omniscale.backbone.attention import Attention
-from omniscale.kernels.transfer import host_to_device
+from omniscale.kernels.transfer import HOST, host_to_device
 from omniscale.parallel.comm import Group, all_to_all_single, group_rank, group_size, process_group
 
 
@@ -94,9 +98,7 @@ class SPLayout:
     local_T: torch.Tensor  # int64: rows of whole sequences
     local_cu_S1: torch.Tensor  # int32: their boundaries within local_T
     local_max: int
-    # (start, end, k, group, every slice's rows in slice order, every rank's query heads in
-    # slice order or None for H/k each)
-    split: list[tuple[int, int, int, dist.ProcessGroup, list[int], list[int] | None]]
+    exchanges: list["Exchange"]  # the split sequences, as the exchanges that carry them
 
     @classmethod
     def of(cls, batch, groups: SPGroups, device: torch.device) -> "SPLayout":
@@ -126,7 +128,47 @@ class SPLayout:
                                                               device="cpu")
         local_cu_S1 = torch.tensor(cu, dtype=torch.int32, device="cpu")
         return cls(host_to_device(local_T, device), host_to_device(local_cu_S1, device),
-                   max((y - x for x, y in zip(cu, cu[1:])), default=0), split)
+                   max((y - x for x, y in zip(cu, cu[1:])), default=0),
+                   [Exchange.of(entries, device) for entries in _exchange_batches(split)])
+
+
+@dataclass
+class Exchange:
+    """Split sequences of one group that one exchange carries, made once per micro-batch (every
+    layer's attention reuses it; its index tensors copied to the device once, without waiting):
+    every sequence with H/k heads each of the group, or one with heads sized by speed."""
+
+    group: dist.ProcessGroup
+    k: int
+    rows_T: torch.Tensor  # int64: this rank's rows of the sequences, sequence after sequence
+    from_R: list[int]  # rows arriving from each rank of the group (one sequence: its slices)
+    heads: list[int] | None  # every rank's query heads (one sequence), None for H/k each
+    order_L: torch.Tensor | None  # H/k each: arrival order (rank, then sequence) -> sequences
+    cu_S1: torch.Tensor | None  # H/k each: the whole sequences' boundaries, in that order
+    max_len: int
+
+    @classmethod
+    def of(cls, entries: list[tuple], device: torch.device) -> "Exchange":
+        """From ``SPLayout.of``'s split entries (start, end, k, group, slice rows, heads) of
+        one exchange (``_exchange_batches``)."""
+        _, _, k, group, rows, heads = entries[0]
+        rows_T = host_to_device(torch.cat([torch.arange(a, b, device=HOST)
+                                           for a, b, *_ in entries]), device)
+        if heads is not None:
+            return cls(group, k, rows_T, rows, heads, None, None, sum(rows))
+        rows_S = [rows for *_, rows, _ in entries]
+        from_R = [sum(rows[i] for rows in rows_S) for i in range(k)]
+        start_R = [sum(from_R[:i]) for i in range(k)]
+        order, cu = [], [0]
+        for rows in rows_S:
+            for i, n in enumerate(rows):
+                order.append(torch.arange(start_R[i], start_R[i] + n, device=HOST))
+                start_R[i] += n
+            cu.append(cu[-1] + sum(rows))
+        return cls(group, k, rows_T, from_R, None,
+                   host_to_device(torch.cat(order), device),
+                   host_to_device(torch.tensor(cu, dtype=torch.int32, device=HOST), device),
+                   max(sum(rows) for rows in rows_S))
 
 
 class UlyssesCore:
@@ -143,7 +185,7 @@ class UlyssesCore:
         if layout is None:
             raise RuntimeError("sequence-parallel attention ran outside "
                                "omniscale.parallel.sequence.sp_batch(model, batch)")
-        if not layout.split:
+        if not layout.exchanges:
             return self.inner(q_THK, k_TGK, v_TGK, cu_seqlens_S1, max_seqlen)
         o_THK = q_THK.new_zeros(q_THK.shape)
         if layout.local_T.numel():
@@ -151,46 +193,49 @@ class UlyssesCore:
             o_local = self.inner(q_THK[idx_T], k_TGK[idx_T], v_TGK[idx_T],
                                  layout.local_cu_S1, layout.local_max)
             o_THK = o_THK.index_copy(0, idx_T, o_local)
-        for a, b, k, group, rows, heads in layout.split:
-            if heads is None:
-                o_seq = self._ulysses(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], k, group, rows)
+        for ex in layout.exchanges:
+            q, kk, v = q_THK[ex.rows_T], k_TGK[ex.rows_T], v_TGK[ex.rows_T]
+            if ex.heads is None:
+                o_seq = self._ulysses_many(q, kk, v, ex)
             else:
-                o_seq = self._ulysses_by_heads(q_THK[a:b], k_TGK[a:b], v_TGK[a:b], group,
-                                               rows, heads)
-            o_THK = o_THK.index_copy(0, torch.arange(a, b, device=q_THK.device), o_seq)
+                o_seq = self._ulysses_by_heads(q, kk, v, ex.group, ex.from_R, ex.heads)
+            o_THK = o_THK.index_copy(0, ex.rows_T, o_seq)
         return o_THK
 
-    def _ulysses(self, q_THK, k_TGK, v_TGK, k: int, group, rows: list[int]) -> torch.Tensor:
-        """One split sequence: this rank's T = rows[i] tokens with all heads in, the whole
-        sequence (Σ rows) with its 1/k of the heads attended, its rows back."""
+    def _ulysses_many(self, q_THK, k_TGK, v_TGK, ex: Exchange) -> torch.Tensor:
+        """Split sequences of one group, H/k heads each, exchanged together: this rank's rows
+        of each (``q_THK``: the sequences' rows one after the other) in one all-to-all, every
+        sequence attended whole in one call of the core (its own boundaries), the outputs back
+        in a second. Rank j gets chunk j of the heads of all the rows; what arrives is by
+        sending rank, then by sequence (``ex.order_L`` puts it in sequence order for the core,
+        and the outputs back in arrival order after it)."""
         T, H, K = q_THK.shape
+        k = ex.k
         if H % k:
             raise ValueError(f"n_heads={H}: must be divisible by the SP group size {k}")
         if self.n_kv_heads % k:  # replicate kv heads: one per query head
             k_TGK = k_TGK.repeat_interleave(H // self.n_kv_heads, dim=1)
             v_TGK = v_TGK.repeat_interleave(H // self.n_kv_heads, dim=1)
         G = k_TGK.shape[1]
-        L = sum(rows)
         # [T, k, C, K] with chunk i = (query heads, kv heads, kv heads) for rank i; rank-major
-        # rows so that chunk i of every rank lands on rank i, in slice (= sequence) order.
+        # rows so that chunk i of every rank lands on rank i
         chunks = [t.reshape(T, k, t.shape[1] // k, K) for t in (q_THK, k_TGK, v_TGK)]
         send = torch.cat(chunks, dim=2).transpose(0, 1).reshape(k * T, -1, K)
-        recv = all_to_all_single(send, rows, [T] * k, group=group)  # [L, C, K]
-        q, kk, v = recv.split([H // k, G // k, G // k], dim=1)
-        # [0, L] made on the device (torch.tensor(..., device=cuda) would wait for it)
-        cu_S1 = torch.arange(2, dtype=torch.int32, device=q.device) * L
-        o_seq = self.inner(q.contiguous(), kk.contiguous(), v.contiguous(), cu_S1, L)
+        recv = all_to_all_single(send, ex.from_R, [T] * k, group=ex.group)  # [Σ L, C, K]
+        q, kk, v = recv.index_select(0, ex.order_L).split([H // k, G // k, G // k], dim=1)
+        o_seq = self.inner(q.contiguous(), kk.contiguous(), v.contiguous(), ex.cu_S1,
+                           ex.max_len)
+        o_arrived = o_seq.new_empty(o_seq.shape).index_copy(0, ex.order_L, o_seq)
         # [k (head chunk), T, H/k, K]
-        back = all_to_all_single(o_seq.contiguous(), [T] * k, rows, group=group)
+        back = all_to_all_single(o_arrived, [T] * k, ex.from_R, group=ex.group)
         return back.view(k, T, H // k, K).transpose(0, 1).reshape(T, H, K)
-
 
     def _ulysses_by_heads(self, q_THK, k_TGK, v_TGK, group, rows: list[int],
                           heads: list[int]) -> torch.Tensor:
         """One split sequence whose ranks attend ``heads[j]`` query heads each (Σ = H): rank j
         gets every rank's rows of its contiguous query heads and of the kv heads they use (a
         kv head shared by two ranks' query heads goes to both). The same two all-to-alls as
-        :meth:`_ulysses`, with rows of uneven width sent flat ([rows·width, K] each way)."""
+        :meth:`_ulysses_many`, with rows of uneven width sent flat ([rows·width, K] each way)."""
         T, H, K = q_THK.shape
         G = k_TGK.shape[1]
         i = group_rank(group)
@@ -218,6 +263,26 @@ class UlyssesCore:
                                  [n * h for n in rows], group=group)
         pieces = back.split([T * x for x in heads])  # from rank j: my rows of its heads
         return torch.cat([p.view(T, x, K) for p, x in zip(pieces, heads)], dim=1)
+
+
+def _exchange_batches(split: list[tuple]) -> list[list[tuple]]:
+    """The micro-batch's split sequences as the exchanges that carry them: every sequence of
+    one group with H/k heads each in one exchange, at its first sequence's place in batch
+    order (every rank of a group sees the group's sequences in the same order, and two ranks
+    sharing two groups see them in the same order too: the exchanges keep the order the
+    per-sequence ones had); a sequence with heads sized by speed alone."""
+    batches: list[list[tuple]] = []
+    by_group: dict[int, list[tuple]] = {}
+    for entry in split:
+        group, heads = entry[3], entry[5]
+        if heads is not None:
+            batches.append([entry])
+        elif id(group) in by_group:
+            by_group[id(group)].append(entry)
+        else:
+            by_group[id(group)] = [entry]
+            batches.append(by_group[id(group)])
+    return batches
 
 
 def apply_sp(model: nn.Module, sp_mesh: Group, sp_max: int | None = None,
