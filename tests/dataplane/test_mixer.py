@@ -57,8 +57,11 @@ def check_run(mixer, steps, bound):
     batches = []
     for step in range(steps):
         batch = mixer.next_batch(step)
-        for ref in batch:
-            w = schedule.weights_over([step if schedule.unit == "steps" else tokens])[0]
+        # the weights where each sample was drawn: the step, or the tokens drawn before it
+        before = np.cumsum([0] + [ref.llm_tokens for ref in batch[:-1]]) + tokens
+        w_XN = schedule.weights_over(np.full(len(batch), step) if schedule.unit == "steps"
+                                     else before)
+        for ref, w in zip(batch, w_XN):
             i = names.index(ref.source)
             assert w[i] > 0, f"step {step}: drew {ref.source} at weight 0"
             u = {"samples": 1, "tokens": ref.llm_tokens,

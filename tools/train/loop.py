@@ -106,9 +106,9 @@ def attention_heads(cfg: RunConfig, mcfg, dims) -> int:
 
 def rank_threads(world: int) -> int:
     """A rank's intra-op threads: its share of the machine's cores, no more than it may run
-    on (``OMNISCALE_CPU_BIND``, ``taskset``) nor than ``OMP_NUM_THREADS`` when set -- what
-    torchrun sets for its ranks, and what a job sharing the machine with others sets: more
-    threads than cores spin and wait for each other (a quarter of a busy machine's time)."""
+    on (``OMNISCALE_CPU_BIND``, ``taskset``) nor than ``OMP_NUM_THREADS`` when set (as torch
+    itself honours it): a job sharing the machine sets it, since more threads than free cores
+    spin waiting for each other; torchrun sets 1 unless it is set."""
     threads = min((os.cpu_count() or 1) // world, len(os.sched_getaffinity(0)))
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
