@@ -93,7 +93,7 @@ class SPGroups:
 @dataclass
 class SPLayout:
     """One micro-batch seen by the cores: its whole sequences (gathered for one local call)
-    and its split ones (row range, group)."""
+    and its split ones, as the exchanges that carry them (`Exchange`)."""
 
     local_T: torch.Tensor  # int64: rows of whole sequences
     local_cu_S1: torch.Tensor  # int32: their boundaries within local_T

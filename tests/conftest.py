@@ -10,16 +10,6 @@ import os
 import pytest
 from hypothesis import settings
 
-# Set before anything imports torch: under xdist, torch's OpenMP threads sleep when they wait
-# instead of spinning. Two workers of two threads each on two cores spun against each other
-# (the torch-heavy files -- backbone, encoders, kernels, parallel, two training files -- took
-# 104-107 s against 87-88 s passive, alternating twice). One thread each (OMP_NUM_THREADS=1)
-# saved as much there, but a one-process test then ran on one core while the other worker
-# waited on its processes (the whole suite: 19:46 against 18:44 the run before; the lm task's
-# test 25 s against 12).
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 settings.register_profile("ci", derandomize=True, deadline=None, database=None,
                           print_blob=True)
 if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
