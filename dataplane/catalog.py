@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+import pyarrow as pa
 
 from omniscale.dataplane.shard_slice import ShardSlice
 from omniscale.errors import UserError
@@ -33,7 +34,7 @@ from omniscale.index_schema import (
 )
 from omniscale.layout import SpecialTokens
 from omniscale.location import Location
-from omniscale.refs import SAMPLE_FIELDS, SampleRef, make_ref
+from omniscale.refs import REF_SCHEMA, SampleRef, table_to_refs
 
 PLANE_READS = range(2, INDEX_VERSION + 1)  # index versions the plane can plan from
 
@@ -107,7 +108,7 @@ class SourceState:
         pos = self._settle()
         if pos is None:
             return None
-        ref = self._open.refs(np.array([pos]), self.source_id, self.name)[0]
+        ref = self._open.refs(np.array([pos]))[0]
         # The cursor now rests on a servable row: until it moves (or the quarantine or state
         # changes) _settle would return that same row, so the ref is reused.
         self._peeked = (self.sample_pos, self.shard_pos, self.epoch, ref)
@@ -140,11 +141,11 @@ class SourceState:
     def take(self, n: int) -> list[SampleRef]:
         """The next ``n`` samples (fewer if the source runs out), consumed: exactly ``n`` calls
         of :meth:`next`, a shard's run of rows at a time."""
-        return list(map(make_ref, *self.take_fields(n)))
+        return table_to_refs(self.take_table(n))
 
-    def take_fields(self, n: int) -> list[list]:
-        """:meth:`take`'s refs as a list per SampleRef field (``ShardSlice.fields``)."""
-        out: list[list] = [[] for _ in range(len(SAMPLE_FIELDS))]
+    def take_table(self, n: int) -> pa.Table:
+        """:meth:`take`'s samples as one :data:`REF_SCHEMA` table (``ShardSlice.take``)."""
+        runs = []
         while n > 0:
             pos = self._settle()
             if pos is None:
@@ -157,11 +158,12 @@ class SourceState:
             self.sample_pos = last + 1
             self.served_samples += len(pos_K)
             self.served_tokens += int(o.llm_K[k:k + n].sum())
-            for column, values in zip(out, o.fields(pos_K, self.source_id, self.name)):
-                column += values
+            runs.append(o.take(pos_K))
             n -= len(pos_K)
         self._peeked = None
-        return out
+        if len(runs) == 1:
+            return runs[0]
+        return pa.concat_tables(runs) if runs else REF_SCHEMA.empty_table()
 
     def quarantine(self, shard: str, key: str) -> None:
         """Skip ``(shard, key)`` from now on, in this epoch and every later one."""
@@ -237,7 +239,7 @@ class SourceState:
             table = read_shard(self.path, shard, self._metadata, columns=names)
             order = self.row_order(self.epoch, self.shard_pos, table.num_rows)
             o = self._open = ShardSlice(self.epoch, self.shard_pos, shard, order, table,
-                                        self.max_tokens)
+                                        self.max_tokens, self.source_id, self.name)
         o.classify(self.quarantined, self._quarantine_version)
         return o
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from omniscale.balancer.types import split_lengths
 from omniscale.plan import rescale_lengths
-from omniscale.refs import SampleRef
+from omniscale.refs import RefTable, SampleRef
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def draw_replacement(catalog, source: str, shard: str, key: str,
     return state.next()
 
 
-def replacement_room(plan, refs: list[SampleRef], tokens_N, sample: tuple, budget: int,
+def replacement_room(plan, refs: "RefTable | list[SampleRef]", tokens_N, sample: tuple, budget: int,
                      occupants: dict | None = None) -> int | None:
     """The most LLM tokens a replacement of ``sample`` ((source, shard, key, epoch) of a sample
     the step planned) may have so that every micro-batch holding it stays within ``budget``

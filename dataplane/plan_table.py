@@ -20,10 +20,10 @@ import pyarrow.compute as pc
 from omniscale.balancer.types import StepPlan, split_heads, split_lengths
 from omniscale.media import AUDIO, IMAGE, VIDEO
 from omniscale.plan import METADATA_KEY, rows_to_table, slice_fingerprints
-from omniscale.refs import SampleRef, refs_to_table
+from omniscale.refs import RefTable, SampleRef
 
 
-def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
+def rank_tables(plan: StepPlan, refs: RefTable | list[SampleRef], first_item_N: np.ndarray,
                 step: int, dp: int, side: dict | None = None) -> list[pa.Table]:
     """The plan of absolute step ``step`` split into one table per rank.
 
@@ -38,7 +38,8 @@ def rank_tables(plan: StepPlan, refs: list[SampleRef], first_item_N: np.ndarray,
     return [tables[(step, r)] for r in range(dp)]
 
 
-def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_N: np.ndarray,
+def window_rank_tables(plans: list[StepPlan], refs: RefTable | list[SampleRef],
+                       first_item_N: np.ndarray,
                        steps: list[int], dps: list[int], sides: list[dict | None],
                        prints: dict[tuple[int, int], str] | None = None
                        ) -> dict[tuple[int, int], pa.Table]:
@@ -52,8 +53,7 @@ def window_rank_tables(plans: list[StepPlan], refs: list[SampleRef], first_item_
     # The steps' samples, once each, as a ref table the rows take from.
     used_U = np.unique(np.concatenate([np.asarray(p.sample_P, np.int64) for p in plans]
                                       + [np.asarray(p.item_sample_M, np.int64) for p in plans]))
-    step_refs = [refs[i] for i in used_U.tolist()]
-    ref_table = refs_to_table(step_refs)
+    ref_table = RefTable.of(refs).table.take(pa.array(used_U))
     counts_U = tuple(np.asarray(pc.list_value_length(ref_table.column(name)), np.int64)
                      for name in ("image_patches", "video_patches", "audio_frames"))
     parts = [_step_rows(plan, used_U, counts_U, first_item_N) for plan in plans]

@@ -44,6 +44,7 @@ from omniscale.dataplane.spec import MixSpec, spec_from_text
 from omniscale.dataplane.suspect import SuspectLedger
 from omniscale.dataplane.windows import Window, best_baseline, plan_policy, window_samples
 from omniscale.plan import fingerprint, step_fingerprint
+from omniscale.refs import RefTable
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ class PlaneState:
         batches = []
         for j in range(W):
             try:
-                batches.append(self.mixer.next_batch(k * W + j))
+                batches.append(self.mixer.next_batch_table(k * W + j))
             except MixtureExhausted:
                 break
         self.next_window = k + 1
@@ -281,7 +282,7 @@ class PlaneState:
                                                 self.speeds_at(first, dp, before=True)),
                             self.config.balance)
         window = Window(k, first, start.mixer_state, self.spec_ref,
-                        [r for b in batches for r in b], samples, plans, [dp] * len(plans))
+                        RefTable(pa.concat_tables(batches)), samples, plans, [dp] * len(plans))
         respeeds = {s for s, _ in self.speed_changes if first <= s < window.end_step}
         for step in sorted(respeeds | {s for s, _ in self.dp_changes
                                        if first < s < window.end_step}):

@@ -1,12 +1,13 @@
 """The index slice of the shard a source's cursor is in, as arrays (catalog.SourceState's).
 
-The catalog used to hold a shard's rows as Python lists (``to_pylist`` of every column, a dict
-per tar member) and walk them a row at a time: about 27 µs a drawn sample with the mixer, most
-of a 4,096-rank plane's window. Here a shard is read into arrays once, the cursor's skip rules
-are decided for the whole shard at once (:meth:`ShardSlice.classify`), and refs are built for
-a run of rows at a time (:meth:`ShardSlice.fields`). Every value a ref carries is exactly what
-the row-at-a-time code gave (the same ``or 0`` / ``or ()`` defaults for nulls, the same
-truncation), so plans stay bit-identical.
+A shard is read once, put in the cursor's order, and kept as two things: numpy arrays of what
+the mixer decides draws by (tokens, why a row is skipped), and the rows as an Arrow table in
+:data:`omniscale.refs.REF_SCHEMA` (:attr:`ShardSlice.table`), from which a run of draws is one
+``take`` (:meth:`ShardSlice.take`). The plane never builds a Python object per sample: a
+window's samples go from these tables to its plan tables column by column (a SampleRef per
+drawn sample, built and then turned back into Arrow, was over half of a 4,096-rank window).
+Every value a row carries is what the row-at-a-time code gave (the same ``or 0`` / ``or ()``
+defaults for nulls, the same truncation), so plans stay bit-identical.
 
 Positions: ``X`` indexes the cursor's order (``sample_pos``: the shard's rows as the epoch's
 seeded order visits them), ``K`` the servable positions in that order.
@@ -18,10 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from omniscale.refs import SampleRef, make_ref
+from omniscale.refs import REF_SCHEMA, SampleRef, table_to_refs
 
 OK, CORRUPT, QUARANTINED, TOO_LONG = 0, 1, 2, 3  # why the cursor skips a row (or not)
-_NO_LIST = ()
 
 
 def _ints(column: pa.ChunkedArray) -> np.ndarray:
@@ -29,16 +29,10 @@ def _ints(column: pa.ChunkedArray) -> np.ndarray:
     return pc.fill_null(column, 0).to_numpy().astype(np.int64)
 
 
-def _lists(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, pa.Array]:
-    """A list column as (start_X, end_X, values): row X's list is values[start:end]; a null
-    list is empty (the row-at-a-time ``value or ()``)."""
-    arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    offsets = arr.offsets.to_numpy().astype(np.int64)  # into arr.values, the array's offset applied
-    start, end = offsets[:-1], offsets[1:].copy()
-    if arr.null_count:
-        null = arr.is_null().to_numpy(zero_copy_only=False)
-        end[null] = start[null]
-    return start, end, arr.values
+def _lists(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
+    """A list column with null lists as empty ones (the row-at-a-time ``value or ()``)."""
+    column = column.cast(type_)
+    return pc.fill_null(column, pa.scalar([], type_)) if column.null_count else column
 
 
 class ShardSlice:
@@ -50,22 +44,18 @@ class ShardSlice:
     are built -- which is also the order the garbage collector later walks those refs in."""
 
     def __init__(self, epoch: int, shard_pos: int, shard: str, order: np.ndarray,
-                 table: pa.Table, max_tokens: int | None) -> None:
+                 table: pa.Table, max_tokens: int | None, source_id: int = 0,
+                 source: str = "") -> None:
         self.epoch, self.shard_pos, self.shard = epoch, shard_pos, shard
-        self.num_rows = len(order)
+        self.num_rows = n = len(order)
         table = table.take(pa.array(np.asarray(order, np.int64)))
-        self.keys = table.column("key").to_pylist()
-        self.offset = table.column("offset").to_pylist()
-        self.size = table.column("size").to_pylist()
-        m_start, m_end, members = _lists(table.column("members"))
-        fields = [f.to_pylist() for f in members.flatten()] if len(members) else [[], [], []]
-        self.members = (m_start, m_end, *fields)  # name, offset, size of every member
-        self.media = []  # image_patches, video_patches, audio_frames: (start_X, end_X, values)
-        has_media = np.zeros(self.num_rows, bool)
-        for name in ("image_patches", "video_patches", "audio_frames"):
-            start, end, values = _lists(table.column(name))
-            self.media.append((start, end, values.to_pylist()))
-            has_media |= end > start
+        field = REF_SCHEMA.field
+        members = _lists(table.column("members"), field("members").type)
+        media = [_lists(table.column(name), field(name).type)
+                 for name in ("image_patches", "video_patches", "audio_frames")]
+        has_media = np.zeros(n, bool)
+        for column in media:
+            has_media |= np.asarray(pc.list_value_length(column), np.int64) > 0
         llm, text = _ints(table.column("llm_tokens")), _ints(table.column("text_tokens"))
         # an index before version 4 has no target counts: its text tokens stand in
         if "target_tokens" in table.column_names:
@@ -74,7 +64,7 @@ class ShardSlice:
                               _ints(target))
         else:
             target = text.copy()
-        long = np.zeros(self.num_rows, bool) if max_tokens is None else llm > max_tokens
+        long = np.zeros(n, bool) if max_tokens is None else llm > max_tokens
         # Over max_tokens with media: cutting it would cut media, so it is skipped; text-only
         # samples are truncated instead.
         self.too_long_X = long & has_media
@@ -83,6 +73,14 @@ class ShardSlice:
             target = np.where(long, np.minimum(target, max_tokens), target)
         self.llm_X, self.text_X, self.target_X = llm, text, target
         self.error_X = table.column("error").is_valid().to_numpy(zero_copy_only=False)
+        i32 = pa.int32()
+        self.keys = table.column("key").cast(pa.string())
+        self.table = pa.Table.from_arrays([
+            pa.array(np.full(n, source_id, np.int32)), pa.array([source] * n, pa.string()),
+            pa.array([shard] * n, pa.string()), self.keys,
+            table.column("offset").cast(pa.int64()), table.column("size").cast(pa.int64()),
+            members, pa.array(llm, i32), pa.array(text, i32), *media,
+            pa.array(np.full(n, epoch, np.int32)), pa.array(target, i32)], schema=REF_SCHEMA)
         self._version: object = None  # the quarantine classify() last saw
 
     def classify(self, quarantined: set[tuple[str, str]], version: object) -> None:
@@ -94,7 +92,8 @@ class ShardSlice:
         why_X = np.where(self.error_X, CORRUPT, np.where(self.too_long_X, TOO_LONG, OK))
         mine = {k for s, k in quarantined if s == self.shard}
         if mine:
-            hit = np.fromiter((k in mine for k in self.keys), bool, len(self.keys))
+            hit = np.asarray(pc.is_in(self.keys, value_set=pa.array(sorted(mine), pa.string())),
+                             bool)
             why_X = np.where(~self.error_X & hit, QUARANTINED, why_X)
         self.ok_K = np.flatnonzero(why_X == OK)  # the servable positions, in cursor order
         self.llm_K, self.target_K = self.llm_X[self.ok_K], self.target_X[self.ok_K]
@@ -111,31 +110,12 @@ class ShardSlice:
         """Positions in [start, stop) skipped as corrupt, quarantined, too long."""
         return tuple(int(s[stop] - s[start]) for s in self.skipped_X)
 
-    def refs(self, pos_X: np.ndarray, source_id: int, source: str) -> list[SampleRef]:
+    def refs(self, pos_X: np.ndarray) -> list[SampleRef]:
         """The refs of the rows at cursor positions ``pos_X``, in that order."""
-        return list(map(make_ref, *self.fields(pos_X, source_id, source)))
+        return table_to_refs(self.take(pos_X))
 
-    def fields(self, pos_X: np.ndarray, source_id: int, source: str) -> list[list]:
-        """The SampleRef fields of the rows at cursor positions ``pos_X``: a list per field,
-        in field order (the mixer builds a batch's refs from these at once)."""
-        r = pos_X.tolist()
-        n = len(r)
-        m_start, m_end, names, offs, sizes = self.members
-        a_X, b_X = m_start[pos_X], m_end[pos_X]
-        if n and ((b_X - a_X) == 1).all():  # one member each (a tar sample's one file)
-            members = [((names[a], offs[a], sizes[a]),) for a in a_X.tolist()]
-        else:
-            members = [tuple(zip(names[a:b], offs[a:b], sizes[a:b]))
-                       for a, b in zip(a_X.tolist(), b_X.tolist())]
-        media = []
-        for start, end, values in self.media:
-            if not values:
-                media.append([_NO_LIST] * n)
-            else:
-                media.append([tuple(values[a:b]) for a, b in
-                              zip(start[pos_X].tolist(), end[pos_X].tolist())])
-        return [[source_id] * n, [source] * n, [self.shard] * n,
-                list(map(self.keys.__getitem__, r)), list(map(self.offset.__getitem__, r)),
-                list(map(self.size.__getitem__, r)), members, self.llm_X[pos_X].tolist(),
-                self.text_X[pos_X].tolist(), *media, [self.epoch] * n,
-                self.target_X[pos_X].tolist()]
+    def take(self, pos_X: np.ndarray) -> pa.Table:
+        """The rows at cursor positions ``pos_X``, in that order (:data:`REF_SCHEMA`)."""
+        if len(pos_X) and int(pos_X[-1]) - int(pos_X[0]) == len(pos_X) - 1:
+            return self.table.slice(int(pos_X[0]), len(pos_X))  # a run of servable rows
+        return self.table.take(pa.array(pos_X, pa.int64()))

@@ -1,21 +1,20 @@
 """From the mixer's global batches to the balancer's arrays and back.
 
-A window is W consecutive global batches planned together. This module turns its SampleRefs
-into a :class:`balancer.types.WindowSamples` (tokens, source, batch, and one encoder item per
-image, video clip and audio clip), runs the planner, and re-plans the tail of a window on a
-different number of ranks (an elastic restore mid-window) without touching its head;
-:class:`Window` is one drawn and planned window as the plane keeps it.
+A window is W consecutive global batches planned together. This module turns its samples (the
+mixer's batch tables) into a :class:`balancer.types.WindowSamples` (tokens, source, batch, and
+one encoder item per image, video clip and audio clip), runs the planner, and re-plans the tail
+of a window on a different number of ranks (an elastic restore mid-window) without touching its
+head; :class:`Window` is one drawn and planned window as the plane keeps it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import attrgetter
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from omniscale.balancer.baselines import (
     BASELINES,
@@ -27,21 +26,22 @@ from omniscale.balancer.cost import Costs
 from omniscale.balancer.planner import plan_step, plan_window
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
 from omniscale.geometry import MediaGeometry, audio_tokens
-from omniscale.refs import SampleRef
+from omniscale.refs import REF_SCHEMA, RefTable, SampleRef
 
 
-def window_samples(batches: list[list[SampleRef]], geometry: MediaGeometry) -> WindowSamples:
+def window_samples(batches: "list[pa.Table | list[SampleRef]]", geometry: MediaGeometry
+                   ) -> WindowSamples:
     """The window's samples in batch order; items in the order plan_table.item_kinds gives.
 
-    Column at a time (a Python loop per ref and item was a tenth of a 4,096-rank window):
-    each sample's items are its images, then videos, then audio clips, at
-    ``item_offsets_N1[n]`` on."""
-    refs = [ref for batch in batches for ref in batch]
-    N = len(refs)
-    batch_N = np.repeat(np.arange(len(batches), dtype=np.int32), [len(b) for b in batches])
-    lists = [list(map(attrgetter(name), refs))
-             for name in ("image_patches", "video_patches", "audio_frames")]
-    count_KN = np.array([np.fromiter(map(len, values), np.int64, N) for values in lists],
+    ``batches``: each global batch as the mixer drew it (``Mixer.next_batch_table``, or its
+    refs). Column at a time: each sample's items are its images, then videos, then audio
+    clips, at ``item_offsets_N1[n]`` on."""
+    tables = [RefTable.of(batch).table for batch in batches]
+    table = pa.concat_tables(tables) if tables else REF_SCHEMA.empty_table()
+    N = table.num_rows
+    batch_N = np.repeat(np.arange(len(tables), dtype=np.int32), [t.num_rows for t in tables])
+    lists = [table.column(name) for name in ("image_patches", "video_patches", "audio_frames")]
+    count_KN = np.array([_ints(pc.list_value_length(values)) for values in lists],
                         np.int64).reshape(3, N)
     offsets_N1 = np.concatenate([[0], np.cumsum(count_KN.sum(axis=0), dtype=np.int64)]
                                 ).astype(np.int64)
@@ -53,7 +53,7 @@ def window_samples(batches: list[list[SampleRef]], geometry: MediaGeometry) -> W
         count_N = count_KN[kind]
         total = int(count_N.sum())
         if total:
-            flat = np.fromiter(chain.from_iterable(values), np.int64, total)
+            flat = _ints(pc.list_flatten(values))
             # item j of a sample's items of this kind sits at first_N + j
             starts = np.cumsum(count_N) - count_N
             at = np.repeat(first_N - starts, count_N) + np.arange(total)
@@ -61,10 +61,16 @@ def window_samples(batches: list[list[SampleRef]], geometry: MediaGeometry) -> W
             tokens_M[at] = audio_tokens(flat) if kind == 2 else flat // merge
         first_N += count_N
     return WindowSamples(
-        tokens_N=np.fromiter(map(attrgetter("llm_tokens"), refs), np.int64, N),
-        source_N=np.array(list(map(attrgetter("source_id"), refs)), np.int32),
+        tokens_N=_ints(table.column("llm_tokens")),
+        source_N=_ints(table.column("source_id")).astype(np.int32),
         batch_N=batch_N, item_offsets_N1=offsets_N1, item_size_M=size_M, item_kind_M=kind_M,
         item_tokens_M=tokens_M)
+
+
+def _ints(column) -> np.ndarray:
+    """An integer column (chunked or not) as int64, nulls as 0 (a ref's ``or 0``)."""
+    return np.asarray(pc.fill_null(column, 0), np.int64) if len(column) else \
+        np.zeros(0, np.int64)
 
 
 def subset(samples: WindowSamples, idx_n: np.ndarray, batch_n: np.ndarray
@@ -205,7 +211,7 @@ class Window:
     first_step: int
     start_state: dict  # mixer state before drawing it
     spec_path: str
-    refs: list[SampleRef]
+    refs: RefTable  # the window's samples in batch order
     samples: WindowSamples
     plans: list[StepPlan]
     dp_of_step: list[int]

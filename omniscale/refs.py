@@ -119,3 +119,33 @@ def table_to_refs(table: pa.Table) -> list[SampleRef]:
     for i in _LISTS:
         cols[i] = [tuple(v) if v else () for v in cols[i]]
     return list(map(make_ref, *cols))
+
+
+class RefTable:
+    """Samples as the plane holds them: a :data:`REF_SCHEMA` table, read column by column.
+    ``refs[i]`` builds the SampleRefs only when a cold path asks for one (an audit, a corrupt
+    sample's report): all at once, then kept."""
+
+    __slots__ = ("table", "_refs")
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table, self._refs = table, None
+
+    @classmethod
+    def of(cls, refs: "RefTable | pa.Table | list[SampleRef]") -> "RefTable":
+        if isinstance(refs, RefTable):
+            return refs
+        return cls(refs if isinstance(refs, pa.Table) else refs_to_table(list(refs)))
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i: int) -> SampleRef:
+        if self._refs is None:
+            self._refs = table_to_refs(self.table)
+        return self._refs[i]
+
+    def __iter__(self):
+        if self._refs is None:
+            self._refs = table_to_refs(self.table)
+        return iter(self._refs)

@@ -158,7 +158,8 @@ def test_quarantine_between_batches(many):
     def quarantine(m, step):
         for s in list(m.catalog)[step % 4::4]:
             if s.open_shard is not None:  # a key likely still ahead in the open shard
-                s.quarantine(s.open_shard, sorted(s._open.keys)[len(s._open.keys) // 2])
+                keys = sorted(s._open.keys.to_pylist())
+                s.quarantine(s.open_shard, keys[len(keys) // 2])
     same_run(lambda: _many_mixer(many, "tokens", {"global_batch_samples": 29}, "steps"), 14,
              between=quarantine)
 

@@ -137,7 +137,7 @@ def draw_windows(spec: Path, config, n_windows: int) -> list:
     mix = load_spec(spec)
     mixer = Mixer.from_spec(mix, Catalog.from_spec(mix, max_tokens=config.sample_cap),
                             **config.batch)
-    return [window_samples([mixer.next_batch(k * config.window + j)
+    return [window_samples([mixer.next_batch_table(k * config.window + j)
                             for j in range(config.window)], mix.media)
             for k in range(n_windows)]
 
