@@ -39,9 +39,9 @@ class ShardSlice:
     """One shard's rows, opened at ``shard_pos`` of ``epoch`` with the row ``order`` seeded
     for it; ``max_tokens``: longer samples are truncated (text only) or skipped (media).
 
-    The rows are put in the cursor's order as they are read, so the Python values a run of
-    draws takes (keys, offsets, members) lie side by side in memory in the order the refs
-    are built -- which is also the order the garbage collector later walks those refs in."""
+    ``source_id``/``source``: the source's, carried by every row. The rows are put in the
+    cursor's order as they are read, so the servable rows a run of draws takes are mostly
+    contiguous: a slice of :attr:`table`, no copy."""
 
     def __init__(self, epoch: int, shard_pos: int, shard: str, order: np.ndarray,
                  table: pa.Table, max_tokens: int | None, source_id: int = 0,
