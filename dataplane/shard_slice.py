@@ -19,14 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from omniscale.refs import REF_SCHEMA, SampleRef, table_to_refs
+from omniscale.refs import REF_SCHEMA, SampleRef, int_column, table_to_refs
 
 OK, CORRUPT, QUARANTINED, TOO_LONG = 0, 1, 2, 3  # why the cursor skips a row (or not)
-
-
-def _ints(column: pa.ChunkedArray) -> np.ndarray:
-    """An integer column with nulls as 0 (the row-at-a-time ``value or 0``)."""
-    return pc.fill_null(column, 0).to_numpy().astype(np.int64)
 
 
 def _lists(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
@@ -56,12 +51,12 @@ class ShardSlice:
         has_media = np.zeros(n, bool)
         for column in media:
             has_media |= np.asarray(pc.list_value_length(column), np.int64) > 0
-        llm, text = _ints(table.column("llm_tokens")), _ints(table.column("text_tokens"))
+        llm, text = int_column(table.column("llm_tokens")), int_column(table.column("text_tokens"))
         # an index before version 4 has no target counts: its text tokens stand in
         if "target_tokens" in table.column_names:
             target = table.column("target_tokens")
             target = np.where(target.is_null().to_numpy(zero_copy_only=False), text,
-                              _ints(target))
+                              int_column(target))
         else:
             target = text.copy()
         long = np.zeros(n, bool) if max_tokens is None else llm > max_tokens

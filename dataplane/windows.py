@@ -26,7 +26,7 @@ from omniscale.balancer.cost import Costs
 from omniscale.balancer.planner import plan_step, plan_window
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
 from omniscale.geometry import MediaGeometry, audio_tokens
-from omniscale.refs import REF_SCHEMA, RefTable, SampleRef
+from omniscale.refs import REF_SCHEMA, RefTable, SampleRef, int_column
 
 
 def window_samples(batches: "list[pa.Table | list[SampleRef]]", geometry: MediaGeometry
@@ -41,7 +41,7 @@ def window_samples(batches: "list[pa.Table | list[SampleRef]]", geometry: MediaG
     N = table.num_rows
     batch_N = np.repeat(np.arange(len(tables), dtype=np.int32), [t.num_rows for t in tables])
     lists = [table.column(name) for name in ("image_patches", "video_patches", "audio_frames")]
-    count_KN = np.array([_ints(pc.list_value_length(values)) for values in lists],
+    count_KN = np.array([int_column(pc.list_value_length(values)) for values in lists],
                         np.int64).reshape(3, N)
     offsets_N1 = np.concatenate([[0], np.cumsum(count_KN.sum(axis=0), dtype=np.int64)]
                                 ).astype(np.int64)
@@ -53,7 +53,7 @@ def window_samples(batches: "list[pa.Table | list[SampleRef]]", geometry: MediaG
         count_N = count_KN[kind]
         total = int(count_N.sum())
         if total:
-            flat = _ints(pc.list_flatten(values))
+            flat = int_column(pc.list_flatten(values))
             # item j of a sample's items of this kind sits at first_N + j
             starts = np.cumsum(count_N) - count_N
             at = np.repeat(first_N - starts, count_N) + np.arange(total)
@@ -61,16 +61,10 @@ def window_samples(batches: "list[pa.Table | list[SampleRef]]", geometry: MediaG
             tokens_M[at] = audio_tokens(flat) if kind == 2 else flat // merge
         first_N += count_N
     return WindowSamples(
-        tokens_N=_ints(table.column("llm_tokens")),
-        source_N=_ints(table.column("source_id")).astype(np.int32),
+        tokens_N=int_column(table.column("llm_tokens")),
+        source_N=int_column(table.column("source_id")).astype(np.int32),
         batch_N=batch_N, item_offsets_N1=offsets_N1, item_size_M=size_M, item_kind_M=kind_M,
         item_tokens_M=tokens_M)
-
-
-def _ints(column) -> np.ndarray:
-    """An integer column (chunked or not) as int64, nulls as 0 (a ref's ``or 0``)."""
-    return np.asarray(pc.fill_null(column, 0), np.int64) if len(column) else \
-        np.zeros(0, np.int64)
 
 
 def subset(samples: WindowSamples, idx_n: np.ndarray, batch_n: np.ndarray

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from omniscale.index_schema import MEMBER_TYPE
 
@@ -141,11 +143,17 @@ class RefTable:
         return self.table.num_rows
 
     def __getitem__(self, i: int) -> SampleRef:
-        if self._refs is None:
-            self._refs = table_to_refs(self.table)
-        return self._refs[i]
+        return self._all()[i]
 
     def __iter__(self):
+        return iter(self._all())
+
+    def _all(self) -> list[SampleRef]:
         if self._refs is None:
             self._refs = table_to_refs(self.table)
-        return iter(self._refs)
+        return self._refs
+
+
+def int_column(column: "pa.Array | pa.ChunkedArray") -> np.ndarray:
+    """An integer column (of a ref or index table) as int64, nulls as 0 (a ref's ``or 0``)."""
+    return np.asarray(pc.fill_null(column, 0), np.int64)
