@@ -67,6 +67,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
+from omniscale.tools.bench.paired import paired_ratios  # noqa: E402
+from omniscale.tools.bench.paired import spread as _spread  # noqa: E402
+
 SP = 2
 MICRO_BATCH_TOKENS = 4096
 GLOBAL_BATCH_TOKENS = 16384
@@ -371,10 +374,6 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main(argv: list[str] | None = None) -> dict:
     from omniscale.tools.bench.e2e import calibrate, run
     from omniscale.tools.bench.provenance import provenance
@@ -485,10 +484,15 @@ def main(argv: list[str] | None = None) -> dict:
                              "imbalance_predicted", "micro_batches_mean",
                              "measured_over_predicted")} for p in policies}
     measured = {}
-    for key in ("ratio_vs_static", "ratio_vs_best_per_step"):
-        values = [r[key] for r in rounds if key in r]
-        if values:
-            measured[key] = _spread(values)
+    rates = [{p: v[RATE] for p, v in r["runs"].items()} for r in rounds]
+    for key, group in (("static", STATIC), ("best_per_step", PER_STEP)):
+        # the one layout / policy with the highest median rate, paired by round
+        # (tools/bench/paired.py); each round's fastest kept beside it
+        got = paired_ratios(rates, OURS, [p for p in group if p in policies])
+        if got:
+            measured[f"ratio_vs_{key}"] = {**_spread(got["ratios"]), "against": got["best"]}
+            measured[f"ratio_vs_{key}_each_rounds_fastest"] = _spread(
+                got["ratios_vs_fastest_each_round"])
     measured["ratio_vs"] = {p: _spread([r["ratio_vs"][p] for r in rounds])
                             for p in policies if p != OURS and OURS in policies}
     same_tokens = all(r["runs"][p]["tokens_as_predicted"] for r in rounds for p in policies)
