@@ -19,9 +19,12 @@ from omniscale.balancer.types import StepPlan, slice_tokens
 
 
 def step_times(plan: StepPlan) -> tuple[float, float]:
-    """(DDP, FSDP) simulated time of one step, encoder phase included."""
-    llm_R = plan.rank_cost_R if plan.mb_cost_RB.size else np.zeros(1)
+    """(DDP, FSDP) simulated time of one step, encoder phase included: each rank's work over
+    its speed (``plan.speed_R``; equal ranks when None)."""
+    llm_R = plan.rank_time_R if plan.mb_cost_RB.size else np.zeros(1)
     enc_R = plan.encoder_cost_R if plan.encoder_cost_R is not None else np.zeros_like(llm_R)
+    if plan.speed_R is not None and enc_R.shape == plan.speed_R.shape:
+        enc_R = enc_R / plan.speed_R
     enc_max = float(enc_R.max()) if enc_R.size else 0.0
     ddp = plan.ddp_time + enc_max if plan.reshard else float((llm_R + enc_R).max())
     return ddp, plan.fsdp_time + enc_max
@@ -83,6 +86,9 @@ def exactly_once(plans: list[StepPlan], num_samples: int, num_items: int) -> dic
     return result
 
 
-def ideal_time(llm_cost_N: np.ndarray, item_cost_M: np.ndarray, dp: int) -> float:
-    """All predicted cost spread perfectly over the ranks: the floor for any policy's total."""
-    return float((llm_cost_N.sum() + item_cost_M.sum()) / dp)
+def ideal_time(llm_cost_N: np.ndarray, item_cost_M: np.ndarray, dp: int,
+               speed_R: np.ndarray | None = None) -> float:
+    """All predicted cost spread perfectly over the ranks (in proportion to their speeds when
+    given): the floor for any policy's total."""
+    pooled = dp if speed_R is None else float(np.sum(speed_R))
+    return float((llm_cost_N.sum() + item_cost_M.sum()) / pooled)

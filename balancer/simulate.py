@@ -127,6 +127,9 @@ def run_policy(name: str, stream: WindowSamples, step_offsets_S1: np.ndarray, co
         t0 = time.perf_counter()
         local = policy(samples, costs, step_config, **kw)
         ms_S[first:end] = (time.perf_counter() - t0) * 1e3 / (end - first)
+        for plan in local:  # a baseline places blind to the ranks' speeds, judged by them
+            if plan.speed_R is None:
+                plan.speed_R = config.speed_R
         lo = int(step_offsets_S1[first])
         plans += [globalize(p, first, lo, int(stream.item_offsets_N1[lo])) for p in local]
     priced = [reprice(p, stream, costs, config.dp) for p in plans]
@@ -151,6 +154,8 @@ def reprice(plan: StepPlan, stream: WindowSamples, costs,
     compute_P = costs.llm(tokens_P)
     cost_P = unit_cost(compute_P, tokens_P, k_P, costs.sp_comm_per_token)
     comm_P = cost_P - compute_P / k_P
+    if plan.sp_tokens_P is not None:
+        cost_P = _speed_sized_parts(plan, tokens_P, k_P, cost_P, costs)
     mb_cost_RB = np.zeros((dp, plan.num_micro_batches), np.float64)
     np.add.at(mb_cost_RB, (plan.rank_P, plan.micro_batch_P), cost_P)
     item_M = plan.item_M
@@ -168,6 +173,28 @@ def reprice(plan: StepPlan, stream: WindowSamples, costs,
                                  encoder_cost_R=encoder_cost_R.astype(np.float64),
                                  reshard=bool(plan.reshard or moved_M.any()))
     return priced, reshard, float(comm_P.sum())
+
+
+def _speed_sized_parts(plan: StepPlan, tokens_P: np.ndarray, k_P: np.ndarray,
+                       unit_P: np.ndarray, costs) -> np.ndarray:
+    """Each placement's part of a split sample whose slices (and heads) the planner sized by
+    the ranks' speeds (``balancer.speed_split``): the sample's work (``unit`` × k, its
+    communication included) × ((1 − φ)·t + φ·g), t its share of the tokens, g of the query
+    heads (1/k when equal), φ the attention share; whole samples keep ``unit_P``."""
+    split_P = k_P > 1
+    held_P = np.where(split_P, plan.sp_tokens_P, 0).astype(np.float64)
+    t_P = held_P / np.maximum(np.bincount(plan.sample_P, weights=held_P)[plan.sample_P], 1.0)
+    if plan.sp_heads_P is not None:
+        heads_P = np.where(split_P, plan.sp_heads_P, 0).astype(np.float64)
+        g_P = heads_P / np.maximum(np.bincount(plan.sample_P, weights=heads_P)[plan.sample_P],
+                                   1.0)
+    else:
+        g_P = 1.0 / k_P
+    work_P = unit_P * k_P
+    share_P = np.clip(costs.llm.beta * tokens_P.astype(np.float64) ** 2
+                      / np.maximum(work_P, 1e-300), 0.0, 1.0)
+    part_P = work_P * ((1.0 - share_P) * t_P + share_P * g_P)
+    return np.where(split_P, part_P, unit_P)
 
 
 def globalize(plan: StepPlan, first_step: int, first_sample: int, first_item: int) -> StepPlan:
@@ -240,10 +267,13 @@ def compare(runs: list[PolicyRun], stream: WindowSamples, step_offsets_S1: np.nd
     """Every run summarised, the ideal, and our speed-up per objective over the best baseline
     that may split (the headline) and over the best no-split baseline (labelled so).
 
-    The ideal is compute only (all predicted cost / ranks): communication is what a policy
-    pays on top of it."""
+    The ideal is compute only (all predicted cost / ranks, or over the summed speeds of ranks
+    of given speeds, ``config.rank_speed``): communication is what a policy pays on top of
+    it. With speeds every policy's plans are judged in time (a rank's work over its speed);
+    the baselines place blind to them, as they would."""
     planned = take(stream, 0, int(step_offsets_S1[-1]))
-    ideal = ideal_time(llm_costs(planned, costs), item_costs(planned, costs), config.dp)
+    ideal = ideal_time(llm_costs(planned, costs), item_costs(planned, costs), config.dp,
+                       config.speed_R)
     policies = {run.name: summarize(run, stream, step_offsets_S1, config, ideal) for run in runs}
     step_sync = policies.pop(OURS_STEP_SYNC, None)
     if step_sync is not None and OURS in policies:  # ours on DDP: as planned for DDP
@@ -254,6 +284,7 @@ def compare(runs: list[PolicyRun], stream: WindowSamples, step_offsets_S1: np.nd
         "epsilon": config.epsilon, "micro_batch_tokens": config.micro_batch_tokens,
         "sp_comm_per_token": costs.sp_comm_per_token,
         "reshard_per_token": costs.reshard_per_token,
+        "rank_speed": None if config.rank_speed is None else list(config.rank_speed),
         "samples": planned.num_samples, "items": planned.num_items,
         "steps": len(step_offsets_S1) - 1, "ideal_time": ideal, "policies": policies,
     }

@@ -26,6 +26,11 @@ def _add_simulate(subcommands) -> None:
     source.add_argument("--dist", metavar="NAME",
                         help="built-in generator: lognormal, omni, uniform, bimodal")
     sim.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
+    sim.add_argument("--rank-speeds", metavar="SPEEDS", default=None,
+                     help="each rank's relative speed, comma-separated, one per rank "
+                          "(1,1,0.5,0.5: mixed GPU generations): ours plans by them, the "
+                          "baselines place blind to them, and every plan is judged in time "
+                          "(default: equal ranks)")
     sim.add_argument("--window", type=int, default=4,
                      help="global batches planned together (default 4)")
     sim.add_argument("--micro-batch-tokens", type=int, default=16384,

@@ -134,3 +134,15 @@ def drawn_stream(dist: str, seed: int, per_step: int | None, batch_tokens: int |
         if len(offsets_S1) - 1 >= steps:
             return take(stream, 0, int(offsets_S1[-1])), offsets_S1
         n *= 2
+
+
+def rank_speeds(text: str | None) -> tuple[float, ...] | None:
+    """``--rank-speeds 1,1,0.5,0.5`` as numbers, one per data rank (the planner's config checks
+    the count and that each is finite and > 0); None when not given."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise UserError(f"--rank-speeds {text}: expected numbers separated by commas, one per "
+                        "data rank") from None

@@ -36,7 +36,7 @@ from omniscale.balancer.simulate import (
 from omniscale.balancer.split import largest_sp_size
 from omniscale.balancer.types import PlannerConfig, WindowSamples
 from omniscale.errors import UserError
-from omniscale.tools.balance_input import drawn_stream, load_lengths, step_offsets
+from omniscale.tools.balance_input import drawn_stream, load_lengths, rank_speeds, step_offsets
 
 DEFAULT_STEPS = 16
 DEFAULT_SAMPLES_PER_RANK = 8
@@ -88,10 +88,15 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
     per_rank = args.samples_per_rank
     if per_rank is None and args.global_batch_tokens is None:
         per_rank = DEFAULT_SAMPLES_PER_RANK
+    try:
+        config = PlannerConfig(dp=args.dp, micro_batch_tokens=args.micro_batch_tokens,
+                               window=args.window, sp_max=args.sp_max, epsilon=args.epsilon,
+                               rank_speed=rank_speeds(args.rank_speeds))
+    except ValueError as e:  # the speeds: one per rank, each finite and > 0
+        raise UserError(f"--rank-speeds {args.rank_speeds}: {e}") from None
     return SimOptions(
         lengths=Path(args.lengths) if args.lengths else None, dist=args.dist,
-        config=PlannerConfig(dp=args.dp, micro_batch_tokens=args.micro_batch_tokens,
-                             window=args.window, sp_max=args.sp_max, epsilon=args.epsilon),
+        config=config,
         alpha=args.cost_linear, beta=args.cost_quadratic,
         comm=CommModel(hidden=args.hidden_size, layers=args.layers,
                        dtype_bytes=args.dtype_bytes, bandwidth=args.bandwidth * 1e9,
@@ -183,13 +188,17 @@ def print_result(result: dict, console: Console) -> None:
     comm = result.get("comm")
     priced = "" if comm is None else (
         f", comm {bandwidth_label(comm['bandwidth_bytes_per_s'] or math.inf)} per rank")
+    speeds = result.get("rank_speed")
+    ranks = f"{result['dp']} ranks" + (
+        f" of speeds {','.join(f'{v:g}' for v in speeds)}" if speeds else "")
     console.print(f"policies: {', '.join(result['policies'])}  ({result['input']}: "
                   f"{result['samples']:,} samples, {result['items']:,} encoder items, "
-                  f"{result['steps']} steps on {result['dp']} ranks, window {result['window']}, "
+                  f"{result['steps']} steps on {ranks}, window {result['window']}, "
                   f"sp_max {result['sp_max']}, budget {result['micro_batch_tokens']:,} tokens"
                   f"{priced})")
-    table = Table(title="balance simulate: per policy (time / ideal: ideal = all compute / "
-                        "ranks; comm = SP + reshard all-to-all per rank / ideal)")
+    pooled = "the ranks' summed speeds" if speeds else "ranks"
+    table = Table(title=f"balance simulate: per policy (time / ideal: ideal = all compute / "
+                        f"{pooled}; comm = SP + reshard all-to-all per rank / ideal)")
     for col in ("policy", "imb mean", "imb p95", "max/LB", "DDP/ideal", "FSDP/ideal", "comm",
                 "disp mean", "disp max", "ms/step", "violations", "exactly once"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)

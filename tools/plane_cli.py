@@ -157,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
 def serve_config(args: argparse.Namespace):
     """The ``PlaneConfig`` of ``plane serve``'s flags."""
     from omniscale.dataplane.plane import PlaneConfig
+    from omniscale.tools.balance_input import rank_speeds
 
     return PlaneConfig(
         dp=args.dp, micro_batch_tokens=args.micro_batch_tokens, window=args.window,
@@ -165,18 +166,7 @@ def serve_config(args: argparse.Namespace):
         snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens,
         balance=args.balance, **_costs(args),
         frozen_encoders=tuple(k.strip() for k in args.frozen_encoders.split(",") if k.strip()),
-        rank_speed=_speeds(args.rank_speeds), attention_heads=args.attention_heads)
-
-
-def _speeds(text: str | None) -> tuple[float, ...] | None:
-    """``--rank-speeds 1,1,0.5,0.5`` as numbers (PlaneConfig checks one per rank)."""
-    if text is None:
-        return None
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise UserError(f"--rank-speeds {text}: expected numbers separated by commas, one per "
-                        "data rank") from None
+        rank_speed=rank_speeds(args.rank_speeds), attention_heads=args.attention_heads)
 
 
 def _costs(args: argparse.Namespace) -> dict:

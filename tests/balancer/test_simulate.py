@@ -287,3 +287,33 @@ def test_split_baselines_get_the_planners_window_split():
         for plan in run.plans:
             k_N[plan.sample_P] = plan.sp_size_P
         assert np.array_equal(k_N, want_N), run.name
+
+
+def test_ranks_of_given_speeds_hand_computed():
+    """Six samples of 100 tokens (cost 100 each), ranks at speeds 1 and 0.5, one step: ours
+    puts four on the fast rank and two on the slow one (400 time units each); strided puts
+    three on each (the slow one takes 600). Ideal: 600 of work over 1.5 ranks' speed = 400."""
+    config = PlannerConfig(2, 1000, window=1, sp_max=1, rank_speed=(1.0, 0.5))
+    result = simulate(np.full(6, 100), np.array([0, 6]), COSTS, config,
+                      policies=(OURS, "strided"))
+    assert result["ideal_time"] == pytest.approx(400.0)
+    assert result["rank_speed"] == [1.0, 0.5]
+    ours, strided = result["policies"][OURS], result["policies"]["strided"]
+    assert ours["ddp_time"] == pytest.approx(400.0) and ours["fsdp_time"] == pytest.approx(400.0)
+    assert strided["ddp_time"] == pytest.approx(600.0)
+    assert result["speedup_vs_best_no_split_baseline"] == pytest.approx({"ddp": 1.5, "fsdp": 1.5})
+
+
+def test_a_slice_sized_by_speed_is_repriced_as_its_share_of_the_work():
+    """One sample of 100 tokens split over two ranks holding 2/3 and 1/3 of its tokens, equal
+    heads, cost 100 + 0.01·100² = 200 (attention share φ = 0.5): parts 200·(0.5·t + 0.5·0.5)."""
+    costs = Costs(llm=CostModel(1.0, 0.01))
+    plan = StepPlan(
+        step=0, sample_P=np.array([0, 0]), rank_P=np.array([0, 1], np.int32),
+        micro_batch_P=np.array([0, 0], np.int32), sp_size_P=np.array([2, 2], np.int32),
+        sp_index_P=np.array([0, 1], np.int32), num_micro_batches=1,
+        mb_cost_RB=np.zeros((2, 1)), mb_tokens_RB=np.array([[67], [33]]), lower_bound=0.0,
+        speed_R=np.array([1.0, 0.5]), sp_tokens_P=np.array([200, 100]))
+    priced, _, _ = reprice(plan, WindowSamples.from_lengths([100]), costs, 2)
+    assert priced.mb_cost_RB[:, 0] == pytest.approx([200 * (1 / 3 + 1 / 4), 200 * (1 / 6 + 1 / 4)])
+    assert priced.mb_time_RB[:, 0] == pytest.approx([200 * (7 / 12), 200 * (5 / 12) / 0.5])

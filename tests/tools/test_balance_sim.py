@@ -102,6 +102,9 @@ def test_jsonl_with_encoder_patches_and_token_batches(tmp_path, capsys):
     (["--dist", "lognormal", "--bandwidth", "0"], "--bandwidth: must be > 0"),
     (["--dist", "lognormal", "--layers", "0"], "--layers: must be > 0"),
     (["--dist", "lognormal", "--unit-seconds", "-1"], "--unit-seconds: must be > 0"),
+    (["--dist", "lognormal", "--dp", "2", "--rank-speeds", "1,x"], "--rank-speeds 1,x"),
+    (["--dist", "lognormal", "--dp", "4", "--rank-speeds", "1,0.5"], "one finite speed > 0"),
+    (["--dist", "lognormal", "--dp", "2", "--rank-speeds", "1,0"], "--rank-speeds 1,0"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["balance", "simulate", *args]) == 2
@@ -185,3 +188,24 @@ def assert_fair_comparison(result: dict) -> None:
                 ceiling = run["split_baselines"][name][f"{objective}_time"] / bound
                 assert run["speedup_ceiling_by_bound"][objective] == pytest.approx(ceiling)
                 assert run["speedup_vs_best_baseline"][objective] <= ceiling * (1 + 1e-9)
+
+
+def test_ranks_of_given_speeds_are_planned_by_ours_and_judged_in_time(capsys):
+    """One rank at half speed: ours gives it less work, every plan is judged in time, the
+    ideal spreads the work by speed (1 + 1 + 1 + 0.5 = 3.5 ranks' worth)."""
+    args = ["balance", "simulate", "--dist", "omni", "--dp", "4", "--steps", "4",
+            "--micro-batch-tokens", "32768", "--json"]
+    assert main(args) == 0
+    even = json.loads(capsys.readouterr().out)
+    assert main(args + ["--rank-speeds", "1,1,1,0.5"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert even["rank_speed"] is None and slow["rank_speed"] == [1.0, 1.0, 1.0, 0.5]
+    assert slow["ideal_time"] == pytest.approx(even["ideal_time"] * 4 / 3.5)
+    # a baseline's plans are the same placements, now judged in time: slower
+    for name in ("token_lpt+split", "kk_cost+split"):
+        assert slow["policies"][name]["ddp_time"] > even["policies"][name]["ddp_time"]
+    assert slow["speedup_vs_best_baseline"]["ddp"] > even["speedup_vs_best_baseline"]["ddp"]
+    ours = slow["policies"]["omniscale"]["imbalance_mean"]  # in time: max / mean rank
+    assert all(ours < p["imbalance_mean"] for name, p in slow["policies"].items()
+               if name != "omniscale")
+    assert slow["policies"]["omniscale"]["exactly_once"]
