@@ -10,6 +10,7 @@ Whatever else it holds (scores, the measurements, provenance) is for people.
 
 from __future__ import annotations
 
+from omniscale.balancer.cost import CostModel, Costs
 from omniscale.media import MEDIA_KINDS
 
 UNIT = "seconds"
@@ -43,3 +44,18 @@ def planner_costs(doc: dict) -> dict:
         model = doc.get("encoders", {}).get(kind)
         costs[kind] = [float(model[k]) for k in COEFFICIENTS] if model else [0.0, 0.0, 0.0]
     return {"cost_linear": llm[0], "cost_quadratic": llm[1], "costs": costs}
+
+
+# the calibrated costs that are one number each (Costs fields of the same name)
+SCALARS = ("micro_batch", *COLLECTIVES)
+
+
+def costs_of(costs: dict, linear: float | None = None, quadratic: float | None = None) -> Costs:
+    """The planner's ``Costs`` of ``planner_costs(doc)["costs"]``: every kind's model, the
+    micro-batch's fixed cost and the collectives' prices; ``linear`` and ``quadratic`` replace
+    the LLM's alpha and beta (a plane's refit moves them during a run)."""
+    alpha, beta, gamma = costs["llm"]
+    return Costs(llm=CostModel(alpha if linear is None else linear,
+                               beta if quadratic is None else quadratic, gamma),
+                 encoders=tuple(CostModel(*costs[kind]) for kind in MEDIA_KINDS),
+                 **{name: float(costs.get(name, 0.0)) for name in SCALARS})

@@ -216,8 +216,10 @@ def rank_loads(run: PolicyRun) -> np.ndarray:
 
 
 def summarize(run: PolicyRun, stream: WindowSamples, step_offsets_S1: np.ndarray,
-              config: PlannerConfig, ideal: float) -> dict:
-    """The policy's numbers (JSON-ready): balance, simulated time, displacement, validity."""
+              config: PlannerConfig, ideal: float, micro_batch: float = 0.0) -> dict:
+    """The policy's numbers (JSON-ready): balance, simulated time, displacement, validity.
+    ``micro_batch``: the fixed cost every rank pays per micro-batch slot (``Costs.micro_batch``:
+    a calibrated cost file's FSDP gathers and launches; 0 in the default model)."""
     planned = int(step_offsets_S1[-1])
     arrival_N = arrival_step(step_offsets_S1)
     imbalance_S = np.array([p.imbalance for p in run.plans])
@@ -226,6 +228,9 @@ def summarize(run: PolicyRun, stream: WindowSamples, step_offsets_S1: np.ndarray
     times_S2 = np.array([step_times(p) for p in run.plans]).reshape(-1, 2)
     if run.reshard_S is not None:
         times_S2 = times_S2 + run.reshard_S[:, None]  # a phase every rank waits for
+    if micro_batch:
+        times_S2 = times_S2 + micro_batch * np.array(
+            [[p.num_micro_batches] for p in run.plans], np.float64)
     disp_N = np.zeros(planned, np.int64)
     for plan in run.plans:
         disp_N[plan.sample_P] = displacement(plan, arrival_N)
@@ -274,7 +279,8 @@ def compare(runs: list[PolicyRun], stream: WindowSamples, step_offsets_S1: np.nd
     planned = take(stream, 0, int(step_offsets_S1[-1]))
     ideal = ideal_time(llm_costs(planned, costs), item_costs(planned, costs), config.dp,
                        config.speed_R)
-    policies = {run.name: summarize(run, stream, step_offsets_S1, config, ideal) for run in runs}
+    policies = {run.name: summarize(run, stream, step_offsets_S1, config, ideal,
+                                    costs.micro_batch) for run in runs}
     step_sync = policies.pop(OURS_STEP_SYNC, None)
     if step_sync is not None and OURS in policies:  # ours on DDP: as planned for DDP
         policies[OURS].update({key: step_sync[key] for key in ("ddp_time", "ddp_over_ideal")},

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from omniscale.balancer.cost import CostModel, Costs
+from omniscale.balancer.cost import Costs
+from omniscale.balancer.cost_file import SCALARS, costs_of
 from omniscale.balancer.types import PlannerConfig
 from omniscale.errors import UserError
 from omniscale.media import MEDIA_KINDS
@@ -95,9 +96,7 @@ class PlaneConfig:
         if self.costs is None:
             costs = Costs.from_llm(linear, quadratic)
         else:
-            costs = Costs(llm=CostModel(linear, quadratic, self.costs["llm"][2]),
-                          encoders=tuple(CostModel(*self.costs[kind]) for kind in MEDIA_KINDS),
-                          **{name: float(self.costs.get(name, 0.0)) for name in SCALARS})
+            costs = costs_of(self.costs, linear, quadratic)
         return costs.forward_only(self.frozen_encoders) if self.frozen_encoders else costs
 
     def planner(self, dp: int, window: int,
@@ -116,10 +115,6 @@ class PlaneConfig:
     def batch(self) -> dict:
         return {"global_batch_tokens": self.global_batch_tokens,
                 "global_batch_samples": self.global_batch_samples}
-
-
-# the calibrated costs that are one number each (Costs fields of the same name)
-SCALARS = ("micro_batch", "sp_comm_per_token", "reshard_per_token")
 
 
 def _check_costs(costs: dict) -> None:

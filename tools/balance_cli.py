@@ -35,6 +35,11 @@ def _add_simulate(subcommands) -> None:
                      help="global batches planned together (default 4)")
     sim.add_argument("--micro-batch-tokens", type=int, default=16384,
                      help="hard per-rank micro-batch token budget (default 16384)")
+    sim.add_argument("--costs", metavar="COSTS.json", default=None,
+                     help="a cost file of `omniscale balance calibrate` (seconds): every model, "
+                          "the micro-batch's fixed cost and the collectives' prices as a run's "
+                          "plane plans with them; replaces --cost-linear, --cost-quadratic and "
+                          "the communication flags")
     sim.add_argument("--cost-linear", type=float, default=24576.0,
                      help="alpha in alpha*L + beta*L^2 (default 24576)")
     sim.add_argument("--cost-quadratic", type=float, default=1.0,

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from omniscale.balancer.cost import CommModel
+from omniscale.balancer.cost_file import costs_of
 from omniscale.balancer.simulate import (
     ALL_POLICIES,
     OURS,
@@ -37,6 +38,7 @@ from omniscale.balancer.split import largest_sp_size
 from omniscale.balancer.types import PlannerConfig, WindowSamples
 from omniscale.errors import UserError
 from omniscale.tools.balance_input import drawn_stream, load_lengths, rank_speeds, step_offsets
+from omniscale.tools.train.cost_model import read_cost_file
 
 DEFAULT_STEPS = 16
 DEFAULT_SAMPLES_PER_RANK = 8
@@ -57,6 +59,7 @@ class SimOptions:
     json: bool
     plot: Path | None
     plan_out: Path | None
+    costs_file: Path | None = None  # a calibrated cost file: replaces alpha, beta and comm
 
 
 def options_from_args(args: argparse.Namespace) -> SimOptions:
@@ -104,7 +107,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         steps=args.steps,
         samples_per_rank=per_rank, global_batch_tokens=args.global_batch_tokens,
         seed=args.seed, json=args.json, plot=Path(args.plot) if args.plot else None,
-        plan_out=Path(args.plan_out) if args.plan_out else None)
+        plan_out=Path(args.plan_out) if args.plan_out else None,
+        costs_file=Path(args.costs) if args.costs else None)
 
 
 def default_costs(alpha: float, beta: float, comm: CommModel | None = None):
@@ -161,14 +165,25 @@ def simulate_command(args: argparse.Namespace, console: Console | None = None) -
     options = options_from_args(args)
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     stream, offsets_S1, row_N = samples_for(options)
-    costs = default_costs(options.alpha, options.beta, options.comm)
+    if options.costs_file is not None:  # one line naming the file when it is not one
+        costs = costs_of(read_cost_file(options.costs_file)["costs"])
+    else:
+        costs = default_costs(options.alpha, options.beta, options.comm)
     runs = [run_policy(name, stream, offsets_S1, costs, options.config)
             for name in judged(ALL_POLICIES)]
     result = compare(runs, stream, offsets_S1, costs, options.config)
     runs = [r for r in runs if r.name != OURS_STEP_SYNC]  # its DDP figures are in ours' row
     result["input"] = str(options.lengths) if options.lengths else f"dist:{options.dist}"
-    result["cost"] = {"linear": options.alpha, "quadratic": options.beta}
-    result["comm"] = comm_json(options.comm)
+    if options.costs_file is not None:
+        result["cost"] = {"file": str(options.costs_file), "unit": "seconds",
+                          "linear": costs.llm.alpha, "quadratic": costs.llm.beta,
+                          "per_sequence": costs.llm.gamma, "micro_batch": costs.micro_batch}
+        result["comm"] = {"from": str(options.costs_file),
+                          "sp_comm_per_token": costs.sp_comm_per_token,
+                          "reshard_per_token": costs.reshard_per_token}
+    else:
+        result["cost"] = {"linear": options.alpha, "quadratic": options.beta}
+        result["comm"] = comm_json(options.comm)
     if options.plot is not None:
         write_plot(options.plot, runs, result["ideal_time"] / max(result["steps"], 1))
         result["plot"] = str(options.plot)
@@ -186,8 +201,12 @@ def print_result(result: dict, console: Console) -> None:
     """Which policies ran, the table, and our speed-up over the best baseline that may split
     (and, labelled, over the best no-split one)."""
     comm = result.get("comm")
-    priced = "" if comm is None else (
-        f", comm {bandwidth_label(comm['bandwidth_bytes_per_s'] or math.inf)} per rank")
+    if comm is None:
+        priced = ""
+    elif "from" in comm:
+        priced = f", costs and comm in seconds from {comm['from']}"
+    else:
+        priced = f", comm {bandwidth_label(comm['bandwidth_bytes_per_s'] or math.inf)} per rank"
     speeds = result.get("rank_speed")
     ranks = f"{result['dp']} ranks" + (
         f" of speeds {','.join(f'{v:g}' for v in speeds)}" if speeds else "")

@@ -105,6 +105,7 @@ def test_jsonl_with_encoder_patches_and_token_batches(tmp_path, capsys):
     (["--dist", "lognormal", "--dp", "2", "--rank-speeds", "1,x"], "--rank-speeds 1,x"),
     (["--dist", "lognormal", "--dp", "4", "--rank-speeds", "1,0.5"], "one finite speed > 0"),
     (["--dist", "lognormal", "--dp", "2", "--rank-speeds", "1,0"], "--rank-speeds 1,0"),
+    (["--dist", "lognormal", "--costs", "missing.json"], "missing.json: not a cost file"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["balance", "simulate", *args]) == 2
@@ -209,3 +210,33 @@ def test_ranks_of_given_speeds_are_planned_by_ours_and_judged_in_time(capsys):
     assert all(ours < p["imbalance_mean"] for name, p in slow["policies"].items()
                if name != "omniscale")
     assert slow["policies"]["omniscale"]["exactly_once"]
+
+
+def _cost_file(path, alpha, beta, per_micro_batch=0.0):
+    path.write_text(json.dumps({"unit": "seconds", "llm": {
+        "alpha": alpha, "beta": beta, "gamma": 0.0, "per_micro_batch": per_micro_batch},
+        "encoders": {}}))
+    return str(path)
+
+
+def test_a_cost_file_prices_as_its_coefficients_and_charges_each_micro_batch(tmp_path, capsys):
+    """A calibrated file with the LLM's alpha and beta alone simulates exactly as those two
+    flags with free communication; its micro-batch cost adds that much per slot to every
+    policy's step."""
+    base = ["balance", "simulate", "--dist", "lognormal", "--steps", "4", "--json"]
+    assert main(base + ["--cost-linear", "3", "--cost-quadratic", "0.5",
+                        "--bandwidth", "inf"]) == 0
+    flags = json.loads(capsys.readouterr().out)
+    assert main(base + ["--costs", _cost_file(tmp_path / "a.json", 3.0, 0.5)]) == 0
+    filed = json.loads(capsys.readouterr().out)
+    assert filed["cost"]["file"].endswith("a.json") and filed["comm"]["reshard_per_token"] == 0
+    assert filed["ideal_time"] == pytest.approx(flags["ideal_time"])
+    for name, p in flags["policies"].items():
+        for key in ("ddp_time", "fsdp_time", "micro_batches_mean"):
+            assert filed["policies"][name][key] == pytest.approx(p[key]), (name, key)
+    assert main(base + ["--costs", _cost_file(tmp_path / "m.json", 3.0, 0.5, 100.0)]) == 0
+    charged = json.loads(capsys.readouterr().out)
+    for name, p in filed["policies"].items():
+        slots = p["micro_batches_mean"] * p["steps"]
+        assert charged["policies"][name]["fsdp_time"] == pytest.approx(
+            p["fsdp_time"] + 100.0 * slots), name
