@@ -341,7 +341,8 @@ def assemble(samples: WindowSamples, costs, config: PlannerConfig, rank_N: np.nd
         item_M=np.arange(samples.num_items, dtype=np.int64), item_sample_M=item_sample_M,
         encode_rank_M=consume_rank_M, consume_rank_M=consume_rank_M.copy(),
         encoder_cost_R=encoder_cost_R, reshard=False,
-        displacement_P=np.zeros(len(group_P), np.int32))
+        displacement_P=np.zeros(len(group_P), np.int32),
+        speed_R=config.speed_R)  # placed blind to the ranks' speeds, judged by them
 
 
 @numba.njit(cache=True)

@@ -127,9 +127,6 @@ def run_policy(name: str, stream: WindowSamples, step_offsets_S1: np.ndarray, co
         t0 = time.perf_counter()
         local = policy(samples, costs, step_config, **kw)
         ms_S[first:end] = (time.perf_counter() - t0) * 1e3 / (end - first)
-        for plan in local:  # a baseline places blind to the ranks' speeds, judged by them
-            if plan.speed_R is None:
-                plan.speed_R = config.speed_R
         lo = int(step_offsets_S1[first])
         plans += [globalize(p, first, lo, int(stream.item_offsets_N1[lo])) for p in local]
     priced = [reprice(p, stream, costs, config.dp) for p in plans]

@@ -136,7 +136,6 @@ def _baseline_step(samples: WindowSamples, idx_n: np.ndarray, step: int, costs: 
         plan = BASELINES[policy](sub, costs, one_step)
     else:
         plan = BASELINES[policy + SPLIT_SUFFIX](sub, costs, one_step, sp_size_N=sizes_n)
-    plan.speed_R = config.speed_R  # placed blind to speed, judged by it like the planner's
     return _to_window(plan, samples, idx_n, item_m, step)
 
 
