@@ -10,6 +10,8 @@ R ranks, B micro-batch slots.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from omniscale.balancer.assign import assign_ranks
@@ -65,9 +67,23 @@ def _split(samples, cost_N, n_steps, costs, config):
     return sp_size_N, unit_cost(cost_N, samples.tokens_N, sp_size_N, costs.sp_comm_per_token)
 
 
-def _place(unit_n, k_n, slice_n, tokens_n, costs: Costs, config: PlannerConfig):
-    """Ranks and slots: (first rank, slot, tokens [R, B], cost [R, B], slots, slice lengths
-    per placement or None).
+class Placement(NamedTuple):
+    """One step's samples on ranks and in slots (what ``_place`` chooses, ``_pack`` fills)."""
+
+    first_n: np.ndarray  # the first rank of each sample (of its SP group when split)
+    slot_n: np.ndarray  # its micro-batch slot
+    tokens_RB: np.ndarray  # tokens per (rank, slot)
+    cost_RB: np.ndarray  # cost (work units) per (rank, slot)
+    n_slots: int
+    # with speeds: each placement's slice length (0 for a whole sample) and query heads
+    # (``StepPlan.sp_tokens_P``, ``sp_heads_P``); None without speeds (heads None too when
+    # every split has H/k each)
+    length_p: np.ndarray | None
+    heads_p: np.ndarray | None
+
+
+def _place(unit_n, k_n, slice_n, tokens_n, costs: Costs, config: PlannerConfig) -> Placement:
+    """Ranks and slots for one step's samples.
 
     The assignment balances time per rank (cost / speed: ``config.rank_speed``), the step
     time when ranks meet once a step. Where they meet every micro-batch (``config.sync``
@@ -91,12 +107,12 @@ def _place(unit_n, k_n, slice_n, tokens_n, costs: Costs, config: PlannerConfig):
         candidates.append(_pack(first_t, k_n, slice_n, unit_n, tokens_n, None, costs, config,
                                 extra_slots=0))
     fewest = -(-int((slice_n * k_n).sum()) // (dp * budget))
-    if costs.micro_batch > 0 and candidates[0][4] > fewest:
+    if costs.micro_batch > 0 and candidates[0].n_slots > fewest:
         first_c, _ = assign_ranks(unit_n, k_n, dp, slice_tokens_N=slice_n,
                                   token_cap=fewest * budget, speed_R=speed_R,
                                   slice_bounds=bounds)
         candidates.append(_pack(first_c, k_n, slice_n, unit_n, tokens_n, bounds, costs, config))
-    return min(candidates, key=lambda p: _step_time(p[3], costs.micro_batch, speed_R,
+    return min(candidates, key=lambda p: _step_time(p.cost_RB, costs.micro_batch, speed_R,
                                                     config.sync))
 
 
@@ -110,17 +126,15 @@ def _slice_bounds(unit_n, k_n, tokens_n, costs: Costs, budget: int, n_heads: int
 
 
 def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
-          config: PlannerConfig, extra_slots: int = 1):
+          config: PlannerConfig, extra_slots: int = 1) -> Placement:
     """``pack`` by time: with speeds, each sample's cost over its rank's speed (a split one's
     longest part over its rank's speed), so the slots' heights are the times ranks wait for;
-    then the grid back in cost (work) units, with each part and slice on its rank. The last
-    two members: each placement's slice length and query heads (``StepPlan.sp_tokens_P``,
-    ``sp_heads_P``), None without speeds (and heads None when every split has H/k each)."""
+    then the grid back in cost (work) units, with each part and slice on its rank."""
     speed_R = config.speed_R
     if speed_R is None:
-        return (first_n, *pack(first_n, k_n, slice_n, unit_n, config.dp,
-                               config.micro_batch_tokens, extra_slots, costs.micro_batch), None,
-                None)
+        return Placement(first_n, *pack(first_n, k_n, slice_n, unit_n, config.dp,
+                                        config.micro_batch_tokens, extra_slots,
+                                        costs.micro_batch), None, None)
     inv_R = 1.0 / speed_R
     rank_p = np.repeat(first_n, k_n) + np.arange(int(k_n.sum())) \
         - np.repeat(np.cumsum(k_n) - k_n, k_n)
@@ -150,8 +164,8 @@ def _pack(first_n, k_n, slice_n, unit_n, tokens_n, bounds, costs: Costs,
     np.add.at(cost_RB, (rank_p, slot_n[group_p]), part_p)
     np.add.at(tok_RB, (rank_p, slot_n[group_p]), length_p)
     split_p = np.repeat(k_n > 1, k_n)
-    return (first_n, slot_n, tok_RB, cost_RB, n_slots, np.where(split_p, length_p, 0),
-            heads_p if heads_p.any() else None)
+    return Placement(first_n, slot_n, tok_RB, cost_RB, n_slots, np.where(split_p, length_p, 0),
+                     heads_p if heads_p.any() else None)
 
 
 def _step_time(cost_RB: np.ndarray, micro_batch: float, speed_R: np.ndarray | None = None,
@@ -188,11 +202,11 @@ def _split_to_balance(placed, unit_n, k_n, slice_n, tokens_n, costs: Costs,
     if speed_R is None or speed_R.min() == speed_R.max() or min(config.sp_max, config.dp) < 2 \
             or config.dp > BALANCING_MAX_DP:  # equal ranks: planned as without speeds
         return placed, unit_n, k_n, slice_n
-    best = _step_time(placed[3], costs.micro_batch, speed_R, config.sync)
+    best = _step_time(placed.cost_RB, costs.micro_batch, speed_R, config.sync)
     for _ in range(BALANCING_SPLITS):
-        time_R = (placed[3] / speed_R[:, None]).sum(axis=1)
+        time_R = (placed.cost_RB / speed_R[:, None]).sum(axis=1)
         slowest = int(np.argmax(time_R))
-        first_n = placed[0]
+        first_n = placed.first_n
         mine = np.flatnonzero((k_n == 1) & (first_n == slowest) & (tokens_n >= 2))
         tried = None
         for i in mine[np.argsort(-unit_n[mine], kind="stable")][:BALANCING_CANDIDATES].tolist():
@@ -202,7 +216,7 @@ def _split_to_balance(placed, unit_n, k_n, slice_n, tokens_n, costs: Costs,
                                  costs.sp_comm_per_token)[0]
             slice2[i] = slice_tokens(int(tokens_n[i]), 2)
             trial = _place(unit2, k2, slice2, tokens_n, costs, config)
-            time = _step_time(trial[3], costs.micro_batch, speed_R, config.sync)
+            time = _step_time(trial.cost_RB, costs.micro_batch, speed_R, config.sync)
             if time < best * 0.99 and (tried is None or time < tried[0]):
                 tried = (time, trial, unit2, k2, slice2)
         if tried is None:
