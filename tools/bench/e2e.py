@@ -24,6 +24,10 @@ imbalance. The headline is the median over rounds of ours / the best baseline, p
 round, with its minimum and maximum: the best baseline is the one policy with the highest
 median tokens/s over the rounds (``tools/bench/paired.py`` says why not each round's fastest;
 that figure is kept beside it, ``ratio_vs_each_rounds_fastest_baseline``).
+
+Each run records what other processes took of the CPUs while it ran (``foreign_cpu_share``,
+``tools/bench/contention.py``); ``--wait-quiet-s S`` waits up to S seconds before each run
+until they take under ``--max-foreign`` (no wait by default).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
 from omniscale.tools.bench import e2e_uneven  # noqa: E402
+from omniscale.tools.bench.contention import Contention, wait_quiet  # noqa: E402
 from omniscale.tools.bench.paired import paired_ratios, spread  # noqa: E402
 from omniscale.tools.bench.provenance import provenance  # noqa: E402
 
@@ -194,6 +199,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="uneven: the step it stops at (past --steps: never)")
     ap.add_argument("--settle", type=int, default=6,
                     help="uneven: steps after --slow-from left out of the figures")
+    ap.add_argument("--max-foreign", type=float, default=0.1,
+                    help="wait (up to --wait-quiet-s) before each run until other processes "
+                         "take under this share of the CPUs; each run records the share they "
+                         "took while it ran (foreign_cpu_share)")
+    ap.add_argument("--wait-quiet-s", type=float, default=0.0,
+                    help="how long to wait for a quiet machine before each run (0: no wait)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--summarize", type=Path, metavar="JSON",
                     help="measure nothing: recompute the headline of a JSON this script wrote "
@@ -227,25 +238,30 @@ def main(argv: list[str] | None = None) -> dict:
             runs = {}
             for policy in order:
                 out = Path(tmp) / f"r{r}-{policy}"
+                quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
+                with Contention() as contention:
+                    if uneven:
+                        runs[policy] = run(policy, spec, out, args, sets=e2e_uneven.SETS,
+                                           env=e2e_uneven.environment(),
+                                           during=lambda m: e2e_uneven.Neighbour(
+                                               m, args.slow_from, slow_until))
+                    else:
+                        runs[policy] = run(policy, spec, out, args)
                 if uneven:
-                    runs[policy] = run(policy, spec, out, args, sets=e2e_uneven.SETS,
-                                       env=e2e_uneven.environment(),
-                                       during=lambda m: e2e_uneven.Neighbour(
-                                           m, args.slow_from, slow_until))
                     rows = [json.loads(line) for line in
                             (out / "metrics.jsonl").read_text().splitlines()]
                     runs[policy].update(e2e_uneven.analyse(rows, args.slow_from, slow_until,
                                                            args.settle, args.warmup,
                                                            plans_by_speed=policy == OURS))
-                else:
-                    runs[policy] = run(policy, spec, out, args)
+                runs[policy].update(foreign_cpu_share=round(contention.share, 3), **quiet)
                 got = runs[policy]
                 print(f"round {r + 1}/{args.rounds} {policy:10s} "
                       f"{got['tokens_per_s']:8.0f} tok/s  step {got['step_s_median']:.3f} s  "
                       f"imbalance measured {got['imbalance_measured']:.3f} predicted "
                       f"{got['imbalance_predicted']:.3f}" + (
                           f"  ideal {got['ideal_fraction']:.3f}  recovered in "
-                          f"{got['recovery_steps']} steps" if uneven else ""), flush=True)
+                          f"{got['recovery_steps']} steps" if uneven else "")
+                      + f"  other processes {contention.share:.0%} of the CPUs", flush=True)
             rounds.append({"order": order, "runs": runs})
     keys = ("tokens_per_s", "step_s_median", "imbalance_measured", "imbalance_predicted") + (
         ("ideal_fraction", "step_s_before", "step_s_slowed", "rank1_speed_measured",
