@@ -231,6 +231,10 @@ def main(argv: list[str] | None = None) -> dict:
         doc["collectives"] = {**doc.get("collectives", {}), "reshard_per_token": 1.0}
         args.costs = str(args.data / "costs-no-reshard.json")
         Path(args.costs).write_text(json.dumps(doc, indent=2) + "\n")
+    # uneven: the trainer's settings and environment, and the neighbour started during the run
+    uneven_run = {"sets": e2e_uneven.SETS, "env": e2e_uneven.environment(),
+                  "during": lambda m: e2e_uneven.Neighbour(m, args.slow_from, slow_until)
+                  } if uneven else {}
     rounds = []
     with tempfile.TemporaryDirectory(prefix="omniscale-e2e-") as tmp:
         for r in range(args.rounds):
@@ -240,13 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
                 out = Path(tmp) / f"r{r}-{policy}"
                 quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
                 with Contention() as contention:
-                    if uneven:
-                        runs[policy] = run(policy, spec, out, args, sets=e2e_uneven.SETS,
-                                           env=e2e_uneven.environment(),
-                                           during=lambda m: e2e_uneven.Neighbour(
-                                               m, args.slow_from, slow_until))
-                    else:
-                        runs[policy] = run(policy, spec, out, args)
+                    runs[policy] = run(policy, spec, out, args, **uneven_run)
                 if uneven:
                     rows = [json.loads(line) for line in
                             (out / "metrics.jsonl").read_text().splitlines()]
