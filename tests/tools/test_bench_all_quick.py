@@ -13,6 +13,7 @@ import getpass
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,22 @@ def _marks(name: str) -> list:
     return [pytest.mark.xdist_group("ray")] if name == "ray_loader" else []
 
 
+def run_or_show_where_it_hung(argv: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Run ``bench all``; past TIMEOUT_S, kill it and its bench's whole process tree and fail
+    with the last lines it printed (the runner echoes its script's lines as they come, so
+    they name the section it hung in)."""
+    with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"still running after {TIMEOUT_S} s; its last lines:\n"
+                        + "\n".join((stdout + stderr).splitlines()[-40:]))
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n, b in BENCHES.items()
@@ -61,9 +78,8 @@ def test_the_bench_runs_in_quick_mode_on_cpu(name, scratch, tmp_path):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     out = tmp_path / "bench-results.json"
     committed = docs_bench_digest()
-    proc = subprocess.run([sys.executable, "-m", "omniscale", "bench", "all", "--quick",
-                           "--only", name, "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = run_or_show_where_it_hung([sys.executable, "-m", "omniscale", "bench", "all",
+                                      "--quick", "--only", name, "--out", str(out)], env)
     assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     record = results["benches"][name]

@@ -23,6 +23,7 @@ is 1 if any failed. ``gpu_check.sh`` needs CUDA and is skipped, with a note, wit
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -189,29 +190,44 @@ def run_bench(name: str, bench: Bench, quick: bool, scratch: Path,
     # Some scripts import the repository's packages without putting the root on sys.path.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     record = {"command": shown_command(argv, extra_env, scratch)}
+    env["PYTHONUNBUFFERED"] = "1"  # its lines as it prints them, not at its end
     start = time.perf_counter()
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
+    returncode, output = run_streaming(argv, env)
     record["seconds"] = time.perf_counter() - start
-    record["returncode"] = proc.returncode
+    record["returncode"] = returncode
     result, json_error = None, None
     if json_path.is_file():
         try:
             result = json.loads(json_path.read_text())
         except json.JSONDecodeError as e:
             json_error = f"its JSON is not valid ({e})"
-    ran = proc.returncode == 0 or proc.returncode == bench.missed_exit_code
+    ran = returncode == 0 or returncode == bench.missed_exit_code
     if ran and isinstance(result, dict):
         if write_docs and bench.json_in_out_dir:  # a script writing under $OUT: copied over
             (DOCS_BENCH / docs_json(name, bench)).write_text(json_path.read_text())
-        record["status"] = "ok" if proc.returncode == 0 else "targets missed"
+        record["status"] = "ok" if returncode == 0 else "targets missed"
         record["result"] = result
         record["headlines"] = headline_rows(name, result, quick, bench)
     else:
         record["status"] = "failed"
-        record["error"] = json_error or last_line(proc.stderr) or last_line(proc.stdout) or (
-            f"exit {proc.returncode}" if proc.returncode else "wrote no JSON")
-        record["output_tail"] = (proc.stdout + proc.stderr).splitlines()[-20:]
+        record["error"] = json_error or last_line("".join(output)) or (
+            f"exit {returncode}" if returncode else "wrote no JSON")
+        record["output_tail"] = [line.rstrip("\n") for line in output][-20:]
     return record
+
+
+def run_streaming(argv: list[str], env: dict, keep: int = 200) -> tuple[int, list[str]]:
+    """Run a bench script, echoing each line it prints (stdout and stderr, in order) as it
+    comes, indented under its section -- a long bench shows its progress, and one that hangs
+    shows where; returns (exit code, its last ``keep`` lines)."""
+    tail: collections.deque[str] = collections.deque(maxlen=keep)
+    with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            print(f"    {line.rstrip()}", flush=True)
+            tail.append(line)
+        returncode = proc.wait()
+    return returncode, list(tail)
 
 
 def shown_command(argv: list[str], extra_env: dict, scratch: Path) -> str:
