@@ -18,6 +18,12 @@ MAX_DP = 1 << 16
 # our planner, then the per-step baselines of balancer/baselines.py by name, then its static
 # layouts (written out: importing the baselines costs the CLI numba at start-up;
 # tests/dataplane/test_plane.py holds them equal)
+def policy_of_window(balance: str, interleave, k: int) -> str:
+    """The policy window ``k`` is planned by: ``interleave``'s turn, else ``balance`` (the
+    plane plans by it; the trainer names it in the step's metrics row)."""
+    return interleave[k % len(interleave)] if interleave else balance
+
+
 POLICIES = ("omniscale", "strided", "first_fit", "token_lpt", "kk_cost", "static_sp")
 
 
@@ -40,6 +46,10 @@ class PlaneConfig:
     # who places samples: the planner ("omniscale") or a baseline (windows.POLICIES), so a
     # run can train with a baseline's plans through the same plane (exactly-once all the same)
     balance: str = "omniscale"
+    # A/B timing in one job: window k planned by interleave[k % n] instead of ``balance`` --
+    # the policies take turns window by window, so a machine whose speed drifts over minutes
+    # slows each alike (tools/bench/e2e.py --interleave). Empty: every window by ``balance``.
+    interleave: tuple[str, ...] = ()
     # a calibrated cost model (`omniscale balance calibrate`): α, β, γ of the LLM ("llm") and
     # of each encoder kind, in seconds, and optionally the fixed cost of a micro-batch
     # ("micro_batch") and of the collectives per token (COLLECTIVES); None prices encoders
@@ -60,6 +70,7 @@ class PlaneConfig:
     def __post_init__(self) -> None:
         # a tuple however it came (a start record's JSON has a list), so restarts compare equal
         object.__setattr__(self, "frozen_encoders", tuple(self.frozen_encoders))
+        object.__setattr__(self, "interleave", tuple(self.interleave))
         if self.rank_speed is not None:
             speeds = tuple(float(v) for v in self.rank_speed)
             if len(speeds) != self.dp or not all(math.isfinite(v) and v > 0 for v in speeds):
@@ -84,6 +95,11 @@ class PlaneConfig:
             _check_costs(self.costs)
         if self.balance not in POLICIES:
             raise UserError(f"--balance {self.balance}: choose one of {', '.join(POLICIES)}")
+        unknown = [p for p in self.interleave if p not in POLICIES]
+        if unknown or len(self.interleave) == 1:
+            raise UserError(f"--interleave {','.join(self.interleave)}: two or more of "
+                            f"{', '.join(POLICIES)}" + (f" ({unknown[0]!r} is not one)"
+                                                        if unknown else ""))
         if self.dp > MAX_DP:
             raise UserError(f"--dp {self.dp}: at most {MAX_DP} ranks (every step plans a "
                             "table per rank)")
@@ -98,6 +114,10 @@ class PlaneConfig:
         else:
             costs = costs_of(self.costs, linear, quadratic)
         return costs.forward_only(self.frozen_encoders) if self.frozen_encoders else costs
+
+    def policy_of(self, k: int) -> str:
+        """The policy window ``k`` is planned by."""
+        return policy_of_window(self.balance, self.interleave, k)
 
     def planner(self, dp: int, window: int,
                 speeds: tuple[float, ...] | None = None) -> PlannerConfig:

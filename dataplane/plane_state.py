@@ -280,7 +280,7 @@ class PlaneState:
         plans = plan_policy(samples, self.costs,
                             self.config.planner(dp, len(batches),
                                                 self.speeds_at(first, dp, before=True)),
-                            self.config.balance)
+                            self.config.policy_of(k))
         window = Window(k, first, start.mixer_state, self.spec_ref,
                         RefTable(pa.concat_tables(batches)), samples, plans, [dp] * len(plans))
         respeeds = {s for s, _ in self.speed_changes if first <= s < window.end_step}
@@ -378,7 +378,7 @@ class PlaneState:
         sides = [best_baseline(window.samples, j, self.costs_of(window.k),
                                self.config.planner(dp, len(window.plans), self.speeds_at(
                                    window.first_step + j, dp)))
-                 if self.config.balance == "omniscale" else None
+                 if self.config.policy_of(window.k) == "omniscale" else None
                  for j, dp in zip(todo, dps)]
         window.tables.update(window_rank_tables(
             [window.plans[j] for j in todo], window.refs,

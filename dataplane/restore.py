@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 # Settings that decide what the plane plans: a restart must keep them (dp may change).
 PLANNING_FIELDS = ("micro_batch_tokens", "window", "global_batch_tokens",
                    "global_batch_samples", "sp_max", "epsilon", "cost_linear",
-                   "cost_quadratic", "max_sample_tokens", "balance", "costs", "frozen_encoders",
-                   "attention_heads")
+                   "cost_quadratic", "max_sample_tokens", "balance", "interleave", "costs",
+                   "frozen_encoders", "attention_heads")
 # what a state dir written before a field existed was planned with
 DEFAULTS = {f.name: f.default for f in fields(PlaneConfig)}
 

@@ -226,7 +226,7 @@ class Window:
             return
         self.plans = replan_tail(self.plans, self.samples, local, costs,
                                  config.planner(dp, len(self.plans) - local, speeds),
-                                 config.balance)
+                                 config.policy_of(self.k))
         self.dp_of_step[local:] = [dp] * (len(self.plans) - local)
         self.tables = {key: t for key, t in self.tables.items() if key[0] < step}
         self.prints = {key: f for key, f in self.prints.items() if key[0] < step}

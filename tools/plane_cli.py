@@ -111,6 +111,10 @@ def _add_planning_arguments(serve) -> None:
     serve.add_argument("--balance", default="omniscale", choices=POLICIES,
                        help="who places samples on ranks: the planner (default) or a baseline "
                             "policy, to compare them on the same run")
+    serve.add_argument("--interleave", default="", metavar="P1,P2,...",
+                       help="A/B timing in one job: window k planned by the k-th policy of the "
+                            "list in turn (instead of --balance), so a machine's drift slows "
+                            "each alike (default: every window by --balance)")
 
 
 def add_token_arguments(parser, note: str = "") -> None:
@@ -164,7 +168,8 @@ def serve_config(args: argparse.Namespace):
         global_batch_tokens=args.global_batch_tokens,
         global_batch_samples=args.global_batch_samples, sp_max=args.sp_max,
         snapshot_every=args.snapshot_every, max_sample_tokens=args.max_sample_tokens,
-        balance=args.balance, **_costs(args),
+        balance=args.balance, interleave=tuple(p.strip() for p in args.interleave.split(",")
+                                                 if p.strip()), **_costs(args),
         frozen_encoders=tuple(k.strip() for k in args.frozen_encoders.split(",") if k.strip()),
         rank_speed=rank_speeds(args.rank_speeds), attention_heads=args.attention_heads)
 

@@ -109,6 +109,29 @@ def test_baseline_policies_plan_through_the_same_plane(demo, tmp_path, policy):
         DataPlane(demo / "mix.yaml", tmp_path / "base", dataclasses.replace(CONFIG, dp=3))
 
 
+def test_interleaved_policies_plan_each_window_as_that_policy_alone(demo, tmp_path):
+    """``--interleave``: window k planned by the k-th policy in turn -- exactly the plans a
+    plane of that policy alone serves for it (the mixer draws the same windows whoever places
+    them); a restart keeps the turns and may not change them."""
+    turns = ("token_lpt", "omniscale")
+    config = dataclasses.replace(CONFIG, interleave=turns)
+    alone = {p: train(DataPlane(demo / "mix.yaml", tmp_path / p,
+                                dataclasses.replace(CONFIG, balance=p)), 0, 12) for p in turns}
+    plane = DataPlane(demo / "mix.yaml", tmp_path / "ab", config)
+    both = train(plane, 0, 6)
+    both.update(train(DataPlane(demo / "mix.yaml", tmp_path / "ab", config), 6, 12))
+    for step in range(12):
+        assert both[step] == alone[turns[step // 4 % 2]][step], step
+    assert alone["token_lpt"][4] != alone["omniscale"][4]  # the turns are told apart
+    assert_exactly_once(tmp_path / "ab")
+    with pytest.raises(UserError, match=r"^--interleave \('omniscale', 'token_lpt'\): this "
+                                        r"state dir was planned with \('token_lpt', "):
+        DataPlane(demo / "mix.yaml", tmp_path / "ab",
+                  dataclasses.replace(CONFIG, interleave=turns[::-1]))
+    with pytest.raises(UserError, match="^--interleave omniscale,nope: two or more of "):
+        dataclasses.replace(CONFIG, interleave=("omniscale", "nope"))
+
+
 def test_policy_names_are_the_planner_and_every_baseline():
     import typing
 

@@ -1,7 +1,7 @@
 """End-to-end balancing benchmark: the same training run once per placement policy.
 
-    .venv/bin/python tools/bench/e2e.py [--workload even|uneven] [--steps 12] [--warmup 4]
-        [--rounds 3] [--nproc 2] [--scale small] [--out docs/bench/e2e.json]
+    .venv/bin/python tools/bench/e2e.py [--workload even|uneven] [--warmup 4] [--rounds 3]
+        [--schedule interleaved|separate] [--nproc 2] [--scale small] [--out docs/bench/e2e.json]
 
 Workloads: ``even`` (the default; below) and ``uneven`` (``tools/bench/e2e_uneven.py``: the same
 runs with rank 1 slowed mid-run by a process pinned to its CPU; 30 steps, the neighbour from
@@ -12,8 +12,14 @@ the policy and everything else equal: model (the tiny omni preset), seed, steps,
 demo at ``--scale``, every source from step 0: text with image, video and audio, long-tailed),
 ``parallel.sp 2`` so that a sample longer than a micro-batch is split over the two ranks (every
 baseline gets the planner's split decision: the same splitting), FSDP over both processes.
-Policies run in a different order each round (rotated), each in a fresh run directory; the
-first ``--warmup`` steps of each run are left out. Every policy plans with the same cost model:
+The even workload's schedule is interleaved (``tools/bench/e2e_interleave.py``): each run
+plans its windows by the policies in turn, and a round is one run per rotation of the turns,
+so every policy trains the same windows at times interleaved with the others' -- this
+machine's speed drifts by up to 1.7x over tens of seconds, which whole runs a minute apart
+cannot tell from a policy's effect. ``--schedule separate`` (the uneven workload's: its
+neighbour starts at a step) runs each policy once a round, in a different order each round
+(rotated). Each run is in a fresh run directory; the first ``--warmup`` steps of each run are
+left out. Every policy plans with the same cost model:
 by default ``omniscale balance calibrate`` times this run's model here first (``--costs
 calibrate``; its fit goes into the JSON), as a user would; ``--costs FILE`` takes a cost file,
 ``--costs flops`` the model's FLOP counts.
@@ -45,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
-from omniscale.tools.bench import e2e_uneven  # noqa: E402
+from omniscale.tools.bench import e2e_interleave, e2e_uneven  # noqa: E402
 from omniscale.tools.bench.contention import Contention, wait_quiet  # noqa: E402
 from omniscale.tools.bench.paired import paired_ratios, spread  # noqa: E402
 from omniscale.tools.bench.provenance import provenance  # noqa: E402
@@ -72,12 +78,19 @@ def run(policy: str, spec: Path, out: Path, args, sets: dict | None = None,
     """One training run with ``data.balance`` = ``policy``; ``sets``: more ``--set``
     overrides, ``env``: its environment, ``during``: a context manager factory given the
     run's metrics file, entered while it runs (the uneven workload's neighbour)."""
+    rows = train(policy, spec, out, args, sets, env, during)
+    return {**measured_stats(rows[args.warmup:]), "loss_last": rows[-1]["loss"]}
+
+
+def train(policy: str, spec: Path, out: Path, args, sets: dict | None = None,
+          env: dict | None = None, during=None) -> list[dict]:
+    """``omniscale train`` as :func:`run` describes it; its metrics rows."""
     sets = {"data.spec": spec, "data.balance": policy, "steps": args.steps,
             "checkpoint_every": args.steps, "output_dir": out, "eval.enabled": "false",
             "parallel.sp": 2, "parallel.dp_shard": 1, "data.workers": args.workers,
             "data.global_batch_tokens": args.global_batch_tokens,
-            "data.micro_batch_tokens": args.micro_batch_tokens, "optim.warmup_steps": 2,
-            "deterministic": "true", **(sets or {})}
+            "data.micro_batch_tokens": args.micro_batch_tokens, "data.window": args.window,
+            "optim.warmup_steps": 2, "deterministic": "true", **(sets or {})}
     if args.costs != "flops":
         sets["data.costs"] = args.costs
     cmd = [sys.executable, "-m", "omniscale", "train", "configs/demo_omni.yaml", "--nproc",
@@ -92,8 +105,11 @@ def run(policy: str, spec: Path, out: Path, args, sets: dict | None = None,
         _, stderr = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"{policy}: omniscale train failed:\n{stderr[-2000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    measured = rows[args.warmup:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def measured_stats(measured: list[dict]) -> dict:
+    """A policy's figures over its measured steps' metrics rows."""
     seconds = sum(r["step_s"] for r in measured)
     return {"tokens_per_s": sum(r["tokens"] for r in measured) / seconds,
             "step_s_median": statistics.median(r["step_s"] for r in measured),
@@ -105,8 +121,35 @@ def run(policy: str, spec: Path, out: Path, args, sets: dict | None = None,
             "media_items_moved_mean": statistics.mean(r.get("media_items_moved", 0)
                                                       for r in measured),
             "compute_s_mean": statistics.mean(statistics.mean(r["rank_compute_s"])
-                                              for r in measured),
-            "loss_last": rows[-1]["loss"]}
+                                              for r in measured)}
+
+
+def interleaved_round(r: int, policies: list[str], spec: Path, tmp: Path, args) -> dict:
+    """Round ``r`` of the interleaved schedule (``e2e_interleave``): one run per rotation of
+    the turn order; each policy's figures over all its turns in them (the same samples for
+    every policy), each run's apart in ``runs_each``."""
+    rows: dict[str, list[dict]] = {p: [] for p in policies}
+    orders, each = [], []
+    for j in range(len(policies)):
+        order = e2e_interleave.rotation(policies, r + j)
+        quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
+        with Contention() as contention:
+            got = train(OURS, spec, tmp / f"r{r}-turns{j}", args, sets={
+                "data.balance_interleave": e2e_interleave.interleave_setting(order)})
+        mine = e2e_interleave.rows_by_policy(got, args.warmup, policies)
+        for p in policies:
+            rows[p] += mine[p]
+        orders.append(order)
+        each.append({"order": order, "foreign_cpu_share": round(contention.share, 3), **quiet,
+                     "tokens_per_s": {p: measured_stats(mine[p])["tokens_per_s"]
+                                      for p in policies}})
+        print(f"round {r + 1}/{args.rounds} run {j + 1}/{len(policies)} (turns "
+              f"{', '.join(order)}): " + "  ".join(
+                  f"{p} {v:.0f}" for p, v in each[-1]["tokens_per_s"].items())
+              + f" tok/s  other processes {contention.share:.0%} of the CPUs", flush=True)
+    runs = {p: {**measured_stats(rows[p]), "loss_last": rows[p][-1]["loss"]} for p in policies}
+    e2e_interleave.check_same_data(runs)
+    return {"order": orders, "runs": runs, "runs_each": each}
 
 
 def calibrate(spec: Path, args) -> dict:
@@ -177,9 +220,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "omniscale-bench")
     ap.add_argument("--scale", default="small", choices=("tiny", "small", "medium"))
-    ap.add_argument("--steps", type=int, default=None, help="default: 12 (uneven: 30)")
+    ap.add_argument("--schedule", choices=("interleaved", "separate"), default=None,
+                    help="interleaved (the even workload's default): each run plans its "
+                         "windows by the policies in turn, one run per rotation of the turns "
+                         "a round (tools/bench/e2e_interleave.py); separate (uneven's): one "
+                         "run per policy a round")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="separate runs' steps (default 12, uneven 30); interleaved runs "
+                         "take --warmup + --window x policies x --cycles")
     ap.add_argument("--warmup", type=int, default=4,
                     help="steps left out (a whole window: the planner moves samples within it)")
+    ap.add_argument("--window", type=int, default=4,
+                    help="global batches the plane plans together (data.window)")
+    ap.add_argument("--cycles", type=int, default=1,
+                    help="interleaved: each policy's turns (of one window) per run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
@@ -214,11 +268,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.summarize is not None:
         return summarize(args.summarize, args.out or args.summarize, argv)
     uneven = args.workload == "uneven"
-    if args.steps is None:
+    policies = args.policies.split(",")
+    interleaved = (args.schedule or ("separate" if uneven else "interleaved")) == "interleaved"
+    if interleaved:
+        if uneven or args.steps is not None or len(policies) < 2:
+            ap.error("--schedule interleaved: the even workload and two or more policies; its "
+                     "runs' steps follow from --warmup, --window, --cycles and the policies")
+        args.steps = e2e_interleave.steps_per_run(args.warmup, args.window, len(policies),
+                                                  args.cycles)
+    elif args.steps is None:
         args.steps = 30 if uneven else 12
     slow_until = args.slow_until if args.slow_until < args.steps else None
     started = provenance()
-    policies = args.policies.split(",")
     spec = prepare(args.data, args.scale)
     calibration = None
     if args.costs == "calibrate":
@@ -238,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = []
     with tempfile.TemporaryDirectory(prefix="omniscale-e2e-") as tmp:
         for r in range(args.rounds):
+            if interleaved:
+                rounds.append(interleaved_round(r, policies, spec, Path(tmp), args))
+                continue
             order = policies[r % len(policies):] + policies[:r % len(policies)]
             runs = {}
             for policy in order:
@@ -274,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
               "micro_batch_tokens": args.micro_batch_tokens, "sp": 2,
               "costs": args.costs, "calibration": calibration,
               "no_reshard": args.no_reshard, "workload": args.workload,
+              "schedule": "interleaved" if interleaved else "separate", "window": args.window,
+              **({"cycles": args.cycles} if interleaved else {}),
               **({"neighbour": e2e_uneven.describe(args.slow_from, slow_until),
                   "settle": args.settle, "figures_over_steps": [
                       args.slow_from + args.settle, (slow_until or args.steps) - 1],
@@ -289,7 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
         spread, each = result["ratio_vs_best_baseline"], \
             result["ratio_vs_each_rounds_fastest_baseline"]
         print(f"ours / best baseline ({result['best_baseline']}, the highest median tokens/s; "
-              f"median of {len(rounds)} paired rounds): {spread['median']:.3f}x "
+              f"median of {len(rounds)} paired rounds"
+              f"{', interleaved' if interleaved else ''}): {spread['median']:.3f}x "
               f"({spread['min']:.3f}-{spread['max']:.3f}); against each round's fastest "
               f"baseline {each['median']:.3f}x")
     if args.out:

@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                     out = Path(tmp) / f"r{r}-{policy}-{attempt}"
                     quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
                     with Contention() as contention:
-                        stats = run(policy, spec, out, args, {"data.window": args.window})
+                        stats = run(policy, spec, out, args)
                     rows = _rows(out)
                     stats.update(_measured(rows[args.warmup:args.steps], predicted.get(policy),
                                            rows[SPEED_FROM:args.warmup]),

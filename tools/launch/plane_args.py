@@ -46,6 +46,8 @@ def serve_flags(cfg, run_dir, world: int, restore_step: int | None = None) -> li
              "--snapshot-every", config.snapshot_every]
     if config.frozen_encoders:
         flags += ["--frozen-encoders", ",".join(config.frozen_encoders)]
+    if config.interleave:
+        flags += ["--interleave", ",".join(config.interleave)]
     if config.attention_heads:
         flags += ["--attention-heads", config.attention_heads]
     if config.rank_speed is not None:

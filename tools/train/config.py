@@ -151,6 +151,12 @@ class DataSection(_Strict):
     # who places samples on ranks: the planner, or a baseline policy through the same plane
     # (to measure the planner's gain on this very run)
     balance: Literal[POLICIES] = "omniscale"  # type: ignore[valid-type] (plane_config.POLICIES)
+    # A/B timing in one run: window k planned by balance_interleave[k % n] instead of balance
+    # (e.g. [omniscale, token_lpt]): the policies take turns window by window, so a machine
+    # whose speed drifts over minutes slows each alike; each metrics row names its step's
+    # policy (tools/bench/e2e.py --interleave). None: every window by balance.
+    balance_interleave: list[Literal[POLICIES]] | None = Field(  # type: ignore[valid-type]
+        None, min_length=2)
     # the cost model from `omniscale balance calibrate` (seconds of this machine); default:
     # the model's FLOPs per sequence (the online refit moves either)
     costs: str | None = None

@@ -153,6 +153,7 @@ def _spawned(rank: int, world: int, job: RankJob, env: dict[str, str]) -> None:
 # messages say how the run's value is derived); snapshot_every is the plane's own business.
 PLANNING_SETTINGS = (
     ("balance", "--balance", "data.balance"),
+    ("interleave", "--interleave", "data.balance_interleave"),
     ("micro_batch_tokens", "--micro-batch-tokens", "data.micro_batch_tokens"),
     ("global_batch_tokens", "--global-batch-tokens", "data.global_batch_tokens"),
     ("global_batch_samples", "--global-batch-samples", "none (the run counts tokens)"),

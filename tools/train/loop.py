@@ -81,6 +81,7 @@ def plane_config(cfg: RunConfig, dp: int, cost: tuple[float, float] | None = Non
     return PlaneConfig(dp=dp, micro_batch_tokens=d.micro_batch_tokens, window=d.window,
                        global_batch_tokens=d.global_batch_tokens, sp_max=cfg.parallel.sp,
                        snapshot_every=cfg.checkpoint_every, balance=d.balance,
+                       interleave=tuple(d.balance_interleave or ()),
                        frozen_encoders=tuple(frozen_kinds), attention_heads=heads,
                        rank_speed=None if d.rank_speeds is None else tuple(d.rank_speeds),
                        **extra)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from omniscale.dataplane.plane_config import policy_of_window
 from omniscale.tools.train import checkpoint, collectives
 from omniscale.tools.train.held_out import flat
 from omniscale.tools.train.metrics import MetricsWriter, Progress
@@ -146,7 +147,9 @@ class Trainer:
             step = row["step"]
             if env.device.type == "cuda":  # this rank's peak since the start (GiB)
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated(env.device) / 2 ** 30
-            row["balance"] = cfg.data.balance  # the placement policy the plans came from
+            # the placement policy the step's plans came from (its window's turn)
+            row["balance"] = policy_of_window(cfg.data.balance, cfg.data.balance_interleave,
+                                              step // cfg.data.window)
             if pools is not None:
                 row["data_pools"] = pools()
             if "mix_samples" in row:
