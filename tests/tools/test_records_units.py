@@ -64,12 +64,12 @@ def _row(record, sums, counts, times, skipped):
 
 
 def _record(step, sums, *, cost, compute, wall, wait, skipped=0, replaced=(), lengths=None,
-            io=None, host_syncs=None, micro_batches=2, update_skipped=None):
+            io=None, host_syncs=None, micro_batches=2, update_skipped=None, phases=None):
     return StepRecord(step=step, lr=0.1, grad_norm=torch.tensor(2.0 * step), counts=torch.tensor(
         [float(step)]), sums=torch.tensor(sums, dtype=torch.float64), row=_row, wall_s=wall,
         compute_s=compute, data_wait_s=wait, predicted_cost=cost, plan={"baseline_policy": "x"},
         micro_batches=micro_batches, skipped=skipped, replaced=list(replaced), lengths=lengths,
-        io=io or {}, host_syncs=host_syncs, update_skipped=update_skipped)
+        io=io or {}, host_syncs=host_syncs, update_skipped=update_skipped, phases=phases or {})
 
 
 def _peer(monkeypatch, peer_sums, peer_host, peer_objects):
@@ -91,7 +91,7 @@ def test_two_steps_rows_sum_both_ranks_and_time_the_step_by_its_slowest_rank(mon
             _record(2, [3.0, 4.0], cost=2.0, compute=2.0, wall=2.5, wait=0.0)]
     # the peer's host rows: [predicted cost, compute s, wall s, data wait s, skipped]
     _peer(monkeypatch, [10.0] * 4, [[2.0, 3.0, 3.5, 0.25, 0], [2.0, 1.0, 1.0, 1.5, 0]],
-          [(None, [], {}), (None, [], {})])
+          [(None, [], {}, {}), (None, [], {}, {})])
     state = _state()
     rows = records.flush(_env(), state, mine)
     first, second = rows
@@ -112,12 +112,25 @@ def test_two_steps_rows_sum_both_ranks_and_time_the_step_by_its_slowest_rank(mon
     assert "update_skipped" not in first and "data_io" not in first
 
 
+def test_each_phase_is_listed_by_rank_and_left_out_when_a_rank_did_not_time_it(monkeypatch):
+    mine = [_record(1, [0.0], cost=1.0, compute=1.0, wall=1.0, wait=0.0,
+                    phases={"encode": (0.25, 0.2), "backbone": (0.75, 0.7)})]
+    _peer(monkeypatch, [0.0], [[1.0, 1.0, 1.0, 0.0, 0]],
+          [(None, [], {}, {"encode": (0.5, 0.1), "backbone": (0.5, 0.4)})])
+    row = records.flush(_env(), _state(), mine)[0]
+    assert row["rank_phase_wall_s"] == {"encode": [0.25, 0.5], "backbone": [0.75, 0.5]}
+    assert row["rank_phase_compute_s"] == {"encode": [0.2, 0.1], "backbone": [0.7, 0.4]}
+    _peer(monkeypatch, [0.0], [[1.0, 1.0, 1.0, 0.0, 0]], [(None, [], {}, {})])  # on CUDA
+    row = records.flush(_env(), _state(), mine)[0]
+    assert "rank_phase_wall_s" not in row and "rank_phase_compute_s" not in row
+
+
 def test_a_sample_both_ranks_skipped_is_counted_once(monkeypatch):
     mine = [_record(1, [0.0], cost=1.0, compute=1.0, wall=1.0, wait=0.0, skipped=2,
                     replaced=[("a", 1), ("b", 2)])]
     # the peer decoded the media of a/1 and skipped it too, and one of its own, c/3
     _peer(monkeypatch, [0.0], [[1.0, 1.0, 1.0, 0.0, 2]],
-          [([None], [("a", 1), ("c", 3)], {})])
+          [([None], [("a", 1), ("c", 3)], {}, {})])
     rows = records.flush(_env(), _state(), mine)
     assert rows[0]["skipped"] == 3  # a/1, b/2, c/3: not the 4 the ranks reported
 
@@ -134,7 +147,7 @@ def test_one_rank_reports_its_skips_as_counted(monkeypatch):
 def test_rank_0_keeps_each_ranks_lengths_for_the_cost_refit_and_other_ranks_do_not(
         monkeypatch):
     for writer, kept in ((True, [[5, 6], [7]]), (False, [])):
-        _peer(monkeypatch, [0.0], [[1.0, 4.0, 4.0, 0.0, 0]], [([7], [], {})])
+        _peer(monkeypatch, [0.0], [[1.0, 4.0, 4.0, 0.0, 0]], [([7], [], {}, {})])
         state = _state()
         mine = [_record(1, [0.0], cost=1.0, compute=2.0, wall=2.0, wait=0.0, lengths=[5, 6])]
         records.flush(_env(writer=writer), state, mine)
@@ -143,7 +156,7 @@ def test_rank_0_keeps_each_ranks_lengths_for_the_cost_refit_and_other_ranks_do_n
 
 
 def test_the_rows_carry_the_guards_verdict_and_the_host_syncs_per_micro_batch(monkeypatch):
-    _peer(monkeypatch, [0.0], [[1.0, 1.0, 1.0, 0.0, 0]], [(None, [], {})])
+    _peer(monkeypatch, [0.0], [[1.0, 1.0, 1.0, 0.0, 0]], [(None, [], {}, {})])
     mine = [_record(1, [0.0], cost=1.0, compute=1.0, wall=1.0, wait=0.0,
                     host_syncs={"item": 3, "nonzero": 3}, micro_batches=4,
                     update_skipped="non-finite gradient norm")]
@@ -189,7 +202,7 @@ def test_straggler_lines_are_printed_by_the_writing_rank_only(monkeypatch, capsy
         state = _state()
         for step in (1, 2, 3):
             _peer(monkeypatch, [0.0], [[1.0, 1.0 if step == 1 else 3.0, 1.0, 0.0, 0]],
-                  [(None, [], {})])
+                  [(None, [], {}, {})])
             mine = [_record(step, [0.0], cost=1.0, compute=1.0, wall=1.0, wait=0.0)]
             records.flush(_env(writer=writer), state, mine)
         out = capsys.readouterr().out
@@ -201,7 +214,7 @@ def test_straggler_lines_are_printed_by_the_writing_rank_only(monkeypatch, capsy
 
 def test_a_step_shorter_than_a_second_gets_its_own_wait_fraction(monkeypatch):
     # 0.2 s computing after 0.05 s waiting, on both ranks: the step is 0.25 s, a fifth waiting
-    _peer(monkeypatch, [0.0], [[1.0, 0.2, 0.2, 0.05, 0]], [(None, [], {})])
+    _peer(monkeypatch, [0.0], [[1.0, 0.2, 0.2, 0.05, 0]], [(None, [], {}, {})])
     mine = [_record(1, [0.0], cost=1.0, compute=0.2, wall=0.2, wait=0.05)]
     row = records.flush(_env(), _state(), mine)[0]
     assert row["step_s"] == pytest.approx(0.25)
@@ -209,7 +222,7 @@ def test_a_step_shorter_than_a_second_gets_its_own_wait_fraction(monkeypatch):
 
 
 def test_a_step_no_rank_computed_in_is_balanced_not_a_division_by_zero(monkeypatch):
-    _peer(monkeypatch, [0.0], [[0.0, 0.0, 0.1, 0.0, 0]], [(None, [], {})])
+    _peer(monkeypatch, [0.0], [[0.0, 0.0, 0.1, 0.0, 0]], [(None, [], {}, {})])
     mine = [_record(1, [0.0], cost=0.0, compute=0.0, wall=0.1, wait=0.0,
                     host_syncs={"item": 2}, micro_batches=0)]
     row = records.flush(_env(), _state(), mine)[0]

@@ -104,6 +104,15 @@ def test_two_processes_with_loader_workers_resume_bit_for_bit(demo, tmp_path):
     want, got = read_metrics(straight / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(last))
     assert all(len(r["rank_compute_s"]) == 2 for r in got)
+    for row in got:  # the step's phases add up to the whole step's clocks, timed apart
+        for key, whole in (("rank_phase_wall_s", "rank_wall_s"),
+                           ("rank_phase_compute_s", "rank_compute_s")):
+            phases = row[key]
+            assert list(phases) == ["encode", "backbone", "media_backward", "update"]
+            for rank in range(2):
+                total = sum(seconds[rank] for seconds in phases.values())
+                assert 0.9 * row[whole][rank] - 0.01 <= total <= row[whole][rank] * 1.01 + 0.01, (
+                    row["step"], key, rank, total, row[whole][rank])
     for a, b in zip(want, got, strict=True):
         assert (b["loss"], b["grad_norm"], b["router_loss"]) == \
             (a["loss"], a["grad_norm"], a["router_loss"]), b["step"]

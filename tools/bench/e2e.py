@@ -121,7 +121,21 @@ def measured_stats(measured: list[dict]) -> dict:
             "media_items_moved_mean": statistics.mean(r.get("media_items_moved", 0)
                                                       for r in measured),
             "compute_s_mean": statistics.mean(statistics.mean(r["rank_compute_s"])
-                                              for r in measured)}
+                                              for r in measured),
+            **phase_means(measured)}
+
+
+def phase_means(measured: list[dict]) -> dict:
+    """Per phase of the step (the trainer's ``rank_phase_*_s``, CPU runs): the mean over
+    steps of the slowest rank's wall seconds (the phases end in collectives, so the ranks'
+    walls nearly agree) and of the ranks' mean compute seconds; {} when not recorded."""
+    if not measured or not all("rank_phase_wall_s" in r for r in measured):
+        return {}
+    names = list(measured[0]["rank_phase_wall_s"])
+    return {"phase_wall_s_mean": {n: statistics.mean(max(r["rank_phase_wall_s"][n])
+                                                     for r in measured) for n in names},
+            "phase_compute_s_mean": {n: statistics.mean(statistics.mean(
+                r["rank_phase_compute_s"][n]) for r in measured) for n in names}}
 
 
 def interleaved_round(r: int, policies: list[str], spec: Path, tmp: Path, args) -> dict:
@@ -232,8 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="steps left out (a whole window: the planner moves samples within it)")
     ap.add_argument("--window", type=int, default=4,
                     help="global batches the plane plans together (data.window)")
-    ap.add_argument("--cycles", type=int, default=1,
-                    help="interleaved: each policy's turns (of one window) per run")
+    ap.add_argument("--cycles", type=int, default=2,
+                    help="interleaved: each policy's turns (of one window) per run (a round's "
+                         "ratio pairs policies over policies x cycles windows)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")

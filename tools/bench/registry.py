@@ -200,8 +200,9 @@ BENCHES: dict[str, Bench] = {
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
                         target="target", met="met"),)),
     "e2e": Bench(
-        "e2e.py", quick_args=("--rounds", "1", "--window", "1", "--warmup", "0", "--scale",
-                              "tiny", "--policies", "omniscale,token_lpt", "--costs", "flops",
+        "e2e.py", quick_args=("--rounds", "1", "--window", "1", "--cycles", "1", "--warmup", "0",
+                              "--scale", "tiny", "--policies", "omniscale,token_lpt", "--costs",
+                              "flops",
                               "--global-batch-tokens", "4096", "--micro-batch-tokens", "2048",
                               "--workers", "0"),
         full_args=("--rounds", "3"),

@@ -96,6 +96,13 @@ class ComputeClock:
             self._process = time.process_time()
             self._others = _other_threads(1)
 
+    def lap(self) -> tuple[float, float]:
+        """``stop()`` and ``start()`` again: the (wall, compute) seconds of one phase of a
+        step, the next phase counted from now."""
+        got = self.stop()
+        self.start()
+        return got
+
     def stop(self) -> tuple[float, float]:
         wall = time.perf_counter() - self._wall
         if self.kind == "wall":

@@ -83,6 +83,7 @@ class StepRecord:
     io: dict = dataclasses.field(default_factory=dict)  # the loader's reads (StepBatch.io)
     update_skipped: str | None = None  # why the guard did not apply the step (guard.py)
     host_syncs: dict | None = None  # this rank's, by op (``debug.count_host_syncs``)
+    phases: dict = dataclasses.field(default_factory=dict)  # name: (wall, compute) (step.Phases)
 
 
 def step_record(step: int, batch, **fields) -> StepRecord:
@@ -135,7 +136,8 @@ def flush(env, state, records: list[StepRecord]) -> list[dict]:
                          for r in records], dtype=torch.float64, device=env.device)
     sums, gathered, objects = collectives.flush_metrics(
         torch.cat([r.sums for r in records]), host,
-        [(r.lengths, r.replaced, r.io) for r in records], env.world, env.sum_group, env.group)
+        [(r.lengths, r.replaced, r.io, r.phases) for r in records], env.world, env.sum_group,
+        env.group)
     # the one host synchronisation of the interval
     sums = sums.cpu()
     per_rank = torch.stack(gathered, dim=1).tolist()  # [step][rank][field]
@@ -163,9 +165,20 @@ def flush(env, state, records: list[StepRecord]) -> list[dict]:
         io = _data_io([o[i][2] for o in objects], sum(row.get("mix_samples", {}).values()))
         if io:
             row["data_io"] = io
+        row.update(_phases([o[i][3] for o in objects]))
         rows.append(row)
         offset += size
     return rows
+
+
+def _phases(per_rank: list[dict]) -> dict:
+    """Each phase's wall and compute seconds per rank (``step.Phases``), when every rank
+    timed them (CPU)."""
+    names = list(per_rank[0]) if per_rank and all(per_rank) else []
+    if not names:
+        return {}
+    return {"rank_phase_wall_s": {n: [p[n][0] for p in per_rank] for n in names},
+            "rank_phase_compute_s": {n: [p[n][1] for p in per_rank] for n in names}}
 
 
 def _data_io(per_rank: list[dict], samples: int | None) -> dict:

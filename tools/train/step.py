@@ -91,6 +91,9 @@ class RunState:
     clock: ComputeClock  # per-rank compute seconds (waiting in collectives excluded)
     audit: StepAudit  # debug.audit_devices / count_host_syncs (step_audit.py); off by default
     guard: UpdateGuard | None = None  # None: every step applied, no verdict to wait for
+    # the same clock per phase of the step (``Phases``), where phases end on the host when their
+    # work does (CPU); None on CUDA: its kernels run after the host has moved on
+    phase_clock: ComputeClock | None = None
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     refit: CostRefit = dataclasses.field(default_factory=CostRefit)  # rank 0's measurements
     stragglers: StragglerTracker = dataclasses.field(default_factory=StragglerTracker)
@@ -104,6 +107,7 @@ class RunState:
         guard = seeded(cfg.guard, Path(run_dir) / "metrics.jsonl", start_step) \
             if cfg.guard.enabled else None
         return cls(clock=ComputeClock(env.device.type),
+                   phase_clock=ComputeClock() if env.device.type == "cpu" else None,
                    audit=StepAudit(env.device, cfg.debug.audit_devices,
                                    cfg.debug.count_host_syncs),
                    guard=guard)
@@ -249,12 +253,28 @@ def update_bias(env: StepEnv, model, load_LE: torch.Tensor | None,
     model.decoder.update_bias(load_LE[rows])
 
 
+class Phases:
+    """Each phase's (wall, compute) seconds of one step on this rank (``RunState.phase_clock``;
+    nothing on CUDA): where a step's time goes, so two plans' steps can be told apart by
+    more than their total (the metrics row's ``rank_phase_compute_s``)."""
+
+    def __init__(self, clock: ComputeClock | None) -> None:
+        self.clock, self.seconds = clock, {}
+        if clock is not None:
+            clock.start()
+
+    def end(self, name: str) -> None:
+        if self.clock is not None:
+            self.seconds[name] = self.clock.lap()
+
+
 def train_step(env: StepEnv, state: RunState, step: int, model, optimizer, batch
                ) -> StepRecord:
     """encode → reshard → backbone micro-batches → reshard and encoder backward → clip →
     AdamW → record."""
     cfg = env.cfg
     state.clock.start()
+    phases = Phases(state.phase_clock)
     env.faults.in_compute(step)  # inside the clock: it counts as compute
     lr = set_lr(optimizer, step, cfg)
     optimizer.zero_grad(set_to_none=True)
@@ -264,8 +284,11 @@ def train_step(env: StepEnv, state: RunState, step: int, model, optimizer, batch
         prepared = [media.items_for(mb) for mb in batch.micro_batches]
         prepared = [(mb if mb.num_tokens else placeholder(mb), items) for mb, items in prepared]
         counts = global_counts(env, batch, [mb for mb, _ in prepared], media.moved)
+        phases.end("encode")  # the encoders' forward and the reshard
         sums = _backbone(env, step, model, prepared, batch, counts)
+        phases.end("backbone")
         media.backward()
+        phases.end("media_backward")  # the reshard's and the encoders' backward
     env.faults.before_clip(step, model)
     with state.audit.compute(model):
         grad_norm = collectives.clip_grad_norm(model, cfg.optim.grad_clip)
@@ -273,8 +296,9 @@ def train_step(env: StepEnv, state: RunState, step: int, model, optimizer, batch
                              grad_norm, contributes=env.tp_rank == 0)
     if skipped is None:
         update_bias(env, model, sums.load_LE)
+    phases.end("update")  # clip, the guard's verdict, AdamW
     return omni_record(env, state, step, batch, lr, grad_norm, state.clock.stop(), counts,
-                       sums, skipped)
+                       sums, skipped, phases.seconds)
 
 
 def sequence_lengths(batch) -> list[int]:
@@ -284,7 +308,8 @@ def sequence_lengths(batch) -> list[int]:
 
 def omni_record(env: StepEnv, state: RunState, step: int, batch, lr: float,
                 grad_norm: torch.Tensor, seconds: tuple[float, float], counts: StepCounts,
-                sums: StepSums, update_skipped: str | None = None) -> StepRecord:
+                sums: StepSums, update_skipped: str | None = None,
+                phases: dict | None = None) -> StepRecord:
     """The step's record; ``seconds``: (wall, compute) of ``ComputeClock.stop``;
     ``update_skipped``: why the guard did not apply the step (``guard.guarded_update``)."""
     load_shape = tuple(sums.load_LE.shape) if sums.load_LE is not None else None
@@ -292,6 +317,7 @@ def omni_record(env: StepEnv, state: RunState, step: int, batch, lr: float,
                        sums=sums.flat(), row=partial(_omni_row, env, load_shape),
                        wall_s=seconds[0], compute_s=seconds[1],
                        lengths=sequence_lengths(batch), update_skipped=update_skipped,
+                       phases=phases or {},
                        host_syncs=state.audit.take() if state.audit.count_syncs else None)
 
 
