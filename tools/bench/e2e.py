@@ -1,7 +1,8 @@
-"""End-to-end balancing benchmark: the same training run once per placement policy.
+"""End-to-end balancing benchmark: the same training run, its steps planned by each policy.
 
     .venv/bin/python tools/bench/e2e.py [--workload even|uneven] [--warmup 4] [--rounds 3]
-        [--schedule interleaved|separate] [--nproc 2] [--scale small] [--out docs/bench/e2e.json]
+        [--schedule interleaved|separate] [--cycles 2] [--nproc 2] [--scale small]
+        [--out docs/bench/e2e.json]
 
 Workloads: ``even`` (the default; below) and ``uneven`` (``tools/bench/e2e_uneven.py``: the same
 runs with rank 1 slowed mid-run by a process pinned to its CPU; 30 steps, the neighbour from
@@ -16,20 +17,23 @@ The even workload's schedule is interleaved (``tools/bench/e2e_interleave.py``):
 plans its windows by the policies in turn, and a round is one run per rotation of the turns,
 so every policy trains the same windows at times interleaved with the others' -- this
 machine's speed drifts by up to 1.7x over tens of seconds, which whole runs a minute apart
-cannot tell from a policy's effect. ``--schedule separate`` (the uneven workload's: its
-neighbour starts at a step) runs each policy once a round, in a different order each round
-(rotated). Each run is in a fresh run directory; the first ``--warmup`` steps of each run are
-left out. Every policy plans with the same cost model:
-by default ``omniscale balance calibrate`` times this run's model here first (``--costs
+cannot tell from a policy's effect; ``--cycles`` turns of each policy per run (default 2:
+each round then pairs the policies over 2 x policies windows). ``--schedule separate`` (the
+uneven workload's: its neighbour starts at a step) runs each policy once a round, in a
+different order each round (rotated). Each run is in a fresh run directory; the first
+``--warmup`` steps of each run are left out. Every policy plans with the same cost model: by
+default ``omniscale balance calibrate`` times this run's model here first (``--costs
 calibrate``; its fit goes into the JSON), as a user would; ``--costs FILE`` takes a cost file,
 ``--costs flops`` the model's FLOP counts.
 
 Per policy and round: tokens/s (the measured steps' tokens over their summed step time),
-median step time, and the mean measured (compute clock, waiting excluded) and predicted
-imbalance. The headline is the median over rounds of ours / the best baseline, paired by
-round, with its minimum and maximum: the best baseline is the one policy with the highest
-median tokens/s over the rounds (``tools/bench/paired.py`` says why not each round's fastest;
-that figure is kept beside it, ``ratio_vs_each_rounds_fastest_baseline``).
+median step time, the mean measured (compute clock, waiting excluded) and predicted
+imbalance, and where the steps' time went (each phase's mean seconds: ``phase_wall_s_mean``,
+``phase_compute_s_mean``; the trainer's ``rank_phase_*_s``). The headline is the median over
+rounds of ours / the best baseline, paired by round, with its minimum and maximum: the best
+baseline is the one policy with the highest median tokens/s over the rounds
+(``tools/bench/paired.py`` says why not each round's fastest; that figure is kept beside it,
+``ratio_vs_each_rounds_fastest_baseline``).
 
 Each run records what other processes took of the CPUs while it ran (``foreign_cpu_share``,
 ``tools/bench/contention.py``); ``--wait-quiet-s S`` waits up to S seconds before each run

@@ -256,7 +256,7 @@ BENCHES: dict[str, Bench] = {
         # e2e.py's schedule since 168bd5e: the policies in turns inside each run; e2e.json
         # (85b93b7, with the README's other figures) was measured with separate runs
         "e2e.py", variant_of="e2e", docs_json="e2e_interleaved.json",
-        full_args=("--rounds", "3", "--wait-quiet-s", "60"),
+        full_args=("--rounds", "3", "--cycles", "2", "--wait-quiet-s", "60"),
         metrics=(
             Metric("training tokens/s, policies in turns: ours vs the best baseline policy "
                    "(median of rounds)", value="median.omniscale.tokens_per_s",
