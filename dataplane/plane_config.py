@@ -18,13 +18,13 @@ MAX_DP = 1 << 16
 # our planner, then the per-step baselines of balancer/baselines.py by name, then its static
 # layouts (written out: importing the baselines costs the CLI numba at start-up;
 # tests/dataplane/test_plane.py holds them equal)
+POLICIES = ("omniscale", "strided", "first_fit", "token_lpt", "kk_cost", "static_sp")
+
+
 def policy_of_window(balance: str, interleave, k: int) -> str:
     """The policy window ``k`` is planned by: ``interleave``'s turn, else ``balance`` (the
     plane plans by it; the trainer names it in the step's metrics row)."""
     return interleave[k % len(interleave)] if interleave else balance
-
-
-POLICIES = ("omniscale", "strided", "first_fit", "token_lpt", "kk_cost", "static_sp")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ class PlaneConfig:
     balance: str = "omniscale"
     # A/B timing in one job: window k planned by interleave[k % n] instead of ``balance`` --
     # the policies take turns window by window, so a machine whose speed drifts over minutes
-    # slows each alike (tools/bench/e2e.py --interleave). Empty: every window by ``balance``.
+    # slows each alike (tools/bench/e2e.py's interleaved schedule). Empty: every window by
+    # ``balance``.
     interleave: tuple[str, ...] = ()
     # a calibrated cost model (`omniscale balance calibrate`): α, β, γ of the LLM ("llm") and
     # of each encoder kind, in seconds, and optionally the fixed cost of a micro-batch

@@ -154,7 +154,7 @@ class DataSection(_Strict):
     # A/B timing in one run: window k planned by balance_interleave[k % n] instead of balance
     # (e.g. [omniscale, token_lpt]): the policies take turns window by window, so a machine
     # whose speed drifts over minutes slows each alike; each metrics row names its step's
-    # policy (tools/bench/e2e.py --interleave). None: every window by balance.
+    # policy (tools/bench/e2e.py's interleaved schedule). None: every window by balance.
     balance_interleave: list[Literal[POLICIES]] | None = Field(  # type: ignore[valid-type]
         None, min_length=2)
     # the cost model from `omniscale balance calibrate` (seconds of this machine); default:
