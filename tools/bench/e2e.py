@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
             if interleaved:
                 rounds.append(interleaved_round(r, policies, spec, Path(tmp), args))
                 continue
-            order = policies[r % len(policies):] + policies[:r % len(policies)]
+            order = e2e_interleave.rotation(policies, r)  # a different policy first each round
             runs = {}
             for policy in order:
                 out = Path(tmp) / f"r{r}-{policy}"

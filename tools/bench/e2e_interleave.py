@@ -25,7 +25,8 @@ def steps_per_run(warmup: int, window: int, n_policies: int, cycles: int) -> int
 
 
 def rotation(policies: list[str], j: int) -> list[str]:
-    """Run ``j``'s turn order: window k is planned by its (k mod n)-th policy."""
+    """Run ``j``'s turn order: window k is planned by its (k mod n)-th policy (the separate
+    schedule's order of runs in round ``j`` too)."""
     j %= len(policies)
     return policies[j:] + policies[:j]
 
