@@ -205,7 +205,9 @@ BENCHES: dict[str, Bench] = {
                               "flops",
                               "--global-batch-tokens", "4096", "--micro-batch-tokens", "2048",
                               "--workers", "0"),
-        full_args=("--rounds", "3"),
+        # the policies in turns inside each run (e2e.py's default schedule): this machine's
+        # speed drifts by up to 1.7x over tens of seconds, more than whole runs' differences
+        full_args=("--rounds", "3", "--cycles", "2", "--wait-quiet-s", "60"),
         metrics=(
             Metric("training tokens/s: ours vs the best baseline policy (median of rounds)",
                    value="median.omniscale.tokens_per_s", ratio="ratio_vs_best_baseline.median",
@@ -237,7 +239,7 @@ BENCHES: dict[str, Bench] = {
         # issue #44, item 2: one rank slowed from a given step by a process spinning on its core
         "e2e.py", variant_of="e2e",
         full_args=("--workload", "uneven", "--rounds", "3", "--policies",
-                   "omniscale,token_lpt,kk_cost"),
+                   "omniscale,token_lpt,kk_cost", "--wait-quiet-s", "60"),
         metrics=(
             Metric("uneven ranks, tokens/s: ours vs the best baseline (median of rounds)",
                    value="median.omniscale.tokens_per_s", ratio="ratio_vs_best_baseline.median",
