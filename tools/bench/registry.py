@@ -254,17 +254,6 @@ BENCHES: dict[str, Bench] = {
             Metric("uneven ranks: steps from the release to the first step planned for it",
                    value="median.omniscale.planned_for_release_after_steps",
                    target=Goal("<=", 5)))),
-    "e2e_interleaved": Bench(
-        # e2e.py's schedule since 168bd5e: the policies in turns inside each run; e2e.json
-        # (85b93b7, with the README's other figures) was measured with separate runs
-        "e2e.py", variant_of="e2e", docs_json="e2e_interleaved.json",
-        full_args=("--rounds", "3", "--cycles", "2", "--wait-quiet-s", "60"),
-        metrics=(
-            Metric("training tokens/s, policies in turns: ours vs the best baseline policy "
-                   "(median of rounds)", value="median.omniscale.tokens_per_s",
-                   ratio="ratio_vs_best_baseline.median", target=Goal(">=", 0.98)),
-            Metric("measured imbalance (compute clock) of our plans, policies in turns",
-                   value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)))),
     "e2e_no_reshard": Bench(
         "e2e.py", variant_of="e2e",
         full_args=("--rounds", "2", "--policies", "omniscale,token_lpt", "--no-reshard"),
