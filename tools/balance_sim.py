@@ -164,11 +164,12 @@ def simulate_command(args: argparse.Namespace, console: Console | None = None) -
     """Run every policy, print the comparison, write the plot and plan if asked; return it."""
     options = options_from_args(args)
     console = console or Console(width=None if sys.stdout.isatty() else 160)
-    stream, offsets_S1, row_N = samples_for(options)
-    if options.costs_file is not None:  # one line naming the file when it is not one
+    # the cost file first: a bad one is refused in one line before the samples are read
+    if options.costs_file is not None:
         costs = costs_of(read_cost_file(options.costs_file)["costs"])
     else:
         costs = default_costs(options.alpha, options.beta, options.comm)
+    stream, offsets_S1, row_N = samples_for(options)
     runs = [run_policy(name, stream, offsets_S1, costs, options.config)
             for name in judged(ALL_POLICIES)]
     result = compare(runs, stream, offsets_S1, costs, options.config)

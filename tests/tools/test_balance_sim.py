@@ -106,6 +106,9 @@ def test_jsonl_with_encoder_patches_and_token_batches(tmp_path, capsys):
     (["--dist", "lognormal", "--dp", "4", "--rank-speeds", "1,0.5"], "one finite speed > 0"),
     (["--dist", "lognormal", "--dp", "2", "--rank-speeds", "1,0"], "--rank-speeds 1,0"),
     (["--dist", "lognormal", "--costs", "missing.json"], "missing.json: not a cost file"),
+    # the cost file is read before the samples: a bad one is refused before they are read
+    (["--lengths", "no-lengths.parquet", "--costs", "missing.json"],
+     "missing.json: not a cost file"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["balance", "simulate", *args]) == 2
