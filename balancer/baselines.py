@@ -12,11 +12,11 @@ Two variants of each policy:
   budget still runs, alone in its micro-batch: the simulator counts that as a budget violation
   instead of refusing the policy.
 - ``+split`` (``BASELINES_SPLIT``): first the planner's own long-short split (`split_sizes`:
-  a sample costlier than a micro-batch slot's share, or longer than the budget, runs on an
-  aligned SP group of k ranks, ``sp_max`` caps k, each rank carrying c/k plus its all-to-all
-  cost); then the policy places whole samples and SP groups its own way. A group's k slices
-  share one micro-batch slot on its k ranks. The split keeps every slice within the budget,
-  so these plans never violate it.
+  a sample longer than the budget, and where the planner finds it pays a sample costlier
+  than a micro-batch slot's share, runs on an aligned SP group of k ranks, ``sp_max`` caps
+  k, each rank carrying c/k plus its all-to-all cost); then the policy places whole samples
+  and SP groups its own way. A group's k slices share one micro-batch slot on its k ranks.
+  The split keeps every slice within the budget, so these plans never violate it.
 
 The policies (their ``+split`` rule for SP groups in brackets):
 
@@ -66,7 +66,8 @@ import numpy as np
 
 from omniscale.balancer.assign import lpt, place_sp_groups
 from omniscale.balancer.encoder_plan import plan_encoders
-from omniscale.balancer.split import choose_sp_size, largest_sp_size, slot_share, unit_cost
+from omniscale.balancer.planner import window_split
+from omniscale.balancer.split import largest_sp_size, unit_cost
 from omniscale.balancer.stream import item_costs, llm_costs
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples, slice_tokens
 
@@ -109,14 +110,11 @@ def kk_cost(samples: WindowSamples, costs, config: PlannerConfig) -> StepPlan:
 
 def split_sizes(samples: WindowSamples, costs, config: PlannerConfig,
                 n_steps: int = 1) -> np.ndarray:
-    """SP group size of every sample (int64, 1 = whole) by the planner's rule (see
-    ``planner._split``): the slot share of ``n_steps`` steps of these samples on
-    ``config.dp`` ranks, ``sp_max`` and the budget, the SP all-to-all priced by ``costs``."""
-    cost_N = llm_costs(samples, costs)
-    share = slot_share(cost_N, samples.tokens_N, n_steps, config.dp, config.micro_batch_tokens)
-    return choose_sp_size(cost_N, samples.tokens_N, share, sp_max=config.sp_max, dp=config.dp,
-                          micro_batch_tokens=config.micro_batch_tokens,
-                          sp_comm_per_token=costs.sp_comm_per_token).astype(np.int64)
+    """SP group size of every sample (int64, 1 = whole) as the planner decides it for
+    ``n_steps`` steps of these samples on ``config.dp`` ranks (``planner.window_split``: the
+    share rule or the budget rule, whichever plans the window's first step shorter), so every
+    ``+split`` baseline runs our split."""
+    return window_split(samples, costs, config, n_steps).astype(np.int64)
 
 
 def _pieces(samples, costs, config, sp_size_N):

@@ -28,8 +28,7 @@ def plan_window(samples: WindowSamples, costs: Costs, config: PlannerConfig) -> 
     """One StepPlan per global batch of the window: `config.window` of them, steps 0..W-1.
 
     A sample may run in any step of its window (displacement ≤ W-1) and on any rank. The split
-    decision uses the per-rank share of the whole window (its cost / (W × dp)) so a sample is
-    split only when it is heavy relative to a typical step. A short last window is planned with
+    is decided for the whole window (``_choose_split``). A short last window is planned with
     `window` set to its length.
     """
     samples.validate()
@@ -37,14 +36,12 @@ def plan_window(samples: WindowSamples, costs: Costs, config: PlannerConfig) -> 
     if samples.num_samples and int(samples.batch_N.max()) >= n_steps:
         raise ValueError(f"batch_N: batch {int(samples.batch_N.max())} is outside a window of "
                          f"{n_steps} batches")
-    cost_N = costs.llm(samples.tokens_N)
-    sp_size_N, unit_N = _split(samples, cost_N, n_steps, costs, config)
-    reorder = reorder_window(samples.tokens_N, samples.source_N, samples.batch_N,
-                             unit_N * sp_size_N, unit_N, n_steps, config.epsilon)
     item_cost_M = costs.item_cost(samples.item_size_M, samples.item_kind_M)
+    chosen = _choose_split(samples, n_steps, item_cost_M, costs, config, reorder=True)
     index_N = np.arange(samples.num_samples)
-    return [_plan_one(samples, index_N[reorder.step_N == s], s, sp_size_N, unit_N, item_cost_M,
-                      costs, config) for s in range(n_steps)]
+    return [chosen.first_plan if s == 0 else
+            _plan_one(samples, index_N[chosen.step_N == s], s, chosen.sp_size_N, chosen.unit_N,
+                      item_cost_M, costs, config) for s in range(n_steps)]
 
 
 def plan_step(samples: WindowSamples, costs: Costs, config: PlannerConfig,
@@ -52,19 +49,73 @@ def plan_step(samples: WindowSamples, costs: Costs, config: PlannerConfig,
     """All of `samples` as one step (no reordering): the window = 1 case, and the unit under
     test for assignment and packing. Displacement is measured against `samples.batch_N`."""
     samples.validate()
-    cost_N = costs.llm(samples.tokens_N)
-    sp_size_N, unit_N = _split(samples, cost_N, 1, costs, config)
     item_cost_M = costs.item_cost(samples.item_size_M, samples.item_kind_M)
-    return _plan_one(samples, np.arange(samples.num_samples), step, sp_size_N, unit_N,
-                     item_cost_M, costs, config)
+    return _choose_split(samples, 1, item_cost_M, costs, config, reorder=False,
+                         step=step).first_plan
 
 
-def _split(samples, cost_N, n_steps, costs, config):
-    share = slot_share(cost_N, samples.tokens_N, n_steps, config.dp, config.micro_batch_tokens)
-    sp_size_N = choose_sp_size(cost_N, samples.tokens_N, share, sp_max=config.sp_max,
-                               dp=config.dp, micro_batch_tokens=config.micro_batch_tokens,
-                               sp_comm_per_token=costs.sp_comm_per_token)
-    return sp_size_N, unit_cost(cost_N, samples.tokens_N, sp_size_N, costs.sp_comm_per_token)
+def window_split(samples: WindowSamples, costs: Costs, config: PlannerConfig,
+                 n_steps: int = 1) -> np.ndarray:
+    """SP group size of every sample (int32, 1 = whole) as the planner decides it for a window
+    of ``n_steps`` steps of these samples (1: as ``plan_step`` does, without reordering): what
+    the baselines are given, so that every policy runs the same split."""
+    item_cost_M = costs.item_cost(samples.item_size_M, samples.item_kind_M)
+    return _choose_split(samples, n_steps, item_cost_M, costs, config,
+                         reorder=n_steps > 1).sp_size_N
+
+
+class _Split(NamedTuple):
+    sp_size_N: np.ndarray
+    unit_N: np.ndarray  # the cost each of a sample's ranks carries (``split.unit_cost``)
+    step_N: np.ndarray  # the step each sample runs in
+    first_plan: StepPlan  # step 0's plan, made while choosing
+
+
+def _choose_split(samples: WindowSamples, n_steps: int, item_cost_M: np.ndarray, costs: Costs,
+                  config: PlannerConfig, *, reorder: bool, step: int = 0) -> _Split:
+    """The window's split: of two rules, the one whose plan of the first step is predicted
+    shorter (``_step_time``: communication and fixed costs included).
+
+    The share rule (``split.choose_sp_size`` with the window's ``slot_share``) splits a sample
+    costlier than what one rank carries in a micro-batch slot, so that no slice sets a slot's
+    height alone; but every split pays its slice's all-to-all, and where the other ranks can
+    fill the slots around a costly whole sample anyway (many short samples beside a few long
+    ones) that communication buys nothing. The budget rule splits only what the micro-batch
+    budget forces. Where the rules agree the window is planned once; where they differ, step
+    0 of the share rule's reordering is planned under both and the window follows the shorter
+    plan: one step planned again, and the window reordered again when the budget rule wins.
+    """
+    cost_N, tokens_N = costs.llm(samples.tokens_N), samples.tokens_N
+    share = slot_share(cost_N, tokens_N, n_steps, config.dp, config.micro_batch_tokens)
+    rule = dict(sp_max=config.sp_max, dp=config.dp, micro_batch_tokens=config.micro_batch_tokens,
+                sp_comm_per_token=costs.sp_comm_per_token)
+
+    def steps_of(sp_size_N, unit_N):
+        if not reorder:
+            return np.zeros(samples.num_samples, np.int32)
+        return reorder_window(tokens_N, samples.source_N, samples.batch_N, unit_N * sp_size_N,
+                              unit_N, n_steps, config.epsilon).step_N
+
+    def split(sp_size_N, step_N=None) -> _Split:
+        unit_N = unit_cost(cost_N, tokens_N, sp_size_N, costs.sp_comm_per_token)
+        step_N = steps_of(sp_size_N, unit_N) if step_N is None else step_N
+        return _Split(sp_size_N, unit_N, step_N,
+                      _plan_one(samples, np.flatnonzero(step_N == 0), step, sp_size_N, unit_N,
+                                item_cost_M, costs, config))
+
+    by_share = split(choose_sp_size(cost_N, tokens_N, share, **rule))
+    by_budget_N = choose_sp_size(cost_N, tokens_N, np.inf, **rule)
+    if np.array_equal(by_share.sp_size_N, by_budget_N):
+        return by_share
+    trial = split(by_budget_N, by_share.step_N)  # the same samples under the budget rule
+    if _plan_time(trial.first_plan, costs, config) >= _plan_time(by_share.first_plan, costs,
+                                                                 config):
+        return by_share
+    return split(by_budget_N) if reorder else trial
+
+
+def _plan_time(plan: StepPlan, costs: Costs, config: PlannerConfig) -> float:
+    return _step_time(plan.mb_cost_RB, costs.micro_batch, config.speed_R, config.sync)
 
 
 class Placement(NamedTuple):

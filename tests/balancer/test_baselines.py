@@ -22,7 +22,7 @@ from omniscale.balancer.baselines import (
 from omniscale.balancer.cost import CommModel, CostModel, Costs
 from omniscale.balancer.distributions import generate
 from omniscale.balancer.metrics import exactly_once, violations
-from omniscale.balancer.planner import _split
+from omniscale.balancer.planner import plan_window
 from omniscale.balancer.split import unit_cost
 from omniscale.balancer.stream import take
 from omniscale.balancer.types import PlannerConfig, WindowSamples, slice_tokens
@@ -143,7 +143,9 @@ def test_split_sizes_are_the_planners():
                               "batch_N": np.repeat(np.arange(4), 128).astype(np.int32)})
     for costs in (COSTS, COMM_COSTS):
         config = PlannerConfig(dp=8, micro_batch_tokens=16384, sp_max=8, window=4)
-        ours = _split(window, costs.llm(window.tokens_N), 4, costs, config)[0]
+        ours = np.zeros(window.num_samples, np.int64)  # the group sizes the planner's plans run
+        for plan in plan_window(window, costs, config):
+            ours[plan.sample_P] = plan.sp_size_P
         assert np.array_equal(split_sizes(window, costs, config, n_steps=4), ours)
         assert ours.max() > 1
 
