@@ -57,6 +57,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -295,7 +296,7 @@ RATE = "tokens_per_s_real"
 
 
 def _measured(rows: list[dict], predicted: dict | None,
-              speed_rows: list[dict] = ()) -> dict:
+              speed_rows: Sequence[dict] = ()) -> dict:
     """A run's measured steps beside their prediction: step times, real tokens/s, and
     whether each step trained the tokens the prediction planned (padding included). With
     ``speed_rows`` (its warm-up steps from ``SPEED_FROM``, the prediction's ``speed_step_s``
