@@ -1,12 +1,16 @@
 """End-to-end balancing benchmark: the same training run, its steps planned by each policy.
 
-    .venv/bin/python tools/bench/e2e.py [--workload even|uneven] [--warmup 4] [--rounds 3]
+    .venv/bin/python tools/bench/e2e.py [--workload even|uneven|long_tail] [--warmup 4]
+        [--rounds 3]
         [--schedule interleaved|separate] [--cycles 2] [--nproc 2] [--scale small]
         [--out docs/bench/e2e.json]
 
-Workloads: ``even`` (the default; below) and ``uneven`` (``tools/bench/e2e_uneven.py``: the same
+Workloads: ``even`` (the default; below), ``uneven`` (``tools/bench/e2e_uneven.py``: the same
 runs with rank 1 slowed mid-run by a process pinned to its CPU; 30 steps, the neighbour from
-step 8 to 22, figures over steps 14-21; ``docs/bench/e2e_uneven.json``).
+step 8 to 22, figures over steps 14-21; ``docs/bench/e2e_uneven.json``) and ``long_tail``
+(``tools/bench/e2e_long_tail.py``, run with the other arguments, which are its own: long
+documents split over the SP group, against the static layouts; ``docs/bench/e2e_long_tail.json``).
+So this one script runs the README's three end-to-end workloads.
 
 Each run is ``omniscale train configs/demo_omni.yaml --nproc 2`` with ``data.balance`` set to
 the policy and everything else equal: model (the tiny omni preset), seed, steps, data (the
@@ -234,7 +238,24 @@ def ratios_vs_best(rounds: list[dict], policies: list[str]) -> dict:
                 got["ratios_vs_fastest_each_round"])}
 
 
+WORKLOADS = ("even", "uneven", "long_tail")
+
+
+def _workload(argv: list[str] | None) -> tuple[str, list[str]]:
+    """``--workload`` and the arguments without it (for the long-tail script, whose flags
+    differ)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload", choices=WORKLOADS, default="even")
+    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return known.workload, rest
+
+
 def main(argv: list[str] | None = None) -> dict:
+    workload, rest = _workload(argv)
+    if workload == "long_tail":  # its own script and flags
+        from omniscale.tools.bench import e2e_long_tail
+
+        return e2e_long_tail.main(rest)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "omniscale-bench")
     ap.add_argument("--scale", default="small", choices=("tiny", "small", "medium"))
@@ -265,7 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-reshard", action="store_true",
                     help="diagnostic: price moving an encoder output at 1 s per token in the "
                          "cost file, so every item is encoded where it is consumed")
-    ap.add_argument("--workload", choices=("even", "uneven"), default="even")
+    ap.add_argument("--workload", choices=WORKLOADS, default="even",
+                    help="long_tail: tools/bench/e2e_long_tail.py with the other arguments "
+                         "(its flags: --workload long_tail --help)")
     ap.add_argument("--slow-from", type=int, default=8,
                     help="uneven: the step the neighbour starts at")
     ap.add_argument("--slow-until", type=int, default=22,
