@@ -108,6 +108,16 @@ def kk_cost(samples: WindowSamples, costs, config: PlannerConfig) -> StepPlan:
     return assemble(samples, costs, config, rank_N, mb_N)
 
 
+def _lower_bound(unit_N, k_N, dp: int, speed_R) -> float:
+    """The step's bound in time, as the planner states it: the work spread by speed, and the
+    costliest piece on the fastest rank (equal ranks: speed 1)."""
+    if not len(unit_N):
+        return 0.0
+    pooled = dp if speed_R is None else float(np.sum(speed_R))
+    fastest = 1.0 if speed_R is None else float(np.max(speed_R))
+    return float(max((unit_N * k_N).sum() / pooled, unit_N.max() / fastest))
+
+
 def split_sizes(samples: WindowSamples, costs, config: PlannerConfig,
                 n_steps: int = 1) -> np.ndarray:
     """SP group size of every sample (int64, 1 = whole) as the planner decides it for
@@ -335,7 +345,7 @@ def assemble(samples: WindowSamples, costs, config: PlannerConfig, rank_N: np.nd
         micro_batch_P=slot_P.astype(np.int32), sp_size_P=k_N[group_P].astype(np.int32),
         sp_index_P=index_P.astype(np.int32), num_micro_batches=slots, mb_cost_RB=mb_cost_RB,
         mb_tokens_RB=mb_tokens_RB,
-        lower_bound=float(max((unit_N * k_N).sum() / dp, unit_N.max())) if n else 0.0,
+        lower_bound=_lower_bound(unit_N, k_N, dp, config.speed_R),
         item_M=np.arange(samples.num_items, dtype=np.int64), item_sample_M=item_sample_M,
         encode_rank_M=consume_rank_M, consume_rank_M=consume_rank_M.copy(),
         encoder_cost_R=encoder_cost_R, reshard=False,

@@ -220,7 +220,8 @@ def summarize(run: PolicyRun, stream: WindowSamples, step_offsets_S1: np.ndarray
     planned = int(step_offsets_S1[-1])
     arrival_N = arrival_step(step_offsets_S1)
     imbalance_S = np.array([p.imbalance for p in run.plans])
-    max_lb_S = np.array([p.rank_cost_R.max() / p.lower_bound if p.lower_bound > 0 else 1.0
+    # the slowest rank's time over the step's bound, both in time (cost / speed with speeds)
+    max_lb_S = np.array([p.rank_time_R.max() / p.lower_bound if p.lower_bound > 0 else 1.0
                          for p in run.plans])
     times_S2 = np.array([step_times(p) for p in run.plans]).reshape(-1, 2)
     if run.reshard_S is not None:

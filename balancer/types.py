@@ -172,7 +172,9 @@ class StepPlan:
     num_micro_batches: int  # the same on every rank; a rank's unused slots are empty
     mb_cost_RB: np.ndarray  # float64 [R, B]: predicted cost of each rank's micro-batch
     mb_tokens_RB: np.ndarray  # int64 [R, B]: tokens (slices for SP) in each micro-batch
-    lower_bound: float  # no assignment of this step's samples can have a smaller max rank cost
+    # no assignment of this step's samples can have a smaller max rank time (cost / speed with
+    # speed_R; the cost when ranks are equal)
+    lower_bound: float
     # Encoder plan, independent of the LLM placement: one row per encoder item of the step.
     item_M: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # window item id
     item_sample_M: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))

@@ -302,6 +302,10 @@ def test_ranks_of_given_speeds_hand_computed():
     assert ours["ddp_time"] == pytest.approx(400.0) and ours["fsdp_time"] == pytest.approx(400.0)
     assert strided["ddp_time"] == pytest.approx(600.0)
     assert result["speedup_vs_best_no_split_baseline"] == pytest.approx({"ddp": 1.5, "fsdp": 1.5})
+    # the slowest rank's time over the step's bound in time (400): strided's slow rank holds
+    # 300 of work, 600 of time; in work it would read 0.75, under the bound
+    assert ours["max_over_lb_max"] == pytest.approx(1.0)
+    assert strided["max_over_lb_max"] == pytest.approx(1.5)
 
 
 def test_a_slice_sized_by_speed_is_repriced_as_its_share_of_the_work():
