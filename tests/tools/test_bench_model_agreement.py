@@ -1,5 +1,5 @@
 """The long-tailed bench's check of the cost model against the real step
-(``e2e_long_tail.model_agreement`` and the run's own speed in ``_measured``), on hand-made
+(``long_tail_model.model_agreement`` and the run's own speed in ``_measured``), on hand-made
 rounds and rows."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from omniscale.tools.bench.e2e_long_tail import (
+from omniscale.tools.bench.long_tail_model import (
     AGREEMENT,
     AT_RUN_SPEED,
     OURS,

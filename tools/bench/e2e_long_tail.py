@@ -45,7 +45,13 @@ train exactly the tokens the prediction planned (``prediction_draws_the_runs_tok
 On a shared machine another user's processes slow some runs and not others. Each run is
 therefore timed with what other processes took of the CPUs (``Contention``). Before a run
 the bench waits until they are quiet, and a run they took more than ``--max-foreign`` of the
-CPUs from is run again (``--retries``). Every attempt stays in the JSON.
+CPUs from is run again (``--retries``). Every attempt stays in the JSON. The machine's speed
+also drifts by itself, by up to 1.7x over tens of seconds, which whole runs a minute apart
+cannot tell from a policy's effect: ``--schedule interleaved`` runs the policies in turns
+inside each run, a round being one run per rotation of the turns
+(``tools/bench/long_tail_turns.py``; the even workload's schedule). The default is still one
+run per policy (``separate``), the schedule ``docs/bench/e2e_long_tail.json`` was measured
+with.
 """
 
 from __future__ import annotations
@@ -57,7 +63,6 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +72,15 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
+from omniscale.tools.bench import e2e_interleave  # noqa: E402
 from omniscale.tools.bench.contention import Contention, wait_quiet  # noqa: E402
+from omniscale.tools.bench.long_tail_model import (  # noqa: E402
+    AT_RUN_SPEED,
+    RATE,
+    SPEED_FROM,
+    _measured,
+    model_agreement,
+)
 from omniscale.tools.bench.paired import paired_ratios  # noqa: E402
 from omniscale.tools.bench.paired import spread as _spread  # noqa: E402
 
@@ -227,48 +240,6 @@ def predict(spec: Path, costs_file: str | None, args) -> dict:
     return result
 
 
-AGREEMENT = 0.15  # issue #44 item 4: the real step and the model's prediction, SP and reshard on
-# The run's own speed is measured on its warm-up steps from this one: step 0 pays what a run
-# pays once (threads started, the allocator and the decoders' first items), not its rate.
-SPEED_FROM = 1
-AT_RUN_SPEED = "_at_run_speed"  # the suffix of the figures with the run's speed (``_measured``)
-
-
-def _agreement(runs: list[dict], suffix: str = "") -> dict:
-    total_key = f"measured_over_predicted{suffix}"
-    steps_key = f"step_measured_over_predicted{suffix}"
-    if not runs or any(math.isnan(r.get(total_key, float("nan"))) for r in runs):
-        return {"measured_over_predicted": float("nan"), "step_min": float("nan"),
-                "step_max": float("nan"), "held": False}
-    total = statistics.median(r[total_key] for r in runs)
-    steps = [x for r in runs for x in r[steps_key]]
-    return {"measured_over_predicted": total, "step_min": min(steps), "step_max": max(steps),
-            "held": abs(total - 1) <= AGREEMENT}
-
-
-def model_agreement(rounds: list[dict]) -> dict:
-    """Our runs' measured step time over the model's prediction for the same plans (SP splits
-    and reshards on), the summed measured steps over the summed predicted ones, median over
-    rounds, each step's ratio's range beside it -- two ways:
-
-    - with the cost file's seconds as calibrated (the top level): what the model says before
-      the run, this machine's speed at calibration time included;
-    - at the run's own speed (``at_run_speed``): the prediction scaled by the run's measured
-      seconds per predicted second over its warm-up steps (``SPEED_FROM`` to the first
-      measured step, none of which it is checked on). What is left is the model's shape --
-      how it prices one composition, split and reshard against another -- which is what the
-      planner decides by; a machine whose speed moves between the calibration and the run
-      cannot move it. ``held`` is judged on this one, within ``AGREEMENT``."""
-    runs = [r["runs"][OURS] for r in rounds if OURS in r["runs"]]
-    as_calibrated = _agreement(runs)
-    at_run_speed = _agreement(runs, AT_RUN_SPEED)
-    if runs and not math.isnan(at_run_speed["measured_over_predicted"]):
-        at_run_speed["run_speed_scale"] = statistics.median(r["run_speed_scale"] for r in runs)
-    return {"within": AGREEMENT, **{k: v for k, v in as_calibrated.items() if k != "held"},
-            "held_as_calibrated": as_calibrated["held"], "at_run_speed": at_run_speed,
-            "held": at_run_speed["held"]}
-
-
 def _ratios(tps: dict[str, float]) -> dict:
     """Ours over each policy, over the static layout(s) and over the best per-step one."""
     out: dict = {}
@@ -288,46 +259,6 @@ def _ratios(tps: dict[str, float]) -> dict:
     return out
 
 
-# tokens/s of the measured steps: the samples' own tokens (a split sample's padding to a
-# multiple of k, which the trainer's "tokens" counts, left out) over the summed step time.
-# Every policy trains the same samples in the measured windows, so a ratio of these is the
-# inverse ratio of the time the policies took for the same work.
-RATE = "tokens_per_s_real"
-
-
-def _measured(rows: list[dict], predicted: dict | None,
-              speed_rows: Sequence[dict] = ()) -> dict:
-    """A run's measured steps beside their prediction: step times, real tokens/s, and
-    whether each step trained the tokens the prediction planned (padding included). With
-    ``speed_rows`` (its warm-up steps from ``SPEED_FROM``, the prediction's ``speed_step_s``
-    for the same steps) also the prediction at the run's own speed (``AT_RUN_SPEED``)."""
-    seconds = sum(row["step_s"] for row in rows)
-    counted = [row["tokens"] for row in rows]
-    out = {"step_s": [row["step_s"] for row in rows], "tokens_per_step": counted,
-           "samples_per_step": [sum(row.get("mix_samples", {}).values()) for row in rows],
-           "sp_split_per_step": [row.get("sp_split_samples", 0) for row in rows]}
-    if predicted is None or "tokens_per_step" not in predicted:
-        return {**out, RATE: sum(counted) / seconds, "measured_over_predicted": float("nan"),
-                "tokens_as_predicted": False}
-    out.update({RATE: sum(predicted["tokens_per_step"]) / seconds,
-                "measured_over_predicted": seconds / sum(predicted["step_s"]),
-                "step_measured_over_predicted": [m / p for m, p in zip(out["step_s"],
-                                                                       predicted["step_s"])],
-                "tokens_as_predicted": counted == predicted["tokens_padded_per_step"]})
-    warm = [row["step_s"] for row in speed_rows]
-    if warm and len(warm) == len(predicted.get("speed_step_s", ())):
-        # seconds this run took per second the model predicts, on steps it is not checked on
-        scale = sum(warm) / sum(predicted["speed_step_s"])
-        out.update({"run_speed_scale": scale, "speed_step_s": warm,
-                    f"measured_over_predicted{AT_RUN_SPEED}": out["measured_over_predicted"]
-                    / scale,
-                    f"step_measured_over_predicted{AT_RUN_SPEED}": [
-                        x / scale for x in out["step_measured_over_predicted"]],
-                    "speed_steps_tokens_as_predicted": [row["tokens"] for row in speed_rows]
-                    == predicted["speed_tokens_padded_per_step"]})
-    return out
-
-
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -337,7 +268,8 @@ def _rows(out: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from omniscale.tools.bench.e2e import calibrate, run
+    from omniscale.tools.bench.e2e import calibrate, run, train
+    from omniscale.tools.bench.long_tail_turns import turns_round
     from omniscale.tools.bench.provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -351,6 +283,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--window", type=int, default=4,
                     help="global batches the plane plans together (data.window; --quick: 2)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--schedule", choices=("separate", "interleaved"), default="separate",
+                    help="separate: one run per policy a round; interleaved: each run plans "
+                         "its windows by the policies in turn, one run per rotation a round "
+                         "(tools/bench/long_tail_turns.py), --steps then following from "
+                         "--warmup, --window, the policies and --cycles")
+    ap.add_argument("--cycles", type=int, default=1,
+                    help="interleaved: each policy's turns (of one window) per run")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
     ap.add_argument("--costs", default="calibrate",
@@ -368,6 +307,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="runs again of a contended run (each kept in the JSON)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "e2e_long_tail.json")
     args = ap.parse_args(argv)
+    interleaved = args.schedule == "interleaved"
+    if interleaved:
+        if len(args.policies.split(",")) < 2 or args.cycles < 1:
+            ap.error("--schedule interleaved: two or more policies and --cycles >= 1")
+        args.steps = e2e_interleave.steps_per_run(args.warmup, args.window,
+                                                  len(args.policies.split(",")), args.cycles)
     if args.nproc != SP:
         raise SystemExit(f"--nproc {args.nproc}: this workload is one SP group of {SP} ranks")
     if args.window < 1 or args.warmup % args.window or args.steps % args.window \
@@ -413,6 +358,10 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = []
     with tempfile.TemporaryDirectory(prefix="omniscale-e2e-long-") as tmp:
         for r in range(args.rounds):
+            if interleaved:
+                got = turns_round(r, policies, spec, Path(tmp), args, predicted, train)
+                rounds.append({**got, **_ratios({p: v[RATE] for p, v in got["runs"].items()})})
+                continue
             order = policies[r % len(policies):] + policies[:r % len(policies)]
             runs = {}
             for policy in order:
@@ -479,6 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"command": " ".join(["tools/bench/e2e_long_tail.py"] + (argv or sys.argv[1:])),
               **started, "load_avg_at_end": os.getloadavg(), "scale": args.scale,
               "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
+              "schedule": args.schedule, "cycles": args.cycles if interleaved else None,
               "window": args.window, "sets": SETS,
               "weights": WEIGHTS,
               "long_docs": {"count": LONG_DOCS[args.scale], "min_tokens": MIN_TOKENS,
