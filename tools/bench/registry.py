@@ -254,6 +254,21 @@ BENCHES: dict[str, Bench] = {
             Metric("uneven ranks: steps from the release to the first step planned for it",
                    value="median.omniscale.planned_for_release_after_steps",
                    target=Goal("<=", 5)))),
+    "e2e_long_tail_turns": Bench(
+        # issue #44 item 3 with the policies in turns inside each run: this machine's drift
+        # over minutes, which separate runs take one policy at a time, slows every turn alike
+        "e2e_long_tail.py", variant_of="e2e_long_tail",
+        full_args=("--schedule", "interleaved", "--policies", "omniscale,static_sp,token_lpt",
+                   "--rounds", "2", "--costs", "calibrate", "--wait-quiet-s", "60"),
+        metrics=(
+            Metric("long-tailed training tokens/s, the policies in turns: ours vs the static "
+                   "SP layout (median of rounds)", value="median.omniscale.tokens_per_s_real",
+                   baseline="median.static_sp.tokens_per_s_real",
+                   ratio="measured.ratio_vs_static.median", target=Goal(">=", 1.2)),
+            Metric("long-tailed training tokens/s, the policies in turns: ours vs token LPT "
+                   "given our split (median of rounds)",
+                   value="median.omniscale.tokens_per_s_real",
+                   ratio="measured.ratio_vs_best_per_step.median", target=Goal(">=", 1.0)))),
     "e2e_no_reshard": Bench(
         "e2e.py", variant_of="e2e",
         full_args=("--rounds", "2", "--policies", "omniscale,token_lpt", "--no-reshard"),
