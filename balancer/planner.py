@@ -31,6 +31,13 @@ def plan_window(samples: WindowSamples, costs: Costs, config: PlannerConfig) -> 
     is decided for the whole window (``_choose_split``). A short last window is planned with
     `window` set to its length.
     """
+    return plan_window_and_split(samples, costs, config)[0]
+
+
+def plan_window_and_split(samples: WindowSamples, costs: Costs, config: PlannerConfig
+                          ) -> tuple[list[StepPlan], np.ndarray]:
+    """``plan_window``'s plans and the window's split (``window_split``'s answer for it), for
+    a caller that gives the baselines the same split without deciding it again."""
     samples.validate()
     n_steps = config.window
     if samples.num_samples and int(samples.batch_N.max()) >= n_steps:
@@ -38,12 +45,10 @@ def plan_window(samples: WindowSamples, costs: Costs, config: PlannerConfig) -> 
                          f"{n_steps} batches")
     item_cost_M = costs.item_cost(samples.item_size_M, samples.item_kind_M)
     chosen = _choose_split(samples, n_steps, item_cost_M, costs, config, reorder=True)
-    global _last_decision
-    _last_decision = (samples, costs, config, n_steps, chosen.sp_size_N)
     index_N = np.arange(samples.num_samples)
     return [chosen.first_plan if s == 0 else
             _plan_one(samples, index_N[chosen.step_N == s], s, chosen.sp_size_N, chosen.unit_N,
-                      item_cost_M, costs, config) for s in range(n_steps)]
+                      item_cost_M, costs, config) for s in range(n_steps)], chosen.sp_size_N
 
 
 def plan_step(samples: WindowSamples, costs: Costs, config: PlannerConfig,
@@ -60,21 +65,10 @@ def window_split(samples: WindowSamples, costs: Costs, config: PlannerConfig,
                  n_steps: int = 1) -> np.ndarray:
     """SP group size of every sample (int32, 1 = whole) as the planner decides it for a window
     of ``n_steps`` steps of these samples (1: as ``plan_step`` does, without reordering): what
-    the baselines are given, so that every policy runs the same split. The window
-    ``plan_window`` planned last is not decided again (the data plane plans a window, then
-    reports the baselines of its steps)."""
-    last = _last_decision
-    if last is not None and last[0] is samples and last[3] == n_steps and last[1] == costs \
-            and last[2] == config:
-        return last[4].copy()
+    the baselines are given, so that every policy runs the same split."""
     item_cost_M = costs.item_cost(samples.item_size_M, samples.item_kind_M)
     return _choose_split(samples, n_steps, item_cost_M, costs, config,
                          reorder=n_steps > 1).sp_size_N
-
-
-# (samples, costs, config, steps, split) of the window plan_window planned last: the samples
-# object itself, so its identity cannot be another's while it is kept
-_last_decision: tuple | None = None
 
 
 class _Split(NamedTuple):

@@ -23,7 +23,7 @@ from omniscale.balancer.baselines import (
     split_sizes,
 )
 from omniscale.balancer.cost import Costs
-from omniscale.balancer.planner import plan_step, plan_window
+from omniscale.balancer.planner import plan_step, plan_window_and_split
 from omniscale.balancer.types import PlannerConfig, StepPlan, WindowSamples
 from omniscale.geometry import MediaGeometry, audio_tokens
 from omniscale.refs import REF_SCHEMA, RefTable, SampleRef, int_column
@@ -92,7 +92,10 @@ def plan_policy(samples: WindowSamples, costs: Costs, config: PlannerConfig,
     placed its own way; with ``sp_max`` > 1 its ``+split`` variant, given exactly the
     planner's long-short split decided over the window: the same splitting)."""
     if policy == "omniscale":
-        return plan_window(samples, costs, config)
+        plans, sizes_N = plan_window_and_split(samples, costs, config)
+        if config.sp_max > 1:  # the window's baselines are reported with it: not decided again
+            _remember_split(samples, costs, config, sizes_N)
+        return plans
     sizes_N = _window_split(samples, costs, config)
     plans = []
     for b in range(config.window):
@@ -111,13 +114,21 @@ def _window_split(samples: WindowSamples, costs: Costs, config: PlannerConfig
     window-wide split: the last one is kept (with the samples it was computed for, so their
     identity cannot be reused) and given again while the samples, costs and settings are the
     same ones (a tenth of a 4,096-rank window's baselines otherwise)."""
-    global _last_split
     if config.sp_max <= 1:
         return None
     last = _last_split
     if last is not None and last[0] is samples and last[1] == costs and last[2] == config:
         return last[3]
-    sizes_N = split_sizes(samples, costs, config, n_steps=config.window)
+    return _remember_split(samples, costs, config,
+                           split_sizes(samples, costs, config, n_steps=config.window))
+
+
+def _remember_split(samples: WindowSamples, costs: Costs, config: PlannerConfig,
+                    sizes_N: np.ndarray) -> np.ndarray:
+    """Keep the window's split for ``_window_split`` (the planner's, when the window was just
+    planned: ``plan_policy``)."""
+    global _last_split
+    sizes_N = np.asarray(sizes_N, np.int64)
     sizes_N.flags.writeable = False  # shared by the calls that get it again
     _last_split = (samples, costs, config, sizes_N)
     return sizes_N

@@ -59,24 +59,3 @@ def test_the_window_follows_the_rule_its_first_step_plans_shorter():
         assert sizes_N[[0, 21]].tolist() == [k, k]  # what the baselines are given
         assert (sizes_N[np.r_[1:21, 22:42]] == 1).all()
 
-
-def test_the_window_planned_last_is_not_decided_again_for_its_baselines(monkeypatch):
-    from omniscale.balancer import planner
-
-    samples = WindowSamples.from_lengths([100] + [10] * 20 + [100] + [10] * 20,
-                                         batch_N=np.repeat([0, 1], 21))
-    config = PlannerConfig(dp=2, micro_batch_tokens=100, window=2, sp_max=2)
-    costs = Costs(llm=LLM, sp_comm_per_token=4.0)
-    plan_window(samples, costs, config)
-    calls = []
-    real = planner._choose_split
-    monkeypatch.setattr(planner, "_choose_split",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert planner.window_split(samples, costs, config, n_steps=2)[[0, 21]].tolist() == [1, 1]
-    assert calls == []  # the plane's baseline reports reuse the window's decision
-    # equal samples in another object, or another cost model: decided (the same way, here)
-    other = WindowSamples(**samples.__dict__)
-    assert planner.window_split(other, costs, config, n_steps=2)[[0, 21]].tolist() == [1, 1]
-    free = Costs(llm=LLM, sp_comm_per_token=0.0)
-    assert planner.window_split(samples, free, config, n_steps=2)[[0, 21]].tolist() == [2, 2]
-    assert calls == [1, 1]

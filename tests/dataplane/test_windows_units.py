@@ -135,6 +135,30 @@ def test_the_window_split_is_reused_for_an_equal_cost_model_built_again(monkeypa
             for j in range(4)] == got
 
 
+def test_a_window_just_planned_gives_its_baselines_the_planners_split(monkeypatch):
+    """The plane plans a window (ours), then reports its steps' best baselines with the same
+    split: the planner's decision is kept, not made again."""
+    samples = WindowSamples.from_lengths([180, 20, 30, 40, 50, 60, 70, 80],
+                                         batch_N=[0, 0, 1, 1, 2, 2, 3, 3])
+    plane = PlaneConfig(dp=4, micro_batch_tokens=100, sp_max=2, global_batch_samples=2)
+    costs, config = plane.cost_model(1.0, 0.5), plane.planner(4, 4)
+    calls = []
+    real = windows.split_sizes
+    monkeypatch.setattr(windows, "split_sizes",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(windows, "_last_split", None)
+    plans = plan_policy(samples, costs, config)
+    got = [best_baseline(samples, j, plane.cost_model(1.0, 0.5), config) for j in range(4)]
+    assert calls == []
+    ours_N = np.ones(samples.num_samples, np.int64)
+    for plan in plans:
+        ours_N[plan.sample_P] = plan.sp_size_P
+    assert windows._last_split[3].tolist() == ours_N.tolist() and ours_N[0] == 2
+    monkeypatch.setattr(windows, "_last_split", None)  # decided afresh: the same reports
+    assert [best_baseline(samples, j, costs, config) for j in range(4)] == got
+    assert calls == [1]
+
+
 def test_a_replanned_tail_keeps_each_steps_samples_and_their_displacement():
     """The planner moves samples between the window's steps; re-planning from step 0 on more
     ranks keeps every step's samples, and each placement's displacement is still the distance
