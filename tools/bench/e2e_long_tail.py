@@ -1,10 +1,11 @@
 """End-to-end long-tailed workload (issue #44, item 3): where splitting long samples pays.
 
-    .venv/bin/python tools/bench/e2e_long_tail.py [--steps 12] [--warmup 4] [--rounds 2]
-        [--scale small] [--costs calibrate|FILE|flops] [--out docs/bench/e2e_long_tail.json]
+    .venv/bin/python tools/bench/e2e_long_tail.py [--schedule interleaved|separate] [--warmup 4]
+        [--rounds 2] [--scale small] [--costs calibrate|FILE|flops]
+        [--out docs/bench/e2e_long_tail.json]
 
 The same 2-process CPU training run as ``tools/bench/e2e.py`` (``omniscale train
-configs/demo_omni.yaml --nproc 2``, one run per placement policy, its ``run``, ``calibrate``
+configs/demo_omni.yaml --nproc 2``, the placement policies in turns, its ``run``, ``calibrate``
 and ``prepare`` reused), on long-tailed data:
 
 - data (:func:`prepare`): the demo's sources (``tools/demo``, seed 3, every source from step 0)
@@ -47,11 +48,11 @@ therefore timed with what other processes took of the CPUs (``Contention``). Bef
 the bench waits until they are quiet, and a run they took more than ``--max-foreign`` of the
 CPUs from is run again (``--retries``). Every attempt stays in the JSON. The machine's speed
 also drifts by itself, by up to 1.7x over tens of seconds, which whole runs a minute apart
-cannot tell from a policy's effect: ``--schedule interleaved`` runs the policies in turns
-inside each run, a round being one run per rotation of the turns
-(``tools/bench/long_tail_turns.py``; the even workload's schedule). The default is still one
-run per policy (``separate``), the schedule ``docs/bench/e2e_long_tail.json`` was measured
-with.
+cannot tell from a policy's effect. So by default (``--schedule interleaved``) each run plans
+its windows by the policies in turns, a round being one run per rotation of the turns
+(``tools/bench/long_tail_turns.py``; the even workload's schedule), and the run's length
+follows from ``--warmup``, ``--window``, the policies and ``--cycles``. ``--schedule separate``
+runs one policy per run, ``--steps`` steps each.
 """
 
 from __future__ import annotations
@@ -275,7 +276,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "omniscale-bench")
     ap.add_argument("--scale", default="small", choices=tuple(LONG_DOCS))
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="separate: steps of each run (default 12); interleaved: refused, the "
+                         "run's length follows from --warmup, --window, the policies and "
+                         "--cycles")
     ap.add_argument("--warmup", type=int, default=4,
                     help="steps left out (a whole window: the planner moves samples within "
                          "it); from the second on they measure the run's speed for the model "
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--window", type=int, default=4,
                     help="global batches the plane plans together (data.window; --quick: 2)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--schedule", choices=("separate", "interleaved"), default="separate",
+    ap.add_argument("--schedule", choices=("separate", "interleaved"), default="interleaved",
                     help="separate: one run per policy a round; interleaved: each run plans "
                          "its windows by the policies in turn, one run per rotation a round "
                          "(tools/bench/long_tail_turns.py), --steps then following from "
@@ -311,10 +315,16 @@ def main(argv: list[str] | None = None) -> dict:
     if interleaved:
         if len(args.policies.split(",")) < 2 or args.cycles < 1:
             ap.error("--schedule interleaved: two or more policies and --cycles >= 1")
+        if args.steps is not None:
+            ap.error(f"--steps {args.steps}: with --schedule interleaved a run's length follows "
+                     "from --warmup, --window, the policies and --cycles (--schedule separate "
+                     "takes --steps)")
         args.steps = e2e_interleave.steps_per_run(args.warmup, args.window,
                                                   len(args.policies.split(",")), args.cycles)
     if args.nproc != SP:
         raise SystemExit(f"--nproc {args.nproc}: this workload is one SP group of {SP} ranks")
+    if args.steps is None:
+        args.steps = 12
     if args.window < 1 or args.warmup % args.window or args.steps % args.window \
             or args.steps <= args.warmup:
         raise SystemExit(f"--warmup and --steps: multiples of the window ({args.window}), "

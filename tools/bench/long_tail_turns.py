@@ -20,7 +20,6 @@ from omniscale.balancer.simulate import OURS
 from omniscale.tools.bench import e2e_interleave
 from omniscale.tools.bench.contention import Contention, wait_quiet
 from omniscale.tools.bench.long_tail_model import (
-    RATE,
     SPEED_FROM,
     _beside_prediction,
     at_run_speed,
@@ -47,12 +46,15 @@ def turns_round(r: int, policies: list[str], spec: Path, tmp: Path, args, predic
                 got = train(OURS, spec, tmp / f"r{r}-turns{j}-{attempt}", args, sets={
                     "data.balance_interleave": e2e_interleave.interleave_setting(order)})
             mine = e2e_interleave.rows_by_policy(got, args.warmup, policies)
+            # the trainer's own count (split samples' padding included), for the progress line;
+            # each policy's own rate (long_tail_model.RATE) is computed over its turns below
             run = {"order": order, "foreign_cpu_share": round(contention.share, 3), **quiet,
-                   RATE + "_counted": {p: sum(x["tokens"] for x in mine[p])
-                                       / sum(x["step_s"] for x in mine[p]) for p in policies}}
+                   "tokens_per_s_trainer": {p: sum(x["tokens"] for x in mine[p])
+                                            / sum(x["step_s"] for x in mine[p])
+                                            for p in policies}}
             print(f"round {r + 1}/{args.rounds} run {j + 1}/{len(policies)} (turns "
                   f"{', '.join(order)}): " + "  ".join(
-                      f"{p} {v:.0f}" for p, v in run[RATE + "_counted"].items())
+                      f"{p} {v:.0f}" for p, v in run["tokens_per_s_trainer"].items())
                   + f" tok/s  other processes {contention.share:.0%} of the CPUs", flush=True)
             if contention.share <= args.max_foreign:
                 break
