@@ -175,9 +175,24 @@ def _local_search(cost_N, rank_N, movable_N, load_R, max_iters, n_partners, toke
         for k in range(n_found):
             q = partner_K[k]
             theirs = np.concatenate((theirs, member_RC[q, :count_R[q]]))
+        # A swap of i for j improves only if d = c_i - c_j lies in (lo, hi) below, an interval
+        # that only narrows as the best so far falls: r's samples sorted by cost give the i
+        # that can pass for each j by two binary searches (widened by a margin against
+        # rounding; the exact test below decides), tried in index order as the full scan of
+        # every (j, i) pair tried them -- so the swap chosen is the same, in O(log) per j.
+        by_cost = np.argsort(cost_N[mine], kind="mergesort")
+        cost_sorted = cost_N[mine][by_cost]
+        largest = abs(cost_sorted[-1]) if len(mine) else 0.0
         for j in np.sort(theirs):
             q = rank_N[j]
-            for i in mine:
+            lo = (top - best_new + tiny) / inv_R[r]
+            hi = (best_new - tiny - load_R[q]) / inv_R[q]
+            margin = 1e-9 * (largest + abs(cost_N[j]) + abs(lo) + abs(hi) + 1e-300)
+            a = np.searchsorted(cost_sorted, cost_N[j] + max(lo, 0.0) - margin)
+            b = np.searchsorted(cost_sorted, cost_N[j] + hi + margin, side="right")
+            if a >= b:
+                continue
+            for i in mine[np.sort(by_cost[a:b])]:
                 d = cost_N[i] - cost_N[j]
                 if d <= 0:
                     continue

@@ -90,7 +90,8 @@ def _choose_split(samples: WindowSamples, n_steps: int, item_cost_M: np.ndarray,
     ones) that communication buys nothing. The budget rule splits only what the micro-batch
     budget forces. Where the rules agree the window is planned once; where they differ, step
     0 of the share rule's reordering is planned under both and the window follows the shorter
-    plan: one step planned again, and the window reordered again when the budget rule wins.
+    plan: one step planned again, and the window reordered again when the budget rule wins
+    (its step 0 planned a third time only where that reordering changed step 0's samples).
     """
     cost_N, tokens_N = costs.llm(samples.tokens_N), samples.tokens_N
     share = slot_share(cost_N, tokens_N, n_steps, config.dp, config.micro_batch_tokens)
@@ -103,12 +104,16 @@ def _choose_split(samples: WindowSamples, n_steps: int, item_cost_M: np.ndarray,
         return reorder_window(tokens_N, samples.source_N, samples.batch_N, unit_N * sp_size_N,
                               unit_N, n_steps, config.epsilon).step_N
 
-    def split(sp_size_N, step_N=None) -> _Split:
+    def split(sp_size_N, step_N=None, planned: _Split | None = None) -> _Split:
         unit_N = unit_cost(cost_N, tokens_N, sp_size_N, costs.sp_comm_per_token)
         step_N = steps_of(sp_size_N, unit_N) if step_N is None else step_N
+        first_n = np.flatnonzero(step_N == 0)
+        if planned is not None and np.array_equal(first_n, np.flatnonzero(planned.step_N == 0)):
+            # the same samples with the same split: the plan is a function of these alone
+            return _Split(sp_size_N, unit_N, step_N, planned.first_plan)
         return _Split(sp_size_N, unit_N, step_N,
-                      _plan_one(samples, np.flatnonzero(step_N == 0), step, sp_size_N, unit_N,
-                                item_cost_M, costs, config))
+                      _plan_one(samples, first_n, step, sp_size_N, unit_N, item_cost_M, costs,
+                                config))
 
     by_share = split(choose_sp_size(cost_N, tokens_N, share, **rule))
     by_budget_N = choose_sp_size(cost_N, tokens_N, np.inf, **rule)
@@ -118,7 +123,8 @@ def _choose_split(samples: WindowSamples, n_steps: int, item_cost_M: np.ndarray,
     if _plan_time(trial.first_plan, costs, config) >= _plan_time(by_share.first_plan, costs,
                                                                  config):
         return by_share
-    return split(by_budget_N) if reorder else trial
+    # reordered for the budget rule's costs: step 0 planned again only if its samples changed
+    return split(by_budget_N, planned=trial) if reorder else trial
 
 
 def _plan_time(plan: StepPlan, costs: Costs, config: PlannerConfig) -> float:

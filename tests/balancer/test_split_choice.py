@@ -59,3 +59,27 @@ def test_the_window_follows_the_rule_its_first_step_plans_shorter():
         assert sizes_N[[0, 21]].tolist() == [k, k]  # what the baselines are given
         assert (sizes_N[np.r_[1:21, 22:42]] == 1).all()
 
+
+
+def test_step_0_is_planned_again_only_where_the_budget_rule_s_reordering_changed_it(
+        monkeypatch):
+    # The window above with a dear all-to-all: the budget rule wins. Its reordering keeps
+    # step 0's samples, so the trial's plan of them is the window's first plan -- planned twice
+    # (share rule, trial), not a third time -- and it is the plan a fresh planning gives.
+    from omniscale.balancer import planner
+    samples = WindowSamples.from_lengths([100] + [10] * 20 + [100] + [10] * 20,
+                                         batch_N=np.repeat([0, 1], 21))
+    config = PlannerConfig(dp=2, micro_batch_tokens=100, window=2, sp_max=2)
+    costs = Costs(llm=LLM, sp_comm_per_token=4.0)
+    item_cost_M = costs.item_cost(samples.item_size_M, samples.item_kind_M)
+    planned, real = [], planner._plan_one
+    monkeypatch.setattr(planner, "_plan_one",
+                        lambda s, idx, *a: planned.append(idx.tolist()) or real(s, idx, *a))
+    chosen = planner._choose_split(samples, 2, item_cost_M, costs, config, reorder=True)
+    first = np.flatnonzero(chosen.step_N == 0)
+    assert chosen.sp_size_N[[0, 21]].tolist() == [1, 1]  # the budget rule won
+    assert planned == [first.tolist(), first.tolist()]  # share rule, trial; no third
+    fresh = real(samples, first, 0, chosen.sp_size_N, chosen.unit_N, item_cost_M, costs, config)
+    for field in ("sample_P", "rank_P", "micro_batch_P", "sp_size_P", "sp_index_P",
+                  "mb_cost_RB", "mb_tokens_RB", "encode_rank_M"):
+        assert np.array_equal(getattr(chosen.first_plan, field), getattr(fresh, field)), field
