@@ -2,7 +2,7 @@
 the samples' own tokens, the measured over predicted time as calibrated and at the run's own
 speed, and the model's agreement with the real step (issue #44, item 4) over rounds.
 
-Used by ``tools/bench/e2e_long_tail.py`` (one run per policy) and
+Used by ``tools/bench/e2e_long_tail.py`` (``--schedule separate``: one run per policy) and
 ``tools/bench/long_tail_turns.py`` (the policies in turns inside each run).
 """
 
