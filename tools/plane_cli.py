@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
 import sys
-import threading
 
 from omniscale.dataplane.plane_config import POLICIES
 from omniscale.errors import UserError
@@ -219,9 +219,10 @@ def _serve_here(args: argparse.Namespace, config) -> int:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise UserError(f"--host {args.host} --port {args.port}: cannot serve there ({why}): "
                         "the port in use, or the address not this host's") from None
+    signals = StopSignals()
     print(f"omniscale plane: serving {server.url} (step {plane.next_step}, "
           f"{plane.dp_at(plane.next_step)} ranks, state in {args.state_dir})", flush=True)
-    _wait_for_signal()
+    signals.wait()
     server.stop()
     if metrics is not None:
         metrics.shutdown()
@@ -252,6 +253,7 @@ def _serve_on_ray(args: argparse.Namespace, config) -> int:
                                   restore_step=args.restore_step, tls_cert=args.tls_cert,
                                   tls_key=args.tls_key, insecure=args.insecure,
                                   spec_root=args.spec_root, name="plane")
+        signals = StopSignals()
         print(f"omniscale plane: serving {url} from a Ray actor 'plane' in namespace "
               f"{namespace} (state in {args.state_dir})", flush=True)
         # The metrics endpoint stays in this process and reads status over Flight (TLS:
@@ -259,7 +261,7 @@ def _serve_on_ray(args: argparse.Namespace, config) -> int:
         root = os.environ.get(TLS_ROOT_ENV) or args.tls_cert
         metrics = _metrics(PlaneClient(url, token=args.token, timeout=10, retry_for=5,
                                        tls_root=root), args)
-        _wait_for_signal()
+        signals.wait()
         if metrics is not None:
             metrics.shutdown()
         stopped = ray.get(actor.stop.remote(), timeout=60)
@@ -297,11 +299,31 @@ def _metrics(plane, args: argparse.Namespace):
     return server
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+class StopSignals:
+    """SIGINT or SIGTERM, waited for on the main thread. The kernel hands a process's signal
+    to any of its threads (gRPC's and Arrow's included) and Python runs the handler only on the
+    main thread, between bytecodes: a main thread blocked on a lock sleeps through a signal
+    another thread took (the plane then never stopped; ``bench plane`` hung on it). The
+    C-level handler writes the signal's number to the wakeup socket from whichever thread took
+    it, so the main thread waits by reading that socket. Install before announcing the URL: a
+    script's SIGTERM right after the "serving" line still stops the plane cleanly."""
+
+    STOP = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)  # the handler must never block
+        for sig in self.STOP:
+            signal.signal(sig, lambda *_: None)  # a Python handler: the default would kill
+        signal.set_wakeup_fd(self._write.fileno())
+
+    def wait(self) -> None:
+        stops = {int(sig) for sig in self.STOP}
+        while not stops.intersection(self._read.recv(64)):
+            pass
+        signal.set_wakeup_fd(-1)
+        self._read.close()
+        self._write.close()
 
 
 def _client(args):
