@@ -108,18 +108,30 @@ def align_search(slot_N, rank_N, movable_N, slice_tokens_N, unit_cost_N, tok_RB,
             best_i = -1
             best_j = -1
             best_d = -1
+            # Bounds that skip only what cannot win (a candidate wins by a strictly larger
+            # gain): a change of i's slot lowers b by top - max(second, top - delta), delta
+            # (i's cost, or i's less a cheaper j's; costs are >= 0) at most ci, and rounded
+            # subtraction is monotone, so the computed gain is at most i's move's first term,
+            # and never more than top - second.
+            cap = top - second
             for u in range(start_R1[r], start_R1[r + 1]):
+                if best_gain >= cap:
+                    break
                 i = members[u]
                 if slot_N[i] != b:
                     continue
                 ci = unit_cost_N[i]
                 ti = slice_tokens_N[i]
+                lower_i = top - max(second, top - ci)
+                if lower_i <= best_gain:
+                    continue
                 for d in range(n_slots):  # move i from b to d
                     if d != b and tok_RB[r, d] + ti <= budget:
-                        gain = top - max(second, top - ci) \
-                            - max(0.0, cost_RB[r, d] + ci - height_B[d])
+                        gain = lower_i - max(0.0, cost_RB[r, d] + ci - height_B[d])
                         if gain > best_gain:
                             best_gain, best_i, best_j, best_d = gain, i, -1, d
+                if lower_i <= best_gain:
+                    continue
                 for w in range(start_R1[r], start_R1[r + 1]):  # swap i with a cheaper j
                     j = members[w]
                     d = slot_N[j]
