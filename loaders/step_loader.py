@@ -163,6 +163,7 @@ class StepLoader:
     def close(self) -> None:
         """Stop the threads, the workers and the plan source."""
         self._stop.set()
+        self._interrupt()
         self.plans.close()
         if self.shard_prefetcher is not None:
             self.shard_prefetcher.close()
@@ -172,6 +173,10 @@ class StepLoader:
             except queue.Empty:
                 pass
         self._local.close()
+
+    def _interrupt(self) -> None:
+        """Wake the assembly thread where it waits for decoded results (a backend's pool),
+        so that close does not wait out a poll."""
 
     def __enter__(self) -> "StepLoader":
         return self

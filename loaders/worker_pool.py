@@ -62,6 +62,7 @@ _FORK_LOCK = threading.Lock()
 # only this process holds them (else a worker would not see end of file when this one dies).
 _PARENT_ENDS: set[Connection] = set()
 _WORKER_INDEX: int | None = None  # in a worker process: its index in its pool
+_CLOSING = threading.Event()  # in a worker process: its pool closed the item pipe
 
 
 def worker_index() -> int | None:
@@ -129,6 +130,11 @@ class WorkerPool:
         self._submitted = self._handed_out = 0  # sequence numbers: next to give, next to return
         self._failed: BaseException | None = None  # what on_death raised
         self._closed = False
+        # interrupt()'s wake-up: a byte on this pipe ends a get() waiting on another thread
+        self._wake_out, self._wake_in = multiprocessing.Pipe(duplex=False)
+        self._wake_lock = threading.Lock()  # interrupt() never writes to a closed (reused) fd
+        with _FORK_LOCK:
+            _PARENT_ENDS.update((self._wake_out, self._wake_in))
         try:
             for index in range(workers):
                 self._workers.append(self._fork(index))
@@ -160,9 +166,17 @@ class WorkerPool:
         self._submitted += 1
         _send(worker, message)
 
+    def interrupt(self) -> None:
+        """End a :meth:`get` waiting on another thread now, and every later one at once (it
+        returns None): the owner is closing and wants no more results. Thread-safe."""
+        with self._wake_lock:
+            if not self._wake_in.closed:  # else closed: nothing waits any more
+                self._wake_in.send_bytes(b"!")
+
     def get(self, timeout: float | None = None):
         """The result of the oldest item not yet returned; None if it did not arrive within
-        ``timeout`` seconds. An item whose work raised raises that error here."""
+        ``timeout`` seconds, or after :meth:`interrupt`. An item whose work raised raises
+        that error here."""
         if self._failed is not None:
             raise self._failed
         if not self.outstanding:
@@ -173,7 +187,9 @@ class WorkerPool:
             watched = {}
             for w in self._workers:
                 watched[w.results] = watched[w.process.sentinel] = w
-            ready = wait(list(watched), left)
+            ready = wait([*watched, self._wake_out], left)
+            if self._wake_out in ready:  # interrupted (the byte stays: later gets end too)
+                return None
             for handle in ready:
                 w = watched[handle]
                 if w is not self._workers[w.index]:
@@ -215,6 +231,10 @@ class WorkerPool:
             p.join()
         for w in self._workers:
             w.close_pipes()
+        with _FORK_LOCK, self._wake_lock:
+            for conn in (self._wake_out, self._wake_in):
+                _PARENT_ENDS.discard(conn)
+                conn.close()
         self._returned.clear()
         if self._ring is not None:
             self._ring.close()
@@ -358,7 +378,10 @@ def _serve(index: int, work: Callable, tasks: Connection, results: Connection,
                      name="omniscale-worker-inbox").start()
     while True:
         got = inbox.get()
-        if got is None:  # the pool closed the pipe, or this worker is orphaned
+        # The pool closed the pipe, or this worker is orphaned: the items still queued are
+        # nobody's now (the pool reads no result after close), so they are not decoded -- a
+        # worker used to decode its whole read-ahead first, seconds of video on every close.
+        if got is None or _CLOSING.is_set():
             return
         seq, item = got
         try:
@@ -372,8 +395,8 @@ def _serve(index: int, work: Callable, tasks: Connection, results: Connection,
 
 
 def _read_items(tasks: Connection, parent: int, inbox: "queue.SimpleQueue") -> None:
-    """A worker's reader: every item from the pool's pipe into ``inbox``, then None once the
-    pipe is closed or the trainer is gone."""
+    """A worker's reader: every item from the pool's pipe into ``inbox``, then ``_CLOSING``
+    set and None once the pipe is closed or the trainer is gone."""
     while True:
         if not wait([tasks], _PARENT_CHECK_S):
             if os.getppid() != parent:  # orphaned: the item pipe is held open elsewhere
@@ -383,4 +406,5 @@ def _read_items(tasks: Connection, parent: int, inbox: "queue.SimpleQueue") -> N
             inbox.put(tasks.recv())
         except (EOFError, OSError):  # closed by the pool, or its process died
             break
+    _CLOSING.set()
     inbox.put(None)

@@ -186,6 +186,59 @@ def test_close_leaves_no_process_and_no_shared_memory(monkeypatch):
         pool.submit(5)
 
 
+@pytest.mark.timeout(60)
+def test_close_skips_the_items_a_worker_read_ahead(tmp_path):
+    """A worker holds items read ahead when its pool closes: it finishes the one in hand and
+    decodes none of the others (nobody reads their results; a read-ahead of video items took
+    seconds on every loader's close). Item 0 returns only once the worker has seen the pipe
+    close, so items 1-3 are queued in it by then."""
+    started = FORK.Event()
+    log = tmp_path / "worked"
+
+    def work(i):
+        with log.open("a") as f:
+            f.write(f"{i}\n")
+        if i == 0:
+            started.set()
+            assert worker_pool._CLOSING.wait(30)
+        return i
+
+    pool = WorkerPool(work, workers=1, items_ahead=4)
+    for i in range(4):
+        pool.submit(i)
+    assert started.wait(30)
+    pool.close()
+    assert log.read_text().split() == ["0"]
+
+
+@pytest.mark.timeout(60)
+def test_interrupt_ends_a_get_waiting_on_another_thread():
+    """A loader closing while its assembly thread waits for a result: interrupt() ends that
+    wait at once (it polled a stop flag once a second), and every later get returns None."""
+    import threading
+
+    release = FORK.Event()
+
+    def work(i):
+        assert release.wait(30)
+        return i
+
+    pool = WorkerPool(work, workers=1)
+    try:
+        pool.submit(0)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(pool.get(timeout=None)))
+        waiter.start()
+        pool.interrupt()
+        waiter.join(30)
+        assert not waiter.is_alive() and got == [None]
+        assert pool.get(timeout=None) is None
+    finally:
+        release.set()
+        pool.close()
+    pool.interrupt()  # after close: nothing to wake, no error
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="workers and items_ahead must be >= 1"):
         WorkerPool(abs, workers=0)
