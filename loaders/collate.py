@@ -168,8 +168,13 @@ def collate(samples: list[tuple], geometry: MediaGeometry | None = None) -> Pack
 
 def media_tensor(item: MediaItem) -> torch.Tensor | None:
     """A decoded item's array as a tensor over the same memory (None when not decoded here):
-    what an encoder item handed to the trainer holds (``loaders.assemble``)."""
-    return None if item.array is None else torch.from_numpy(item.array)
+    what an encoder item handed to the trainer holds (``loaders.assemble``). A read-only array
+    (Ray hands arrays out of its object store read-only) is copied first: a tensor cannot be
+    read-only, so one over that memory would let the trainer write where numpy forbids it
+    (torch warns so on every Ray-pool run)."""
+    if item.array is None:
+        return None
+    return torch.from_numpy(item.array if item.array.flags.writeable else item.array.copy())
 
 
 def media_items(batch: PackedBatch):

@@ -135,3 +135,24 @@ def test_empty_media_tensors_keep_their_width(decoded):
     assert batch.vision_grid_thw_V3.shape == (0, 3) and batch.media_kind_M.numel() == 0
     with pytest.raises(ValueError, match="bad SP slice"):
         collate([(samples["text"][1], 2, 2)])
+
+
+def test_a_media_tensor_shares_a_writable_array_and_copies_a_read_only_one():
+    """Ray's object store hands arrays out read-only: the tensor over one would be writable
+    (torch warns); it gets a copy. A writable array (the worker pool's) is shared, not copied."""
+    import warnings
+
+    from omniscale.loaders.collate import media_tensor
+    from omniscale.loaders.sequence import MediaItem
+
+    writable = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    shared = media_tensor(MediaItem("image", writable, (1, 1, 3), None, 0, 1))
+    assert np.shares_memory(shared.numpy(), writable)
+    read_only = writable.copy()
+    read_only.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "not writable" warning fails the test
+        copied = media_tensor(MediaItem("image", read_only, (1, 1, 3), None, 0, 1))
+    assert not np.shares_memory(copied.numpy(), read_only)
+    assert torch.equal(copied, torch.from_numpy(writable))
+    assert media_tensor(MediaItem("audio", None, None, 4, 0, 1)) is None
