@@ -26,8 +26,10 @@ here, in the standard library's terms:
   :meth:`WorkerPool.get` raises it with its message, the worker's traceback as a note.
 - **shutdown**: closing the item pipes tells idle workers to exit; one that is still busy
   gets ``_CLOSE_GRACE_S`` to finish its item (torch's shutdown waits as long), then SIGTERM,
-  then SIGKILL. The workers also exit on their own if this process dies (their item pipe
-  reaches end of file, or failing that, their parent pid changes).
+  then SIGKILL, and decodes none of the items it had read ahead. The workers also exit on
+  their own if this process dies (their item pipe reaches end of file, or failing that, their
+  parent pid changes). :meth:`WorkerPool.interrupt` ends a :meth:`WorkerPool.get` waiting on
+  another thread (the loader's close wakes its assembly thread so).
 """
 
 from __future__ import annotations
