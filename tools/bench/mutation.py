@@ -177,7 +177,8 @@ MODULE_TESTS: dict[str, ModuleTests] = {
         ("tests/balancer/test_split_units.py", "tests/balancer/test_split.py",
          "tests/balancer/test_baselines.py", "tests/balancer/test_cost.py")),
     "balancer/pack.py": ModuleTests(
-        ("tests/balancer/test_pack.py", "tests/balancer/test_planner.py")),
+        ("tests/balancer/test_pack.py", "tests/balancer/test_pack_align_oracle.py",
+         "tests/balancer/test_planner.py")),
     "balancer/assign.py": ModuleTests(
         ("tests/balancer/test_assign.py", "tests/balancer/test_ranktree.py",
          "tests/balancer/test_speeds_planner.py")),
