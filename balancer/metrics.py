@@ -30,6 +30,53 @@ def step_times(plan: StepPlan) -> tuple[float, float]:
     return ddp, plan.fsdp_time + enc_max
 
 
+FULL_CELL = 0.9  # a (rank, slot) cell holding this share of the token budget counts as full
+
+
+def fsdp_breakdown(plans: list[StepPlan], tokens_N: np.ndarray, dp: int, budget: int,
+                   ideal: float, reshard_S: np.ndarray | None = None,
+                   micro_batch: float = 0.0) -> dict:
+    """Where the FSDP step time goes, summed over the steps, each part over ``ideal``; the
+    parts add up to the FSDP time over the ideal (`step_times` plus the reshard phase and the
+    slots' fixed cost, as ``simulate.summarize`` adds them):
+
+    - ``work``: every rank's LLM and encoder time over the ranks (on equal ranks 1 + the SP
+      all-to-all's share: the ideal is compute alone);
+    - ``slot_idle``: ranks waiting for the slowest in a micro-batch slot; of it,
+      ``slot_idle_beside_splits`` in slots that hold a split sample's slice and
+      ``slot_idle_in_full_cells`` on ranks whose slot holds >= ``FULL_CELL`` of the token
+      budget (no room to fill the wait, whatever the planner did);
+    - ``encoder_idle``: ranks waiting for the slowest in the encoder phase;
+    - ``reshard``: the embeddings' all-to-all between the phases; ``fixed``: each slot's fixed
+      cost (``micro_batch``).
+    """
+    parts = dict.fromkeys(("work", "slot_idle", "slot_idle_beside_splits",
+                           "slot_idle_in_full_cells", "encoder_idle", "reshard", "fixed"), 0.0)
+    for plan in plans:
+        if plan.mb_cost_RB.size:
+            time_RB = plan.mb_time_RB
+            idle_RB = time_RB.max(axis=0)[None, :] - time_RB
+            split_B = np.zeros(time_RB.shape[1], bool)
+            split_B[plan.micro_batch_P[plan.sp_size_P > 1]] = True
+            full_RB = recount_tokens(plan, tokens_N, dp)[:, :time_RB.shape[1]] \
+                >= FULL_CELL * budget
+            parts["work"] += float(time_RB.sum())
+            parts["slot_idle"] += float(idle_RB.sum())
+            parts["slot_idle_beside_splits"] += float(idle_RB[:, split_B].sum())
+            parts["slot_idle_in_full_cells"] += float(idle_RB[full_RB].sum())
+        if plan.encoder_cost_R is not None and plan.encoder_cost_R.size:
+            enc_R = plan.encoder_cost_R
+            if plan.speed_R is not None and enc_R.shape == plan.speed_R.shape:
+                enc_R = enc_R / plan.speed_R
+            parts["work"] += float(enc_R.sum())
+            parts["encoder_idle"] += float((enc_R.max() - enc_R).sum())
+        parts["fixed"] += micro_batch * plan.num_micro_batches * dp
+    if reshard_S is not None:
+        parts["reshard"] = float(np.sum(reshard_S)) * dp
+    # all summed over ranks so far: a step's time is a rank's, the sum over dp ranks / dp
+    return {key: value / dp / ideal if ideal > 0 else 0.0 for key, value in parts.items()}
+
+
 def recount_tokens(plan: StepPlan, tokens_N: np.ndarray, dp: int) -> np.ndarray:
     """Tokens per (rank, slot) from the placements themselves (SP slices padded as planned,
     or cut by speed as planned)."""

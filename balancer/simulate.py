@@ -38,6 +38,7 @@ from omniscale.balancer.baselines import (
 from omniscale.balancer.metrics import (
     displacement,
     exactly_once,
+    fsdp_breakdown,
     ideal_time,
     step_times,
     violations,
@@ -262,6 +263,9 @@ def summarize(run: PolicyRun, stream: WindowSamples, step_offsets_S1: np.ndarray
                                    else zero_S).sum()) / config.dp,
         "reshard_comm": float((run.reshard_S if run.reshard_S is not None
                                else zero_S).sum()),
+        "fsdp_breakdown": fsdp_breakdown(run.plans, stream.tokens_N, config.dp,
+                                         config.micro_batch_tokens, ideal, run.reshard_S,
+                                         micro_batch),
     }
 
 

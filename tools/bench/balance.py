@@ -314,6 +314,30 @@ def headline_table(cases: list[dict]) -> Table:
     return table
 
 
+def breakdown_table(cases: list[dict]) -> Table:
+    """Where the FSDP time goes at the default bandwidth, sp_max 32, ours and the best
+    ``+split`` baseline (FSDP): ``metrics.fsdp_breakdown``'s parts over the ideal, beside
+    the bound with the necessary splits' communication."""
+    table = Table(title=f"FSDP time / ideal, part by part ({bandwidth_label(DEFAULT_BANDWIDTH)}"
+                        f", sp_max {SP_MAX[0]}): work = compute + SP all-to-all; idle in slots "
+                        f"(beside split slices; in cells >= 90% of the token budget)")
+    for col in ("data", "ranks", "policy", "FSDP/ideal", "bound/ideal", "work", "slot idle",
+                "beside splits", "full cells", "encoder idle", "reshard"):
+        table.add_column(col, justify="left" if col in ("data", "policy") else "right",
+                         no_wrap=True)
+    for case in cases:
+        run = at_default(case, SP_MAX[0])
+        best = run["best_baseline"]["fsdp"]
+        for name, policy in ((OURS, run["ours"]), (best, run["split_baselines"][best])):
+            parts = policy["fsdp_breakdown"]
+            table.add_row(case["dataset"], str(case["dp"]), name,
+                          f"{policy['fsdp_over_ideal']:.3f}", f"{run['bound_over_ideal']:.3f}",
+                          *(f"{parts[k]:.3f}" for k in (
+                              "work", "slot_idle", "slot_idle_beside_splits",
+                              "slot_idle_in_full_cells", "encoder_idle", "reshard")))
+    return table
+
+
 def at_default(case: dict, sp_max: int) -> dict:
     """The case's run at the default bandwidth and this sp_max."""
     label = bandwidth_label(DEFAULT_BANDWIDTH)
@@ -446,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     timing = time_planner(costs_at(DEFAULT_BANDWIDTH)[0], steps=4 if args.quick else 8,
                           repeats=1 if args.quick else 5)
     console.print(headline_table(cases))
+    console.print(breakdown_table(cases))
     checks = target_checks(cases, timing)
     for c in checks:
         measured = f"{c['measured']:.3f}" if isinstance(c["measured"], float) else c["measured"]
