@@ -8,6 +8,7 @@ by reference either way)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -110,5 +111,12 @@ def test_plane_actor_and_two_trainers_on_three_nodes_lose_one_and_train_alike(de
     # it is the layout rank 0 last took, and a death met by rank 1, or in a pool no sample
     # used after the loss, shows there only at the next window, after this run's last step
     # (it failed so once); tests/loaders/test_ray_resize.py checks that no lost actor is left
-    # in the pools once a window has passed.
-    assert pools["actor_restarts"] + pools["actors_retired"] >= 1, (pools, trained.stderr[-3000:])
+    # in the pools once a window has passed. Nor that the death is in the last row: the
+    # loaders decode ahead of training, past the run's last step too (the plane plans on),
+    # and when the first flight to reach a dead actor is one of those, the death is met and
+    # decided after the last row was written (CI met it so once: the row's counts 0, with
+    # image_caption samples of the read-ahead in flight) -- then the rank's warning says it.
+    counted = pools["actor_restarts"] + pools["actors_retired"]
+    decided = re.search(r"a decoding actor of source '\w+' died \(\w+\); (replaced|not replaced)",
+                        trained.stderr)
+    assert counted >= 1 or decided, (pools, trained.stderr[-3000:])
