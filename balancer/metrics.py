@@ -18,13 +18,20 @@ import numpy as np
 from omniscale.balancer.types import StepPlan, slice_tokens
 
 
+def encoder_time_R(plan: StepPlan) -> np.ndarray:
+    """Each rank's encoder work over its speed (the cost when ranks are equal); requires
+    ``plan.encoder_cost_R``."""
+    enc_R = plan.encoder_cost_R
+    if plan.speed_R is not None and enc_R.shape == plan.speed_R.shape:
+        enc_R = enc_R / plan.speed_R
+    return enc_R
+
+
 def step_times(plan: StepPlan) -> tuple[float, float]:
     """(DDP, FSDP) simulated time of one step, encoder phase included: each rank's work over
     its speed (``plan.speed_R``; equal ranks when None)."""
     llm_R = plan.rank_time_R if plan.mb_cost_RB.size else np.zeros(1)
-    enc_R = plan.encoder_cost_R if plan.encoder_cost_R is not None else np.zeros_like(llm_R)
-    if plan.speed_R is not None and enc_R.shape == plan.speed_R.shape:
-        enc_R = enc_R / plan.speed_R
+    enc_R = encoder_time_R(plan) if plan.encoder_cost_R is not None else np.zeros_like(llm_R)
     enc_max = float(enc_R.max()) if enc_R.size else 0.0
     ddp = plan.ddp_time + enc_max if plan.reshard else float((llm_R + enc_R).max())
     return ddp, plan.fsdp_time + enc_max
@@ -65,9 +72,7 @@ def fsdp_breakdown(plans: list[StepPlan], tokens_N: np.ndarray, dp: int, budget:
             parts["slot_idle_beside_splits"] += float(idle_RB[:, split_B].sum())
             parts["slot_idle_in_full_cells"] += float(idle_RB[full_RB].sum())
         if plan.encoder_cost_R is not None and plan.encoder_cost_R.size:
-            enc_R = plan.encoder_cost_R
-            if plan.speed_R is not None and enc_R.shape == plan.speed_R.shape:
-                enc_R = enc_R / plan.speed_R
+            enc_R = encoder_time_R(plan)
             parts["work"] += float(enc_R.sum())
             parts["encoder_idle"] += float((enc_R.max() - enc_R).sum())
         parts["fixed"] += micro_batch * plan.num_micro_batches * dp

@@ -50,7 +50,7 @@ from rich.table import Table
 from omniscale.balancer.baselines import BASELINES_NO_SPLIT, BASELINES_SPLIT
 from omniscale.balancer.cost import CommModel, Costs
 from omniscale.balancer.distributions import generate
-from omniscale.balancer.metrics import ideal_time
+from omniscale.balancer.metrics import FULL_CELL, ideal_time
 from omniscale.balancer.simulate import OURS, compare, judged, run_policy
 from omniscale.balancer.split import unit_cost
 from omniscale.balancer.stream import item_costs, llm_costs, steps_by_count, take
@@ -320,7 +320,7 @@ def breakdown_table(cases: list[dict]) -> Table:
     the bound with the necessary splits' communication."""
     table = Table(title=f"FSDP time / ideal, part by part ({bandwidth_label(DEFAULT_BANDWIDTH)}"
                         f", sp_max {SP_MAX[0]}): work = compute + SP all-to-all; idle in slots "
-                        f"(beside split slices; in cells >= 90% of the token budget)")
+                        f"(beside split slices; in cells >= {FULL_CELL:.0%} of the token budget)")
     for col in ("data", "ranks", "policy", "FSDP/ideal", "bound/ideal", "work", "slot idle",
                 "beside splits", "full cells", "encoder idle", "reshard"):
         table.add_column(col, justify="left" if col in ("data", "policy") else "right",
