@@ -9,8 +9,10 @@ here, in the standard library's terms:
 - **fork**, with this process's objects kept out of the workers' garbage collector
   (``gc.freeze``): a worker that collects garbage it inherited (a closed plane client, a
   stopped embedded plane: Arrow Flight / gRPC objects whose threads did not survive the fork)
-  can crash with SIGSEGV or hang on a lock; frozen objects are never collected. Anything the
-  workers share by memory (the transfer ring, ``loaders.transfer.ShmRing``) is made before.
+  can crash with SIGSEGV or hang on a lock; frozen objects are never collected. PyAV's
+  per-thread scalers are kept out of the child's thread cleanup (``loaders.av_fork``).
+  Anything the workers share by memory (the transfer ring, ``loaders.transfer.ShmRing``) is
+  made before.
 - **two pipes per worker** (items in, results out) rather than queues shared by all: a worker
   killed in the middle of a message damages only its own pipe, every message it completed
   before is still read from it, and nothing another worker sent is lost with it.
@@ -50,6 +52,7 @@ from typing import Callable
 
 import torch
 
+from omniscale.loaders.av_fork import keep_scalers_across_fork
 from omniscale.loaders.transfer import ShmRing
 
 _CLOSE_GRACE_S = 5.0  # a busy worker's time to finish its item on close (as torch waits)
@@ -257,6 +260,7 @@ class WorkerPool:
             _PARENT_ENDS.update((task_in, result_out))
             process = ctx.Process(target=_serve, name=f"{self.name}-{index}", daemon=True,
                                   args=(index, self._work, task_out, result_in, os.getpid()))
+            keep_scalers_across_fork()  # else PyAV frees another thread's scaler in the child
             gc.collect()  # the garbage is freed here, where its threads still run
             ours = gc.get_freeze_count() == 0  # leave anyone else's freeze as it is
             gc.freeze()
