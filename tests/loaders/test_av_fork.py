@@ -39,11 +39,13 @@ def _decode_both(data: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.timeout(120)
-def test_a_pool_forked_from_another_thread_decodes_after_pyav_scaled_here(monkeypatch):
+def test_a_pool_forked_from_another_thread_decodes_after_pyav_scaled_here():
     import av.video.frame as frame
 
     if hasattr(frame, "_thread_local"):  # PyAV's own, as before any pool forked (not ours)
-        monkeypatch.setattr(frame, "_thread_local", threading.local())
+        # Not monkeypatch: its copy of the one replaced would keep that one's scalers alive
+        # here (made by earlier tests' threads), which is what the pool's swap ends.
+        frame._thread_local = threading.local()
     clip = video_bytes(10, 5, 48, 32, textured=True)
     want = _decode_both(clip)  # this (main) thread now holds a PyAV scaler
     scaled, stop = threading.Event(), threading.Event()
