@@ -111,7 +111,7 @@ def schedules(draw):
 
 
 batches_st = st.one_of(st.builds(lambda s: {"global_batch_samples": s}, st.integers(1, 12)),
-                       st.builds(lambda t: {"global_batch_tokens": t}, st.integers(50, 3000)))
+                       st.builds(lambda t: {"global_batch_tokens": t}, st.integers(50, 1000)))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
