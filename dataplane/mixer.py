@@ -43,11 +43,12 @@ import numpy as np
 import pyarrow as pa
 
 from omniscale.dataplane.catalog import Catalog
-from omniscale.dataplane.draw_kernel import DONE, FULL, MOVED, NEED, draw
+from omniscale.dataplane.draw_kernel import DONE, FULL, MOVED, NEED, draw, ramp_row
 from omniscale.dataplane.schedule import Schedule
 from omniscale.refs import SampleRef, table_to_refs
 
 ACCOUNTING = ("samples", "tokens", "target_tokens")
+_NO_RAMP = np.empty(0)  # draw()'s ramp when the row holds still between its stops
 
 
 class MixtureExhausted(Exception):
@@ -145,11 +146,19 @@ class Mixer:
             w_N, live = self._weights_live()
             if not live:
                 break
+            ramp = self._ramp_at(self.tokens)
+            if ramp is None:
+                seg, ramp_SE, x_limit = 0, _NO_RAMP, float(self._key_until())
+            else:  # the kernel moves the row itself, draw by draw, up to the ramp's end
+                seg, start, end = ramp
+                ramp_SE, x_limit = np.array([start, end]), end
+            from_N, to_N = self.schedule.maps(seg)
             status, n, batch_tokens, _, attempted, need = draw(
-                self.target_N, self.realized_N, w_N, self._live_L, samples, values, llm_NK,
+                self.target_N, self.realized_N, w_N.copy(), self._live_L, samples, values,
+                llm_NK,
                 unit_NK, pos_N, end_N, room - drawn if room >= 0 else len(picks_P),
                 -1 if self.batch_tokens is None else self.batch_tokens, drawn, batch_tokens,
-                self.tokens, float(self._key_until()), picks_P)  # one signature: float
+                self.tokens, x_limit, picks_P, ramp_SE, from_N, to_N, self._active)
             if attempted:
                 settled[self._live_L] = True
             if n:
@@ -162,8 +171,9 @@ class Mixer:
                     drawn == room or (self.batch_tokens is not None
                                       and batch_tokens >= self.batch_tokens))):
                 break
-            if status == NEED:
-                self._peek(need, w_N, values, llm_NK, unit_NK, pos_N, end_N)
+            if status == NEED:  # the weights where the draws stopped (a ramp moved them)
+                self._peek(need, self._weights_live()[0], values, llm_NK, unit_NK, pos_N,
+                           end_N)
         if not drawn:
             raise MixtureExhausted(f"step {step}: every source with a positive weight is "
                                    "exhausted")
@@ -242,15 +252,30 @@ class Mixer:
             return cached[1], cached[2]
         if self._active is None:
             self._active = self._active_N()
-        w_N = self.schedule.weights_over(np.array([x], dtype=np.float64))[0]
-        w_N = np.where(self._active, w_N, 0.0)
-        total = w_N.sum()
-        w_N = w_N / total if total > 0 else w_N
+        ramp = self._ramp_at(x)
+        if ramp is not None:  # the kernel's own rows (the same as below, bit for bit)
+            seg, start, end = ramp
+            w_N = np.empty(len(self.names))
+            ramp_row(float(x), start, end, *self.schedule.maps(seg), self._active, w_N)
+        else:
+            w_N = self.schedule.weights_over(np.array([x], dtype=np.float64))[0]
+            w_N = np.where(self._active, w_N, 0.0)
+            total = w_N.sum()
+            w_N = w_N / total if total > 0 else w_N
         w_N.flags.writeable = False
         live = tuple(np.flatnonzero(w_N > 0).tolist())
         self._weights_cache = (key, w_N, live)
         self._live_L = np.array(live, dtype=np.int64)
         return w_N, live
+
+    def _ramp_at(self, x: float) -> tuple[int, float, float] | None:
+        """(segment, start, end) when ``x`` lies strictly inside a linear segment of a
+        schedule over tokens, where every token drawn moves the row; else None."""
+        if self.schedule.unit != "tokens":
+            return None
+        seg = self._seg_of(x)
+        kind, start, end, _ = self._segs[seg]
+        return (seg, start, end) if kind == "linear" and start < x < end else None
 
     def _row_key(self, x: float) -> tuple:
         """What the schedule's row at ``x`` depends on: the segment and, within it, what its

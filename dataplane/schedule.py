@@ -116,6 +116,11 @@ class Schedule:
         row = self.weights_over(np.array([x], dtype=np.float64))[0]
         return {name: float(w) for name, w in zip(self.sources, row)}
 
+    def maps(self, segment: int) -> tuple[np.ndarray, np.ndarray]:
+        """Segment ``segment``'s weight maps, each normalised to sum to 1, over
+        :attr:`sources` (read-only): where it starts from and where it goes."""
+        return self._from_SN[segment], self._to_SN[segment]
+
     def weights_over(self, xs: np.ndarray) -> np.ndarray:
         """Weights at every ``x`` in ``xs``: an array ``[len(xs), len(sources)]``, rows sum to 1.
 

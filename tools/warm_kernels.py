@@ -53,6 +53,7 @@ def _plan_windows() -> None:
 def _draw_batches() -> None:
     from omniscale.dataplane.catalog import Catalog
     from omniscale.dataplane.mixer import Mixer
+    from omniscale.dataplane.schedule import Schedule, Segment
     from omniscale.dataplane.spec import load_spec
     from omniscale.tools.bench.plane_data import write_sources, write_spec
 
@@ -60,11 +61,16 @@ def _draw_batches() -> None:
         root = Path(tmp)
         spec_path = write_spec(root / "mix.yaml", write_sources(root, 3, 2, 8, max_tokens=64))
         spec = load_spec(spec_path)
-        for accounting in ("samples", "tokens", "target_tokens"):
-            for batch in ({"global_batch_samples": 6}, {"global_batch_tokens": 256}):
-                mixer = Mixer(Catalog.from_spec(spec), spec.schedule, accounting, **batch)
-                for step in range(3):
-                    mixer.next_batch(step)
+        names = spec.schedule.sources
+        w0, w1 = {n: 1.0 for n in names}, {n: float(i + 1) for i, n in enumerate(names)}
+        ramp = Schedule(names, (Segment("linear", 0, 10**6, w0, w1),
+                                Segment("const", 10**6, None, w1, w1)), "tokens")
+        for schedule in (spec.schedule, ramp):  # a ramp over tokens: the kernel's ramp_row
+            for accounting in ("samples", "tokens", "target_tokens"):
+                for batch in ({"global_batch_samples": 6}, {"global_batch_tokens": 256}):
+                    mixer = Mixer(Catalog.from_spec(spec), schedule, accounting, **batch)
+                    for step in range(3):
+                        mixer.next_batch(step)
 
 
 def warm(progress=print) -> float:
