@@ -56,7 +56,7 @@ def _train(args: argparse.Namespace) -> int:
 BENCH_NAMES = ("balance", "linear_ce_memory", "hf_load_memory", "kernels", "model", "attention",
                "commit", "loader", "ray_loader", "remote", "plane", "e2e", "e2e_long_tail",
                "gpu_check", "e2e_uneven", "e2e_no_reshard", "loader_image",
-               "balance_scale", "plane_scale")
+               "balance_scale", "plane_scale", "plane_ramp")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,7 +46,9 @@ Planning. The plane's own work for jobs of 1,024 and 4,096 ranks (``--full``: 16
 ``--plan-ranks``), 8 samples per rank per step, window 4, by phase: draw, plan, the best
 baseline's prediction, every rank's table, every rank's fingerprint (a whole-step commit
 checks them): steps per second against the 2 steps/s a job consumes, and the plane's memory
-at that size (RSS growth per window held). ``--planning-only`` runs this part alone.
+at that size (RSS growth per window held). ``--planning-only`` runs this part alone;
+``--plan-schedule const,tokens-ramp`` plans each size with equal weights and then with a
+curriculum whose mixture moves at every token drawn (``docs/bench/plane_ramp.json``).
 """
 
 from __future__ import annotations
@@ -447,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the planning runs (100 sources; no memory, no serving)")
     parser.add_argument("--plan-ranks", help="comma-separated job sizes of the planning runs "
                         "(default 1024,4096; with --full 1024,4096,16384)")
+    parser.add_argument("--plan-schedule", default="const",
+                        help="the planning runs' mixtures, comma-separated, each run at every "
+                             "size in turn: const (equal weights, the default) and "
+                             "tokens-ramp (a curriculum moving at every token drawn: a linear "
+                             "ramp over tokens, the shape of configs/examples' long-context "
+                             "phase)")
     parser.add_argument("--seconds", type=float, help="measured seconds per serving run "
                         "(default 10, --quick 3)")
     parser.add_argument("--warmup", type=float, help="unmeasured seconds before each serving "
@@ -488,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--clients must be a multiple of --procs")
     if args.serving_only and args.planning_only:
         parser.error("--serving-only and --planning-only exclude each other")
+    plan_schedules = [x.strip() for x in args.plan_schedule.split(",") if x.strip()]
+    if not plan_schedules or not set(plan_schedules) <= {"const", "tokens-ramp"}:
+        parser.error(f"--plan-schedule {args.plan_schedule}: const and/or tokens-ramp, "
+                     "comma-separated")
     plan_ranks = [int(x) for x in args.plan_ranks.split(",")] if args.plan_ranks \
         else [*PLAN_RANKS, *((16384,) if args.full else ())]
     scale = "quick" if args.quick or args.serving_only or args.planning_only \
@@ -503,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                               per_shard)
         root = data / f"{sources}x{shards}x{per_shard}"
         spec = write_spec(root / "mix.yaml", names)
-        small = write_spec(root / "mix-small.yaml", names[:100])
+        small = {"const": write_spec(root / "mix-small.yaml", names[:100]),
+                 "tokens-ramp": write_spec(root / "mix-small-ramp.yaml", names[:100],
+                                           ramp=True)}
         print(f"sources: {sources} x {shards} shards x {per_shard} samples "
               f"({time.perf_counter() - start:.0f} s to write)", flush=True)
         out = {"scale": {"sources": sources, "shards": shards, "per_shard": per_shard},
@@ -539,12 +553,14 @@ def main(argv: list[str] | None = None) -> int:
             out["planning"] = []
             for dp in plan_ranks:  # fewer windows for the big jobs: each is seconds
                 windows = 1 if args.quick or dp > 4096 else 2 if dp > 1024 else 5
-                out["planning"].append(planning(small, tmp, windows, dp))
-                p = out["planning"][-1]
-                print(f"planning {dp} ranks: {p['steps_per_s']:.2f} steps/s "
-                      f"({', '.join(f'{k} {v:.2f} s' for k, v in p['s_per_window'].items())}"
-                      f" per window), plane ~{p['memory']['plane_bytes_estimate'] / 2**20:,.0f}"
-                      " MiB", flush=True)
+                for schedule in plan_schedules:
+                    out["planning"].append({**planning(small[schedule], tmp, windows, dp),
+                                            "schedule": schedule})
+                    p = out["planning"][-1]
+                    print(f"planning {dp} ranks ({schedule}): {p['steps_per_s']:.2f} steps/s "
+                          f"({', '.join(f'{k} {v:.2f} s' for k, v in p['s_per_window'].items())}"
+                          f" per window), plane "
+                          f"~{p['memory']['plane_bytes_estimate'] / 2**20:,.0f} MiB", flush=True)
     out["load_avg_at_end"] = os.getloadavg()[0]
     out["rows"] = report(out)
     print_table(out["rows"])

@@ -78,11 +78,22 @@ def write_sources(root: Path, sources: int, shards: int, per_shard: int,
     return names
 
 
-def write_spec(path: Path, names: list[str], seed: int = 0) -> Path:
-    """A spec over ``names`` (directories beside it) at equal weight, counted in samples."""
+RAMP_TOKENS = 10**15  # a ramp longer than any run of a bench: every step drawn inside it
+
+
+def write_spec(path: Path, names: list[str], seed: int = 0, ramp: bool = False) -> Path:
+    """A spec over ``names`` (directories beside it) at equal weight, counted in samples --
+    or, with ``ramp``, a curriculum: a linear schedule over tokens from equal weights to
+    weights 1, 2, 3, 4, 1, ... over :data:`RAMP_TOKENS` (every draw moves the mixture)."""
     spec = {"seed": seed, "tokenizer": "tokenizer.json", "accounting": "samples",
             "on_exhausted": "next_epoch",
             "sources": [{"name": n, "path": n, "format": "webdataset", "template": "text",
-                         "weight": 1} for n in names]}
+                         **({} if ramp else {"weight": 1})} for n in names]}
+    if ramp:
+        spec["schedule"] = {"unit": "tokens", "segments": [
+            {"kind": "linear", "start": 0, "end": RAMP_TOKENS, "from": dict.fromkeys(names, 1),
+             "to": {n: 1 + i % 4 for i, n in enumerate(names)}},
+            {"kind": "const", "start": RAMP_TOKENS, "end": None,
+             "weights": {n: 1 + i % 4 for i, n in enumerate(names)}}]}
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

@@ -126,7 +126,9 @@ def planning_row(pln: dict) -> dict:
     phases = pln.get("s_per_window", {"plan": pln["plan_s_per_window"]})
     mem = pln.get("memory")
     judged = pln["dp"] == TARGETS["steps_per_s_ranks"]
-    return {"what": f"planning: {pln['dp']:,} ranks, {pln['samples_per_step']:,} samples/step",
+    ramp = ", a linear ramp over tokens" if pln.get("schedule") == "tokens-ramp" else ""
+    return {"what": f"planning: {pln['dp']:,} ranks, {pln['samples_per_step']:,} samples/step"
+                    + ramp,
             "baseline": f"{pln.get('job_steps_per_s', 1.0):g} steps/s consumed",
             "measured": f"{pln['total_s_per_window'] * 1e3:,.0f} ms/window ("
                         + ", ".join(f"{k} {v * 1e3:,.0f}" for k, v in phases.items()) + ")"

@@ -274,4 +274,11 @@ BENCHES: dict[str, Bench] = {
         full_args=("--planning-only", "--plan-ranks", "1024,4096,16384"),
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
                         target="target", met="met"),)),
+    "plane_ramp": Bench(
+        # a curriculum over tokens (every draw moves the mixture), at the sizes of plane's own
+        "plane.py", variant_of="plane", missed_exit_code=1,
+        full_args=("--planning-only", "--plan-ranks", "1024,4096", "--plan-schedule",
+                   "const,tokens-ramp"),
+        metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
+                        target="target", met="met"),)),
 }
