@@ -389,7 +389,8 @@ def planning(spec: Path, tmp: Path, windows: int, dp: int = 1024) -> dict:
                              micro_batch_tokens=16384, plan_ahead=0)
         rss0 = rss_bytes()
         start = time.perf_counter()
-        plane = DataPlane(spec, tmp / f"state-planning-{dp}", config)  # draws window 0
+        # a state dir of its own: one holding another run's log would resume that run's spec
+        plane = DataPlane(spec, tmp / f"state-planning-{dp}-{spec.stem}", config)  # window 0
         first_window = time.perf_counter() - start
         rss1 = rss_bytes()
         spent.clear()
