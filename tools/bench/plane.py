@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                              "workers (tools/bench/plane_energon.py)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="transports to measure (action is the baseline; lane is ours)")
+    parser.add_argument("--note", help="kept in the JSON as is: what code was measured, when "
+                        "not this checkout's commit")
     parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)  # child processes
     args = parser.parse_args(argv)
     if args.role:
@@ -523,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({time.perf_counter() - start:.0f} s to write)", flush=True)
         out = {"scale": {"sources": sources, "shards": shards, "per_shard": per_shard},
                "command": " ".join(["tools/bench/plane.py"] + (argv or sys.argv[1:])),
-               **provenance(),
+               **provenance(), **({"note": args.note} if args.note else {}),
                "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg()[0]}
         if out["load_avg_at_start"] > 0.5 * (os.cpu_count() or 1):
             print(f"warning: load average {out['load_avg_at_start']:.1f} on "
