@@ -43,6 +43,8 @@ NOT_WRITTEN_BY_A_BENCH = {
     "calibrate_demo_omni.json": "written by `omniscale balance calibrate` (the demo's cost file)",
     "demo_runs.json": "the README's demo runs, measured by hand",
     "balance_scale_before.json": "the planner's code before the scale work (commit 07a44fa)",
+    "plane_ramp_before.json": "plane_ramp's command on an export with the mixer of a93aacb (a "
+                              "stop per draw inside a ramp over tokens, before fa09370)",
     "mutation.json": "tools/bench/mutation.py: the tests' mutation score, hours, outside bench all",
 }
 
