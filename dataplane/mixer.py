@@ -155,8 +155,7 @@ class Mixer:
             from_N, to_N = self.schedule.maps(seg)
             status, n, batch_tokens, _, attempted, need = draw(
                 self.target_N, self.realized_N, w_N.copy(), self._live_L, samples, values,
-                llm_NK,
-                unit_NK, pos_N, end_N, room - drawn if room >= 0 else len(picks_P),
+                llm_NK, unit_NK, pos_N, end_N, room - drawn if room >= 0 else len(picks_P),
                 -1 if self.batch_tokens is None else self.batch_tokens, drawn, batch_tokens,
                 self.tokens, x_limit, picks_P, ramp_SE, from_N, to_N, self._active)
             if attempted:

@@ -122,12 +122,14 @@ MODULE_TESTS: dict[str, ModuleTests] = {
         (_RANDOM_KILLS,)),
     "dataplane/mixer.py": ModuleTests(
         ("tests/dataplane/test_mixer.py", "tests/dataplane/test_mixer_edges.py",
-         "tests/dataplane/test_bulk_draw.py", "tests/dataplane/test_plane_golden.py"),
+         "tests/dataplane/test_bulk_draw.py", "tests/dataplane/test_plane_golden.py",
+         "tests/dataplane/test_draw_kernel.py"),
         _MIXER_PROPERTIES),
     "dataplane/catalog.py": ModuleTests(
         ("tests/dataplane/test_catalog.py", "tests/dataplane/test_catalog_edges.py",
          "tests/dataplane/test_mixer.py", "tests/dataplane/test_mixer_edges.py",
-         "tests/dataplane/test_bulk_draw.py", "tests/dataplane/test_plane_golden.py"),
+         "tests/dataplane/test_bulk_draw.py", "tests/dataplane/test_plane_golden.py",
+         "tests/dataplane/test_draw_kernel.py"),
         ("tests/dataplane/test_spec_remote.py", *_MIXER_PROPERTIES)),
     "dataplane/windows.py": ModuleTests(
         ("tests/dataplane/test_bulk_draw.py", "tests/balancer/test_static_layout.py",

@@ -518,9 +518,9 @@ def main(argv: list[str] | None = None) -> int:
                               per_shard)
         root = data / f"{sources}x{shards}x{per_shard}"
         spec = write_spec(root / "mix.yaml", names)
-        small = {"const": write_spec(root / "mix-small.yaml", names[:100]),
-                 "tokens-ramp": write_spec(root / "mix-small-ramp.yaml", names[:100],
-                                           ramp=True)}
+        small = write_spec(root / "mix-small.yaml", names[:100])
+        plan_specs = {"const": small, "tokens-ramp": write_spec(
+            root / "mix-small-ramp.yaml", names[:100], ramp=True)}
         print(f"sources: {sources} x {shards} shards x {per_shard} samples "
               f"({time.perf_counter() - start:.0f} s to write)", flush=True)
         out = {"scale": {"sources": sources, "shards": shards, "per_shard": per_shard},
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             for dp in plan_ranks:  # fewer windows for the big jobs: each is seconds
                 windows = 1 if args.quick or dp > 4096 else 2 if dp > 1024 else 5
                 for schedule in plan_schedules:
-                    out["planning"].append({**planning(small[schedule], tmp, windows, dp),
+                    out["planning"].append({**planning(plan_specs[schedule], tmp, windows, dp),
                                             "schedule": schedule})
                     p = out["planning"][-1]
                     print(f"planning {dp} ranks ({schedule}): {p['steps_per_s']:.2f} steps/s "
