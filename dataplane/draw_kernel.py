@@ -40,14 +40,14 @@ def pairwise_sum(a, lo, n):
     loaded from numba's cache crashed the process)."""
     if n <= 128:
         return _block_sum(a, lo, n)
-    todo_lo = np.empty(128, np.int64)  # nodes to visit: start, length, halves summed yet
-    todo_n = np.empty(128, np.int64)
-    todo_join = np.empty(128, np.bool_)
+    stack_lo = np.empty(128, np.int64)  # nodes to visit: start, length, halves summed yet
+    stack_n = np.empty(128, np.int64)
+    stack_join = np.empty(128, np.bool_)
     sums = np.empty(128)  # the sums of visited subtrees, left below right
     top, done = 0, 0
-    todo_lo[0], todo_n[0], todo_join[0] = lo, n, False
+    stack_lo[0], stack_n[0], stack_join[0] = lo, n, False
     while top >= 0:
-        at, m, join = todo_lo[top], todo_n[top], todo_join[top]
+        at, m, join = stack_lo[top], stack_n[top], stack_join[top]
         top -= 1
         if join:  # both halves summed: left + right, as numpy's return expression
             sums[done - 2] = sums[done - 2] + sums[done - 1]
@@ -58,9 +58,9 @@ def pairwise_sum(a, lo, n):
         else:
             half = m // 2
             half -= half % 8
-            todo_lo[top + 1], todo_n[top + 1], todo_join[top + 1] = at, m, True
-            todo_lo[top + 2], todo_n[top + 2], todo_join[top + 2] = at + half, m - half, False
-            todo_lo[top + 3], todo_n[top + 3], todo_join[top + 3] = at, half, False
+            stack_lo[top + 1], stack_n[top + 1], stack_join[top + 1] = at, m, True
+            stack_lo[top + 2], stack_n[top + 2], stack_join[top + 2] = at + half, m - half, False
+            stack_lo[top + 3], stack_n[top + 3], stack_join[top + 3] = at, half, False
             top += 3  # the left half is visited first, then the right, then their join
     return sums[0]
 
