@@ -95,8 +95,8 @@ def test_pyav_reads_its_scaler_from_the_stand_in():
     assert stand_in.reformatter is scaler
 
 
-class _Scaler:  # stands for a scaler: only whether it is alive matters here
-    pass
+class _Scaler:
+    """Stands for a scaler: only whether it is alive matters here (a weak reference tells)."""
 
 
 def test_one_value_per_thread_a_dead_threads_freed_and_a_child_starts_empty():
