@@ -91,3 +91,26 @@ def test_turns_that_cover_other_steps_are_refused(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="covered different steps"):
         long_tail_turns.turns_round(0, POLICIES, Path("spec"), tmp_path, ARGS, PREDICTED,
                                     train)
+
+
+def test_one_rotation_is_one_run_each_policy_on_its_own_windows(monkeypatch, tmp_path):
+    """``--rotations 1`` (the quick check): the round is the first run alone, so each policy
+    holds only the windows that run gave it -- not refused as "other steps"."""
+    monkeypatch.setattr(long_tail_turns, "wait_quiet", lambda *a: {"waited_s": 0.0})
+    runs = []
+
+    def train(policy, spec, out, args, sets):
+        runs.append(sets["data.balance_interleave"])
+        return _rows(sets["data.balance_interleave"].strip("[]").split(","), 1.0)
+
+    args = argparse.Namespace(**{**vars(ARGS), "rotations": 1})
+    got = long_tail_turns.turns_round(1, POLICIES, Path("spec"), tmp_path, args, PREDICTED,
+                                      train)
+    assert runs == ["[static_sp,omniscale]"]  # round 1's first rotation, and no other run
+    # window 1 (steps 2-3) by static, window 2 (steps 4-5) by ours
+    assert got["runs"]["omniscale"]["step_s"] == [1.0, 1.0]
+    assert got["runs"]["static_sp"]["step_s"] == [2.0, 2.0]
+    with pytest.raises(SystemExit, match="covered different steps"):  # a whole round still is
+        long_tail_turns.turns_round(1, POLICIES, Path("spec"), tmp_path,
+                                    argparse.Namespace(**{**vars(ARGS), "rotations": 2}),
+                                    PREDICTED, lambda *a, **k: _rows(POLICIES, 1.0))

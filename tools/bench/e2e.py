@@ -152,7 +152,8 @@ def interleaved_round(r: int, policies: list[str], spec: Path, tmp: Path, args) 
     every policy), each run's apart in ``runs_each``."""
     rows: dict[str, list[dict]] = {p: [] for p in policies}
     orders, each = [], []
-    for j in range(len(policies)):
+    rotations = args.rotations or len(policies)
+    for j in range(rotations):
         order = e2e_interleave.rotation(policies, r + j)
         quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
         with Contention() as contention:
@@ -165,12 +166,13 @@ def interleaved_round(r: int, policies: list[str], spec: Path, tmp: Path, args) 
         each.append({"order": order, "foreign_cpu_share": round(contention.share, 3), **quiet,
                      "tokens_per_s": {p: measured_stats(mine[p])["tokens_per_s"]
                                       for p in policies}})
-        print(f"round {r + 1}/{args.rounds} run {j + 1}/{len(policies)} (turns "
+        print(f"round {r + 1}/{args.rounds} run {j + 1}/{rotations} (turns "
               f"{', '.join(order)}): " + "  ".join(
                   f"{p} {v:.0f}" for p, v in each[-1]["tokens_per_s"].items())
               + f" tok/s  other processes {contention.share:.0%} of the CPUs", flush=True)
     runs = {p: {**measured_stats(rows[p]), "loss_last": rows[p][-1]["loss"]} for p in policies}
-    e2e_interleave.check_same_data(runs)
+    if rotations == len(policies):  # fewer (a quick check): each policy its own windows
+        e2e_interleave.check_same_data(runs)
     return {"order": orders, "runs": runs, "runs_each": each}
 
 
@@ -274,6 +276,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cycles", type=int, default=2,
                     help="interleaved: each policy's turns (of one window) per run (a round's "
                          "ratio pairs policies over policies x cycles windows)")
+    ap.add_argument("--rotations", type=int, default=None,
+                    help="interleaved: runs a round, the first N rotations of the turns "
+                         "(default: one per policy, so every policy trains every window once; "
+                         "fewer leaves the policies on different windows: a quick check only)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
@@ -318,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "runs' steps follow from --warmup, --window, --cycles and the policies")
         args.steps = e2e_interleave.steps_per_run(args.warmup, args.window, len(policies),
                                                   args.cycles)
+        if args.rotations is not None and not 1 <= args.rotations <= len(policies):
+            ap.error(f"--rotations {args.rotations}: from 1 to the number of policies")
     elif args.steps is None:
         args.steps = 30 if uneven else 12
     slow_until = args.slow_until if args.slow_until < args.steps else None
@@ -381,7 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
               "costs": args.costs, "calibration": calibration,
               "no_reshard": args.no_reshard, "workload": args.workload,
               "schedule": "interleaved" if interleaved else "separate", "window": args.window,
-              **({"cycles": args.cycles} if interleaved else {}),
+              **({"cycles": args.cycles, "rotations": args.rotations or len(policies)}
+                 if interleaved else {}),
               **({"neighbour": e2e_uneven.describe(args.slow_from, slow_until),
                   "settle": args.settle, "figures_over_steps": [
                       args.slow_from + args.settle, (slow_until or args.steps) - 1],

@@ -200,7 +200,9 @@ BENCHES: dict[str, Bench] = {
         metrics=(Metric("{what}", each="rows", value="value", baseline="baseline",
                         target="target", met="met"),)),
     "e2e": Bench(
-        "e2e.py", quick_args=("--rounds", "1", "--window", "1", "--cycles", "1", "--warmup", "0",
+        # quick: one run of the turns (--rotations 1): the policies on different windows
+        "e2e.py", quick_args=("--rounds", "1", "--rotations", "1", "--window", "1", "--cycles",
+                              "1", "--warmup", "0",
                               "--scale", "tiny", "--policies", "omniscale,token_lpt", "--costs",
                               "flops",
                               "--global-batch-tokens", "4096", "--micro-batch-tokens", "2048",
@@ -215,8 +217,10 @@ BENCHES: dict[str, Bench] = {
             Metric("measured imbalance (compute clock) of our plans",
                    value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)))),
     "e2e_long_tail": Bench(
-        # quick: the default schedule (the policies in turns), one window of 1 each
-        "e2e_long_tail.py", quick_args=("--rounds", "1", "--window", "1", "--warmup", "0",
+        # quick: the default schedule (the policies in turns), one window of 1 each, in one run
+        # (--rotations 1: the policies on different windows)
+        "e2e_long_tail.py", quick_args=("--rounds", "1", "--rotations", "1", "--window", "1",
+                                        "--warmup", "0",
                                         "--workers", "0",
                                         "--scale", "tiny", "--costs", "flops", "--policies",
                                         "omniscale,static_sp", "--retries", "0",
