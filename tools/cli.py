@@ -55,7 +55,7 @@ def _train(args: argparse.Namespace) -> int:
 # absent (tests/tools/test_bench_all.py checks it)
 BENCH_NAMES = ("balance", "linear_ce_memory", "hf_load_memory", "kernels", "model", "attention",
                "commit", "loader", "ray_loader", "remote", "plane", "e2e", "e2e_long_tail",
-               "gpu_check", "e2e_uneven", "e2e_no_reshard", "loader_image",
+               "gpu_check", "e2e_uneven", "e2e_uneven_turns", "e2e_no_reshard", "loader_image",
                "balance_scale", "plane_scale", "plane_ramp")
 
 

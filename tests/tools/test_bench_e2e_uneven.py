@@ -61,3 +61,59 @@ def test_a_baseline_that_sent_speeds_it_does_not_plan_by_has_no_planned_after():
     assert got["planned_for_slowdown_after_steps"] is None
     assert got["planned_for_release_after_steps"] is None
     assert got["speeds_sent"]  # still reported, as sent
+
+
+# -- in turns (policy_over_turns) ----------------------------------------------------------------
+def _turn_rows(order: list[str], slow: bool) -> list[dict]:
+    """A run of 8 steps, window 2, its windows planned by ``order`` in turn; rank 1 at half speed
+    from step 2 to the end, the plane told after step 2 (speeds apply from step 4). Ours, once
+    it plans by the speeds, gives rank 1 a third of the work: 4/3 s a step; before (and a
+    baseline always) half: 2 s."""
+    rows = []
+    for step in range(8):
+        policy = order[step // 2 % len(order)]
+        knows = policy == "omniscale" and step >= 4
+        costs = [4 / 3, 2 / 3] if knows else [1.0, 1.0]
+        secs = [costs[0], costs[1] * (2 if slow and step >= 2 else 1)]
+        row = _row(step, costs, secs, max(secs))
+        row.update(balance=policy, imbalance_predicted=1.0)
+        if step == 2:
+            row["rank_speeds_sent"] = {"applies_at_step": 4, "speeds": [1.0, 0.5]}
+        rows.append(row)
+    return rows
+
+
+def test_each_policy_over_its_slowed_turns_pooled_over_the_round_s_runs():
+    from omniscale.tools.bench.e2e_uneven import policy_over_turns
+
+    runs = [_turn_rows(["omniscale", "token_lpt"], True), _turn_rows(["token_lpt", "omniscale"],
+                                                                     True)]
+    # settled: steps 4-7; run 0: ours 4-5, token LPT 6-7; run 1 the other way round
+    ours = policy_over_turns(runs, "omniscale", slow_from=2, slow_until=None, settle=2,
+                             warmup=0, plans_by_speed=True)
+    lpt = policy_over_turns(runs, "token_lpt", slow_from=2, slow_until=None, settle=2,
+                            warmup=0, plans_by_speed=False)
+    assert [(s["run"], s["step"]) for s in ours["steps"] if s["step"] >= 4] == \
+        [(0, 4), (0, 5), (1, 6), (1, 7)]
+    assert ours["tokens_per_s"] == pytest.approx(400 / (4 * 4 / 3))
+    assert lpt["tokens_per_s"] == pytest.approx(400 / (4 * 2.0))
+    assert ours["ideal_fraction"] == pytest.approx(1.0)  # 2 units at speeds 1 + 0.5: 4/3 s
+    assert lpt["ideal_fraction"] == pytest.approx((4 / 3) / 2)
+    assert lpt["imbalance_measured"] == pytest.approx(2 / 1.5)
+    assert ours["rank1_speed_measured"] == lpt["rank1_speed_measured"] == pytest.approx(0.5)
+    assert ours["step_s_before"] == lpt["step_s_before"] == 1.0  # step 0-1, unslowed
+    # the plane applies the speeds from step 4 in both runs; ours planned step 4 in run 0 but
+    # its first turn after step 4 in run 1 is step 6
+    assert ours["speeds_applied_after_slowdown_steps"] == 2
+    assert ours["planned_for_slowdown_after_steps"] == 3  # median of 2 and 4
+    assert lpt["planned_for_slowdown_after_steps"] is None
+    assert lpt["speeds_applied_after_slowdown_steps"] == 2
+    assert "planned_for_release_after_steps" not in ours  # the neighbour never left
+
+
+def test_a_policy_with_no_settled_turn_is_refused_in_one_line():
+    from omniscale.tools.bench.e2e_uneven import policy_over_turns
+
+    runs = [_turn_rows(["omniscale", "token_lpt"], True)]
+    with pytest.raises(SystemExit, match="kk_cost planned no settled step between 4 and 8"):
+        policy_over_turns(runs, "kk_cost", 2, None, 2, 0, False)

@@ -23,8 +23,11 @@ so every policy trains the same windows at times interleaved with the others' --
 machine's speed drifts by up to 1.7x over tens of seconds, which whole runs a minute apart
 cannot tell from a policy's effect; ``--cycles`` turns of each policy per run (default 2:
 each round then pairs the policies over 2 x policies windows). ``--schedule separate`` (the
-uneven workload's: its neighbour starts at a step) runs each policy once a round, in a
-different order each round (rotated). Each run is in a fresh run directory; the first
+uneven workload's default: its neighbour starts at a step) runs each policy once a round, in a
+different order each round (rotated); the uneven workload with ``--schedule interleaved`` keeps
+its 30 steps and neighbour and plans the windows by the policies in turn
+(``e2e_uneven.turns_round``: each policy's figures over its slowed turns, the same steps for
+every policy over a round). Each run is in a fresh run directory; the first
 ``--warmup`` steps of each run are left out. Every policy plans with the same cost model: by
 default ``omniscale balance calibrate`` times this run's model here first (``--costs
 calibrate``; its fit goes into the JSON), as a user would; ``--costs FILE`` takes a cost file,
@@ -264,8 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--schedule", choices=("interleaved", "separate"), default=None,
                     help="interleaved (the even workload's default): each run plans its "
                          "windows by the policies in turn, one run per rotation of the turns "
-                         "a round (tools/bench/e2e_interleave.py); separate (uneven's): one "
-                         "run per policy a round")
+                         "a round (tools/bench/e2e_interleave.py; uneven: "
+                         "e2e_uneven.turns_round, its --steps kept); separate (uneven's "
+                         "default): one run per policy a round")
     ap.add_argument("--steps", type=int, default=None,
                     help="separate runs' steps (default 12, uneven 30); interleaved runs "
                          "take --warmup + --window x policies x --cycles")
@@ -319,14 +323,15 @@ def main(argv: list[str] | None = None) -> dict:
     policies = args.policies.split(",")
     interleaved = (args.schedule or ("separate" if uneven else "interleaved")) == "interleaved"
     if interleaved:
-        if uneven or args.steps is not None or len(policies) < 2:
-            ap.error("--schedule interleaved: the even workload and two or more policies; its "
-                     "runs' steps follow from --warmup, --window, --cycles and the policies")
-        args.steps = e2e_interleave.steps_per_run(args.warmup, args.window, len(policies),
-                                                  args.cycles)
+        if len(policies) < 2 or (args.steps is not None and not uneven):
+            ap.error("--schedule interleaved: two or more policies; the even workload's runs' "
+                     "steps follow from --warmup, --window, --cycles and the policies")
         if args.rotations is not None and not 1 <= args.rotations <= len(policies):
             ap.error(f"--rotations {args.rotations}: from 1 to the number of policies")
-    elif args.steps is None:
+        if not uneven:
+            args.steps = e2e_interleave.steps_per_run(args.warmup, args.window, len(policies),
+                                                      args.cycles)
+    if args.steps is None:
         args.steps = 30 if uneven else 12
     slow_until = args.slow_until if args.slow_until < args.steps else None
     started = provenance()
@@ -349,6 +354,10 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = []
     with tempfile.TemporaryDirectory(prefix="omniscale-e2e-") as tmp:
         for r in range(args.rounds):
+            if interleaved and uneven:
+                rounds.append(e2e_uneven.turns_round(r, policies, spec, Path(tmp), args,
+                                                     slow_until, train, OURS))
+                continue
             if interleaved:
                 rounds.append(interleaved_round(r, policies, spec, Path(tmp), args))
                 continue
@@ -378,7 +387,9 @@ def main(argv: list[str] | None = None) -> dict:
     keys = ("tokens_per_s", "step_s_median", "imbalance_measured", "imbalance_predicted") + (
         ("ideal_fraction", "step_s_before", "step_s_slowed", "rank1_speed_measured",
          "planned_for_slowdown_after_steps", "planned_for_release_after_steps")
-        if uneven else ())
+        if uneven else ()) + (("speeds_applied_after_slowdown_steps",
+                               "speeds_applied_after_release_steps")
+                              if uneven and interleaved else ())
     summary = {p: {k: _median([r["runs"][p].get(k) for r in rounds]) for k in keys}
                for p in policies}
     result_ratios = ratios_vs_best(rounds, policies)
@@ -389,8 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
               "costs": args.costs, "calibration": calibration,
               "no_reshard": args.no_reshard, "workload": args.workload,
               "schedule": "interleaved" if interleaved else "separate", "window": args.window,
-              **({"cycles": args.cycles, "rotations": args.rotations or len(policies)}
-                 if interleaved else {}),
+              **({"cycles": args.cycles} if interleaved and not uneven else {}),
+              **({"rotations": args.rotations or len(policies)} if interleaved else {}),
               **({"neighbour": e2e_uneven.describe(args.slow_from, slow_until),
                   "settle": args.settle, "figures_over_steps": [
                       args.slow_from + args.settle, (slow_until or args.steps) - 1],

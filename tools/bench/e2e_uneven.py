@@ -173,3 +173,111 @@ def analyse(rows: list[dict], slow_from: int, slow_until: int | None, settle: in
         result["planned_for_release_after_steps"] = \
             _adapted(rows, slow_until, False) if plans_by_speed else None
     return result
+
+
+# -- the policies in turns inside each run -----------------------------------------------------
+# The separate schedule above compares runs minutes apart, and this machine's speed moves between
+# them (the speed-proportional split's tokens/s ranged 3,400-4,530 over one round's runs). In
+# turns, each run plans its windows by the policies in turn (``data.balance_interleave``), its
+# neighbour as above, and a round is one run per rotation of the turn order: every policy plans
+# every settled step once over the round, on the same samples, at times interleaved with the
+# others'. Only ours plans by the speeds the plane hears; it hears them in every turn.
+
+
+def policy_over_turns(runs: list[list[dict]], policy: str, slow_from: int,
+                      slow_until: int | None, settle: int, warmup: int,
+                      plans_by_speed: bool) -> dict:
+    """``policy``'s figures over its turns in a round's runs (each run's metrics rows; a row
+    names the policy that planned it, ``balance``): :func:`analyse`'s, the slowed settled steps
+    pooled over the runs. The steps "planned for" a change: from the change to the first step
+    *this policy* planned with the speeds that saw it (a turn of another policy may come
+    between: the turn order's cost, not the plane's); ``speeds_applied_after_steps``: from the
+    change to the step the plane applies them from, whoever plans it. No ``recovery_steps``: a
+    run's consecutive steps are other policies' too (the separate schedule measures them)."""
+    mine = [[r for r in rows if r.get("balance") == policy] for rows in runs]
+    end = slow_until if slow_until is not None else 1 + max(r["step"] for rows in runs
+                                                            for r in rows)
+    settled = [r for rows in mine for r in rows if slow_from + settle <= r["step"] < end]
+    before = [r["step_s"] for rows in mine for r in rows if warmup <= r["step"] < slow_from]
+    if not settled:
+        raise SystemExit(f"uneven workload in turns: {policy} planned no settled step between "
+                         f"{slow_from + settle} and {end}")
+    seconds = sum(r["step_s"] for r in settled)
+    result = {
+        "tokens_per_s": sum(r["tokens"] for r in settled) / seconds,
+        "tokens": sum(r["tokens"] for r in settled), "steps_measured": len(settled),
+        "step_s_median": statistics.median(r["step_s"] for r in settled),
+        "ideal_fraction": sum(_ideal_step(r) for r in settled) / seconds,
+        "imbalance_measured": statistics.mean(r["imbalance_measured"] for r in settled),
+        "imbalance_predicted": statistics.mean(r["imbalance_predicted"] for r in settled),
+        "step_s_before": statistics.median(before) if before else None,
+        "step_s_slowed": statistics.median(r["step_s"] for r in settled),
+        "rank1_speed_measured": statistics.median(
+            (r["rank_predicted_cost"][1] / r["rank_compute_s"][1]) /
+            (r["rank_predicted_cost"][0] / r["rank_compute_s"][0]) for r in settled),
+        "steps": [{"step": r["step"], "run": j, "step_s": round(r["step_s"], 3),
+                   "rank1_share": round(r["rank_predicted_cost"][1]
+                                        / max(sum(r["rank_predicted_cost"]), 1e-12), 3),
+                   "sp_split_samples": r.get("sp_split_samples", 0)}
+                  for j, rows in enumerate(mine) for r in rows],
+    }
+    changes = [("slowdown", slow_from, True)] + (
+        [("release", slow_until, False)] if slow_until is not None else [])
+    for name, change, slowed in changes:
+        applied = [_applies_at(rows, change, slowed) for rows in runs]
+        known = [a for a in applied if a is not None]
+        result[f"speeds_applied_after_{name}_steps"] = \
+            statistics.median(a - change for a in known) if known else None
+        planned = [next((r["step"] - change for r in m if r["step"] >= a), None)
+                   for a, m in zip(applied, mine) if a is not None] if plans_by_speed else []
+        planned = [p for p in planned if p is not None]
+        result[f"planned_for_{name}_after_steps"] = \
+            statistics.median(planned) if planned else None
+    return result
+
+
+def _applies_at(rows: list[dict], change: int, slowed: bool) -> int | None:
+    """The step from which the plane plans with speeds that saw ``change`` (:func:`_adapted`'s
+    step, as a step number)."""
+    after = _adapted(rows, change, slowed)
+    return None if after is None else change + after
+
+
+def turns_round(r: int, policies: list[str], spec: Path, tmp: Path, args,
+                slow_until: int | None, train, ours: str) -> dict:
+    """Round ``r`` in turns: one run per rotation of the turn order (``args.rotations`` of
+    them, default all), each with the neighbour; each policy's figures over its turns
+    (:func:`policy_over_turns`). ``train``: ``e2e.train``'s signature, returning the run's
+    metrics rows."""
+    from omniscale.tools.bench import e2e_interleave
+    from omniscale.tools.bench.contention import Contention, wait_quiet
+
+    runs, each = [], []
+    rotations = args.rotations or len(policies)
+    for j in range(rotations):
+        order = e2e_interleave.rotation(policies, r + j)
+        quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
+        with Contention() as contention:
+            rows = train(ours, spec, tmp / f"r{r}-turns{j}", args, sets={
+                **SETS, "data.balance_interleave": e2e_interleave.interleave_setting(order)},
+                env=environment(), during=lambda m: Neighbour(m, args.slow_from, slow_until))
+        e2e_interleave.rows_by_policy(rows, 0, policies)  # every row names one of them
+        runs.append(rows)
+        each.append({"order": order, "foreign_cpu_share": round(contention.share, 3),
+                     **quiet})
+        print(f"round {r + 1}/{args.rounds} run {j + 1}/{rotations} (turns "
+              f"{', '.join(order)}) done  other processes {contention.share:.0%} of the CPUs "
+              "(the neighbour's included)", flush=True)
+    got = {p: policy_over_turns(runs, p, args.slow_from, slow_until, args.settle, args.warmup,
+                                plans_by_speed=p == ours) for p in policies}
+    # over a whole rotation every policy planned the same steps, so the same samples (tokens
+    # would differ by the padding each policy's splits add)
+    steps = {p: sorted(s["step"] for s in v["steps"]) for p, v in got.items()}
+    if rotations == len(policies) and len({tuple(v) for v in steps.values()}) > 1:
+        raise SystemExit(f"round {r + 1}: the policies' turns covered different steps {steps}: "
+                         "a trainer that does not follow data.balance_interleave")
+    for p, v in got.items():
+        print(f"round {r + 1}/{args.rounds} {p:10s} {v['tokens_per_s']:8.0f} tok/s  ideal "
+              f"{v['ideal_fraction']:.3f}  imbalance measured {v['imbalance_measured']:.3f}  "
+              f"rank 1 speed {v['rank1_speed_measured']:.2f}", flush=True)
+    return {"order": [e["order"] for e in each], "runs": got, "runs_each": each}

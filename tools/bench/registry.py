@@ -259,6 +259,26 @@ BENCHES: dict[str, Bench] = {
             Metric("uneven ranks: steps from the release to the first step planned for it",
                    value="median.omniscale.planned_for_release_after_steps",
                    target=Goal("<=", 5)))),
+    "e2e_uneven_turns": Bench(
+        # the same workload with the policies in turns inside each run (e2e_uneven.turns_round):
+        # paired on the same steps at interleaved times, where whole runs minutes apart were
+        # paired across this machine's drift
+        "e2e.py", variant_of="e2e",
+        full_args=("--workload", "uneven", "--schedule", "interleaved", "--rounds", "3",
+                   "--policies", "omniscale,token_lpt,kk_cost", "--wait-quiet-s", "60"),
+        metrics=(
+            Metric("uneven ranks, the policies in turns, tokens/s: ours vs the best baseline "
+                   "(median of rounds)", value="median.omniscale.tokens_per_s",
+                   ratio="ratio_vs_best_baseline.median", target=Goal(">=", 1.35)),
+            Metric("uneven ranks, in turns: ours as a fraction of the speed-proportional "
+                   "split's tokens/s", value="median.omniscale.ideal_fraction",
+                   target=Goal(">=", 0.9)),
+            Metric("uneven ranks, in turns: measured imbalance of our plans",
+                   value="median.omniscale.imbalance_measured", target=Goal("<=", 1.10)),
+            Metric("uneven ranks, in turns: steps from the slowdown to the step the plane "
+                   "plans with the new speeds from",
+                   value="median.omniscale.speeds_applied_after_slowdown_steps",
+                   target=Goal("<=", 5)))),
     "e2e_no_reshard": Bench(
         "e2e.py", variant_of="e2e",
         full_args=("--rounds", "2", "--policies", "omniscale,token_lpt", "--no-reshard"),
