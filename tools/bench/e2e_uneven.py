@@ -194,6 +194,8 @@ def policy_over_turns(runs: list[list[dict]], policy: str, slow_from: int,
     between: the turn order's cost, not the plane's); ``speeds_applied_after_steps``: from the
     change to the step the plane applies them from, whoever plans it. No ``recovery_steps``: a
     run's consecutive steps are other policies' too (the separate schedule measures them)."""
+    from omniscale.tools.bench.e2e import phase_means
+
     mine = [[r for r in rows if r.get("balance") == policy] for rows in runs]
     end = slow_until if slow_until is not None else 1 + max(r["step"] for rows in runs
                                                             for r in rows)
@@ -215,9 +217,23 @@ def policy_over_turns(runs: list[list[dict]], policy: str, slow_from: int,
         "rank1_speed_measured": statistics.median(
             (r["rank_predicted_cost"][1] / r["rank_compute_s"][1]) /
             (r["rank_predicted_cost"][0] / r["rank_compute_s"][0]) for r in settled),
+        # where the slowed steps' time went: the speed-proportional split's step is each
+        # policy's own (its plans' work and overheads), so what differs between them shows here
+        "ideal_step_s_mean": statistics.mean(_ideal_step(r) for r in settled),
+        "compute_s_max_mean": statistics.mean(max(r["rank_compute_s"]) for r in settled),
+        "predicted_cost_sum_mean": statistics.mean(sum(r["rank_predicted_cost"])
+                                                   for r in settled),
+        "micro_batches_mean": statistics.mean(r["micro_batches"] for r in settled),
+        "sp_split_samples": sum(r.get("sp_split_samples", 0) for r in settled),
+        "media_items_moved_mean": statistics.mean(r.get("media_items_moved", 0)
+                                                  for r in settled),
+        **phase_means(settled),
         "steps": [{"step": r["step"], "run": j, "step_s": round(r["step_s"], 3),
                    "rank1_share": round(r["rank_predicted_cost"][1]
                                         / max(sum(r["rank_predicted_cost"]), 1e-12), 3),
+                   "rank_compute_s": [round(x, 3) for x in r["rank_compute_s"]],
+                   "rank_predicted_cost": [round(x, 4) for x in r["rank_predicted_cost"]],
+                   "micro_batches": r["micro_batches"], "tokens": r["tokens"],
                    "sp_split_samples": r.get("sp_split_samples", 0)}
                   for j, rows in enumerate(mine) for r in rows],
     }
@@ -264,10 +280,11 @@ def turns_round(r: int, policies: list[str], spec: Path, tmp: Path, args,
         e2e_interleave.rows_by_policy(rows, 0, policies)  # every row names one of them
         runs.append(rows)
         each.append({"order": order, "foreign_cpu_share": round(contention.share, 3),
-                     **quiet})
+                     **quiet, "speeds_sent": [{"after_step": x["step"], **x["rank_speeds_sent"]}
+                                              for x in rows if "rank_speeds_sent" in x]})
         print(f"round {r + 1}/{args.rounds} run {j + 1}/{rotations} (turns "
               f"{', '.join(order)}) done  other processes {contention.share:.0%} of the CPUs "
-              "(the neighbour's included)", flush=True)
+              "(the neighbour, the bench's own child, not counted)", flush=True)
     got = {p: policy_over_turns(runs, p, args.slow_from, slow_until, args.settle, args.warmup,
                                 plans_by_speed=p == ours) for p in policies}
     # over a whole rotation every policy planned the same steps, so the same samples (tokens
