@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omniscale.tools.bench import long_tail_turns
+from omniscale.tools.bench import e2e_interleave, long_tail_turns
 from omniscale.tools.bench.long_tail_model import AT_RUN_SPEED, RATE
 
 POLICIES = ["omniscale", "static_sp"]
@@ -50,8 +50,8 @@ def test_each_policy_over_its_turns_with_each_run_s_speed(monkeypatch, tmp_path)
         def __exit__(self, *_):
             return False
 
-    monkeypatch.setattr(long_tail_turns, "Contention", Contention)
-    monkeypatch.setattr(long_tail_turns, "wait_quiet", lambda *a: {"waited_s": 0.0})
+    monkeypatch.setattr(e2e_interleave, "Contention", Contention)
+    monkeypatch.setattr(e2e_interleave, "wait_quiet", lambda *a: {"waited_s": 0.0})
     runs = []
 
     def train(policy, spec, out, args, sets):
@@ -82,7 +82,7 @@ def test_each_policy_over_its_turns_with_each_run_s_speed(monkeypatch, tmp_path)
 
 
 def test_turns_that_cover_other_steps_are_refused(monkeypatch, tmp_path):
-    monkeypatch.setattr(long_tail_turns, "wait_quiet", lambda *a: {"waited_s": 0.0})
+    monkeypatch.setattr(e2e_interleave, "wait_quiet", lambda *a: {"waited_s": 0.0})
 
     def train(policy, spec, out, args, sets):
         rows = _rows(POLICIES, 1.0)
@@ -93,10 +93,22 @@ def test_turns_that_cover_other_steps_are_refused(monkeypatch, tmp_path):
                                     train)
 
 
+class _Quiet:
+    """A run during which no other process took the CPUs."""
+    share = 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
 def test_one_rotation_is_one_run_each_policy_on_its_own_windows(monkeypatch, tmp_path):
     """``--rotations 1`` (the quick check): the round is the first run alone, so each policy
     holds only the windows that run gave it -- not refused as "other steps"."""
-    monkeypatch.setattr(long_tail_turns, "wait_quiet", lambda *a: {"waited_s": 0.0})
+    monkeypatch.setattr(e2e_interleave, "wait_quiet", lambda *a: {"waited_s": 0.0})
+    monkeypatch.setattr(e2e_interleave, "Contention", _Quiet)  # no run again, whatever runs
     runs = []
 
     def train(policy, spec, out, args, sets):

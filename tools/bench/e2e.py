@@ -157,22 +157,20 @@ def interleaved_round(r: int, policies: list[str], spec: Path, tmp: Path, args) 
     orders, each = [], []
     rotations = args.rotations or len(policies)
     for j in range(rotations):
-        order = e2e_interleave.rotation(policies, r + j)
-        quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
-        with Contention() as contention:
-            got = train(OURS, spec, tmp / f"r{r}-turns{j}", args, sets={
-                "data.balance_interleave": e2e_interleave.interleave_setting(order)})
+        got, record = e2e_interleave.run_rotation(r, j, policies, train, OURS, spec,
+                                                  tmp / f"r{r}-turns{j}", args)
+        order, share = record["order"], record["foreign_cpu_share"]
         mine = e2e_interleave.rows_by_policy(got, args.warmup, policies)
         for p in policies:
             rows[p] += mine[p]
         orders.append(order)
-        each.append({"order": order, "foreign_cpu_share": round(contention.share, 3), **quiet,
+        each.append({**record,
                      "tokens_per_s": {p: measured_stats(mine[p])["tokens_per_s"]
                                       for p in policies}})
         print(f"round {r + 1}/{args.rounds} run {j + 1}/{rotations} (turns "
               f"{', '.join(order)}): " + "  ".join(
                   f"{p} {v:.0f}" for p, v in each[-1]["tokens_per_s"].items())
-              + f" tok/s  other processes {contention.share:.0%} of the CPUs", flush=True)
+              + f" tok/s  other processes {share:.0%} of the CPUs", flush=True)
     runs = {p: {**measured_stats(rows[p]), "loss_last": rows[p][-1]["loss"]} for p in policies}
     if rotations == len(policies):  # fewer (a quick check): each policy its own windows
         e2e_interleave.check_same_data(runs)

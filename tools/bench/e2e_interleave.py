@@ -18,6 +18,8 @@ the first decodes) whoever planned them.
 
 from __future__ import annotations
 
+from omniscale.tools.bench.contention import Contention, wait_quiet
+
 
 def steps_per_run(warmup: int, window: int, n_policies: int, cycles: int) -> int:
     """Warm-up, then ``cycles`` turns of one window for each policy."""
@@ -57,3 +59,20 @@ def check_same_data(stats: dict[str, dict]) -> None:
     if len(set(tokens.values())) > 1:
         raise SystemExit(f"the round's policies trained different tokens {tokens}: its turns "
                          "did not cover the same windows")
+
+
+def run_rotation(r: int, j: int, policies: list[str], train, policy: str, spec, out, args,
+                 sets: dict | None = None, **train_kwargs) -> tuple[list[dict], dict]:
+    """Run ``j`` of round ``r``: one training run whose windows the policies plan in the turn
+    order ``rotation(policies, r + j)``, after waiting for a quiet machine (``args.max_foreign``,
+    ``args.wait_quiet_s``). ``train``: ``e2e.train``'s signature, called with ``policy`` (the
+    run's ``data.balance``; its turns decide every window), ``sets`` and ``train_kwargs`` (the
+    uneven workload's ``env`` and ``during``). Its metrics rows, and the run's record: ``order``,
+    ``foreign_cpu_share`` and the wait."""
+    order = rotation(policies, r + j)
+    quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
+    with Contention() as contention:
+        rows = train(policy, spec, out, args, sets={
+            **(sets or {}), "data.balance_interleave": interleave_setting(order)},
+            **train_kwargs)
+    return rows, {"order": order, "foreign_cpu_share": round(contention.share, 3), **quiet}

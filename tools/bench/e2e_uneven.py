@@ -266,25 +266,21 @@ def turns_round(r: int, policies: list[str], spec: Path, tmp: Path, args,
     (:func:`policy_over_turns`). ``train``: ``e2e.train``'s signature, returning the run's
     metrics rows."""
     from omniscale.tools.bench import e2e_interleave
-    from omniscale.tools.bench.contention import Contention, wait_quiet
 
     runs, each = [], []
     rotations = args.rotations or len(policies)
     for j in range(rotations):
-        order = e2e_interleave.rotation(policies, r + j)
-        quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
-        with Contention() as contention:
-            rows = train(ours, spec, tmp / f"r{r}-turns{j}", args, sets={
-                **SETS, "data.balance_interleave": e2e_interleave.interleave_setting(order)},
-                env=environment(), during=lambda m: Neighbour(m, args.slow_from, slow_until))
+        rows, record = e2e_interleave.run_rotation(
+            r, j, policies, train, ours, spec, tmp / f"r{r}-turns{j}", args, sets=SETS,
+            env=environment(), during=lambda m: Neighbour(m, args.slow_from, slow_until))
         e2e_interleave.rows_by_policy(rows, 0, policies)  # every row names one of them
         runs.append(rows)
-        each.append({"order": order, "foreign_cpu_share": round(contention.share, 3),
-                     **quiet, "speeds_sent": [{"after_step": x["step"], **x["rank_speeds_sent"]}
-                                              for x in rows if "rank_speeds_sent" in x]})
+        each.append({**record, "speeds_sent": [{"after_step": x["step"], **x["rank_speeds_sent"]}
+                                               for x in rows if "rank_speeds_sent" in x]})
         print(f"round {r + 1}/{args.rounds} run {j + 1}/{rotations} (turns "
-              f"{', '.join(order)}) done  other processes {contention.share:.0%} of the CPUs "
-              "(the neighbour, the bench's own child, not counted)", flush=True)
+              f"{', '.join(record['order'])}) done  other processes "
+              f"{record['foreign_cpu_share']:.0%} of the CPUs (the neighbour, the bench's own "
+              "child, not counted)", flush=True)
     got = {p: policy_over_turns(runs, p, args.slow_from, slow_until, args.settle, args.warmup,
                                 plans_by_speed=p == ours) for p in policies}
     # over a whole rotation every policy planned the same steps, so the same samples (tokens

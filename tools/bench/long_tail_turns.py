@@ -18,7 +18,6 @@ from pathlib import Path
 
 from omniscale.balancer.simulate import OURS
 from omniscale.tools.bench import e2e_interleave
-from omniscale.tools.bench.contention import Contention, wait_quiet
 from omniscale.tools.bench.long_tail_model import (
     SPEED_FROM,
     _beside_prediction,
@@ -42,25 +41,24 @@ def turns_round(r: int, policies: list[str], spec: Path, tmp: Path, args, predic
         order = e2e_interleave.rotation(policies, r + j)
         discarded = []
         for attempt in range(args.retries + 1):
-            quiet = wait_quiet(args.max_foreign, args.wait_quiet_s)
-            with Contention() as contention:
-                got = train(OURS, spec, tmp / f"r{r}-turns{j}-{attempt}", args, sets={
-                    "data.balance_interleave": e2e_interleave.interleave_setting(order)})
+            got, record = e2e_interleave.run_rotation(r, j, policies, train, OURS, spec,
+                                                      tmp / f"r{r}-turns{j}-{attempt}", args)
             mine = e2e_interleave.rows_by_policy(got, args.warmup, policies)
             # the trainer's own count (split samples' padding included), for the progress line;
             # each policy's own rate (long_tail_model.RATE) is computed over its turns below
-            run = {"order": order, "foreign_cpu_share": round(contention.share, 3), **quiet,
+            run = {**record,
                    "tokens_per_s_trainer": {p: sum(x["tokens"] for x in mine[p])
                                             / sum(x["step_s"] for x in mine[p])
                                             for p in policies}}
             print(f"round {r + 1}/{args.rounds} run {j + 1}/{rotations} (turns "
                   f"{', '.join(order)}): " + "  ".join(
                       f"{p} {v:.0f}" for p, v in run["tokens_per_s_trainer"].items())
-                  + f" tok/s  other processes {contention.share:.0%} of the CPUs", flush=True)
-            if contention.share <= args.max_foreign:
+                  + f" tok/s  other processes {run['foreign_cpu_share']:.0%} of the CPUs",
+                  flush=True)
+            if run["foreign_cpu_share"] <= args.max_foreign:
                 break
             discarded.append(run)
-        each.append({**run, "contended": contention.share > args.max_foreign,
+        each.append({**run, "contended": run["foreign_cpu_share"] > args.max_foreign,
                      "discarded_contended_runs": discarded})
         warm = got[SPEED_FROM:args.warmup]  # window 0: the rotation's first policy planned it
         first = predicted.get(order[0], {})
