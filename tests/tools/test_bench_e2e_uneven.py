@@ -117,3 +117,44 @@ def test_a_policy_with_no_settled_turn_is_refused_in_one_line():
     runs = [_turn_rows(["omniscale", "token_lpt"], True)]
     with pytest.raises(SystemExit, match="kk_cost planned no settled step between 4 and 8"):
         policy_over_turns(runs, "kk_cost", 2, None, 2, 0, False)
+
+
+def test_a_round_in_turns_runs_each_rotation_with_the_neighbour_and_pairs_the_same_steps(
+        monkeypatch, tmp_path):
+    """``turns_round`` with a stand-in trainer: one run per rotation, each told its turn order,
+    the uneven settings and the neighbour; a trainer whose rows do not follow the turns (each
+    policy on other steps) is refused in one line."""
+    import argparse
+    from pathlib import Path
+
+    from omniscale.tools.bench import e2e_interleave, e2e_uneven
+
+    monkeypatch.setattr(e2e_interleave, "wait_quiet", lambda *a: {"waited_s": 0.0})
+    monkeypatch.setattr(e2e_uneven, "environment", lambda: {"OMNISCALE_CPU_BIND": "0,1"})
+    args = argparse.Namespace(rotations=None, rounds=1, slow_from=2, settle=2, warmup=0,
+                              max_foreign=1.0, wait_quiet_s=0.0)
+    calls = []
+
+    def train(policy, spec, out, args, sets, env, during):
+        order = sets["data.balance_interleave"].strip("[]").split(",")
+        calls.append((policy, order, sets["deterministic"], env, during(out / "m").slow_from))
+        return _turn_rows(order, True)
+
+    got = e2e_uneven.turns_round(1, ["omniscale", "token_lpt"], Path("spec"), tmp_path, args,
+                                 None, train, "omniscale")
+    assert [c[1] for c in calls] == [["token_lpt", "omniscale"], ["omniscale", "token_lpt"]]
+    assert all(c[0] == "omniscale" and c[2] == "false" and c[3]["OMNISCALE_CPU_BIND"] == "0,1"
+               and c[4] == 2 for c in calls)  # ours' settings, deterministic off, the neighbour
+    assert got["order"] == [c[1] for c in calls]
+    # the same pooled figures as policy_over_turns on the two runs (the test above)
+    assert got["runs"]["omniscale"]["tokens_per_s"] == pytest.approx(400 / (4 * 4 / 3))
+    assert got["runs"]["token_lpt"]["planned_for_slowdown_after_steps"] is None
+    assert got["runs_each"][0]["speeds_sent"] == [
+        {"after_step": 2, "applies_at_step": 4, "speeds": [1.0, 0.5]}]
+
+    def one_order(policy, spec, out, args, sets, env, during):
+        return _turn_rows(["omniscale", "token_lpt"], True)  # whatever it was told
+
+    with pytest.raises(SystemExit, match="round 1: the policies' turns covered different"):
+        e2e_uneven.turns_round(0, ["omniscale", "token_lpt"], Path("spec"), tmp_path, args,
+                               None, one_order, "omniscale")

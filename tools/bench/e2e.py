@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not uneven:
             args.steps = e2e_interleave.steps_per_run(args.warmup, args.window, len(policies),
                                                       args.cycles)
+    elif args.rotations is not None:
+        ap.error("--rotations: runs of the turns (--schedule interleaved); the separate "
+                 "schedule runs each policy once a round")
     if args.steps is None:
         args.steps = 30 if uneven else 12
     slow_until = args.slow_until if args.slow_until < args.steps else None

@@ -191,9 +191,10 @@ def policy_over_turns(runs: list[list[dict]], policy: str, slow_from: int,
     names the policy that planned it, ``balance``): :func:`analyse`'s, the slowed settled steps
     pooled over the runs. The steps "planned for" a change: from the change to the first step
     *this policy* planned with the speeds that saw it (a turn of another policy may come
-    between: the turn order's cost, not the plane's); ``speeds_applied_after_steps``: from the
-    change to the step the plane applies them from, whoever plans it. No ``recovery_steps``: a
-    run's consecutive steps are other policies' too (the separate schedule measures them)."""
+    between: the turn order's cost, not the plane's); ``speeds_applied_after_slowdown_steps``
+    (and ``_release_``): from the change to the step the plane applies them from, whoever plans
+    it. No ``recovery_steps``: a run's consecutive steps are other policies' too (the separate
+    schedule measures them)."""
     from omniscale.tools.bench.e2e import phase_means
 
     mine = [[r for r in rows if r.get("balance") == policy] for rows in runs]
