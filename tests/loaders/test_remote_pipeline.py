@@ -55,8 +55,9 @@ def test_the_demo_from_a_bucket_gives_the_local_batches(pipeline_demo, s3, tmp_p
     spec = load_spec(remote)
     assert all(s.location.url == f"s3://{bucket}/demo/train/{s.name}" for s in spec.sources)
     # every file of every source is in the bucket, byte for byte the same size -- but an index
-    # temp file: another test's process may be re-indexing this worker's copy of the demo (a
-    # full CI run once listed `._index.parquet.PID.tmp` here); the copy skips those by design
+    # temp file, which the copy skips by design: a full CI run listed `._index.parquet.PID.tmp`
+    # in this worker's copy of the demo (left by a process killed while writing an index, or
+    # one writing it then; which, not found)
     listed = {o["Key"]: o["Size"] for o in client(s3).list_objects_v2(
         Bucket=bucket)["Contents"]}
     local = load_spec(pipeline_demo / "all.yaml")
