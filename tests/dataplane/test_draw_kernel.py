@@ -1,5 +1,5 @@
-"""The draw kernel's ramp over tokens: its rows are numpy's, bit for bit, and a batch inside a
-ramp is drawn in a few stops, not one per sample.
+"""The draw kernel's ramp over tokens: its rows are numpy's, bit for bit, a batch inside a
+ramp is drawn in a few stops, not one per sample, and a source entering mid-ramp stops it.
 
 Oracles: ``ndarray.sum`` for the kernel's summation; ``Schedule.weights_over`` masked and
 renormalised the way the mixer did before the kernel moved ramps itself (written out here) for
@@ -93,3 +93,34 @@ def test_a_batch_inside_a_ramp_over_tokens_is_drawn_in_a_few_stops(sources, monk
     assert 0 < mixer.tokens < 2 * 10**6  # all of it inside the ramp
     # a call per shard a source crosses (peeks), none per sample
     assert len(calls) < 40, len(calls)
+
+
+def _draw_inside_a_ramp(to_N: np.ndarray):
+    """The kernel alone, hand-set: two sources, source 1 weighted 0 at the ramp's start (so not
+    live for the caller), 10 tokens a sample, a linear ramp over tokens 0..100 from (1, 0) to
+    ``to_N``, five samples of each known."""
+    from omniscale.dataplane.draw_kernel import draw
+
+    picks_P = np.zeros(16, np.int64)
+    got = draw(np.zeros(2), np.zeros(2), np.array([1.0, 0.0]), np.array([0], np.int64), True,
+               True, np.full((2, 8), 10, np.int64), np.ones((2, 8), np.int64),
+               np.zeros(2, np.int64), np.array([5, 5], np.int64), 16, -1, 0, 0, 0, 1e9,
+               picks_P, np.array([0.0, 100.0]), np.array([1.0, 0.0]), to_N,
+               np.array([True, True]))
+    return got, picks_P
+
+
+def test_a_source_entering_inside_a_ramp_stops_the_kernel_for_the_caller():
+    """The ``MOVED`` safety net: once the row gives a source outside the caller's live set a
+    weight (here after the first draw, at 10 tokens: t = 0.1, weights 0.95 / 0.05), the kernel
+    returns for the caller to re-read which sources are live, having drawn only from the old
+    set. Beside it, the same ramp keeping source 1 at 0 draws on until source 0's known
+    samples run out (``NEED`` for source 0 after 5 draws)."""
+    from omniscale.dataplane.draw_kernel import MOVED, NEED
+
+    (status, n, batch_tokens, tokens, attempted, need), picks_P = \
+        _draw_inside_a_ramp(np.array([0.5, 0.5]))
+    assert (status, n, tokens, list(picks_P[:n])) == (MOVED, 1, 10, [0])
+    (status, n, batch_tokens, tokens, attempted, need), picks_P = \
+        _draw_inside_a_ramp(np.array([1.0, 0.0]))
+    assert (status, n, tokens, need, list(picks_P[:n])) == (NEED, 5, 50, 0, [0] * 5)
