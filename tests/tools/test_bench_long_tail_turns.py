@@ -15,7 +15,7 @@ from omniscale.tools.bench.long_tail_model import AT_RUN_SPEED, RATE
 POLICIES = ["omniscale", "static_sp"]
 # warm-up 2 (window 0: steps 0-1), window 2, one cycle: windows 1 and 2 measured (steps 2-5)
 ARGS = argparse.Namespace(warmup=2, window=2, rounds=1, retries=1, max_foreign=0.1,
-                          wait_quiet_s=0.0)
+                          wait_quiet_s=0.0, rotations=None)
 # the prediction per policy: 1 s a measured step (ours) or 2 s (static), 100 tokens (102
 # padded by static's splits); the warm-up step 1 predicted at 1 s for both
 PREDICTED = {p: {"tokens_per_step": [100] * 4, "tokens_padded_per_step": [pad] * 4,

@@ -155,7 +155,7 @@ def interleaved_round(r: int, policies: list[str], spec: Path, tmp: Path, args) 
     every policy), each run's apart in ``runs_each``."""
     rows: dict[str, list[dict]] = {p: [] for p in policies}
     orders, each = [], []
-    rotations = args.rotations or len(policies)
+    rotations = e2e_interleave.runs_a_round(args, policies)
     for j in range(rotations):
         got, record = e2e_interleave.run_rotation(r, j, policies, train, OURS, spec,
                                                   tmp / f"r{r}-turns{j}", args)
@@ -278,10 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cycles", type=int, default=2,
                     help="interleaved: each policy's turns (of one window) per run (a round's "
                          "ratio pairs policies over policies x cycles windows)")
-    ap.add_argument("--rotations", type=int, default=None,
-                    help="interleaved: runs a round, the first N rotations of the turns "
-                         "(default: one per policy, so every policy trains every window once; "
-                         "fewer leaves the policies on different windows: a quick check only)")
+    e2e_interleave.add_rotations_argument(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
@@ -324,8 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         if len(policies) < 2 or (args.steps is not None and not uneven):
             ap.error("--schedule interleaved: two or more policies; the even workload's runs' "
                      "steps follow from --warmup, --window, --cycles and the policies")
-        if args.rotations is not None and not 1 <= args.rotations <= len(policies):
-            ap.error(f"--rotations {args.rotations}: from 1 to the number of policies")
+        e2e_interleave.check_rotations(ap, args.rotations, len(policies))
         if not uneven:
             args.steps = e2e_interleave.steps_per_run(args.warmup, args.window, len(policies),
                                                       args.cycles)
@@ -402,7 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
               "no_reshard": args.no_reshard, "workload": args.workload,
               "schedule": "interleaved" if interleaved else "separate", "window": args.window,
               **({"cycles": args.cycles} if interleaved and not uneven else {}),
-              **({"rotations": args.rotations or len(policies)} if interleaved else {}),
+              **({"rotations": e2e_interleave.runs_a_round(args, policies)}
+                 if interleaved else {}),
               **({"neighbour": e2e_uneven.describe(args.slow_from, slow_until),
                   "settle": args.settle, "figures_over_steps": [
                       args.slow_from + args.settle, (slow_until or args.steps) - 1],

@@ -61,6 +61,26 @@ def check_same_data(stats: dict[str, dict]) -> None:
                          "did not cover the same windows")
 
 
+def add_rotations_argument(ap) -> None:
+    """``--rotations N``, the same flag for every workload run in turns."""
+    ap.add_argument("--rotations", type=int, default=None,
+                    help="interleaved: runs a round, the first N rotations of the turns "
+                         "(default: one per policy, so every policy trains every window once; "
+                         "fewer leaves the policies on different windows: a quick check only)")
+
+
+def check_rotations(ap, rotations: int | None, n_policies: int) -> None:
+    """``--rotations`` from 1 to the number of policies, or ``ap.error`` in one line."""
+    if rotations is not None and not 1 <= rotations <= n_policies:
+        ap.error(f"--rotations {rotations}: from 1 to the number of policies")
+
+
+def runs_a_round(args, policies: list[str]) -> int:
+    """Runs in a round of turns: ``--rotations``, else one per policy (every policy plans every
+    window once, so the round's policies are paired on the same samples)."""
+    return args.rotations or len(policies)
+
+
 def run_rotation(r: int, j: int, policies: list[str], train, policy: str, spec, out, args,
                  sets: dict | None = None, **train_kwargs) -> tuple[list[dict], dict]:
     """Run ``j`` of round ``r``: one training run whose windows the policies plan in the turn

@@ -294,10 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "--warmup, --window, the policies and --cycles")
     ap.add_argument("--cycles", type=int, default=1,
                     help="interleaved: each policy's turns (of one window) per run")
-    ap.add_argument("--rotations", type=int, default=None,
-                    help="interleaved: runs a round, the first N rotations of the turns "
-                         "(default: one per policy, so every policy plans every window once; "
-                         "fewer leaves the policies on different windows: a quick check only)")
+    e2e_interleave.add_rotations_argument(ap)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="decode processes per rank")
     ap.add_argument("--costs", default="calibrate",
@@ -319,9 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     if interleaved:
         if len(args.policies.split(",")) < 2 or args.cycles < 1:
             ap.error("--schedule interleaved: two or more policies and --cycles >= 1")
-        if args.rotations is not None and not 1 <= args.rotations <= len(
-                args.policies.split(",")):
-            ap.error(f"--rotations {args.rotations}: from 1 to the number of policies")
+        e2e_interleave.check_rotations(ap, args.rotations, len(args.policies.split(",")))
         if args.steps is not None:
             ap.error(f"--steps {args.steps}: with --schedule interleaved a run's length follows "
                      "from --warmup, --window, the policies and --cycles (--schedule separate "
@@ -446,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
               **started, "load_avg_at_end": os.getloadavg(), "scale": args.scale,
               "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
               "schedule": args.schedule, "cycles": args.cycles if interleaved else None,
-              "rotations": (args.rotations or len(policies)) if interleaved else None,
+              "rotations": e2e_interleave.runs_a_round(args, policies) if interleaved else None,
               "window": args.window, "sets": SETS,
               "weights": WEIGHTS,
               "long_docs": {"count": LONG_DOCS[args.scale], "min_tokens": MIN_TOKENS,

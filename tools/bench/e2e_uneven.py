@@ -269,7 +269,7 @@ def turns_round(r: int, policies: list[str], spec: Path, tmp: Path, args,
     from omniscale.tools.bench import e2e_interleave
 
     runs, each = [], []
-    rotations = args.rotations or len(policies)
+    rotations = e2e_interleave.runs_a_round(args, policies)
     for j in range(rotations):
         rows, record = e2e_interleave.run_rotation(
             r, j, policies, train, ours, spec, tmp / f"r{r}-turns{j}", args, sets=SETS,

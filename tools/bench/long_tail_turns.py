@@ -36,7 +36,7 @@ def turns_round(r: int, policies: list[str], spec: Path, tmp: Path, args, predic
     rows: dict[str, list[dict]] = {p: [] for p in policies}
     scale: dict[tuple[str, int], float] = {}  # (policy, step) -> its run's speed scale
     warm_as_planned, each = [], []
-    rotations = getattr(args, "rotations", None) or len(policies)
+    rotations = e2e_interleave.runs_a_round(args, policies)
     for j in range(rotations):
         order = e2e_interleave.rotation(policies, r + j)
         discarded = []
