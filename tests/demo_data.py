@@ -30,6 +30,11 @@ def build(root: Path) -> Path:
 def copy_demo(demo_root: Path, dest: Path, *, indexed: bool = True) -> Path:
     """A private copy of the demo at ``dest`` (file times kept, so its indexes stay fresh);
     ``indexed=False`` leaves the indexes out, as ``omniscale data demo`` writes it."""
-    ignore = None if indexed else shutil.ignore_patterns(INDEX_FILENAME)
+    # never an index's temp file: another worker may be rewriting the shared demo's index while
+    # this copies it (CI: copytree failed on `._index.parquet.PID.tmp` renamed away meanwhile);
+    # the rename is atomic, so the copy gets the old index or the new one whole
+    writing = f".{INDEX_FILENAME}.*.tmp"
+    ignore = shutil.ignore_patterns(writing) if indexed else \
+        shutil.ignore_patterns(INDEX_FILENAME, writing)
     shutil.copytree(demo_root, dest, ignore=ignore)
     return dest
